@@ -1,0 +1,78 @@
+"""Console scripts. Each is a Hydra app over the shipped ``conf/``, so ``--cfg job``,
+``-m`` multirun, ``--help`` and shell completion (``-sc install=bash``) work as in any
+Hydra application.
+
+    recipes-train recipe=pretrain/tiny optim.lr=1e-3
+    recipes-prepare recipe=pretrain/gpt_124m data=local_text data.sources.main.path=corpus/
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from recipes_lib.config import register_schema
+from recipes_lib.errors import RecipesError
+
+log = logging.getLogger("recipes_lib")
+
+register_schema()
+
+
+def _with_job_output_dir(cfg: DictConfig) -> DictConfig:
+    """Point ``run.dir`` at this job's folder (a multirun gives each job its own)."""
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    cfg.run.dir = HydraConfig.get().runtime.output_dir
+    return cfg
+
+
+def _report(err: RecipesError) -> None:
+    log.error("%s", err)
+    print(f"error: {err}", file=sys.stderr)
+
+
+@hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
+def _train(cfg: DictConfig) -> float | None:
+    from recipes_lib.train import run
+
+    try:
+        result = run(_with_job_output_dir(cfg))
+    except RecipesError as err:
+        _report(err)
+        sys.exit(2)
+    log.info("finished at step %d; output in %s", result.global_step, result.output_dir)
+    for name, value in sorted(result.metrics.items()):
+        log.info("  %s = %.4f", name, value)
+    return result.metrics.get("val/loss")  # the value a sweeper optimises
+
+
+@hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
+def _prepare(cfg: DictConfig) -> None:
+    from recipes_lib.config import to_run_config
+    from recipes_lib.data import prepare
+
+    try:
+        run_cfg = to_run_config(_with_job_output_dir(cfg))
+        prepare(run_cfg.data, model_vocab_size=run_cfg.model.vocab_size)
+    except RecipesError as err:
+        _report(err)
+        sys.exit(2)
+
+
+def train_main() -> None:
+    """Entry point of ``recipes-train``."""
+    _train()
+
+
+def prepare_main() -> None:
+    """Entry point of ``recipes-prepare``: tokenize the configured data into shards."""
+    _prepare()
+
+
+if __name__ == "__main__":
+    train_main()

@@ -1,0 +1,188 @@
+"""Typed schema of a run's configuration.
+
+Every YAML file under ``conf/`` and ``recipes/`` is merged onto :class:`RunConfig`
+at compose time, so a misspelt key or a wrongly typed value fails while Hydra
+composes the config, naming the full key. Each dataclass mirrors the constructor
+(or function) that consumes it, one key to one argument.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RopeScalingConfig:
+    """RoPE frequency scaling for context extension.
+
+    ``type``: ``none`` | ``linear`` (positions divided by ``factor``) |
+    ``llama3`` (Llama 3.1 frequency-band scaling using the remaining fields).
+    """
+
+    type: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a Llama-family decoder (see ``recipes_lib.models.llama``)."""
+
+    name: str = "tiny"
+    vocab_size: int = 8192
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: as many KV heads as query heads (MHA)
+    head_dim: int | None = None  # None: dim // n_heads
+    ffn_dim: int = 384  # hidden size of the SwiGLU MLP
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+
+@dataclass
+class KernelsConfig:
+    """Kernel choices; ``attention`` is one of ``sdpa`` | ``flex`` | ``flash_attn``."""
+
+    attention: str = "sdpa"
+    compile: bool = False  # torch.compile each transformer block
+
+
+@dataclass
+class SourceConfig:
+    """One raw text source of a data mixture.
+
+    Exactly one of ``path`` (a local file or directory of .txt/.jsonl/.json/.parquet),
+    ``hub`` (a ``datasets`` hub name) or ``builtin`` (``stdlib``: the Python standard
+    library's own source files) names where the text comes from.
+    """
+
+    path: str | None = None
+    hub: str | None = None
+    builtin: str | None = None
+    subset: str | None = None  # hub configuration name
+    split: str = "train"
+    text_field: str = "text"
+    streaming: bool = False
+    max_documents: int | None = None
+    weight: float = 1.0  # relative sampling weight in the mixture
+
+
+@dataclass
+class TokenizerConfig:
+    """Load ``path`` (a tokenizer.json or a directory holding one) or train a byte-level BPE."""
+
+    path: str | None = None
+    vocab_size: int = 8192  # for training; must not exceed model.vocab_size
+    train_max_bytes: int = 20_000_000  # text sampled to train a new tokenizer
+    eos_token: str = "<|endoftext|>"
+
+
+@dataclass
+class DataConfig:
+    """Where text comes from and how it becomes packed training sequences."""
+
+    sources: dict[str, SourceConfig] = field(default_factory=dict)  # empty: builtin stdlib
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    seq_len: int = 256
+    batch_size: int = 8  # micro-batch per device
+    val_fraction: float = 0.02  # documents held out for validation
+    document_mask: bool = False  # attend only within a document in packed sequences
+    cache_dir: str = "${oc.env:RECIPES_CACHE,'~/.cache/recipes_lib'}"
+    num_proc: int = 0  # tokenizer worker processes; 0: one per CPU core
+    num_workers: int = 0  # DataLoader workers
+    seed: int = "${run.seed}"  # type: ignore[assignment]
+
+
+@dataclass
+class StageConfig:
+    """The objective a run trains and how long it trains."""
+
+    objective: str = "pretrain"
+    max_tokens: int | None = None  # when set, overrides trainer.max_steps
+    init_from: str | None = None  # checkpoint whose weights start this stage
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with decoupled weight decay; norms, biases and embeddings are not decayed."""
+
+    lr: float = 3e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    fused: bool | None = None  # None: fused on CUDA, for-each elsewhere
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule. Durations are counted in ``unit`` (steps | tokens).
+
+    ``name``: ``cosine`` (warmup then cosine to ``min_lr_ratio``), ``wsd``
+    (warmup, stable, then ``decay`` of the run's end), ``linear`` (warmup then linear
+    to ``min_lr_ratio``) or ``constant`` (warmup then flat).
+    """
+
+    name: str = "cosine"
+    unit: str = "steps"
+    warmup: int = 0
+    decay: int | None = None  # wsd only: length of the final decay phase
+    decay_shape: str = "linear"  # wsd decay: linear | cosine | sqrt
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    """Arguments of ``lightning.Trainer``, one to one."""
+
+    accelerator: str = "auto"
+    devices: Any = "auto"
+    num_nodes: int = 1
+    precision: str = "32-true"
+    max_steps: int = 1000
+    accumulate_grad_batches: int = 1
+    gradient_clip_val: float | None = 1.0
+    val_check_interval: int | None = 200  # optimizer steps between validations
+    limit_val_batches: int | None = 20
+    num_sanity_val_steps: int = 0
+    log_every_n_steps: int = 10
+    deterministic: bool = False
+    enable_progress_bar: bool = True
+    enable_model_summary: bool = True
+
+
+@dataclass
+class RunInfoConfig:
+    """Run-level settings: output folder, seed and resume point."""
+
+    name: str = "run"
+    dir: str = "outputs/${run.name}"
+    seed: int = 1234
+    ckpt_path: str | None = None  # "last" or a checkpoint file to resume from
+    checkpoint_every_n_steps: int = 200
+    save_top_k: int = 1  # besides last.ckpt; -1 keeps all
+
+
+@dataclass
+class RunConfig:
+    """The root of one stage run's configuration."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    stage: StageConfig = field(default_factory=StageConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunInfoConfig = field(default_factory=RunInfoConfig)
+    callbacks: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ...}
+    logger: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ...}

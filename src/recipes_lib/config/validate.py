@@ -1,0 +1,78 @@
+"""Checks that need the whole run config, done before any data or weights are touched.
+
+Single keys are already typed by the schema at compose time; these catch values and
+combinations that are wrong together, each with the key(s) named.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.errors import ConfigError
+
+PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
+
+
+def _check_positive(cfg: RunConfig) -> None:
+    for key, value in (
+        ("data.seq_len", cfg.data.seq_len),
+        ("data.batch_size", cfg.data.batch_size),
+        ("trainer.max_steps", cfg.trainer.max_steps),
+        ("trainer.accumulate_grad_batches", cfg.trainer.accumulate_grad_batches),
+        ("model.vocab_size", cfg.model.vocab_size),
+        ("optim.lr", cfg.optim.lr),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{key}={value} must be positive")
+
+
+def _check_precision(cfg: RunConfig) -> None:
+    precision = str(cfg.trainer.precision)
+    _check_choice("trainer.precision", precision, PRECISIONS)
+    on_cpu = cfg.trainer.accelerator == "cpu" or (
+        cfg.trainer.accelerator == "auto" and not torch.cuda.is_available()
+    )
+    if on_cpu and precision.startswith("16"):
+        raise ConfigError(
+            f"trainer.precision={precision} needs a GPU; on CPU use 32-true or bf16-mixed"
+        )
+
+
+def validate_run_config(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain",)) -> None:
+    """Raise :class:`ConfigError` naming the key(s) of the first problem found.
+
+    Args:
+        cfg: the typed run config.
+        objectives: the objectives a LightningModule exists for (``stage.objective``).
+    """
+    from recipes_lib.kernels import get_attention_backend
+
+    _check_choice("stage.objective", cfg.stage.objective, objectives)
+    _check_positive(cfg)
+    _check_precision(cfg)
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is above model.max_seq_len={cfg.model.max_seq_len}"
+        )
+    if cfg.data.tokenizer.path is None and cfg.data.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={cfg.data.tokenizer.vocab_size} does not fit "
+            f"model.vocab_size={cfg.model.vocab_size}"
+        )
+    backend = get_attention_backend(cfg.kernels.attention)
+    if cfg.data.document_mask and not backend.capabilities.document_mask:
+        raise ConfigError(
+            f"data.document_mask=true needs an attention backend with document masking; "
+            f"kernels.attention={cfg.kernels.attention} has none (use kernels.attention=flex)"
+        )
+    if cfg.run.ckpt_path is not None and cfg.stage.init_from is not None:
+        raise ConfigError(
+            "run.ckpt_path (resume this stage) and stage.init_from (start from other weights) "
+            "are both set; choose one"
+        )

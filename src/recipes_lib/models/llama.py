@@ -1,0 +1,290 @@
+"""A Llama-family decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Covers Llama 2/3 and Qwen2-style models (``qkv_bias``). Parameter names follow Meta's
+Llama code (``tok_embeddings``, ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...),
+so converting a Hugging Face checkpoint is a rename table. RoPE uses the rotate-half
+convention of Hugging Face / GPT-NeoX on real tensors, so Hugging Face q/k weights load
+as they are, without permuting rows.
+
+Shapes: B batch, T sequence length, C model dim, nh query heads, nkv key/value heads,
+hs head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from recipes_lib.errors import ConfigError, UnsupportedKernelError
+from recipes_lib.kernels import AttentionBackend, get_attention_backend
+
+if TYPE_CHECKING:
+    from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
+
+ROPE_SCALING_TYPES = ("none", "linear", "llama3")
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig) -> Tensor:
+    """Inverse frequencies of RoPE, ``(hs // 2,)`` float32, with optional scaling.
+
+    ``linear`` divides every frequency by ``factor`` (positions interpolated).
+    ``llama3`` (Llama 3.1) leaves wavelengths shorter than
+    ``original_max_seq_len / high_freq_factor`` alone, divides frequencies whose
+    wavelength exceeds ``original_max_seq_len / low_freq_factor`` by ``factor``, and
+    interpolates smoothly between the two bands.
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling.type == "none":
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # llama3
+    old_len, factor = scaling.original_max_seq_len, scaling.factor
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(
+    seq_len: int, head_dim: int, theta: float, scaling: RopeScalingConfig, device=None
+) -> tuple[Tensor, Tensor]:
+    """cos and sin tables, each ``(T, hs)`` float32, in the rotate-half layout."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+    positions = torch.arange(seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, inv_freq)  # (T, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves share a frequency
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` (B, heads, T, hs) by position; computed in the tables' dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)  # rotate_half
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with RoPE; the kernel is a pluggable backend."""
+
+    def __init__(self, config: ModelConfig, head_dim: int, backend: AttentionBackend):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads or config.n_heads
+        self.head_dim = head_dim
+        bias = config.qkv_bias
+        self.wq = nn.Linear(config.dim, self.n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(self.n_heads * head_dim, config.dim, bias=False)
+        self.backend = backend  # a plain object, not a submodule: it holds no weights
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = self.backend(q, k, v, mask)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
+        return self.wo(y)  # (B, T, C)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, head_dim: int, backend: AttentionBackend):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config, head_dim, backend)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)  # (B, T, C)
+        return x + self.feed_forward(self.ffn_norm(x))  # (B, T, C)
+
+
+def _validate(config: ModelConfig) -> int:
+    """Check the shape of ``config``; return the head dimension."""
+    if config.head_dim is None and config.dim % config.n_heads != 0:
+        raise ConfigError(
+            f"model.dim={config.dim} is not divisible by model.n_heads={config.n_heads}; "
+            "change one of them or set model.head_dim"
+        )
+    head_dim = config.head_dim or config.dim // config.n_heads
+    if head_dim % 2 != 0:
+        raise ConfigError(f"the head dimension must be even for RoPE, got {head_dim}")
+    n_kv_heads = config.n_kv_heads or config.n_heads
+    if config.n_heads % n_kv_heads != 0:
+        raise ConfigError(
+            f"model.n_heads={config.n_heads} is not a multiple of model.n_kv_heads={n_kv_heads}"
+        )
+    if config.max_seq_len < 1:
+        raise ConfigError(f"model.max_seq_len must be positive, got {config.max_seq_len}")
+    scaling = config.rope_scaling
+    if scaling.type not in ROPE_SCALING_TYPES:
+        raise ConfigError(
+            f"model.rope_scaling.type={scaling.type!r} is not one of {' | '.join(ROPE_SCALING_TYPES)}"
+        )
+    if scaling.type != "none" and scaling.factor <= 0:
+        raise ConfigError(f"model.rope_scaling.factor must be positive, got {scaling.factor}")
+    if scaling.type == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor > 0:
+        raise ConfigError(
+            "model.rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
+            f"high_freq_factor={scaling.high_freq_factor}, "
+            f"low_freq_factor={scaling.low_freq_factor}"
+        )
+    return head_dim
+
+
+class Transformer(nn.Module):
+    """Decoder-only Llama-family language model.
+
+    Args:
+        config: the model's shape.
+        attention: an attention backend or its name (``sdpa`` | ``flex`` | ``flash_attn``).
+    """
+
+    def __init__(self, config: ModelConfig, attention: str | AttentionBackend = "sdpa"):
+        super().__init__()
+        self.config = config
+        self.head_dim = _validate(config)
+        backend = get_attention_backend(attention) if isinstance(attention, str) else attention
+        n_kv_heads = config.n_kv_heads or config.n_heads
+        if n_kv_heads != config.n_heads and not backend.capabilities.gqa:
+            raise UnsupportedKernelError(
+                f"kernels.attention={backend.name} does not support grouped-query attention "
+                f"(model.n_kv_heads={n_kv_heads} < model.n_heads={config.n_heads})"
+            )
+        self.attention_backend = backend
+
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, self.head_dim, backend) for _ in range(config.n_layers)
+        )
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+        # RoPE tables, derived from the config: not saved in checkpoints, rebuilt by
+        # init_weights() (a meta-device build has no values to keep).
+        cos, sin = self._rope_tables(device=self.tok_embeddings.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hs)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hs)
+        self.init_weights()
+
+    def _rope_tables(self, device) -> tuple[Tensor, Tensor]:
+        c = self.config
+        return rope_cos_sin(c.max_seq_len, self.head_dim, c.rope_theta, c.rope_scaling, device)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialize every weight; deterministic given the torch seed.
+
+        Linear layers and embeddings draw from N(0, init_std); the projections that
+        write into the residual stream (``wo``, ``w2``) use init_std / sqrt(2 * n_layers).
+        Biases are zero, norm gains one. Works after ``to_empty()`` of a meta-device build.
+        """
+        cos, sin = self._rope_tables(device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
+        for layer in self.layers:
+            for linear in (
+                layer.attention.wq,
+                layer.attention.wk,
+                layer.attention.wv,
+                layer.feed_forward.w1,
+                layer.feed_forward.w3,
+            ):
+                nn.init.normal_(linear.weight, mean=0.0, std=std)
+                if linear.bias is not None:
+                    nn.init.zeros_(linear.bias)
+            nn.init.normal_(layer.attention.wo.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
+            nn.init.ones_(layer.attention_norm.weight)
+            nn.init.ones_(layer.ffn_norm.weight)
+        nn.init.ones_(self.norm.weight)
+        if not self.config.tie_embeddings:
+            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+
+    def forward_hidden(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """Hidden states after the final norm, ``(B, T, C)``.
+
+        Args:
+            input_ids: ``(B, T)`` token ids, ``T <= model.max_seq_len``.
+            doc_ids: ``(B, T)`` document ids of packed rows, or None for causal
+                attention across each whole row.
+        """
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ConfigError(
+                f"input of length {T} is longer than model.max_seq_len={self.config.max_seq_len}"
+            )
+        if doc_ids is not None and doc_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"doc_ids {tuple(doc_ids.shape)} must have the shape of input_ids {(B, T)}"
+            )
+        mask = self.attention_backend.build_mask(doc_ids, T, device=input_ids.device)  # for all layers
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hs)
+        h = self.tok_embeddings(input_ids)  # (B, T, C)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)  # (B, T, C)
+        return self.norm(h)  # (B, T, C)
+
+    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """Next-token logits, ``(B, T, V)``."""
+        return self.output(self.forward_hidden(input_ids, doc_ids))
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Number of parameters (a tied output head counted once).
+
+        With ``exclude_embeddings`` the token embedding table is left out; when the
+        head is tied to it, the head goes with it.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if exclude_embeddings:
+            n -= self.tok_embeddings.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), PaLM / nanoGPT convention.
+
+        ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len``, where N counts the
+        non-embedding parameters including the output head (all matmul weights), and
+        the attention term counts the full ``T x T`` score and value products, as the
+        convention does, though causal attention needs only about half of them.
+        """
+        c = self.config
+        n = self.num_params(exclude_embeddings=True)
+        if c.tie_embeddings:
+            n += self.output.weight.numel()  # the head is a matmul all the same
+        return 6.0 * n + 12.0 * c.n_layers * c.n_heads * self.head_dim * seq_len

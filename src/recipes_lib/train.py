@@ -1,0 +1,162 @@
+"""``run(cfg) -> RunResult``: the single entry used by the CLI, pipelines, tests and examples.
+
+The order below matters and reads top to bottom:
+
+1. convert the composed config to typed dataclasses and validate what can be checked
+   without touching data or weights (bad keys already failed at compose time);
+2. build the Trainer first: its world size fixes the tokens per optimizer step, which
+   turns token durations into steps;
+3. build the data module (tokenizer + shards are prepared once, on rank 0) and the
+   objective's LightningModule (the model itself is built in ``configure_model``);
+4. fit, resuming from ``run.ckpt_path`` when set.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from omegaconf import DictConfig, OmegaConf
+
+from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
+from recipes_lib.config.validate import validate_run_config
+from recipes_lib.data import PretrainDataModule
+from recipes_lib.errors import CheckpointError
+from recipes_lib.stages.causal_lm import CausalLMModule
+
+
+@dataclass
+class RunResult:
+    """What a finished run hands back: where it wrote, how far it got, final metrics."""
+
+    output_dir: Path
+    last_checkpoint: Path | None
+    global_step: int
+    tokens_seen: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
+    """Tokens consumed by one optimizer step across all ranks."""
+    return cfg.data.seq_len * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
+
+
+def total_steps(cfg: RunConfig, step_tokens: int) -> int:
+    """Optimizer steps of the run: ``stage.max_tokens`` when set, else ``trainer.max_steps``."""
+    if cfg.stage.max_tokens is not None:
+        return max(1, math.ceil(cfg.stage.max_tokens / step_tokens))
+    return cfg.trainer.max_steps
+
+
+def build_trainer(cfg: RunConfig) -> L.Trainer:
+    """A Lightning Trainer from ``cfg.trainer`` plus the configured callbacks and loggers."""
+    kwargs: dict[str, Any] = dict(vars(cfg.trainer))
+    accumulate = cfg.trainer.accumulate_grad_batches
+    # Our validation interval counts optimizer steps; Lightning's counts micro-batches.
+    val_every = kwargs.pop("val_check_interval")
+    if val_every is not None:
+        kwargs["val_check_interval"] = max(1, min(val_every, cfg.trainer.max_steps)) * accumulate
+    else:
+        kwargs["limit_val_batches"] = 0
+    callbacks = instantiate_dict(cfg.callbacks, "callbacks")
+    loggers = instantiate_dict(cfg.logger, "logger")
+    return L.Trainer(
+        **kwargs,
+        callbacks=callbacks,
+        logger=loggers if loggers else False,
+        default_root_dir=cfg.run.dir,
+        use_distributed_sampler=False,  # our sampler shards by rank and resumes mid-epoch
+    )
+
+
+OBJECTIVES: dict[str, type[L.LightningModule]] = {
+    "pretrain": CausalLMModule,
+}
+
+
+def build_stage(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> L.LightningModule:
+    """The LightningModule of ``cfg.stage.objective``."""
+    module_cls = OBJECTIVES[cfg.stage.objective]
+    return module_cls(
+        cfg.model,
+        cfg.kernels,
+        cfg.optim,
+        cfg.scheduler,
+        total_steps=total_steps,
+        tokens_per_step=tokens_per_step,
+        document_mask=cfg.data.document_mask,
+        init_from=cfg.stage.init_from,
+    )
+
+
+def _resolve_ckpt_path(cfg: RunConfig) -> str | None:
+    path = cfg.run.ckpt_path
+    if path is None or path in ("last", "hpc", "best"):
+        return path
+    if not Path(path).is_file():
+        raise CheckpointError(f"run.ckpt_path: checkpoint file '{path}' does not exist")
+    return path
+
+
+def _refuse_to_overwrite(cfg: RunConfig, ckpt_path: str | None) -> None:
+    ckpt_dir = Path(cfg.run.dir) / "checkpoints"
+    if ckpt_path is None and cfg.stage.init_from is None and ckpt_dir.is_dir():
+        if any(ckpt_dir.iterdir()):
+            raise CheckpointError(
+                f"run.dir={cfg.run.dir} already holds checkpoints in {ckpt_dir}; resume them "
+                "with run.ckpt_path=last, or start afresh with another run.name or run.dir"
+            )
+
+
+def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.structured(cfg), out / "config.yaml")
+
+
+def run(cfg: RunConfig | DictConfig) -> RunResult:
+    """Train one stage as configured and return where it ended.
+
+    Args:
+        cfg: a composed config (``compose_config([...])``) or a typed :class:`RunConfig`.
+
+    Returns:
+        A :class:`RunResult` with the output folder, last checkpoint and final metrics.
+
+    Raises:
+        RecipesError: a bad config, data path, tokenizer or checkpoint, before training.
+    """
+    cfg = to_run_config(cfg)
+    validate_run_config(cfg, objectives=tuple(OBJECTIVES))
+    ckpt_path = _resolve_ckpt_path(cfg)
+    _refuse_to_overwrite(cfg, ckpt_path)
+    L.seed_everything(cfg.run.seed, workers=True, verbose=False)
+
+    trainer = build_trainer(cfg)
+    step_tokens = tokens_per_step(cfg, trainer.world_size)
+    steps = total_steps(cfg, step_tokens)
+    trainer.fit_loop.max_steps = steps
+    out = Path(cfg.run.dir)
+    if trainer.is_global_zero:
+        _save_resolved_config(cfg, out)
+
+    datamodule = PretrainDataModule(
+        cfg.data,
+        model_vocab_size=cfg.model.vocab_size,
+        model_max_seq_len=cfg.model.max_seq_len,
+        total_train_samples=steps * cfg.trainer.accumulate_grad_batches * cfg.data.batch_size,
+    )
+    module = build_stage(cfg, total_steps=steps, tokens_per_step=step_tokens)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    last = out / "checkpoints" / "last.ckpt"
+    return RunResult(
+        output_dir=out,
+        last_checkpoint=last if last.is_file() else None,
+        global_step=trainer.global_step,
+        tokens_seen=int(getattr(module, "tokens_seen", 0)),
+        metrics=metrics,
+    )
