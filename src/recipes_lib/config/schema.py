@@ -50,10 +50,16 @@ class ModelConfig:
 
 @dataclass
 class KernelsConfig:
-    """Kernel choices; ``attention`` is one of ``sdpa`` | ``flex`` | ``flash_attn``."""
+    """Kernel choices; ``attention`` is one of ``sdpa`` | ``flex`` | ``flash_attn``.
+
+    ``loss_chunk_size`` fuses the output projection with the cross-entropy
+    (:func:`recipes_lib.losses.chunked_cross_entropy`) so the full ``(B*T, V)`` fp32
+    logits never exist; worth it for large vocabularies. Not with FSDP strategies.
+    """
 
     attention: str = "sdpa"
     compile: bool = False  # torch.compile each transformer block
+    loss_chunk_size: int | None = None  # fused output + loss, N rows at a time; None: off
 
 
 @dataclass
@@ -97,7 +103,7 @@ class DataConfig:
     val_fraction: float = 0.02  # documents held out for validation
     document_mask: bool = False  # attend only within a document in packed sequences
     cache_dir: str = "${oc.env:RECIPES_CACHE,'~/.cache/recipes_lib'}"
-    num_proc: int = 0  # tokenizer worker processes; 0: one per CPU core
+    num_proc: int = 0  # tokenizer threads: 1 for one thread, otherwise all cores
     num_workers: int = 0  # DataLoader workers
     seed: int = "${run.seed}"  # type: ignore[assignment]
 

@@ -1,0 +1,176 @@
+"""Byte-level BPE tokenizers: train one with ``tokenizers``, save it, load it, check it fits.
+
+A trained tokenizer is GPT-2 style: text is split by the byte-level pre-tokenizer (so
+every string round-trips, whatever its characters), merges are learned by
+``BpeTrainer``, and the end-of-document token is the first special token, id 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from recipes_lib.errors import ConfigError, DataError
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    eos_token: str = "<|endoftext|>",
+    max_bytes: int | None = None,
+    min_frequency: int = 2,
+) -> Tokenizer:
+    """Train a byte-level BPE tokenizer.
+
+    Args:
+        texts: training documents.
+        vocab_size: the largest vocabulary to learn (fewer when the text runs out of
+            merges); the 256 byte symbols and ``eos_token`` count towards it.
+        eos_token: the end-of-document token, given id 0.
+        max_bytes: stop reading ``texts`` once this many UTF-8 bytes were taken
+            (``None``: all of them).
+        min_frequency: pairs seen fewer times are never merged.
+
+    Raises:
+        ConfigError: ``vocab_size`` cannot hold the byte alphabet and the EOS token.
+        DataError: ``texts`` is empty.
+    """
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={vocab_size} is too small for a byte-level BPE "
+            f"(needs at least {len(alphabet) + 1}: 256 bytes and the EOS token)"
+        )
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=[eos_token],
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    counted = _CountingIterator(texts, max_bytes)
+    tokenizer.train_from_iterator(counted, trainer=trainer)
+    if counted.documents == 0:
+        raise DataError("cannot train a tokenizer: the training text is empty")
+    return tokenizer
+
+
+class _CountingIterator(Iterator[str]):
+    """Yields texts until ``max_bytes`` UTF-8 bytes were taken, counting what it gave."""
+
+    def __init__(self, texts: Iterable[str], max_bytes: int | None) -> None:
+        self._texts = iter(texts)
+        self._max_bytes = max_bytes
+        self.documents = 0
+        self.bytes = 0
+
+    def __next__(self) -> str:
+        if self._max_bytes is not None and self.bytes >= self._max_bytes:
+            raise StopIteration
+        text = next(self._texts)
+        encoded = text.encode("utf-8")
+        if self._max_bytes is not None and self.bytes + len(encoded) > self._max_bytes:
+            # Take the head of an oversized document rather than skipping it.
+            encoded = encoded[: self._max_bytes - self.bytes]
+            text = encoded.decode("utf-8", errors="ignore")
+        self.documents += 1
+        self.bytes += len(encoded)
+        return text
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
+    """Write ``tokenizer`` to ``path`` (a file name, or a directory to hold tokenizer.json).
+
+    The file is written under a temporary name and renamed into place, so a reader never
+    sees a partial file.
+    """
+    path = Path(path)
+    if path.suffix != ".json":
+        path = path / TOKENIZER_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(tokenizer.to_str())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def resolve_tokenizer_file(path: str | Path, key: str = "data.tokenizer.path") -> Path:
+    """The tokenizer.json that ``path`` names (the file itself, or one inside a directory).
+
+    Raises:
+        DataError: neither exists.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        path = path / TOKENIZER_FILE
+    if not path.is_file():
+        raise DataError(f"{key}: no tokenizer file at {path}")
+    return path
+
+
+def load_tokenizer(path: str | Path, key: str = "data.tokenizer.path") -> Tokenizer:
+    """Load a tokenizer from a tokenizer.json file or a directory holding one.
+
+    Raises:
+        DataError: the file is missing or is not a valid tokenizer.json.
+    """
+    file = resolve_tokenizer_file(path, key)
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # tokenizers raises plain Exception on a malformed file
+        raise DataError(f"{key}: {file} is not a valid tokenizer.json: {err}") from err
+
+
+def eos_token_id(tokenizer: Tokenizer, eos_token: str, key: str = "data.tokenizer") -> int:
+    """The id of ``eos_token``.
+
+    Raises:
+        DataError: the tokenizer has no such token.
+    """
+    token_id = tokenizer.token_to_id(eos_token)
+    if token_id is None:
+        raise DataError(
+            f"{key}: tokenizer has no end-of-document token {eos_token!r}; "
+            f"set {key}.eos_token to one of its special tokens"
+        )
+    return token_id
+
+
+def tokenizer_vocab_size(tokenizer: Tokenizer) -> int:
+    """The embedding rows the tokenizer needs: its largest token id plus one."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
+    """Fail when the tokenizer can emit ids that the model's embedding has no row for.
+
+    Raises:
+        ConfigError: naming both sizes and both keys.
+    """
+    needed = tokenizer_vocab_size(tokenizer)
+    if needed > model_vocab_size:
+        raise ConfigError(
+            f"data.tokenizer has a vocabulary of {needed} tokens, more than "
+            f"model.vocab_size={model_vocab_size}; raise model.vocab_size to at least "
+            f"{needed} or use a smaller tokenizer (data.tokenizer.vocab_size)"
+        )
+
+
+def tokenizer_sha256(tokenizer: Tokenizer) -> str:
+    """A content hash of the tokenizer (its canonical JSON serialisation)."""
+    return hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
