@@ -15,14 +15,18 @@ in a row mark one document) a token also attends only within its own document.
 from __future__ import annotations
 
 import importlib
-import warnings
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    create_mask,
+    flex_attention,
+)
 
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 
@@ -54,7 +58,7 @@ def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
 
 
 class AttentionBackend:
-    """Base class of the attention backends; see the module docstring for the contract."""
+    """Base class of the attention backends; see the module docstring for how one is used."""
 
     name: str = ""
     capabilities: AttentionCapabilities
@@ -149,15 +153,13 @@ class SDPAAttention(AttentionBackend):
 
 
 # Compiled once per process, on first use. Eager flex_attention materializes the whole
-# (T, T) score matrix; it is the reference path, fine on CPU, far too slow on a GPU.
+# (T, T) score matrix: a reference path, far too slow on a GPU.
 _compiled_flex_attention = None
 _compiled_create_block_mask = None
 
 
-def _flex_attention_for(device_type: str):
+def _compiled_flex():
     global _compiled_flex_attention
-    if device_type == "cpu":
-        return _eager_flex_attention
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention)
     return _compiled_flex_attention
@@ -173,10 +175,7 @@ def _create_block_mask_for(device_type: str):
     return _compiled_create_block_mask
 
 
-def _eager_flex_attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        return flex_attention(q, k, v, **kwargs)
+_BLOCK = 128  # flex_attention's default block size
 
 
 def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -184,7 +183,15 @@ def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
 
 
 class FlexAttention(AttentionBackend):
-    """``torch.nn.attention.flex_attention``: causal, optionally within documents."""
+    """``torch.nn.attention.flex_attention``: causal, optionally within documents.
+
+    On CUDA the kernel is ``torch.compile``-d once per process, and a sequence whose
+    length is not a multiple of the 128-token block is padded up to one (the compiled
+    kernel rejects some such lengths); causality keeps the padding out of every real
+    token's attention. On CPU, where torch's flex_attention has no backward pass, the
+    BlockMask's ``mask_mod`` is evaluated densely and applied by SDPA instead: the same
+    attention, with autograd.
+    """
 
     name = "flex"
     capabilities = AttentionCapabilities(
@@ -197,25 +204,29 @@ class FlexAttention(AttentionBackend):
     def build_mask(
         self, doc_ids: Tensor | None, seq_len: int, *, device: torch.device | str | None = None
     ) -> BlockMask:
+        if doc_ids is not None:
+            device = doc_ids.device
+        device = torch.device(device if device is not None else "cpu")
+        padded_len = seq_len if device.type == "cpu" else -(-seq_len // _BLOCK) * _BLOCK
+        build = _create_block_mask_for(device.type)
+
         if doc_ids is None:
             # The causal mask depends only on the length: build it once and keep it.
-            device = torch.device(device if device is not None else "cpu")
             key = (seq_len, str(device))
             if key not in self._causal_masks:
-                build = _create_block_mask_for(device.type)
-                self._causal_masks[key] = build(_causal, None, None, seq_len, seq_len, device)
+                self._causal_masks[key] = build(_causal, None, None, padded_len, padded_len, device)
             return self._causal_masks[key]
 
         if doc_ids.ndim != 2 or doc_ids.shape[1] != seq_len:
             raise ValueError(f"doc_ids must be (B, {seq_len}), got {tuple(doc_ids.shape)}")
+        doc_ids = F.pad(doc_ids, (0, padded_len - seq_len), value=-1)  # (B, padded_len)
 
         def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             same_document = doc_ids[b, q_idx] == doc_ids[b, kv_idx]
             return (q_idx >= kv_idx) & same_document
 
-        build = _create_block_mask_for(doc_ids.device.type)
         # The mask differs per row, so B is the batch size (H broadcasts).
-        return build(document_causal, doc_ids.shape[0], None, seq_len, seq_len, doc_ids.device)
+        return build(document_causal, doc_ids.shape[0], None, padded_len, padded_len, device)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: object | None) -> Tensor:
         if not isinstance(mask, BlockMask):
@@ -223,9 +234,20 @@ class FlexAttention(AttentionBackend):
                 f"kernels.attention={self.name} needs the BlockMask from build_mask(), "
                 f"got {type(mask).__name__}"
             )
-        attend = _flex_attention_for(q.device.type)
-        # q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D)
-        return attend(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        gqa = k.shape[1] != q.shape[1]
+        T = q.shape[2]
+        if q.device.type == "cpu":
+            # On CPU torch's flex_attention has no backward pass, and its eager forward
+            # is several times slower than SDPA with a dense mask: evaluate the same
+            # mask_mod densely and let SDPA apply it (same result, with autograd).
+            dense = create_mask(mask.mask_mod, mask.shape[0], 1, T, T, q.device)  # (B|1, 1, T, T)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+        padded_len = mask.seq_lengths[0]
+        if padded_len != T:
+            q, k, v = (F.pad(x, (0, 0, 0, padded_len - T)) for x in (q, k, v))
+        # q (B, H, T', D); k, v (B, Hkv, T', D) -> (B, H, T', D)
+        y = _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return y[:, :, :T]
 
 
 # The flash_attn module once imported (kept at module level: a model holding a backend

@@ -148,9 +148,8 @@ def _validate(config: ModelConfig) -> int:
         raise ConfigError(f"model.max_seq_len must be positive, got {config.max_seq_len}")
     scaling = config.rope_scaling
     if scaling.type not in ROPE_SCALING_TYPES:
-        raise ConfigError(
-            f"model.rope_scaling.type={scaling.type!r} is not one of {' | '.join(ROPE_SCALING_TYPES)}"
-        )
+        choices = " | ".join(ROPE_SCALING_TYPES)
+        raise ConfigError(f"model.rope_scaling.type={scaling.type!r} is not one of {choices}")
     if scaling.type != "none" and scaling.factor <= 0:
         raise ConfigError(f"model.rope_scaling.factor must be positive, got {scaling.factor}")
     if scaling.type == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor > 0:
@@ -198,6 +197,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hs)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hs)
         self.init_weights()
+
+    def _apply(self, fn, recurse=True):
+        # Moving a meta-device build (to_empty) gives each module a new Parameter,
+        # which would untie the output head from the embeddings: tie them again.
+        super()._apply(fn, recurse)
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        return self
 
     def _rope_tables(self, device) -> tuple[Tensor, Tensor]:
         c = self.config
@@ -253,7 +260,8 @@ class Transformer(nn.Module):
             raise ValueError(
                 f"doc_ids {tuple(doc_ids.shape)} must have the shape of input_ids {(B, T)}"
             )
-        mask = self.attention_backend.build_mask(doc_ids, T, device=input_ids.device)  # for all layers
+        # One mask per batch, shared by every layer.
+        mask = self.attention_backend.build_mask(doc_ids, T, device=input_ids.device)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hs)
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         for layer in self.layers:
