@@ -14,11 +14,13 @@ The order below matters and reads top to bottom:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import Callback, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
@@ -51,7 +53,7 @@ def total_steps(cfg: RunConfig, step_tokens: int) -> int:
     return cfg.trainer.max_steps
 
 
-def build_trainer(cfg: RunConfig) -> L.Trainer:
+def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L.Trainer:
     """A Lightning Trainer from ``cfg.trainer`` plus the configured callbacks and loggers."""
     kwargs: dict[str, Any] = dict(vars(cfg.trainer))
     accumulate = cfg.trainer.accumulate_grad_batches
@@ -61,7 +63,9 @@ def build_trainer(cfg: RunConfig) -> L.Trainer:
         kwargs["val_check_interval"] = max(1, min(val_every, cfg.trainer.max_steps)) * accumulate
     else:
         kwargs["limit_val_batches"] = 0
-    callbacks = instantiate_dict(cfg.callbacks, "callbacks")
+    callbacks = instantiate_dict(cfg.callbacks, "callbacks") + list(extra_callbacks)
+    if not cfg.trainer.enable_progress_bar:  # a progress bar callback would contradict it
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = instantiate_dict(cfg.logger, "logger")
     return L.Trainer(
         **kwargs,
@@ -116,11 +120,12 @@ def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
     OmegaConf.save(OmegaConf.structured(cfg), out / "config.yaml")
 
 
-def run(cfg: RunConfig | DictConfig) -> RunResult:
+def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunResult:
     """Train one stage as configured and return where it ended.
 
     Args:
         cfg: a composed config (``compose_config([...])``) or a typed :class:`RunConfig`.
+        callbacks: callback objects added to the configured ones (for programmatic use).
 
     Returns:
         A :class:`RunResult` with the output folder, last checkpoint and final metrics.
@@ -134,10 +139,10 @@ def run(cfg: RunConfig | DictConfig) -> RunResult:
     _refuse_to_overwrite(cfg, ckpt_path)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
 
-    trainer = build_trainer(cfg)
+    trainer = build_trainer(cfg, callbacks)
     step_tokens = tokens_per_step(cfg, trainer.world_size)
     steps = total_steps(cfg, step_tokens)
-    trainer.fit_loop.max_steps = steps
+    trainer.fit_loop.epoch_loop.max_steps = steps  # token durations need the world size
     out = Path(cfg.run.dir)
     if trainer.is_global_zero:
         _save_resolved_config(cfg, out)

@@ -1,0 +1,25 @@
+"""Shared fixtures: a clean default dtype and process-group state around every test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _reset_torch_state():
+    dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(dtype)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked ``gpu`` (or ``multigpu``) cleanly where CUDA is missing."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "multigpu" in item.keywords and gpus < 2:
+            item.add_marker(pytest.mark.skip(reason="needs 2 or more CUDA GPUs"))
+        elif "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))

@@ -1,0 +1,83 @@
+"""A run stopped mid-way and resumed with run.ckpt_path=last matches an uninterrupted run."""
+
+from __future__ import annotations
+
+import torch
+from integration_helpers import tiny_overrides
+from lightning.pytorch.callbacks import Callback
+
+from recipes_lib.config import compose_config
+from recipes_lib.train import run
+
+
+class StopAtStep(Callback):
+    """Ends training after ``step`` optimizer steps, as a preemption would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+class RecordFirstStep(Callback):
+    """Records the LR, step, tokens and first batch that a (resumed) fit starts with."""
+
+    def __init__(self):
+        self.seen: dict | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.seen is None:
+            self.seen = {
+                "step": trainer.global_step,
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "tokens_seen": pl_module.tokens_seen,
+                "input_ids": batch["input_ids"].clone(),
+            }
+
+
+class RecordBatches(Callback):
+    def __init__(self):
+        self.batches: dict[int, torch.Tensor] = {}
+        self.lrs: dict[int, float] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.batches[trainer.global_step] = batch["input_ids"].clone()
+        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
+
+
+def _weights(ckpt_path):
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    return state["state_dict"], state
+
+
+def test_resumed_run_matches_uninterrupted(tmp_path, shared_cache):
+    straight_dir, split_dir = tmp_path / "straight", tmp_path / "split"
+    straight_dir.mkdir()
+    split_dir.mkdir()
+    record = RecordBatches()
+    straight = run(compose_config(tiny_overrides(straight_dir, shared_cache)), callbacks=[record])
+    assert straight.global_step == 16
+
+    first = run(compose_config(tiny_overrides(split_dir, shared_cache)), callbacks=[StopAtStep(8)])
+    assert first.global_step == 8
+    start = RecordFirstStep()
+    resumed = run(
+        compose_config(tiny_overrides(split_dir, shared_cache, "run.ckpt_path=last")),
+        callbacks=[start],
+    )
+
+    # continues from the saved step, learning rate, token count and sampler position
+    assert start.seen["step"] == 8
+    assert start.seen["lr"] == record.lrs[8]
+    assert start.seen["tokens_seen"] == 8 * 4 * 64
+    assert torch.equal(start.seen["input_ids"], record.batches[8])
+    assert resumed.global_step == 16
+    assert resumed.tokens_seen == straight.tokens_seen == 16 * 4 * 64
+
+    w_straight, ck_straight = _weights(straight.last_checkpoint)
+    w_resumed, ck_resumed = _weights(resumed.last_checkpoint)
+    for name, tensor in w_straight.items():
+        torch.testing.assert_close(w_resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert ck_resumed["lr_schedulers"][0]["last_epoch"] == ck_straight["lr_schedulers"][0]["last_epoch"]
