@@ -1,0 +1,85 @@
+"""The console scripts behave as Hydra apps: --cfg job, -m multirun, shell completion, errors."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from integration_helpers import tiny_overrides
+
+
+def _script(name: str) -> str:
+    """A console script of the installed package (next to this interpreter, or on PATH)."""
+    beside = Path(sys.executable).parent / name
+    return str(beside) if beside.is_file() else (shutil.which(name) or name)
+
+
+TRAIN = _script("recipes-train")
+
+
+def _run_cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    proc = subprocess.run(
+        [TRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    proc = _run_cli("recipe=pretrain/tiny", "optim.lr=0.002", "--cfg", "job", cwd=tmp_path)
+    cfg = yaml.safe_load(proc.stdout)
+    assert cfg["model"]["name"] == "tiny"
+    assert cfg["optim"]["lr"] == 0.002
+    assert not (tmp_path / "outputs").exists()  # printing trains nothing
+
+
+def test_shell_completion_script_installs(tmp_path):
+    proc = _run_cli("-sc", "install=bash", cwd=tmp_path)
+    assert "complete" in proc.stdout and "recipes-train" in proc.stdout
+
+
+def test_multirun_gives_each_job_its_own_folder(tmp_path, shared_cache):
+    overrides = [
+        o for o in tiny_overrides(tmp_path, shared_cache, "trainer.max_steps=4") if "max_steps=16" not in o
+    ]
+    _run_cli("-m", *overrides, "optim.lr=0.001,0.004", cwd=tmp_path)
+    jobs = sorted((tmp_path / "run" / "multirun").iterdir())
+    jobs = [j for j in jobs if j.is_dir()]
+    assert len(jobs) == 2
+    lrs = set()
+    for job in jobs:
+        assert (job / "checkpoints" / "last.ckpt").is_file()
+        lrs.add(yaml.safe_load((job / "config.yaml").read_text())["optim"]["lr"])
+    assert lrs == {0.001, 0.004}
+
+
+def test_bad_input_exits_with_a_one_line_message(tmp_path, shared_cache):
+    missing = tmp_path / "missing_dir"
+    proc = _run_cli(
+        *tiny_overrides(tmp_path, shared_cache, "data=local_text", f"data.sources.main.path={missing}"),
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "error: " in proc.stderr and str(missing) in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_prepare_command_writes_shards(tmp_path):
+    prepare = _script("recipes-prepare")
+    cache = tmp_path / "cache"
+    proc = subprocess.run(
+        [prepare, "recipe=pretrain/tiny", f"data.cache_dir={cache}", f"run.dir={tmp_path / 'run'}",
+         "data.sources.stdlib.max_documents=40", "model.vocab_size=512", "data.tokenizer.vocab_size=512"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert list(cache.glob("shards/**/tokens.bin"))
+    assert list(cache.glob("tokenizers/**/tokenizer.json"))
