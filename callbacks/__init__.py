@@ -1,0 +1,25 @@
+"""Lightning callbacks of recipes-lib, importable as ``recipes_lib.callbacks``.
+
+They depend only on lightning, torch, rich and the standard library, and read what
+they need from the LightningModule by duck typing (``tokens_seen``,
+``flops_per_token(seq_len)``).
+"""
+
+from recipes_lib.callbacks.monitors import GradNormMonitor, total_grad_norm
+from recipes_lib.callbacks.progress import TokenProgressBar
+from recipes_lib.callbacks.throughput import (
+    PEAK_TFLOPS,
+    ThroughputMonitor,
+    peak_tflops_for,
+    precision_arithmetic,
+)
+
+__all__ = [
+    "PEAK_TFLOPS",
+    "GradNormMonitor",
+    "ThroughputMonitor",
+    "TokenProgressBar",
+    "peak_tflops_for",
+    "precision_arithmetic",
+    "total_grad_norm",
+]

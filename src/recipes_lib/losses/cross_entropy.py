@@ -67,8 +67,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, reduction):  # type: ignore[override]
-        n_valid = (labels != ignore_index).sum()
-        scale = 1.0 / n_valid.clamp(min=1).item() if reduction == "mean" else 1.0
+        if reduction == "mean":
+            scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
+        else:
+            scale = torch.ones((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -81,7 +83,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             loss += chunk_loss
             grad_logits = grad_logits.mul_(scale).to(hidden.dtype)  # (C, V)
             grad_hidden[rows] = grad_logits @ weight  # (C, D)
-            grad_weight.addmm_(grad_logits.t().float(), hidden_chunk.float())  # (V, D)
+            if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
+                grad_weight.addmm_(grad_logits.t(), hidden_chunk)  # (V, D)
+            else:
+                grad_weight += grad_logits.t() @ hidden_chunk  # (V, D), low precision product
         ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss * scale
 

@@ -1,0 +1,374 @@
+"""Next-token prediction as a LightningModule: the base module of every objective.
+
+Pretraining uses it as it is; supervised fine-tuning and preference optimisation
+subclass it and override only :meth:`CausalLMModule.compute_loss` (and, when their
+batches carry tokens under other keys, :meth:`CausalLMModule.count_tokens`).
+
+Set-up order under a Trainer: ``configure_model`` builds the model (on the strategy's
+device, seeded by the run's seed), the strategy wraps it, ``configure_optimizers``
+builds AdamW from the wrapped model, a resumed checkpoint restores weights, optimizer,
+``tokens_seen`` and RNG states, and ``on_fit_start`` checks that the attention kernel
+supports the device, dtype and document masking before the first step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Mapping
+from dataclasses import asdict, fields, is_dataclass
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import lightning as L
+import numpy as np
+import torch
+from torch import Tensor
+
+from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
+from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.kernels import get_attention_backend
+from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
+from recipes_lib.models import Transformer
+from recipes_lib.optim import build_lr_lambda, build_optimizer, build_scheduler
+
+Batch = Mapping[str, Tensor]
+
+
+def _as_config(cls: type, value: Any, key: str) -> Any:
+    """``value`` as a ``cls`` dataclass; mappings (saved hyperparameters) are converted."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{key} must be a {cls.__name__} or a mapping, got {type(value).__name__}"
+        )
+    hints = get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ConfigError(f"{key} has unknown keys {unknown}; {cls.__name__} takes {sorted(names)}")
+    kwargs = {}
+    for name, item in value.items():
+        hint = hints.get(name)
+        if isinstance(hint, type) and is_dataclass(hint) and isinstance(item, Mapping):
+            item = _as_config(hint, item, f"{key}.{name}")
+        kwargs[name] = item
+    return cls(**kwargs)
+
+
+def compute_dtype(precision: str | int | None) -> torch.dtype:
+    """The dtype matmuls run in under a Lightning ``precision`` setting."""
+    text = str(precision)
+    if "bf16" in text:
+        return torch.bfloat16
+    if text.startswith("16"):
+        return torch.float16
+    if text.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
+def collect_rng_states(device: torch.device) -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (on a CUDA device) CUDA generator states.
+
+    Stored as tensors and plain Python values so a checkpoint loads with
+    ``torch.load(weights_only=True)``.
+    """
+    algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    states: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": {
+            "algorithm": str(algorithm),
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
+def restore_rng_states(states: Mapping[str, Any], device: torch.device) -> None:
+    """Inverse of :func:`collect_rng_states`; a missing entry is left alone."""
+    if "python" in states:
+        version, internal, gauss_next = states["python"]
+        random.setstate((version, tuple(internal), gauss_next))
+    if "numpy" in states:
+        n = states["numpy"]
+        keys = np.asarray(n["keys"].numpy() if isinstance(n["keys"], Tensor) else n["keys"])
+        np.random.set_state(
+            (n["algorithm"], keys.astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
+        )
+    if "torch" in states:
+        torch.set_rng_state(states["torch"].cpu())
+    if "cuda" in states and device.type == "cuda":
+        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
+
+
+def load_model_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Load weights into ``model`` from ``path``.
+
+    ``path`` is a ``.safetensors`` file, a directory holding ``model.safetensors``, or a
+    torch file (a Lightning checkpoint of this module, whose ``model.`` prefix is
+    stripped, or a plain state dict).
+
+    Raises:
+        CheckpointError: the path is missing or its tensors do not fit the model.
+    """
+    source = Path(path).expanduser()
+    if source.is_dir():
+        source = source / "model.safetensors"
+    if not source.is_file():
+        raise CheckpointError(f"stage.init_from={str(path)!r}: no such checkpoint file ({source})")
+    if source.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state = load_file(str(source))
+    else:
+        state = torch.load(source, map_location="cpu", weights_only=True)
+        state = state.get("state_dict", state)
+        if any(k.startswith("model.") for k in state):
+            state = {
+                k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")
+            }
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"stage.init_from={str(path)!r} does not fit the configured model: {err}"
+        ) from err
+
+
+class CausalLMModule(L.LightningModule):
+    """Trains a :class:`~recipes_lib.models.Transformer` to predict the next token.
+
+    Batches are mappings with ``input_ids`` ``(B, T)``, ``labels`` ``(B, T)`` (the next
+    token, ``-100`` where no loss applies) and, for packed rows, ``doc_ids`` ``(B, T)``
+    (used only when ``document_mask``).
+
+    Args:
+        model: The decoder's shape.
+        kernels: Attention backend, per-block compilation and the chunked loss.
+        optim: AdamW settings.
+        scheduler: Learning-rate schedule.
+        total_steps: Optimizer steps of the run (the schedule's length).
+        tokens_per_step: Tokens per optimizer step over all ranks and accumulated
+            micro-batches (for token-denominated schedules).
+        document_mask: Attend only within each document of a packed row.
+        init_from: Weights to start from (see :func:`load_model_weights`); a resumed
+            checkpoint overrides them.
+    """
+
+    def __init__(
+        self,
+        model: ModelConfig,
+        kernels: KernelsConfig,
+        optim: OptimConfig,
+        scheduler: SchedulerConfig,
+        *,
+        total_steps: int,
+        tokens_per_step: int,
+        document_mask: bool = False,
+        init_from: str | None = None,
+    ):
+        super().__init__()
+        self.model_config: ModelConfig = _as_config(ModelConfig, model, "model")
+        self.kernels_config: KernelsConfig = _as_config(KernelsConfig, kernels, "kernels")
+        self.optim_config: OptimConfig = _as_config(OptimConfig, optim, "optim")
+        self.scheduler_config: SchedulerConfig = _as_config(SchedulerConfig, scheduler, "scheduler")
+        self.total_steps = int(total_steps)
+        self.tokens_per_step = int(tokens_per_step)
+        self.document_mask = document_mask
+        self.init_from = init_from
+        chunk = self.kernels_config.loss_chunk_size
+        if chunk is not None and chunk < 1:
+            raise ConfigError(f"kernels.loss_chunk_size={chunk} must be positive or null")
+        # Fail at construction, not at the first step, on a bad schedule.
+        build_lr_lambda(self.scheduler_config, self.total_steps, self.tokens_per_step)
+        self.save_hyperparameters(
+            {
+                "model": asdict(self.model_config),
+                "kernels": asdict(self.kernels_config),
+                "optim": asdict(self.optim_config),
+                "scheduler": asdict(self.scheduler_config),
+                "total_steps": self.total_steps,
+                "tokens_per_step": self.tokens_per_step,
+                "document_mask": document_mask,
+                "init_from": init_from,
+            }
+        )
+        self.model: Transformer | None = None
+        self.tokens_seen = 0  # tokens trained on, all ranks
+        self._rng_states_to_restore: Mapping[str, Any] | None = None
+        self._val_loss_sum: Tensor | None = None
+        self._val_batches: Tensor | None = None
+
+    # ----------------------------------------------------------------- model
+    def configure_model(self) -> None:
+        """Build the model once; later calls (e.g. a second ``fit``) keep it.
+
+        The model is built on the default device of the surrounding context (a Trainer
+        makes that its root device, or ``meta`` for a deferred, sharded init) and
+        initialised under the run's seed (``PL_GLOBAL_SEED``, set by
+        ``lightning.seed_everything``), in a forked RNG so the global streams are left
+        as they were.
+        """
+        if self.model is not None:
+            return
+        backend = get_attention_backend(self.kernels_config.attention)
+        seed = os.environ.get("PL_GLOBAL_SEED")
+        device = torch.get_default_device()
+        cuda_devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda_devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(int(seed))
+            model = Transformer(self.model_config, attention=backend)
+        if self.init_from is not None:
+            if any(p.is_meta for p in model.parameters()):
+                raise CheckpointError(
+                    f"stage.init_from={self.init_from!r} cannot load into a model built on the "
+                    "meta device (deferred sharded init); use a strategy that builds it on device"
+                )
+            load_model_weights(model, self.init_from)
+        if self.kernels_config.compile:
+            for block in model.layers:
+                block.compile()  # in place: parameter names stay as they are
+        self.model = model
+
+    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """Next-token logits ``(B, T, V)``."""
+        return self._built_model()(input_ids, doc_ids)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token at ``seq_len`` (for throughput and MFU)."""
+        return self._built_model().flops_per_token(seq_len)
+
+    def _built_model(self) -> Transformer:
+        if self.model is None:
+            raise RuntimeError("the model is not built yet; call configure_model() first")
+        return self.model
+
+    def on_fit_start(self) -> None:
+        precision = self.trainer.precision
+        self._built_model().attention_backend.check(
+            device=self.device, dtype=compute_dtype(precision), document_mask=self.document_mask
+        )
+        strategy = type(self.trainer.strategy).__name__
+        if self.kernels_config.loss_chunk_size is not None and (
+            "FSDP" in strategy or "ModelParallel" in strategy
+        ):
+            raise ConfigError(
+                f"kernels.loss_chunk_size={self.kernels_config.loss_chunk_size} reads the output "
+                f"weight outside the model's forward, which {strategy} shards; set it to null"
+            )
+
+    # ------------------------------------------------------------------ loss
+    def model_inputs(self, batch: Batch) -> tuple[Tensor, Tensor | None]:
+        """``input_ids`` and, when document masking is on, ``doc_ids`` of ``batch``."""
+        if not self.document_mask:
+            return batch["input_ids"], None
+        if batch.get("doc_ids") is None:
+            raise ConfigError("data.document_mask is true but the batch carries no doc_ids")
+        return batch["input_ids"], batch["doc_ids"]
+
+    def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The scalar loss of ``batch`` and extra metrics to log (as ``train/<name>`` and
+        ``val/<name>``). The override point of every objective."""
+        model = self._built_model()
+        input_ids, doc_ids = self.model_inputs(batch)
+        labels = batch["labels"]
+        chunk = self.kernels_config.loss_chunk_size
+        if chunk is None:
+            return causal_lm_loss(model(input_ids, doc_ids), labels), {}
+        hidden = model.forward_hidden(input_ids, doc_ids)  # (B, T, C)
+        loss = chunked_cross_entropy(
+            hidden.flatten(0, 1), model.output.weight, labels.flatten(), chunk_size=chunk
+        )
+        return loss, {}
+
+    def count_tokens(self, batch: Batch) -> int:
+        """Tokens this rank trains on in ``batch`` (counted into ``tokens_seen``)."""
+        return batch["input_ids"].numel()
+
+    def _world_size(self) -> int:
+        try:
+            return self.trainer.world_size
+        except RuntimeError:  # not attached to a Trainer
+            return 1
+
+    # ------------------------------------------------------------ train / val
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss, metrics = self.compute_loss(batch)
+        self.tokens_seen += self.count_tokens(batch) * self._world_size()
+        batch_size = batch["input_ids"].size(0)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)
+        # float64 keeps the count exact up to 2**53 tokens
+        self.log(
+            "train/tokens_seen", torch.tensor(self.tokens_seen, dtype=torch.float64), batch_size=1
+        )
+        for name, value in metrics.items():
+            self.log(f"train/{name}", value, batch_size=batch_size)
+        return loss
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_loss_sum = torch.zeros((), device=self.device)
+        self._val_batches = torch.zeros((), device=self.device)
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss, metrics = self.compute_loss(batch)
+        batch_size = batch["input_ids"].size(0)
+        self.log(
+            "val/loss", loss, on_epoch=True, sync_dist=True, prog_bar=True, batch_size=batch_size
+        )
+        for name, value in metrics.items():
+            self.log(f"val/{name}", value, on_epoch=True, sync_dist=True, batch_size=batch_size)
+        if self._val_loss_sum is not None and self._val_batches is not None:
+            self._val_loss_sum += loss.detach().float() * batch_size
+            self._val_batches += batch_size
+        return loss
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_loss_sum is None or self._val_batches is None:
+            return
+        totals = torch.stack([self._val_loss_sum, self._val_batches])
+        totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
+        if totals[1] > 0:  # same batch-size-weighted mean as val/loss
+            self.log("val/ppl", torch.exp(totals[0] / totals[1]), on_epoch=True)
+        self._val_loss_sum = self._val_batches = None
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        try:
+            target = self.trainer.model
+        except RuntimeError:  # not attached to a Trainer
+            target = None
+        if target is None:
+            target = self
+        optimizer = build_optimizer(target, self.optim_config)
+        scheduler = build_scheduler(
+            optimizer, self.scheduler_config, self.total_steps, self.tokens_per_step
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
+        }
+
+    # ----------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+        checkpoint["rng_states"] = collect_rng_states(self.device)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+        # Applied at the first training batch after the restore, where the saving run
+        # stood when it wrote the checkpoint (after the step's batch end); restoring now
+        # would let the loops' set-up draw from the restored streams first.
+        self._rng_states_to_restore = checkpoint.get("rng_states")
+
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+        if self._rng_states_to_restore is not None:
+            restore_rng_states(self._rng_states_to_restore, self.device)
+            self._rng_states_to_restore = None
