@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import yaml
 from integration_helpers import tiny_overrides
 
@@ -28,7 +27,9 @@ def _run_cli(*args: str, cwd: Path, check: bool = True) -> subprocess.CompletedP
         [TRAIN, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise AssertionError(
+            f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     return proc
 
 
@@ -47,7 +48,9 @@ def test_shell_completion_script_installs(tmp_path):
 
 def test_multirun_gives_each_job_its_own_folder(tmp_path, shared_cache):
     overrides = [
-        o for o in tiny_overrides(tmp_path, shared_cache, "trainer.max_steps=4") if "max_steps=16" not in o
+        o
+        for o in tiny_overrides(tmp_path, shared_cache, "trainer.max_steps=4")
+        if "max_steps=16" not in o
     ]
     _run_cli("-m", *overrides, "optim.lr=0.001,0.004", cwd=tmp_path)
     jobs = sorted((tmp_path / "run" / "multirun").iterdir())
@@ -63,7 +66,9 @@ def test_multirun_gives_each_job_its_own_folder(tmp_path, shared_cache):
 def test_bad_input_exits_with_a_one_line_message(tmp_path, shared_cache):
     missing = tmp_path / "missing_dir"
     proc = _run_cli(
-        *tiny_overrides(tmp_path, shared_cache, "data=local_text", f"data.sources.main.path={missing}"),
+        *tiny_overrides(
+            tmp_path, shared_cache, "data=local_text", f"data.sources.main.path={missing}"
+        ),
         cwd=tmp_path,
         check=False,
     )
@@ -76,9 +81,19 @@ def test_prepare_command_writes_shards(tmp_path):
     prepare = _script("recipes-prepare")
     cache = tmp_path / "cache"
     proc = subprocess.run(
-        [prepare, "recipe=pretrain/tiny", f"data.cache_dir={cache}", f"run.dir={tmp_path / 'run'}",
-         "data.sources.stdlib.max_documents=40", "model.vocab_size=512", "data.tokenizer.vocab_size=512"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        [
+            prepare,
+            "recipe=pretrain/tiny",
+            f"data.cache_dir={cache}",
+            f"run.dir={tmp_path / 'run'}",
+            "data.sources.stdlib.max_documents=40",
+            "model.vocab_size=512",
+            "data.tokenizer.vocab_size=512",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert list(cache.glob("shards/**/tokens.bin"))

@@ -33,9 +33,17 @@ def test_main_command_trains_tiny_model_on_embedded_corpus(tmp_path):
     assert argv[0] == "recipes-train"
     script = Path(sys.executable).parent / argv[0]
     proc = subprocess.run(
-        [str(script), *argv[1:], f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}",
-         "trainer.enable_progress_bar=false"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        [
+            str(script),
+            *argv[1:],
+            f"run.dir={tmp_path / 'run'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "trainer.enable_progress_bar=false",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
 

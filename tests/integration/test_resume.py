@@ -80,4 +80,7 @@ def test_resumed_run_matches_uninterrupted(tmp_path, shared_cache):
     w_resumed, ck_resumed = _weights(resumed.last_checkpoint)
     for name, tensor in w_straight.items():
         torch.testing.assert_close(w_resumed[name], tensor, rtol=0, atol=1e-6, msg=name)
-    assert ck_resumed["lr_schedulers"][0]["last_epoch"] == ck_straight["lr_schedulers"][0]["last_epoch"]
+    assert (
+        ck_resumed["lr_schedulers"][0]["last_epoch"]
+        == ck_straight["lr_schedulers"][0]["last_epoch"]
+    )

@@ -158,6 +158,9 @@ class PretrainDataModule(L.LightningDataModule):
             batch_size=self.config.batch_size,
             sampler=sampler,
             drop_last=True,
+            # its own generator: creating an iterator must not draw from the global RNG,
+            # whose state a resumed run restores
+            generator=torch.Generator().manual_seed(self.config.seed),
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
@@ -176,6 +179,7 @@ class PretrainDataModule(L.LightningDataModule):
             self.val_dataset,
             batch_size=self.config.batch_size,
             sampler=sampler,
+            generator=torch.Generator().manual_seed(self.config.seed),
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),

@@ -16,8 +16,21 @@ from recipes_lib.config import (
 )
 from recipes_lib.errors import ConfigError
 
-GROUPS = ["model", "kernels", "data", "stage", "optim", "scheduler", "trainer", "callbacks", "logger"]
-NEEDS_A_VALUE = {("data", "local_text"): "data.sources.main.path=/tmp", ("data", "hub_text"): "data.sources.main.hub=x"}
+GROUPS = [
+    "model",
+    "kernels",
+    "data",
+    "stage",
+    "optim",
+    "scheduler",
+    "trainer",
+    "callbacks",
+    "logger",
+]
+NEEDS_A_VALUE = {
+    ("data", "local_text"): "data.sources.main.path=/tmp",
+    ("data", "hub_text"): "data.sources.main.hub=x",
+}
 
 
 def test_shipped_recipes_are_listed():
@@ -34,9 +47,7 @@ def test_every_recipe_composes_to_a_typed_config(recipe):
     assert cfg.data.tokenizer.vocab_size <= cfg.model.vocab_size
 
 
-@pytest.mark.parametrize(
-    "group,option", [(g, o) for g in GROUPS for o in list_group_options(g)]
-)
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in list_group_options(g)])
 def test_every_group_option_composes(group, option):
     overrides = [f"{group}={option}"]
     if (group, option) in NEEDS_A_VALUE:
@@ -46,13 +57,19 @@ def test_every_group_option_composes(group, option):
 
 
 def test_groups_on_disk_are_all_tested():
-    on_disk = {p.name for p in conf_dir().iterdir() if p.is_dir() and p.name not in ("recipe", "__pycache__")}
+    on_disk = {
+        p.name
+        for p in conf_dir().iterdir()
+        if p.is_dir() and p.name not in ("recipe", "__pycache__")
+    }
     assert on_disk <= set(GROUPS)
 
 
 def test_overrides_reach_the_typed_config():
     cfg = to_run_config(
-        compose_config(["recipe=pretrain/tiny", "optim.lr=2e-4", "model.n_layers=3", "scheduler=wsd"])
+        compose_config(
+            ["recipe=pretrain/tiny", "optim.lr=2e-4", "model.n_layers=3", "scheduler=wsd"]
+        )
     )
     assert cfg.optim.lr == pytest.approx(2e-4)
     assert cfg.model.n_layers == 3
