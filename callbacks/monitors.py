@@ -29,8 +29,14 @@ def total_grad_norm(parameters, norm_type: float = 2.0) -> Tensor | None:
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
+def is_logging_step(trainer: L.Trainer) -> bool:
+    """Whether the trainer writes logs for the current step (``log_every_n_steps``)."""
+    connector = getattr(trainer, "_logger_connector", None)
+    return bool(getattr(connector, "should_update_logs", True))
+
+
 class GradNormMonitor(L.Callback):
-    """Logs ``train/grad_norm`` and ``train/lr/<group>`` at every optimizer step.
+    """Logs ``train/grad_norm`` and ``train/lr/<group>`` on the trainer's logging steps.
 
     The gradient norm is taken in ``on_before_optimizer_step``: after gradient
     accumulation and AMP unscaling, before gradient clipping, so it shows how much
@@ -51,6 +57,8 @@ class GradNormMonitor(L.Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
+        if not is_logging_step(trainer):  # the norm costs a pass over all gradients
+            return
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = total_grad_norm(params, self.norm_type)
         if norm is not None:

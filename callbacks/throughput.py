@@ -8,6 +8,8 @@ from typing import Any
 import lightning as L
 import torch
 
+from recipes_lib.callbacks.monitors import is_logging_step
+
 # Dense (no structured sparsity) tensor-core peaks per device in TFLOP/s, by the
 # arithmetic the run computes in. Matched against torch.cuda.get_device_name(), first
 # hit wins, so more specific names come first.
@@ -140,6 +142,8 @@ class ThroughputMonitor(L.Callback):
             tokens = self._tokens_seen(pl_module) - self._start_tokens
             self.latest = self._figures(pl_module, tokens / elapsed if elapsed > 0 else 0.0)
             self._restart_window(trainer, pl_module)
+        if not is_logging_step(trainer):  # logging a float copies it to the device: a sync
+            return
         for name, value in self.latest.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
 

@@ -14,6 +14,7 @@ The order below matters and reads top to bottom:
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,10 @@ class RunResult:
     global_step: int
     tokens_seen: int
     metrics: dict[str, float] = field(default_factory=dict)
+    last_lr: float | None = None  # learning rate of the last optimizer step
+    tokenizer_path: Path | None = None
+    data_fingerprint: str | None = None
+    seconds: float = 0.0  # wall time of fit()
 
 
 def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
@@ -154,14 +159,30 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         total_train_samples=steps * cfg.trainer.accumulate_grad_batches * cfg.data.batch_size,
     )
     module = build_stage(cfg, total_steps=steps, tokens_per_step=step_tokens)
+    started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    seconds = time.perf_counter() - started
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     last = out / "checkpoints" / "last.ckpt"
+    prepared = datamodule.prepared
     return RunResult(
         output_dir=out,
         last_checkpoint=last if last.is_file() else None,
         global_step=trainer.global_step,
         tokens_seen=int(getattr(module, "tokens_seen", 0)),
         metrics=metrics,
+        last_lr=_last_lr(trainer),
+        tokenizer_path=prepared.tokenizer_path if prepared is not None else None,
+        data_fingerprint=prepared.fingerprint if prepared is not None else None,
+        seconds=seconds,
     )
+
+
+def _last_lr(trainer: L.Trainer) -> float | None:
+    """The LR the last optimizer step used (schedulers step after it, so read their record)."""
+    if not trainer.lr_scheduler_configs:
+        return None
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    history = getattr(scheduler, "_last_lr", None)
+    return float(history[0]) if history else None

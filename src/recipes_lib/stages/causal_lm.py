@@ -202,6 +202,7 @@ class CausalLMModule(L.LightningModule):
             }
         )
         self.model: Transformer | None = None
+        self._loss_fn = causal_lm_loss
         self.tokens_seen = 0  # tokens trained on, all ranks
         self._rng_states_to_restore: Mapping[str, Any] | None = None
         self._val_loss_sum: Tensor | None = None
@@ -237,6 +238,8 @@ class CausalLMModule(L.LightningModule):
         if self.kernels_config.compile:
             for block in model.layers:
                 block.compile()  # in place: parameter names stay as they are
+            # fuses the fp32 upcast with log-softmax: the fp32 logits are never stored
+            self._loss_fn = torch.compile(causal_lm_loss)
         self.model = model
 
     def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
@@ -283,7 +286,7 @@ class CausalLMModule(L.LightningModule):
         labels = batch["labels"]
         chunk = self.kernels_config.loss_chunk_size
         if chunk is None:
-            return causal_lm_loss(model(input_ids, doc_ids), labels), {}
+            return self._loss_fn(model(input_ids, doc_ids), labels), {}
         hidden = model.forward_hidden(input_ids, doc_ids)  # (B, T, C)
         loss = chunked_cross_entropy(
             hidden.flatten(0, 1), model.output.weight, labels.flatten(), chunk_size=chunk
@@ -339,6 +342,27 @@ class CausalLMModule(L.LightningModule):
         if totals[1] > 0:  # same batch-size-weighted mean as val/loss
             self.log("val/ppl", torch.exp(totals[0] / totals[1]), on_epoch=True)
         self._val_loss_sum = self._val_batches = None
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip by global norm; without a gradient scaler, clip directly.
+
+        Lightning's own path refuses optimizers that unscale gradients themselves (the
+        fused AdamW used on CUDA), a check meant for fp16 loss scaling; in bf16 and fp32
+        there is no scaler and nothing to unscale, so the norm is clipped here.
+        """
+        if not gradient_clip_val:
+            return
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is None and gradient_clip_algorithm in (None, "norm"):
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+            return
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> dict[str, Any]:
         try:

@@ -57,6 +57,7 @@ def gpu_trainer(max_steps, **kwargs):
         devices=1,
         precision="bf16-mixed",
         max_steps=max_steps,
+        gradient_clip_val=1.0,  # with the fused AdamW used on CUDA
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

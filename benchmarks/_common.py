@@ -1,0 +1,167 @@
+"""Timing, hardware and JSON helpers shared by the benchmark scripts.
+
+Every benchmark prints one JSON object to stdout; these helpers keep the way steps are
+timed, peaks are looked up and memory is released the same across scripts.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import platform
+import shlex
+import statistics
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+# Dense bf16 tensor-core peak per card (TFLOP/s, no sparsity), from the vendors' datasheets.
+# Looked up by substring of torch.cuda.get_device_name(), most specific first.
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    ("H200", 989.5),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.5),  # SXM
+    ("A100", 312.0),
+)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or device.type
+
+
+def peak_bf16_tflops(name: str) -> float | None:
+    """Peak dense bf16 TFLOP/s of the card called ``name``, or None when unknown."""
+    for key, peak in PEAK_BF16_TFLOPS:
+        if key in name:
+            return peak
+    return None
+
+
+def package_versions(*names: str) -> dict[str, str | None]:
+    """Installed version of each distribution, None for one that is missing."""
+    versions: dict[str, str | None] = {"python": platform.python_version()}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    versions["torch"] = torch.__version__  # the imported build (+cuXXX), not the dist name
+    versions["cuda"] = torch.version.cuda
+    return versions
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv])
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class StepTimer:
+    """Times a run of training steps without synchronizing inside it.
+
+    ``start()`` synchronizes and reads the wall clock; ``step_end()`` after each step
+    records a CUDA event (a wall-clock reading on CPU); ``stop()`` synchronizes again.
+    The total is wall time from ``start`` to ``stop``; each step's time is the gap
+    between consecutive boundaries on the GPU's timeline, which also counts the time
+    the GPU waited for the host to launch work.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._boundaries: list = []
+        self._t0 = self._t1 = 0.0
+
+    def _mark(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._boundaries.append(event)
+        else:
+            self._boundaries.append(time.perf_counter())
+
+    def start(self) -> None:
+        synchronize(self.device)
+        self._boundaries = []
+        self._t0 = time.perf_counter()
+        self._mark()
+
+    def step_end(self) -> None:
+        self._mark()
+
+    def stop(self) -> None:
+        synchronize(self.device)
+        self._t1 = time.perf_counter()
+
+    @property
+    def started(self) -> bool:
+        return bool(self._boundaries)
+
+    @property
+    def total_s(self) -> float:
+        return self._t1 - self._t0
+
+    def step_times_ms(self) -> list[float]:
+        marks = self._boundaries
+        if self.device.type == "cuda":
+            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
+        return [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def throughput_report(
+    timer: StepTimer,
+    *,
+    tokens_per_step: int,
+    flops_per_token: float,
+    peak_tflops: float | None,
+    final_loss: float,
+) -> dict:
+    """Figures of one measured run: tokens/s, step times, TFLOP/s, MFU, peak memory, loss."""
+    step_ms = timer.step_times_ms()
+    tokens_per_sec = tokens_per_step * len(step_ms) / timer.total_s
+    tflops = tokens_per_sec * flops_per_token / 1e12
+    peak_memory = None
+    if timer.device.type == "cuda":
+        peak_memory = torch.cuda.max_memory_allocated(timer.device) / 2**30
+    return {
+        "tokens_per_sec": round(tokens_per_sec, 1),
+        "step_time_ms": {
+            "mean": round(statistics.fmean(step_ms), 3),
+            "median": round(statistics.median(step_ms), 3),
+            "min": round(min(step_ms), 3),
+            "max": round(max(step_ms), 3),
+        },
+        "measured_steps": len(step_ms),
+        "tflops": round(tflops, 3),
+        "mfu": round(tflops / peak_tflops, 4) if peak_tflops else None,
+        "peak_memory_gib": round(peak_memory, 3) if peak_memory is not None else None,
+        "final_loss": final_loss if math.isfinite(final_loss) else str(final_loss),
+    }
+
+
+def reset_memory(device: torch.device) -> None:
+    """Release what earlier runs left behind and restart the peak-memory counter."""
+    gc.collect()
+    torch._dynamo.reset()  # drop compiled graphs (and the tensors they hold)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print ``result`` as JSON to stdout and, when ``out`` is set, write it there too."""
+    text = json.dumps(result, indent=2)
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    print(text)
