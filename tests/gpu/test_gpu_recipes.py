@@ -19,7 +19,6 @@ def _gpu_overrides(recipe: str, tmp_path, *extra: str) -> list[str]:
         f"run.dir={tmp_path / 'run'}",
         f"data.cache_dir={tmp_path / 'cache'}",
         "data.sources.stdlib.max_documents=300",
-        "data.tokenizer.vocab_size=8192",
         "trainer.max_steps=6",
         "trainer.accumulate_grad_batches=1",
         "trainer.val_check_interval=6",
@@ -36,8 +35,8 @@ def _gpu_overrides(recipe: str, tmp_path, *extra: str) -> list[str]:
 @pytest.mark.parametrize(
     "recipe,extra",
     [
-        ("pretrain/gpt_124m", ("data.batch_size=4",)),
-        ("pretrain/llama_1b", ("data.batch_size=2",)),
+        ("pretrain/gpt_124m", ("data.batch_size=4", "data.tokenizer.vocab_size=8192")),
+        ("pretrain/llama_1b", ("data.batch_size=2", "data.tokenizer.vocab_size=8192")),
         ("pretrain/tiny_packed", ("trainer=gpu", "trainer.max_steps=6")),
     ],
 )
@@ -53,7 +52,8 @@ def test_gpu_recipe_runs_a_few_steps(recipe, extra, tmp_path):
 
 
 def test_gpu_resume_continues_from_last_checkpoint(tmp_path):
-    first = run(compose_config(_gpu_overrides("pretrain/gpt_124m", tmp_path, "data.batch_size=2")))
+    small = ("data.batch_size=2", "data.tokenizer.vocab_size=8192")
+    first = run(compose_config(_gpu_overrides("pretrain/gpt_124m", tmp_path, *small)))
     resumed = run(
         compose_config(
             _gpu_overrides(
