@@ -20,9 +20,8 @@ def main(overrides: list[str]) -> None:
     cfg = to_run_config(compose_config(["recipe=pretrain/tiny", *overrides]))
     result = run(cfg)
     print(f"trained {result.global_step} steps, {result.tokens_seen:,} tokens")
-    print(
-        f"validation loss {result.metrics['val/loss']:.3f}, perplexity {result.metrics['val/ppl']:.1f}"
-    )
+    val_loss, val_ppl = result.metrics["val/loss"], result.metrics["val/ppl"]
+    print(f"validation loss {val_loss:.3f}, perplexity {val_ppl:.1f}")
 
     module = CausalLMModule.load_from_checkpoint(result.last_checkpoint, map_location="cpu")
     module.configure_model()
