@@ -5,6 +5,7 @@ they need from the LightningModule by duck typing (``tokens_seen``,
 ``flops_per_token(seq_len)``).
 """
 
+from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.monitors import GradNormMonitor, total_grad_norm
 from recipes_lib.callbacks.progress import TokenProgressBar
 from recipes_lib.callbacks.throughput import (
@@ -19,6 +20,7 @@ __all__ = [
     "GradNormMonitor",
     "ThroughputMonitor",
     "TokenProgressBar",
+    "WeightEMA",
     "peak_tflops_for",
     "precision_arithmetic",
     "total_grad_norm",

@@ -8,7 +8,10 @@ The order below matters and reads top to bottom:
    turns token durations into steps;
 3. build the data module (tokenizer + shards are prepared once, on rank 0) and the
    objective's LightningModule (the model itself is built in ``configure_model``);
-4. fit, resuming from ``run.ckpt_path`` when set.
+4. fit, resuming from ``run.ckpt_path`` when set;
+5. export the stage's output weights to ``<run.dir>/model.safetensors`` (rank 0): the
+   final weights, the mean of the last ``stage.average_last_k`` step checkpoints, or
+   the ``stage.ema_decay`` moving average.
 """
 
 from __future__ import annotations
@@ -21,13 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from recipes_lib.callbacks.ema import WeightEMA
+from recipes_lib.checkpoint.weights import (
+    WEIGHTS_NAME,
+    average_checkpoints,
+    list_step_checkpoints,
+    save_weights,
+)
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
 from recipes_lib.config.validate import validate_run_config
 from recipes_lib.data import PretrainDataModule
-from recipes_lib.errors import CheckpointError
+from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.stages.causal_lm import CausalLMModule
 
 
@@ -44,6 +54,9 @@ class RunResult:
     tokenizer_path: Path | None = None
     data_fingerprint: str | None = None
     seconds: float = 0.0  # wall time of fit()
+    # the stage's output weights; None when the run stopped before its last step
+    weights_path: Path | None = None
+    averaged_from: list[Path] = field(default_factory=list)  # step checkpoints averaged
 
 
 def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
@@ -98,6 +111,7 @@ def build_stage(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> L.
         tokens_per_step=tokens_per_step,
         document_mask=cfg.data.document_mask,
         init_from=cfg.stage.init_from,
+        init_optimizer=cfg.stage.init_optimizer,
     )
 
 
@@ -144,10 +158,12 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     _refuse_to_overwrite(cfg, ckpt_path)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
 
-    trainer = build_trainer(cfg, callbacks)
+    ema = WeightEMA(cfg.stage.ema_decay) if cfg.stage.ema_decay is not None else None
+    trainer = build_trainer(cfg, [*callbacks, *([ema] if ema is not None else [])])
     step_tokens = tokens_per_step(cfg, trainer.world_size)
     steps = total_steps(cfg, step_tokens)
     trainer.fit_loop.epoch_loop.max_steps = steps  # token durations need the world size
+    saver = _prepare_averaging(cfg, trainer, steps, ckpt_path)
     out = Path(cfg.run.dir)
     if trainer.is_global_zero:
         _save_resolved_config(cfg, out)
@@ -163,6 +179,10 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     seconds = time.perf_counter() - started
 
+    weights_path, averaged_from = None, []
+    if trainer.global_step >= steps:
+        weights_path, averaged_from = _export_weights(cfg, trainer, module, out, saver, ema)
+
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     last = out / "checkpoints" / "last.ckpt"
     prepared = datamodule.prepared
@@ -176,7 +196,90 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         tokenizer_path=prepared.tokenizer_path if prepared is not None else None,
         data_fingerprint=prepared.fingerprint if prepared is not None else None,
         seconds=seconds,
+        weights_path=weights_path,
+        averaged_from=averaged_from,
     )
+
+
+def _step_saver(trainer: L.Trainer) -> ModelCheckpoint | None:
+    """The checkpoint callback that saves every N optimizer steps, if there is one."""
+    for callback in trainer.checkpoint_callbacks:
+        if isinstance(callback, ModelCheckpoint) and callback._every_n_train_steps > 0:
+            return callback
+    return None
+
+
+def _prepare_averaging(
+    cfg: RunConfig, trainer: L.Trainer, steps: int, ckpt_path: str | None
+) -> ModelCheckpoint | None:
+    """Check that ``stage.average_last_k`` step checkpoints will exist, and keep them all.
+
+    Raises:
+        ConfigError: no callback saves step checkpoints, the last step would not be
+            saved, or a fresh run would save fewer than K of them.
+    """
+    k = cfg.stage.average_last_k
+    if k is None:
+        return None
+    saver = _step_saver(trainer)
+    if saver is None:
+        raise ConfigError(
+            f"stage.average_last_k={k} averages step checkpoints, but no ModelCheckpoint "
+            "callback saves every N train steps (callbacks.checkpoint)"
+        )
+    every = saver._every_n_train_steps
+    if steps % every != 0:
+        raise ConfigError(
+            f"stage.average_last_k={k}: the run ends at step {steps}, which is not a multiple "
+            f"of the checkpoint interval {every} (run.checkpoint_every_n_steps), so the "
+            "average would leave out the final weights"
+        )
+    if ckpt_path is None and steps // every < k:
+        raise ConfigError(
+            f"stage.average_last_k={k}, but {steps} steps with a checkpoint every {every} "
+            f"(run.checkpoint_every_n_steps) save only {steps // every}"
+        )
+    saver.save_top_k = -1  # keep every step checkpoint (with no monitor: all or one)
+    return saver
+
+
+def _export_weights(
+    cfg: RunConfig,
+    trainer: L.Trainer,
+    module: L.LightningModule,
+    out: Path,
+    saver: ModelCheckpoint | None,
+    ema: WeightEMA | None,
+) -> tuple[Path, list[Path]]:
+    """Write the stage's output weights (rank 0) and say which checkpoints they average.
+
+    Raises:
+        CheckpointError: fewer than ``stage.average_last_k`` step checkpoints up to the
+            final step are on disk, or the newest is not the final step.
+    """
+    step = trainer.global_step
+    chosen: list[Path] = []
+    if saver is not None and saver.dirpath is not None:
+        k = cfg.stage.average_last_k
+        saved = [(s, p) for s, p in list_step_checkpoints(saver.dirpath) if s <= step]
+        if len(saved) < k or saved[-1][0] != step:
+            found = ", ".join(f"{p.name} (step {s})" for s, p in saved) or "none"
+            raise CheckpointError(
+                f"stage.average_last_k={k} needs the last {k} step checkpoints up to step "
+                f"{step} in {saver.dirpath}; found: {found}"
+            )
+        chosen = [p for _, p in saved[-k:]]
+    path = out / WEIGHTS_NAME
+    if trainer.is_global_zero:
+        if chosen:
+            state, source = average_checkpoints(chosen), f"mean of {len(chosen)} checkpoints"
+        elif ema is not None:
+            state, source = ema.averaged_state_dict(module.model), f"ema decay {ema.decay}"
+        else:
+            state, source = module.model.state_dict(), "final"
+        save_weights(state, path, metadata={"global_step": str(step), "weights": source})
+    trainer.strategy.barrier("export_weights")
+    return path, chosen
 
 
 def _last_lr(trainer: L.Trainer) -> float | None:

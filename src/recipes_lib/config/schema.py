@@ -110,11 +110,22 @@ class DataConfig:
 
 @dataclass
 class StageConfig:
-    """The objective a run trains and how long it trains."""
+    """The objective a run trains, how long, what it starts from and what it hands on.
+
+    ``init_from`` is a ``.safetensors`` file, a directory holding ``model.safetensors``
+    or a Lightning ``.ckpt``; with ``init_optimizer`` (a ``.ckpt`` only) the AdamW
+    moments come along too, while learning rates and the schedule start afresh from
+    this run's ``optim`` and ``scheduler``. After fit, the stage's output weights
+    (``<run.dir>/model.safetensors``) are the final weights, the mean of the last
+    ``average_last_k`` step checkpoints, or the ``ema_decay`` moving average.
+    """
 
     objective: str = "pretrain"
     max_tokens: int | None = None  # when set, overrides trainer.max_steps
-    init_from: str | None = None  # checkpoint whose weights start this stage
+    init_from: str | None = None  # weights (or a .ckpt) that start this stage
+    init_optimizer: bool = False  # also load the optimizer state of the init_from .ckpt
+    average_last_k: int | None = None  # output: mean of the last K step checkpoints
+    ema_decay: float | None = None  # output: exponential moving average of the weights
 
 
 @dataclass

@@ -6,6 +6,8 @@ combinations that are wrong together, each with the key(s) named.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from recipes_lib.config.schema import RunConfig
@@ -44,6 +46,32 @@ def _check_precision(cfg: RunConfig) -> None:
         )
 
 
+def _check_stage_io(cfg: RunConfig) -> None:
+    """What a stage starts from and what it writes as its output weights."""
+    stage = cfg.stage
+    if stage.average_last_k is not None and stage.average_last_k < 1:
+        raise ConfigError(f"stage.average_last_k={stage.average_last_k} must be 1 or more, or null")
+    if stage.ema_decay is not None and not 0.0 < stage.ema_decay < 1.0:
+        raise ConfigError(f"stage.ema_decay={stage.ema_decay} must lie strictly between 0 and 1")
+    if stage.average_last_k is not None and stage.ema_decay is not None:
+        raise ConfigError(
+            f"stage.average_last_k={stage.average_last_k} and stage.ema_decay={stage.ema_decay} "
+            "both choose the stage's output weights; set one of them"
+        )
+    if stage.init_optimizer:
+        source = stage.init_from
+        if source is None:
+            raise ConfigError(
+                "stage.init_optimizer=true needs stage.init_from, a Lightning .ckpt whose "
+                "optimizer state starts this stage"
+            )
+        if Path(source).suffix == ".safetensors" or Path(source).expanduser().is_dir():
+            raise ConfigError(
+                f"stage.init_optimizer=true needs a Lightning .ckpt as stage.init_from; "
+                f"{source!r} holds weights only"
+            )
+
+
 def validate_run_config(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain",)) -> None:
     """Raise :class:`ConfigError` naming the key(s) of the first problem found.
 
@@ -56,6 +84,7 @@ def validate_run_config(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain
     _check_choice("stage.objective", cfg.stage.objective, objectives)
     _check_positive(cfg)
     _check_precision(cfg)
+    _check_stage_io(cfg)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} is above model.max_seq_len={cfg.model.max_seq_len}"

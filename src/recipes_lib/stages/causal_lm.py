@@ -17,7 +17,6 @@ import os
 import random
 from collections.abc import Mapping
 from dataclasses import asdict, fields, is_dataclass
-from pathlib import Path
 from typing import Any, get_type_hints
 
 import lightning as L
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from recipes_lib.checkpoint.weights import load_state_into, load_weights, read_checkpoint
 from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.kernels import get_attention_backend
@@ -117,30 +117,65 @@ def load_model_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
     stripped, or a plain state dict).
 
     Raises:
-        CheckpointError: the path is missing or its tensors do not fit the model.
+        CheckpointError: the path is missing or unreadable, or its tensors do not fit the
+            model (the first mismatching names and shapes are listed).
     """
-    source = Path(path).expanduser()
-    if source.is_dir():
-        source = source / "model.safetensors"
-    if not source.is_file():
-        raise CheckpointError(f"stage.init_from={str(path)!r}: no such checkpoint file ({source})")
-    if source.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(source))
-    else:
-        state = torch.load(source, map_location="cpu", weights_only=True)
-        state = state.get("state_dict", state)
-        if any(k.startswith("model.") for k in state):
-            state = {
-                k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")
-            }
+    label = f"stage.init_from={str(path)!r}"
     try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as err:
+        state = load_weights(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"{label}: {err}") from err
+    load_state_into(model, state, label)
+
+
+def load_optimizer_moments(
+    optimizer: torch.optim.Optimizer, path: str | os.PathLike
+) -> torch.optim.Optimizer:
+    """Load the per-parameter state (AdamW moments and step counts) of a Lightning
+    checkpoint into ``optimizer``, keeping ``optimizer``'s own hyperparameters.
+
+    Every group's ``lr``, ``initial_lr``, betas, epsilon and weight decay stay as the
+    new run configured them, so a schedule built afterwards starts from the new peak
+    learning rate instead of where the earlier run left off.
+
+    Raises:
+        CheckpointError: the checkpoint holds no optimizer state, or its groups or
+            moment shapes do not match ``optimizer``.
+    """
+    label = f"stage.init_from={str(path)!r}"
+    try:
+        checkpoint = read_checkpoint(path, mmap=False)  # the moments outlive the file
+    except CheckpointError as err:
+        raise CheckpointError(f"{label}: {err}") from err
+    saved_states = checkpoint.get("optimizer_states") or []
+    if len(saved_states) != 1:
         raise CheckpointError(
-            f"stage.init_from={str(path)!r} does not fit the configured model: {err}"
-        ) from err
+            f"{label} holds {len(saved_states)} optimizer states; stage.init_optimizer=true "
+            "needs a Lightning checkpoint of a run with one optimizer"
+        )
+    saved = saved_states[0]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if saved_sizes != sizes:
+        raise CheckpointError(
+            f"{label}: its optimizer has parameter groups of sizes {saved_sizes}, this run's "
+            f"has {sizes} (a different model or optim.decay_embeddings)"
+        )
+    index_order = [i for g in saved["param_groups"] for i in g["params"]]
+    for position, (index, param) in enumerate(zip(index_order, params, strict=True)):
+        moment = saved["state"].get(index, {}).get("exp_avg")
+        if moment is not None and tuple(moment.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{label}: optimizer state of parameter {position} has shape "
+                f"{tuple(moment.shape)}, the parameter {tuple(param.shape)}"
+            )
+    configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, settings in zip(optimizer.param_groups, configured, strict=True):
+        group.update(settings)
+        group["initial_lr"] = settings["lr"]
+    return optimizer
 
 
 class CausalLMModule(L.LightningModule):
@@ -161,6 +196,9 @@ class CausalLMModule(L.LightningModule):
         document_mask: Attend only within each document of a packed row.
         init_from: Weights to start from (see :func:`load_model_weights`); a resumed
             checkpoint overrides them.
+        init_optimizer: Also start from the optimizer state of ``init_from`` (a Lightning
+            checkpoint): AdamW moments carry over, learning rates and the schedule come
+            from ``optim`` and ``scheduler`` (see :func:`load_optimizer_moments`).
     """
 
     def __init__(
@@ -174,6 +212,7 @@ class CausalLMModule(L.LightningModule):
         tokens_per_step: int,
         document_mask: bool = False,
         init_from: str | None = None,
+        init_optimizer: bool = False,
     ):
         super().__init__()
         self.model_config: ModelConfig = _as_config(ModelConfig, model, "model")
@@ -184,6 +223,9 @@ class CausalLMModule(L.LightningModule):
         self.tokens_per_step = int(tokens_per_step)
         self.document_mask = document_mask
         self.init_from = init_from
+        self.init_optimizer = init_optimizer
+        if init_optimizer and init_from is None:
+            raise ConfigError("stage.init_optimizer=true needs stage.init_from (a .ckpt)")
         chunk = self.kernels_config.loss_chunk_size
         if chunk is not None and chunk < 1:
             raise ConfigError(f"kernels.loss_chunk_size={chunk} must be positive or null")
@@ -199,6 +241,7 @@ class CausalLMModule(L.LightningModule):
                 "tokens_per_step": self.tokens_per_step,
                 "document_mask": document_mask,
                 "init_from": init_from,
+                "init_optimizer": init_optimizer,
             }
         )
         self.model: Transformer | None = None
@@ -372,6 +415,9 @@ class CausalLMModule(L.LightningModule):
         if target is None:
             target = self
         optimizer = build_optimizer(target, self.optim_config)
+        if self.init_optimizer and self.init_from is not None:
+            # before the scheduler: it reads each group's initial_lr when it is built
+            load_optimizer_moments(optimizer, self.init_from)
         scheduler = build_scheduler(
             optimizer, self.scheduler_config, self.total_steps, self.tokens_per_step
         )

@@ -1,0 +1,295 @@
+"""Model weights on disk: safetensors files, Lightning checkpoints, checksums and averages.
+
+A stage's output is one ``model.safetensors`` file holding the decoder's state dict
+(keys as in :class:`~recipes_lib.models.Transformer`, no ``model.`` prefix). safetensors
+refuses tensors that share memory, so a tied output head is stored once and its other
+names are recorded in the file's metadata; :func:`load_weights` gives every name back.
+Files are written to a temporary name in the same folder and renamed into place, so a
+reader never sees a half-written file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from recipes_lib.errors import CheckpointError
+
+WEIGHTS_NAME = "model.safetensors"
+TIED_METADATA_KEY = "recipes_lib.tied"  # JSON {alias: stored name} of shared tensors
+MODEL_PREFIX = "model."  # CausalLMModule keeps the decoder under ``self.model``
+_MAX_LISTED = 5  # mismatches named in an error message
+
+
+def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
+    """Hex SHA-256 digest of the file at ``path``, read in ``chunk_size`` pieces."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_size):
+                digest.update(chunk)
+    except OSError as err:
+        raise CheckpointError(f"cannot read '{path}' to checksum it: {err}") from err
+    return digest.hexdigest()
+
+
+def _tensor_identity(t: Tensor) -> tuple[Any, ...]:
+    """Equal for two names of one tensor (same memory, offset, shape and strides)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # not possible on every platform; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_weights(
+    state_dict: Mapping[str, Tensor],
+    path: str | os.PathLike,
+    metadata: Mapping[str, str] | None = None,
+) -> Path:
+    """Write ``state_dict`` to ``path`` as safetensors, atomically.
+
+    Tensors are detached, moved to the CPU and made contiguous. Names that refer to one
+    tensor (tied weights) are stored once; the others are listed in the metadata under
+    ``recipes_lib.tied``. Two names that only partly overlap in memory are stored as
+    separate copies.
+
+    Args:
+        state_dict: name -> tensor, e.g. ``model.state_dict()``.
+        path: the file to write; its folder is created if needed.
+        metadata: extra string metadata stored in the file's header.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        CheckpointError: a value is not a tensor, or the file cannot be written (an
+            existing file at ``path`` is then left as it was).
+    """
+    target = Path(path)
+    tensors: dict[str, Tensor] = {}
+    tied: dict[str, str] = {}
+    stored_by_identity: dict[tuple[Any, ...], str] = {}
+    seen_storages: set[int] = set()
+    for name, value in state_dict.items():
+        if not isinstance(value, Tensor):
+            raise CheckpointError(
+                f"cannot save '{target}': '{name}' is a {type(value).__name__}, not a tensor"
+            )
+        identity = _tensor_identity(value)
+        if identity in stored_by_identity:
+            tied[name] = stored_by_identity[identity]
+            continue
+        stored_by_identity[identity] = name
+        storage = identity[0]
+        tensor = value.detach().cpu()
+        # safetensors rejects any overlap in memory: copy a partial alias
+        if storage in seen_storages or not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        seen_storages.add(storage)
+        tensors[name] = tensor
+    header = {"format": "pt", **(metadata or {})}  # "format" as transformers expects it
+    if tied:
+        header[TIED_METADATA_KEY] = json.dumps(tied, sort_keys=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        save_file(tensors, str(partial), metadata=header)
+        with open(partial, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(partial, target)
+    except Exception as err:
+        partial.unlink(missing_ok=True)
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"cannot write weights to '{target}': {err}") from err
+    _fsync_dir(target.parent)
+    return target
+
+
+def _load_safetensors(path: Path) -> dict[str, Tensor]:
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            state = {name: f.get_tensor(name) for name in f.keys()}
+            header = f.metadata() or {}
+    except Exception as err:  # safetensors raises its own error types for corrupt files
+        raise CheckpointError(f"'{path}' is not a readable safetensors file: {err}") from err
+    for alias, stored in json.loads(header.get(TIED_METADATA_KEY, "{}")).items():
+        state[alias] = state[stored]
+    return state
+
+
+def read_checkpoint(path: str | os.PathLike, mmap: bool = True) -> dict[str, Any]:
+    """A torch checkpoint (e.g. Lightning's ``.ckpt``) loaded on the CPU.
+
+    With ``mmap`` the tensors are mapped from the file and read when used, so reading
+    one entry does not load the rest; copy what must outlive the file.
+
+    Raises:
+        CheckpointError: the file is missing or is not a loadable torch checkpoint.
+    """
+    source = Path(path)
+    if not source.is_file():
+        raise CheckpointError(f"no such checkpoint file '{source}'")
+    try:
+        checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # torch raises pickle, zip and runtime errors here
+        raise CheckpointError(f"'{source}' is not a loadable torch checkpoint: {err}") from err
+    if not isinstance(checkpoint, dict):
+        raise CheckpointError(
+            f"'{source}' holds a {type(checkpoint).__name__}, not a checkpoint dictionary"
+        )
+    return checkpoint
+
+
+def model_state_of(checkpoint: Mapping[str, Any]) -> dict[str, Tensor]:
+    """The decoder's weights in a checkpoint dictionary.
+
+    A Lightning checkpoint keeps them in ``state_dict`` under the ``model.`` prefix,
+    which is removed; a plain state dict is returned as it is.
+    """
+    state = checkpoint.get("state_dict", checkpoint)
+    if any(k.startswith(MODEL_PREFIX) for k in state):
+        return {
+            k.removeprefix(MODEL_PREFIX): v for k, v in state.items() if k.startswith(MODEL_PREFIX)
+        }
+    return {k: v for k, v in state.items() if isinstance(v, Tensor)}
+
+
+def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
+    """Model weights from a ``.safetensors`` file, a folder with ``model.safetensors``, or
+    a torch checkpoint (Lightning ``.ckpt`` or a plain state dict), all on the CPU.
+
+    Raises:
+        CheckpointError: the path is missing or unreadable.
+    """
+    source = Path(path).expanduser()
+    if source.is_dir():
+        source = source / WEIGHTS_NAME
+    if not source.is_file():
+        raise CheckpointError(f"no such checkpoint file '{source}'")
+    if source.suffix == ".safetensors":
+        return _load_safetensors(source)
+    return model_state_of(read_checkpoint(source))
+
+
+def _mismatches(expected: Mapping[str, Tensor], found: Mapping[str, Tensor]) -> list[str]:
+    problems = [
+        f"{name}: checkpoint {tuple(found[name].shape)} vs model {tuple(t.shape)}"
+        for name, t in expected.items()
+        if name in found and tuple(found[name].shape) != tuple(t.shape)
+    ]
+    missing = [name for name in expected if name not in found]
+    unexpected = [name for name in found if name not in expected]
+    lines = []
+    if problems:
+        lines.append(f"{len(problems)} shape mismatch(es): " + "; ".join(problems[:_MAX_LISTED]))
+    if missing:
+        lines.append(f"{len(missing)} missing: " + ", ".join(missing[:_MAX_LISTED]))
+    if unexpected:
+        lines.append(f"{len(unexpected)} unexpected: " + ", ".join(unexpected[:_MAX_LISTED]))
+    return lines
+
+
+def load_state_into(model: nn.Module, state: Mapping[str, Tensor], source: str) -> None:
+    """Copy ``state`` into ``model`` (strict), naming the first mismatches when it does not fit.
+
+    Args:
+        model: the module to load into.
+        state: name -> tensor, names as in ``model.state_dict()``.
+        source: how the caller names the weights in an error (``stage.init_from='...'``).
+
+    Raises:
+        CheckpointError: a name is missing or unexpected, or a shape differs.
+    """
+    problems = _mismatches(model.state_dict(), state)
+    if problems:
+        raise CheckpointError(
+            f"{source} does not fit the configured model: " + " | ".join(problems)
+        )
+    model.load_state_dict(state, strict=True)
+
+
+def average_checkpoints(paths: Iterable[str | os.PathLike]) -> dict[str, Tensor]:
+    """The element-wise fp32 mean of the model weights of several checkpoints.
+
+    Each path is a Lightning checkpoint of a :class:`~recipes_lib.stages.CausalLMModule`
+    (its ``model.`` weights are averaged, the prefix removed) or a plain state dict.
+    Names that share one tensor in the first checkpoint (a tied head) share the mean
+    too. Non-floating tensors are taken from the last checkpoint.
+
+    Raises:
+        CheckpointError: no paths, or the checkpoints hold different names or shapes.
+    """
+    sources = [Path(p) for p in paths]
+    if not sources:
+        raise CheckpointError("average_checkpoints needs at least one checkpoint")
+    sums: dict[str, Tensor] = {}
+    alias_of: dict[str, str] = {}  # tied name -> the name its mean is kept under
+    reference: dict[str, Tensor] = {}
+    for index, source in enumerate(sources):
+        state = model_state_of(read_checkpoint(source))
+        if index == 0:
+            reference = state
+            first_name: dict[tuple[Any, ...], str] = {}
+            for name, tensor in state.items():
+                key = _tensor_identity(tensor)
+                if key in first_name:
+                    alias_of[name] = first_name[key]
+                else:
+                    first_name[key] = name
+        else:
+            problems = _mismatches(reference, state)
+            if problems:
+                raise CheckpointError(
+                    f"cannot average '{source}' with '{sources[0]}': " + " | ".join(problems)
+                )
+        for name, tensor in state.items():
+            if name in alias_of:
+                continue
+            if not tensor.is_floating_point():
+                sums[name] = tensor.clone()
+            elif index == 0:
+                sums[name] = tensor.to(torch.float32, copy=True)
+            else:
+                sums[name].add_(tensor.to(torch.float32))
+        del state
+    averaged = {
+        name: t.div_(len(sources)) if t.is_floating_point() else t for name, t in sums.items()
+    }
+    for alias, name in alias_of.items():
+        averaged[alias] = averaged[name]
+    return {name: averaged[name] for name in reference}
+
+
+def list_step_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The ``(global_step, path)`` of every step checkpoint in ``directory``, oldest first.
+
+    Every ``*.ckpt`` file counts except ``last*.ckpt``; the step is read from the file.
+    Of two files with the same step, the more recently written one is kept.
+    """
+    folder = Path(directory)
+    by_step: dict[int, Path] = {}
+    for path in sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns):
+        if path.stem.startswith("last"):
+            continue
+        step = read_checkpoint(path).get("global_step")
+        if isinstance(step, int):
+            by_step[step] = path
+    return sorted(by_step.items())
