@@ -1,5 +1,5 @@
 """Decoder models as plain ``nn.Module``s (this package never imports lightning)."""
 
-from recipes_lib.models.llama import Transformer, TransformerBlock
+from recipes_lib.models.llama import KVCache, Transformer, TransformerBlock
 
-__all__ = ["Transformer", "TransformerBlock"]
+__all__ = ["KVCache", "Transformer", "TransformerBlock"]

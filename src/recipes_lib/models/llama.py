@@ -6,8 +6,13 @@ so converting a Hugging Face checkpoint is a rename table. RoPE uses the rotate-
 convention of Hugging Face / GPT-NeoX on real tensors, so Hugging Face q/k weights load
 as they are, without permuting rows.
 
+Incremental decoding passes a :class:`KVCache` to :meth:`Transformer.forward`: new
+tokens take RoPE positions after the cached ones and attend over every cached key, so
+each generated token costs one position's forward pass. Without a cache the forward
+pass is the training path, unchanged.
+
 Shapes: B batch, T sequence length, C model dim, nh query heads, nkv key/value heads,
-hs head dim, V vocabulary.
+hs head dim, V vocabulary, S positions held by a cache.
 """
 
 from __future__ import annotations
@@ -100,6 +105,38 @@ class Attention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
         return self.wo(y)  # (B, T, C)
 
+    def forward_cached(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache_k: Tensor,
+        cache_v: Tensor,
+        start_pos: int,
+        mask: Tensor | None,
+    ) -> Tensor:
+        """Attention of ``T`` new tokens at positions ``start_pos..`` over the cache.
+
+        The new keys and values are written into ``cache_k``/``cache_v`` (``(B, nkv, S,
+        hs)``) at ``start_pos``; the queries attend over positions ``0..start_pos + T``
+        under ``mask`` (``(T, start_pos + T)`` bool, None for a single token, which sees
+        every cached position). Always SDPA, whatever the training backend.
+        """
+        B, T, _ = x.shape
+        end = start_pos + T
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache_k[:B, :, start_pos:end] = k
+        cache_v[:B, :, start_pos:end] = v
+        keys, values = cache_k[:B, :, :end], cache_v[:B, :, :end]  # (B, nkv, end, hs)
+        y = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
+        return self.wo(y)  # (B, T, C)
+
 
 class FeedForward(nn.Module):
     """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
@@ -126,6 +163,24 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, mask)  # (B, T, C)
+        return x + self.feed_forward(self.ffn_norm(x))  # (B, T, C)
+
+    def forward_cached(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        cache_k: Tensor,
+        cache_v: Tensor,
+        start_pos: int,
+        mask: Tensor | None,
+    ) -> Tensor:
+        """:meth:`forward` for new tokens after ``start_pos`` cached ones (see
+        :meth:`Attention.forward_cached`)."""
+        h = self.attention.forward_cached(
+            self.attention_norm(x), cos, sin, cache_k, cache_v, start_pos, mask
+        )
+        x = x + h  # (B, T, C)
         return x + self.feed_forward(self.ffn_norm(x))  # (B, T, C)
 
 
@@ -159,6 +214,86 @@ def _validate(config: ModelConfig) -> int:
             f"low_freq_factor={scaling.low_freq_factor}"
         )
     return head_dim
+
+
+class KVCache:
+    """Keys and values of past positions for every layer, preallocated for decoding.
+
+    ``keys[i]`` and ``values[i]`` are ``(B, nkv, S, hs)`` buffers of layer ``i``;
+    ``length`` counts the positions filled so far, where the next forward pass with
+    this cache writes by default. Build one with :meth:`for_model`.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        shape = (batch_size, n_kv_heads, max_len, head_dim)  # (B, nkv, S, hs)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.length = 0
+
+    @classmethod
+    def for_model(
+        cls, model: Transformer, batch_size: int = 1, max_len: int | None = None
+    ) -> KVCache:
+        """A cache for ``model`` in its dtype and on its device.
+
+        Args:
+            model: the decoder it caches for.
+            batch_size: rows decoded together.
+            max_len: positions to hold (prompt plus new tokens); default
+                ``model.max_seq_len``.
+
+        Raises:
+            ConfigError: ``max_len`` exceeds ``model.max_seq_len``.
+        """
+        c = model.config
+        max_len = c.max_seq_len if max_len is None else max_len
+        if not 0 < max_len <= c.max_seq_len:
+            raise ConfigError(
+                f"a KV cache of {max_len} positions does not fit model.max_seq_len={c.max_seq_len}"
+            )
+        weight = model.tok_embeddings.weight
+        return cls(
+            c.n_layers,
+            batch_size,
+            c.n_kv_heads or c.n_heads,
+            max_len,
+            model.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers are reused)."""
+        self.length = 0
+
+
+def causal_offset_mask(n_new: int, start_pos: int, device=None) -> Tensor:
+    """Which keys each new token sees, ``(T, start_pos + T)`` bool.
+
+    New token ``i`` sits at position ``start_pos + i`` and sees every key ``j`` with
+    ``j <= start_pos + i``.
+    """
+    key_pos = torch.arange(start_pos + n_new, device=device)  # (start_pos + T,)
+    query_pos = torch.arange(start_pos, start_pos + n_new, device=device)  # (T,)
+    return key_pos[None, :] <= query_pos[:, None]
 
 
 class Transformer(nn.Module):
@@ -243,14 +378,30 @@ class Transformer(nn.Module):
         if not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
-    def forward_hidden(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward_hidden(
+        self,
+        input_ids: Tensor,
+        doc_ids: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        start_pos: int | None = None,
+    ) -> Tensor:
         """Hidden states after the final norm, ``(B, T, C)``.
 
         Args:
             input_ids: ``(B, T)`` token ids, ``T <= model.max_seq_len``.
             doc_ids: ``(B, T)`` document ids of packed rows, or None for causal
                 attention across each whole row.
+            cache: for incremental decoding: the tokens continue the cached ones (see
+                :meth:`forward_hidden_cached`). None: the training path.
+            start_pos: with ``cache``, the position of the first token.
         """
+        if cache is not None:
+            if doc_ids is not None:
+                raise ValueError("doc_ids cannot be combined with a KV cache")
+            return self.forward_hidden_cached(input_ids, cache, start_pos)
+        if start_pos:
+            raise ValueError(f"start_pos={start_pos} needs a KV cache holding the earlier tokens")
         B, T = input_ids.shape
         if T > self.config.max_seq_len:
             raise ConfigError(
@@ -268,9 +419,60 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, mask)  # (B, T, C)
         return self.norm(h)  # (B, T, C)
 
-    def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        """Next-token logits, ``(B, T, V)``."""
-        return self.output(self.forward_hidden(input_ids, doc_ids))
+    def forward_hidden_cached(
+        self, input_ids: Tensor, cache: KVCache, start_pos: int | None = None
+    ) -> Tensor:
+        """Hidden states of tokens that continue the ones in ``cache``, ``(B, T, C)``.
+
+        The tokens take RoPE positions ``start_pos .. start_pos + T - 1``; their keys and
+        values are written into ``cache`` there and they attend causally over every
+        position before them. Afterwards ``cache.length`` is ``start_pos + T``.
+
+        Args:
+            input_ids: ``(B, T)`` token ids, ``B <= cache.batch_size``.
+            cache: the keys and values of positions ``0 .. start_pos - 1``.
+            start_pos: where the tokens start; default ``cache.length`` (append).
+                Smaller values rewind the cache.
+
+        Raises:
+            ConfigError: the positions run past the cache or ``model.max_seq_len``.
+        """
+        B, T = input_ids.shape
+        start = cache.length if start_pos is None else start_pos
+        end = start + T
+        if T < 1 or not 0 <= start <= cache.length:
+            raise ValueError(
+                f"start_pos={start} with {T} tokens: the cache holds {cache.length} positions"
+            )
+        if end > min(cache.max_len, self.config.max_seq_len):
+            raise ConfigError(
+                f"positions up to {end} do not fit the KV cache of {cache.max_len} positions "
+                f"and model.max_seq_len={self.config.max_seq_len}"
+            )
+        if B > cache.batch_size:
+            raise ValueError(f"a batch of {B} rows does not fit a cache of {cache.batch_size}")
+        # A single new token sees every cached position: no mask needed.
+        mask = None if T == 1 else causal_offset_mask(T, start, device=input_ids.device)
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # (T, hs)
+        h = self.tok_embeddings(input_ids)  # (B, T, C)
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
+            h = layer.forward_cached(h, cos, sin, keys, values, start, mask)  # (B, T, C)
+        cache.length = end
+        return self.norm(h)  # (B, T, C)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        doc_ids: Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        start_pos: int | None = None,
+    ) -> Tensor:
+        """Next-token logits, ``(B, T, V)``; ``cache``/``start_pos`` as in
+        :meth:`forward_hidden`."""
+        return self.output(
+            self.forward_hidden(input_ids, doc_ids, cache=cache, start_pos=start_pos)
+        )
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (a tied output head counted once).

@@ -1,0 +1,416 @@
+"""Text generation: greedy or nucleus sampling with a KV cache, and ``recipes-generate``.
+
+    recipes-generate checkpoint=runs/tiny/checkpoints/last.ckpt prompt="def " \\
+        max_new_tokens=64 temperature=0.8 top_p=0.95 seed=0
+
+``checkpoint`` is a Lightning ``.ckpt`` of a :class:`~recipes_lib.stages.CausalLMModule`,
+a stage output folder (``model.safetensors`` with the run's ``config.yaml`` or a
+``manifest.json``), or a Hugging Face folder (``config.json``). The tokenizer is found
+beside it (for a ``.ckpt``: in its folder or the run folder above) unless
+``tokenizer=PATH`` names one.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from recipes_lib.checkpoint.hf import (
+    HF_CONFIG_NAME,
+    empty_model,
+    hf_eos_token_ids,
+    load_hf_checkpoint,
+    load_hf_tokenizer,
+)
+from recipes_lib.checkpoint.weights import (
+    WEIGHTS_NAME,
+    load_state_into,
+    load_weights,
+    model_state_of,
+    read_checkpoint,
+)
+from recipes_lib.config.schema import ModelConfig, RopeScalingConfig, TokenizerConfig
+from recipes_lib.data.tokenizer import TOKENIZER_FILE
+from recipes_lib.errors import CheckpointError, ConfigError, DataError, RecipesError
+from recipes_lib.models import Transformer
+from recipes_lib.models.llama import KVCache
+
+RUN_CONFIG_NAME = "config.yaml"  # the resolved config recipes-train writes into run.dir
+MANIFEST_NAME = "manifest.json"  # a pipeline stage's hand-off manifest
+
+
+# -------------------------------------------------------------------- sampling
+def _check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if temperature < 0:
+        raise ConfigError(f"temperature={temperature} must be >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p={top_p} must be in (0, 1]")
+    if max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 0")
+
+
+def sample_token(
+    logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+) -> int:
+    """One token from next-token ``logits`` ``(V,)``.
+
+    ``temperature == 0`` takes the most likely token. Otherwise the distribution
+    ``softmax(logits / temperature)`` is cut to its nucleus, the most likely tokens whose
+    probabilities first sum to at least ``top_p``, and sampled (on the CPU, so a seed
+    gives the same tokens on any device).
+    """
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
+    if top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the first always stays
+        choice = torch.multinomial(sorted_probs, 1, generator=generator)
+        return int(order[choice])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(
+    model: Transformer,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    eos_id: int | Collection[int] | None = None,
+    seed: int | None = None,
+    *,
+    use_cache: bool = True,
+) -> list[int]:
+    """Continue ``prompt_ids`` by up to ``max_new_tokens`` tokens.
+
+    With ``use_cache`` the prompt is run once into a :class:`KVCache` and each new token
+    costs one position's forward pass; without, the whole sequence is recomputed for
+    every token (the reference the cache is tested against).
+
+    Args:
+        model: the decoder (put in eval mode for the call).
+        prompt_ids: at least one token id.
+        max_new_tokens: the most tokens to generate.
+        temperature: 0 for greedy decoding, else the sampling temperature.
+        top_p: nucleus sampling mass (1: the whole distribution).
+        eos_id: token id(s) that end generation; the one produced is included.
+        seed: seeds the sampling generator; None draws from torch's global one.
+        use_cache: decode with a KV cache.
+
+    Returns:
+        The new token ids (not the prompt).
+
+    Raises:
+        ConfigError: an empty prompt, bad sampling settings, or a prompt plus new tokens
+            longer than ``model.max_seq_len``.
+    """
+    _check_sampling(temperature, top_p, max_new_tokens)
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ConfigError("generation needs a prompt of at least one token")
+    # the positions the model runs over: the last new token is never fed back
+    positions = max(len(prompt), len(prompt) + max_new_tokens - 1)
+    if positions > model.config.max_seq_len:
+        raise ConfigError(
+            f"a prompt of {len(prompt)} tokens and max_new_tokens={max_new_tokens} need "
+            f"{positions} positions, more than model.max_seq_len={model.config.max_seq_len}"
+        )
+    if max_new_tokens == 0:
+        return []
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    device = model.tok_embeddings.weight.device
+    was_training = model.training
+    model.eval()
+    cache = KVCache.for_model(model, batch_size=1, max_len=positions) if use_cache else None
+
+    def next_logits(tokens: list[int]) -> Tensor:
+        ids = torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
+        hidden = model.forward_hidden(ids, cache=cache)  # (1, T, C)
+        return model.output(hidden[0, -1])  # (V,)
+
+    new: list[int] = []
+    try:
+        logits = next_logits(prompt)
+        while True:
+            token = sample_token(logits, temperature, top_p, generator)
+            new.append(token)
+            if token in stop or len(new) == max_new_tokens:
+                return new
+            logits = next_logits([token] if use_cache else prompt + new)
+    finally:
+        model.train(was_training)
+
+
+# --------------------------------------------------------------------- loading
+@dataclass
+class GenerationModel:
+    """A model ready to generate with, and what it needs around it.
+
+    Attributes:
+        model: the decoder, in eval mode.
+        config: its shape.
+        tokenizer: the tokenizer it was trained with.
+        eos_ids: the ids that end a generation (empty: none known).
+        chat_template: a Jinja chat template, when the tokenizer folder has one.
+        source: the checkpoint it came from.
+        kind: ``lightning`` | ``native`` | ``hf``.
+    """
+
+    model: Transformer
+    config: ModelConfig
+    tokenizer: Tokenizer
+    eos_ids: list[int]
+    chat_template: str | None
+    source: Path
+    kind: str
+
+
+def _model_config(values: Any, where: str) -> ModelConfig:
+    """A :class:`ModelConfig` from its saved fields (``asdict`` form)."""
+    if not isinstance(values, Mapping):
+        raise CheckpointError(f"{where}: no model config (got {type(values).__name__})")
+    names = {f.name for f in fields(ModelConfig)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise CheckpointError(f"{where}: unknown model config keys {unknown}")
+    values = dict(values)
+    if isinstance(values.get("rope_scaling"), Mapping):
+        values["rope_scaling"] = RopeScalingConfig(**values["rope_scaling"])
+    return ModelConfig(**values)
+
+
+def _read_run_config(folder: Path) -> dict[str, Any]:
+    """The run's resolved ``config.yaml`` in ``folder`` as plain data ({} if none)."""
+    file = folder / RUN_CONFIG_NAME
+    if not file.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
+    except Exception as err:  # omegaconf and yaml raise several error types
+        raise CheckpointError(f"'{file}' is not a readable run config: {err}") from err
+    return data if isinstance(data, dict) else {}
+
+
+def _read_manifest(folder: Path) -> dict[str, Any]:
+    file = folder / MANIFEST_NAME
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
+    return data if isinstance(data, dict) else {}
+
+
+def _tokenizer_config(folder: Path) -> dict[str, Any]:
+    data = _read_run_config(folder).get("data") or {}
+    return data.get("tokenizer") or {}
+
+
+def _tokenizer_candidates(folders: Sequence[Path]) -> list[Path]:
+    """Where a tokenizer for a checkpoint in ``folders`` may be, most specific first."""
+    candidates = []
+    for folder in folders:
+        candidates.append(folder / TOKENIZER_FILE)
+        manifest_tokenizer = (_read_manifest(folder).get("tokenizer") or {}).get("path")
+        if manifest_tokenizer:
+            candidates.append(folder / manifest_tokenizer)  # absolute stays absolute
+        configured = _tokenizer_config(folder).get("path")
+        if isinstance(configured, str) and "${" not in configured:
+            candidates.append(Path(configured).expanduser())
+    return candidates
+
+
+def _native_tokenizer(
+    source: Path, folders: Sequence[Path], explicit: str | Path | None
+) -> tuple[Tokenizer, str | None, list[int]]:
+    """The tokenizer of a native checkpoint, its chat template and its EOS id."""
+    if explicit is not None:
+        tokenizer, template = load_hf_tokenizer(explicit)
+    else:
+        candidates = _tokenizer_candidates(folders)
+        found = next((c for c in candidates if c.is_file()), None)
+        if found is None:
+            looked = ", ".join(str(c) for c in candidates)
+            raise DataError(
+                f"no tokenizer found for checkpoint '{source}' (looked for {looked}); "
+                "pass tokenizer=PATH"
+            )
+        tokenizer, template = load_hf_tokenizer(found)
+    eos_token = next(
+        (t for f in folders if (t := _tokenizer_config(f).get("eos_token"))),
+        TokenizerConfig().eos_token,
+    )
+    eos_id = tokenizer.token_to_id(eos_token)
+    return tokenizer, template, [] if eos_id is None else [eos_id]
+
+
+def _build(config: ModelConfig, state: dict[str, Tensor], label: str, device, dtype, attention):
+    dtype = dtype or state["tok_embeddings.weight"].dtype
+    model = empty_model(config, attention, dtype=dtype, device=device)
+    load_state_into(model, state, label)
+    return model.eval()
+
+
+def load_for_generation(
+    source: str | Path,
+    tokenizer: str | Path | None = None,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
+    attention: str = "sdpa",
+) -> GenerationModel:
+    """Load a model and its tokenizer from a checkpoint, to generate with.
+
+    Args:
+        source: a Lightning ``.ckpt`` of a ``CausalLMModule`` (the model config comes
+            from its hyperparameters), a folder (or ``.safetensors`` file) of native
+            weights with the run's ``config.yaml`` or a stage ``manifest.json`` beside
+            them, or a Hugging Face folder with ``config.json``.
+        tokenizer: a tokenizer.json or a folder holding one; default: found beside the
+            checkpoint (for a ``.ckpt``, also in the run folder above ``checkpoints/``).
+        device: where the model lives.
+        dtype: the parameters' dtype; default as stored.
+        attention: the attention backend of the (uncached) forward pass.
+
+    Raises:
+        CheckpointError: a missing or unrecognised checkpoint, or weights that do not fit.
+        DataError: no tokenizer found (the places looked at are named).
+    """
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"checkpoint={str(source)!r}: no such file or folder")
+    if path.is_dir() and (path / HF_CONFIG_NAME).is_file():
+        model, config = load_hf_checkpoint(path, attention, dtype=dtype, device=device)
+        hf_tokenizer, template = load_hf_tokenizer(tokenizer if tokenizer is not None else path)
+        eos_ids = hf_eos_token_ids(path, hf_tokenizer)
+        return GenerationModel(model, config, hf_tokenizer, eos_ids, template, path, "hf")
+
+    if path.is_file() and path.suffix != ".safetensors":  # a Lightning checkpoint
+        checkpoint = read_checkpoint(path)
+        hyper = checkpoint.get("hyper_parameters") or {}
+        config = _model_config(hyper.get("model"), f"'{path}' hyper_parameters")
+        state, kind, folders = model_state_of(checkpoint), "lightning", [path.parent]
+        if path.parent.name == "checkpoints":
+            folders.append(path.parent.parent)  # the run folder
+    else:
+        folder = path if path.is_dir() else path.parent
+        if path.is_dir() and not (path / WEIGHTS_NAME).is_file():
+            raise CheckpointError(
+                f"'{path}' is not a checkpoint: no {HF_CONFIG_NAME} (Hugging Face) and no "
+                f"{WEIGHTS_NAME} (native weights)"
+            )
+        model_fields = _read_manifest(folder).get("model") or _read_run_config(folder).get("model")
+        if model_fields is None:
+            raise CheckpointError(
+                f"'{path}': no {MANIFEST_NAME} or {RUN_CONFIG_NAME} beside the weights "
+                "says the model's shape"
+            )
+        config = _model_config(model_fields, f"'{folder}' model config")
+        state, kind, folders = load_weights(path), "native", [folder]
+    model = _build(config, state, f"checkpoint='{path}'", device, dtype, attention)
+    del state
+    native_tokenizer, template, eos_ids = _native_tokenizer(path, folders, tokenizer)
+    return GenerationModel(model, config, native_tokenizer, eos_ids, template, path, kind)
+
+
+# ------------------------------------------------------------------------- CLI
+_DEFAULTS: dict[str, Any] = {
+    "checkpoint": None,
+    "prompt": "",
+    "max_new_tokens": 64,
+    "temperature": 0.0,
+    "top_p": 1.0,
+    "seed": None,
+    "tokenizer": None,
+    "device": "auto",
+    "dtype": "auto",
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` arguments over :data:`_DEFAULTS`, with numbers converted.
+
+    Raises:
+        ConfigError: an argument without ``=``, an unknown key, a bad number, or no
+            ``checkpoint``.
+    """
+    args = dict(_DEFAULTS)
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"argument {item!r} is not key=value")
+        if key not in _DEFAULTS:
+            raise ConfigError(f"unknown argument {key!r}; choose from: {', '.join(_DEFAULTS)}")
+        args[key] = value
+    try:
+        args["max_new_tokens"] = int(args["max_new_tokens"])
+        args["temperature"] = float(args["temperature"])
+        args["top_p"] = float(args["top_p"])
+        args["seed"] = None if args["seed"] in (None, "null") else int(args["seed"])
+    except ValueError as err:
+        raise ConfigError(f"bad number in the arguments: {err}") from err
+    if not args["checkpoint"]:
+        raise ConfigError("checkpoint=PATH is required")
+    if args["dtype"] not in ("auto", *_DTYPES):
+        raise ConfigError(f"dtype={args['dtype']!r}; choose from: auto, {', '.join(_DTYPES)}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``recipes-generate``: print the prompt and its continuation.
+
+    Returns:
+        0, or 2 after printing the error of a bad argument, checkpoint or tokenizer.
+    """
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+        device = args["device"]
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        loaded = load_for_generation(
+            args["checkpoint"],
+            args["tokenizer"],
+            device=device,
+            dtype=_DTYPES.get(args["dtype"]),
+        )
+        prompt_ids = loaded.tokenizer.encode(args["prompt"]).ids
+        if not prompt_ids and loaded.eos_ids:
+            prompt_ids = loaded.eos_ids[:1]  # documents start after an end-of-document token
+        new_ids = generate(
+            loaded.model,
+            prompt_ids,
+            args["max_new_tokens"],
+            temperature=args["temperature"],
+            top_p=args["top_p"],
+            eos_id=loaded.eos_ids,
+            seed=args["seed"],
+        )
+    except RecipesError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(loaded.tokenizer.decode(prompt_ids + new_ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+def cli_main() -> None:
+    """Entry point of ``recipes-generate``."""
+    sys.exit(main())
