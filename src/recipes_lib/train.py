@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,15 +94,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     )
 
 
-OBJECTIVES: dict[str, type[L.LightningModule]] = {
-    "pretrain": CausalLMModule,
-}
-
-
-def build_stage(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> L.LightningModule:
-    """The LightningModule of ``cfg.stage.objective``."""
-    module_cls = OBJECTIVES[cfg.stage.objective]
-    return module_cls(
+def _causal_lm_module(
+    cfg: RunConfig, *, total_steps: int, tokens_per_step: int
+) -> L.LightningModule:
+    return CausalLMModule(
         cfg.model,
         cfg.kernels,
         cfg.optim,
@@ -113,6 +108,38 @@ def build_stage(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> L.
         init_from=cfg.stage.init_from,
         init_optimizer=cfg.stage.init_optimizer,
     )
+
+
+def _pretrain_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDataModule:
+    return PretrainDataModule(
+        cfg.data,
+        model_vocab_size=cfg.model.vocab_size,
+        model_max_seq_len=cfg.model.max_seq_len,
+        total_train_samples=total_train_samples,
+    )
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What one ``stage.objective`` trains with: its LightningModule and its data.
+
+    Both builders take the typed run config; the module builder also gets the run's
+    optimizer steps and tokens per step, the data builder the samples per rank.
+    """
+
+    module: Callable[..., L.LightningModule]
+    data: Callable[..., L.LightningDataModule]
+
+
+OBJECTIVES: dict[str, Objective] = {
+    "pretrain": Objective(module=_causal_lm_module, data=_pretrain_data),
+}
+
+
+def build_stage(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> L.LightningModule:
+    """The LightningModule of ``cfg.stage.objective``."""
+    objective = OBJECTIVES[cfg.stage.objective]
+    return objective.module(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step)
 
 
 def _resolve_ckpt_path(cfg: RunConfig) -> str | None:
@@ -168,11 +195,8 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     if trainer.is_global_zero:
         _save_resolved_config(cfg, out)
 
-    datamodule = PretrainDataModule(
-        cfg.data,
-        model_vocab_size=cfg.model.vocab_size,
-        model_max_seq_len=cfg.model.max_seq_len,
-        total_train_samples=steps * cfg.trainer.accumulate_grad_batches * cfg.data.batch_size,
+    datamodule = OBJECTIVES[cfg.stage.objective].data(
+        cfg, total_train_samples=steps * cfg.trainer.accumulate_grad_batches * cfg.data.batch_size
     )
     module = build_stage(cfg, total_steps=steps, tokens_per_step=step_tokens)
     started = time.perf_counter()

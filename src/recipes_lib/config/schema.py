@@ -93,6 +93,26 @@ class TokenizerConfig:
 
 
 @dataclass
+class ChatFormatConfig:
+    """How SFT and preference records are read and rendered (objectives sft and dpo).
+
+    A chat record is a ``messages_field`` list of ``{role, content}`` turns, or a
+    ``prompt_field``/``response_field`` pair; a preference record adds
+    ``chosen_field``/``rejected_field`` (plain strings or message lists).
+    """
+
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    response_field: str = "response"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    chat_template: str | None = None  # Jinja template; None: the tokenizer's, else built in
+    packing: bool = True  # several conversations per sequence, with document masking
+    truncation: str = "right"  # right | left | drop: what to do with over-long samples
+    on_bad_record: str = "error"  # error | skip (skips are counted and reported)
+
+
+@dataclass
 class DataConfig:
     """Where text comes from and how it becomes packed training sequences."""
 
@@ -106,6 +126,7 @@ class DataConfig:
     num_proc: int = 0  # tokenizer threads: 1 for one thread, otherwise all cores
     num_workers: int = 0  # DataLoader workers
     seed: int = "${run.seed}"  # type: ignore[assignment]
+    chat: ChatFormatConfig = field(default_factory=ChatFormatConfig)
 
 
 @dataclass
@@ -126,6 +147,35 @@ class StageConfig:
     init_optimizer: bool = False  # also load the optimizer state of the init_from .ckpt
     average_last_k: int | None = None  # output: mean of the last K step checkpoints
     ema_decay: float | None = None  # output: exponential moving average of the weights
+
+
+@dataclass
+class AdapterConfig:
+    """Parameter-efficient fine-tuning applied to the model in ``configure_model``.
+
+    ``kind``: ``none`` | ``lora`` (peft LoRA on the native model) | ``qlora`` (LoRA over
+    frozen 4-bit NF4 base linears through bitsandbytes; CUDA only).
+    """
+
+    kind: str = "none"
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(
+        default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+    )
+    double_quant: bool = True  # qlora: quantise the quantisation constants too
+    compute_dtype: str = "bfloat16"  # qlora: dtype of the dequantised matmuls
+
+
+@dataclass
+class PreferenceConfig:
+    """Direct preference optimisation (objective ``dpo``)."""
+
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge
+    beta: float = 0.1
+    reference_from: str | None = None  # weights of the frozen reference; None: init_from
+    precompute_reference: bool = False  # one pass of reference log-probs, then free it
 
 
 @dataclass
@@ -195,6 +245,8 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     data: DataConfig = field(default_factory=DataConfig)
     stage: StageConfig = field(default_factory=StageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
