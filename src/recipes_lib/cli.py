@@ -4,6 +4,7 @@ Hydra application.
 
     recipes-train recipe=pretrain/tiny optim.lr=1e-3
     recipes-prepare recipe=pretrain/gpt_124m data=local_text data.sources.main.path=corpus/
+    recipes-pipeline pipeline=demo stages.anneal.trainer.max_steps=200
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.config import register_schema
 from recipes_lib.errors import RecipesError
+from recipes_lib.pipeline.spec import register_pipeline_schema
 
 log = logging.getLogger("recipes_lib")
 
 register_schema()
+register_pipeline_schema()
 
 
 def _with_job_output_dir(cfg: DictConfig) -> DictConfig:
@@ -64,6 +67,24 @@ def _prepare(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+@hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="pipeline_root")
+def _pipeline(cfg: DictConfig) -> float | None:
+    from recipes_lib.pipeline import run_pipeline
+
+    cfg = cfg.copy()
+    OmegaConf.set_struct(cfg, False)
+    cfg.dir = HydraConfig.get().runtime.output_dir  # a multirun gives each job its own
+    try:
+        result = run_pipeline(cfg)
+    except RecipesError as err:
+        _report(err)
+        sys.exit(2)
+    if not result.stages:  # dry run
+        return None
+    log.info("pipeline %s finished; report in %s", result.name, result.report_dir)
+    return result.stages[-1].manifest.metrics.val_loss  # the value a sweeper optimises
+
+
 def train_main() -> None:
     """Entry point of ``recipes-train``."""
     _train()
@@ -72,6 +93,11 @@ def train_main() -> None:
 def prepare_main() -> None:
     """Entry point of ``recipes-prepare``: tokenize the configured data into shards."""
     _prepare()
+
+
+def pipeline_main() -> None:
+    """Entry point of ``recipes-pipeline``: run the stages of ``pipeline=NAME`` in order."""
+    _pipeline()
 
 
 if __name__ == "__main__":

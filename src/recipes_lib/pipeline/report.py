@@ -1,0 +1,241 @@
+"""A pipeline's report: a summary table per stage and ``<dir>/report/`` with plots.
+
+Each stage's CSV logs (``<stage>/logs/version_*/metrics.csv``; a resumed run adds a
+version) are read, a later version's value winning for a step logged twice, and laid
+end to end on one axis of pipeline steps: a stage that continues its source's step
+counter (``init: full``) starts where its source ended, every other stage after the
+previous stage's last step. The report folder holds ``loss.png`` (train and
+validation loss), ``lr.png`` (learning rate), ``throughput.png`` (tokens per second)
+and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from recipes_lib.checkpoint.manifest import StageManifest
+
+REPORT_DIR = "report"
+PLOTS = {
+    "loss.png": ("loss", ("train/loss", "val/loss")),
+    "lr.png": ("learning rate", ("train/lr/",)),
+    "throughput.png": ("tokens / s", ("perf/tokens_per_sec",)),
+}
+
+
+@dataclass
+class StageSeries:
+    """Logged values of one stage: metric name -> [(step, value)], sorted by step."""
+
+    stage: str
+    start_step: int
+    series: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+    def first(self, name: str) -> float | None:
+        values = self.series.get(name)
+        return values[0][1] if values else None
+
+    def last(self, name: str) -> float | None:
+        values = self.series.get(name)
+        return values[-1][1] if values else None
+
+
+def _version(path: Path) -> int:
+    match = re.search(r"version_(\d+)$", path.parent.name)
+    return int(match.group(1)) if match else -1
+
+
+def read_stage_logs(stage_dir: Path, stage: str, start_step: int = 0) -> StageSeries:
+    """Every metric a stage logged to CSV, later log versions overriding earlier ones."""
+    by_metric: dict[str, dict[int, float]] = {}
+    files = sorted((stage_dir / "logs").glob("version_*/metrics.csv"), key=_version)
+    for path in files:
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                step_text = row.get("step")
+                if not step_text:
+                    continue
+                step = int(float(step_text))
+                for name, text in row.items():
+                    if name in ("step", "epoch") or not text:
+                        continue
+                    try:
+                        value = float(text)
+                    except ValueError:
+                        continue
+                    by_metric.setdefault(name, {})[step] = value
+    series = {name: sorted(values.items()) for name, values in by_metric.items()}
+    return StageSeries(stage=stage, start_step=start_step, series=series)
+
+
+def _matching(series: StageSeries, prefix: str) -> list[str]:
+    """``prefix`` if it was logged; for a ``.../`` prefix, the first name under it (one
+    learning rate per stage: the parameter groups share the schedule)."""
+    if prefix.endswith("/"):
+        return sorted(n for n in series.series if n.startswith(prefix))[:1]
+    return [prefix] if prefix in series.series else []
+
+
+def write_plots(stages: Sequence[StageSeries], out_dir: Path) -> list[Path]:
+    """Write the loss, learning-rate and throughput plots; returns their paths.
+
+    A plot with nothing logged (e.g. a run without the throughput callback) still gets
+    its file, saying so, so the report's layout does not depend on the callbacks.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    offsets: list[int] = []
+    position = 0
+    for series in stages:
+        offsets.append(position)
+        steps = [s for values in series.series.values() for s, _ in values]
+        length = (max(steps) + 1 - series.start_step) if steps else 0
+        position += max(length, 0)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    written = []
+    for filename, (ylabel, prefixes) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        plotted = False
+        for index, (series, offset) in enumerate(zip(stages, offsets, strict=True)):
+            color = colors[index % len(colors)]
+            for prefix in prefixes:
+                for name in _matching(series, prefix):
+                    points = series.series[name]
+                    xs = [offset + step - series.start_step for step, _ in points]
+                    ys = [value for _, value in points]
+                    is_val = name.startswith("val/")
+                    ax.plot(
+                        xs,
+                        ys,
+                        marker="o" if is_val else None,
+                        linestyle="--" if is_val else "-",
+                        color=color,
+                        label=f"{series.stage} {name}",
+                    )
+                    plotted = True
+            if index > 0:
+                ax.axvline(offset, color="grey", linestyle=":", linewidth=1)
+        if plotted:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("pipeline step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{ylabel} by stage")
+        ax.grid(alpha=0.3)
+        path = out_dir / filename
+        partial = out_dir / f".{filename}.{os.getpid()}.partial.png"
+        fig.savefig(partial, dpi=100, bbox_inches="tight")
+        plt.close(fig)
+        os.replace(partial, path)
+        written.append(path)
+    return written
+
+
+def stage_summary(
+    manifest: StageManifest, status: str, manifest_path: Path, init: str, source: str | None
+) -> dict[str, Any]:
+    m = manifest.metrics
+    return {
+        "stage": manifest.stage,
+        "recipe": manifest.recipe,
+        "status": status,
+        "init": init,
+        "from": source,
+        "start_step": manifest.start_step,
+        "global_step": manifest.global_step,
+        "steps": m.steps,
+        "tokens": m.tokens,
+        "seconds": m.seconds,
+        "train_loss_start": m.train_loss_start,
+        "train_loss_end": m.train_loss_end,
+        "val_loss": m.val_loss,
+        "val_ppl": m.val_ppl,
+        "last_lr": manifest.last_lr,
+        "weights": str(manifest.weights_path),
+        "manifest": str(manifest_path),
+    }
+
+
+def write_summary(
+    path: Path, pipeline: str, directory: Path, stages: list[dict[str, Any]], plots: list[Path]
+) -> Path:
+    """``summary.json``: the pipeline, one entry per stage and the plots, atomically."""
+    data = {
+        "pipeline": pipeline,
+        "dir": str(directory),
+        "stages": stages,
+        "plots": [p.name for p in plots],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data, indent=2, default=_json_number) + "\n")
+    os.replace(partial, path)
+    return path
+
+
+def _json_number(value: Any) -> Any:
+    return str(value)
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _fmt_tokens(tokens: int) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if tokens >= size:
+            return f"{tokens / size:.2f}{unit}"
+    return str(tokens)
+
+
+def print_summary_table(
+    pipeline: str, stages: list[dict[str, Any]], console: Console | None = None
+):
+    """The per-stage summary as a Rich table on stdout."""
+    table = Table(title=f"pipeline {pipeline}")
+    for column, justify in (
+        ("stage", "left"),
+        ("recipe", "left"),
+        ("status", "left"),
+        ("steps", "right"),
+        ("start loss", "right"),
+        ("end loss", "right"),
+        ("val loss", "right"),
+        ("val ppl", "right"),
+        ("tokens", "right"),
+        ("time", "right"),
+    ):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for s in stages:
+        table.add_row(
+            s["stage"],
+            s["recipe"],
+            s["status"],
+            str(s["steps"]),
+            _fmt(s["train_loss_start"]),
+            _fmt(s["train_loss_end"]),
+            _fmt(s["val_loss"]),
+            _fmt(s["val_ppl"], ".2f"),
+            _fmt_tokens(int(s["tokens"])),
+            f"{s['seconds']:.1f}s",
+        )
+    console = console or Console(width=max(Console().width, 120))
+    console.print(table)

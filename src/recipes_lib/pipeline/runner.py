@@ -1,0 +1,365 @@
+"""The stage runner: validate a whole pipeline, then train its stages in order.
+
+``run_pipeline(cfg)`` reads top to bottom:
+
+1. parse the pipeline, validate every stage and decide what to do with each
+   (:func:`recipes_lib.pipeline.plan.plan_pipeline`): nothing trains before every
+   stage has passed its checks;
+2. train each stage that needs it with :func:`recipes_lib.train.run`, starting from
+   the previous stage's manifest as its ``init`` says, and write its manifest;
+3. print a summary table and write ``<dir>/report/`` (plots and ``summary.json``).
+
+Only global rank 0 writes manifests, tokenizer copies and the report; other ranks
+wait for the manifest a stage's successor reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig
+from rich.console import Console
+
+from recipes_lib.checkpoint.manifest import (
+    MANIFEST_NAME,
+    FileRef,
+    StageManifest,
+    StageMetrics,
+    git_revision,
+    package_versions,
+    read_manifest,
+    relative_to,
+    write_manifest,
+)
+from recipes_lib.checkpoint.weights import list_step_checkpoints, read_checkpoint, sha256_file
+from recipes_lib.config import RunConfig
+from recipes_lib.data.prepare import global_rank, resolve_sources
+from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.pipeline.handoff import Handoff, apply_handoff, stage_fingerprint
+from recipes_lib.pipeline.plan import (
+    FINGERPRINT_NAME,
+    StagePlan,
+    plan_pipeline,
+    print_plan,
+    source_handoff,
+    stage_dir_of,
+)
+from recipes_lib.pipeline.report import (
+    REPORT_DIR,
+    print_summary_table,
+    read_stage_logs,
+    stage_summary,
+    write_plots,
+    write_summary,
+)
+from recipes_lib.pipeline.spec import PipelineSpec, parse_pipeline
+from recipes_lib.train import RunResult, run
+
+log = logging.getLogger("recipes_lib")
+
+TOKENIZER_NAME = "tokenizer.json"
+
+
+@dataclass
+class StageResult:
+    """One stage after the pipeline ran: its manifest and what happened to it."""
+
+    name: str
+    status: str  # trained | resumed | retrained | skipped | kept
+    manifest: StageManifest
+    manifest_path: Path
+    run: RunResult | None = None
+
+
+@dataclass
+class PipelineResult:
+    """Every stage's result, the pipeline folder and the report folder."""
+
+    name: str
+    dir: Path
+    stages: list[StageResult] = field(default_factory=list)
+    report_dir: Path | None = None
+    summary: list[dict[str, Any]] = field(default_factory=list)
+
+    def __getitem__(self, stage: str) -> StageResult:
+        for result in self.stages:
+            if result.name == stage:
+                return result
+        raise KeyError(stage)
+
+    @property
+    def weights_path(self) -> Path:
+        """The last stage's output weights: the pipeline's product."""
+        return self.stages[-1].manifest.weights_path
+
+
+class FinalCheckpoint(Callback):
+    """Makes ``last.ckpt`` hold the final step: what ``init: full`` and
+    ``init: weights+optimizer`` continue from, whatever the checkpoint interval."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.global_step < trainer.max_steps:
+            return  # stopped early: the stage is not finished
+        if self.path.is_file() and read_checkpoint(self.path).get("global_step") == (
+            trainer.global_step
+        ):
+            return
+        trainer.save_checkpoint(self.path)
+
+
+# ------------------------------------------------------------------------- run
+
+
+def _move_aside(stage_dir: Path) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = stage_dir.with_name(f"{stage_dir.name}.old-{stamp}")
+    counter = 1
+    while target.exists():
+        counter += 1
+        target = stage_dir.with_name(f"{stage_dir.name}.old-{stamp}-{counter}")
+    stage_dir.rename(target)
+    log.info("moved %s aside to %s", stage_dir, target)
+    return target
+
+
+def _resume_checkpoint(stage_dir: Path) -> Path:
+    last = stage_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():
+        return last
+    saved = list_step_checkpoints(stage_dir / "checkpoints")
+    if not saved:
+        raise CheckpointError(f"no checkpoint to resume in {stage_dir / 'checkpoints'}")
+    return saved[-1][1]
+
+
+def _write_json_atomic(path: Path, data: Any) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(partial, path)
+
+
+def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.is_file():
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"timed out waiting for rank 0 to write '{path}'")
+        time.sleep(0.5)
+
+
+def _finish_stage(
+    pipeline: PipelineSpec,
+    plan: StagePlan,
+    cfg: RunConfig,
+    result: RunResult,
+    handoff: Handoff | None,
+    payload: dict[str, Any],
+    sha: str,
+) -> StageManifest:
+    """Copy the tokenizer beside the weights and write the stage's manifest (rank 0)."""
+    stage = plan.spec
+    stage_dir = stage_dir_of(pipeline, stage)
+    if result.weights_path is None or result.tokenizer_path is None:
+        raise CheckpointError(
+            f"stage {stage.name} stopped at step {result.global_step} before its last step; "
+            "rerun the pipeline to resume it"
+        )
+    tokenizer = stage_dir / TOKENIZER_NAME
+    if Path(result.tokenizer_path).resolve() != tokenizer.resolve():
+        partial = tokenizer.with_name(f".{TOKENIZER_NAME}.{os.getpid()}.partial")
+        shutil.copyfile(result.tokenizer_path, partial)
+        os.replace(partial, tokenizer)
+    continues = stage.init == "full" and handoff is not None
+    start_step = handoff.global_step if continues else 0
+    logs = read_stage_logs(stage_dir, stage.name, start_step)
+    checkpoint = stage_dir / "checkpoints" / "last.ckpt"
+    metrics = StageMetrics(
+        train_loss_start=logs.first("train/loss"),
+        train_loss_end=logs.last("train/loss"),
+        val_loss=logs.last("val/loss"),
+        val_ppl=logs.last("val/ppl"),
+        tokens=result.tokens_seen - (handoff.tokens_seen if continues else 0),
+        steps=result.global_step - start_step,
+        seconds=result.seconds,
+    )
+    manifest = StageManifest(
+        pipeline=pipeline.name,
+        stage=stage.name,
+        recipe=stage.recipe,
+        weights=FileRef(
+            relative_to(result.weights_path, stage_dir), sha256_file(result.weights_path)
+        ),
+        tokenizer=FileRef(TOKENIZER_NAME, sha256_file(tokenizer)),
+        model=asdict(cfg.model),
+        global_step=result.global_step,
+        tokens_seen=result.tokens_seen,
+        config=payload,
+        config_sha256=sha,
+        checkpoint=relative_to(checkpoint, stage_dir) if checkpoint.is_file() else None,
+        start_step=start_step,
+        last_lr=result.last_lr,
+        data_fingerprint=result.data_fingerprint,
+        data_sources={n: asdict(s) for n, s in resolve_sources(cfg.data).items()},
+        upstream=None
+        if handoff is None
+        else {
+            "stage" if plan.source_stage else "path": plan.source_stage or handoff.label,
+            "weights_sha256": handoff.weights_sha256,
+        },
+        averaged_from=[relative_to(p, stage_dir) for p in result.averaged_from],
+        versions=package_versions(),
+        git_revision=git_revision(),
+        metrics=metrics,
+        created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
+    write_manifest(manifest, stage_dir)
+    return manifest
+
+
+def _train_stage(
+    pipeline: PipelineSpec,
+    plan: StagePlan,
+    manifests: Mapping[str, StageManifest],
+    callbacks: Sequence[Callback],
+) -> tuple[StageManifest, RunResult]:
+    stage = plan.spec
+    stage_dir = stage_dir_of(pipeline, stage)
+    rank_zero = global_rank() == 0
+    if plan.action == "rerun" and stage_dir.exists() and rank_zero:
+        _move_aside(stage_dir)
+    handoff = source_handoff(plan, manifests)
+    cfg = apply_handoff(pipeline, stage, plan.config, handoff)
+    if stage.init == "full" and handoff is not None and cfg.stage.max_tokens is None:
+        if cfg.trainer.max_steps <= handoff.global_step:
+            raise ConfigError(
+                f"{stage.key}.init=full continues from step {handoff.global_step} of "
+                f"{handoff.label}; {stage.key}.trainer.max_steps={cfg.trainer.max_steps} must "
+                "be larger"
+            )
+    payload, sha = stage_fingerprint(stage, cfg, handoff)
+    if plan.action == "resume":
+        cfg.stage.init_from = None
+        cfg.stage.init_optimizer = False
+        cfg.run.ckpt_path = str(_resume_checkpoint(stage_dir))
+    if rank_zero:
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(
+            stage_dir / FINGERPRINT_NAME,
+            {
+                "pipeline": pipeline.name,
+                "stage": stage.name,
+                "config_sha256": sha,
+                "config": payload,
+            },
+        )
+    log.info("stage %s: %s (recipe %s, init %s)", stage.name, plan.reason, stage.recipe, stage.init)
+    final = FinalCheckpoint(stage_dir / "checkpoints" / "last.ckpt")
+    result = run(cfg, callbacks=[final, *callbacks])
+    manifest_file = stage_dir / MANIFEST_NAME
+    if rank_zero:
+        manifest = _finish_stage(pipeline, plan, cfg, result, handoff, payload, sha)
+    else:
+        _wait_for(manifest_file)
+        manifest = read_manifest(manifest_file, stage=stage.name, verify=False)
+    return manifest, result
+
+
+STATUS = {
+    "train": "trained",
+    "resume": "resumed",
+    "rerun": "retrained",
+    "skip": "skipped",
+    "keep": "kept",
+}
+
+
+def run_pipeline(
+    cfg: DictConfig | PipelineSpec,
+    stage_callbacks: Mapping[str, Sequence[Callback]] | None = None,
+    console: Console | None = None,
+    dry_run: bool = False,
+) -> PipelineResult:
+    """Validate and run a pipeline; see the module docstring for the order of work.
+
+    Args:
+        cfg: a composed pipeline config (``compose_pipeline([...])``) or a parsed spec.
+        stage_callbacks: stage name -> extra Lightning callbacks for that stage's run.
+        console: where the summary table goes (default: stdout).
+        dry_run: validate and print the plan; train nothing.
+
+    Returns:
+        A :class:`PipelineResult` with every stage's manifest.
+
+    Raises:
+        RecipesError: a bad pipeline, caught before any training (see
+            :func:`plan_pipeline`), or a stage that fails.
+    """
+    pipeline = cfg if isinstance(cfg, PipelineSpec) else parse_pipeline(cfg)
+    pipeline = dataclasses.replace(pipeline, dir=pipeline.dir.resolve())
+    plans = plan_pipeline(pipeline)
+    rank_zero = global_rank() == 0
+    if rank_zero:
+        print_plan(pipeline, plans, console)
+    result = PipelineResult(name=pipeline.name, dir=pipeline.dir)
+    if dry_run or pipeline.dry_run:
+        return result
+    manifests: dict[str, StageManifest] = {}
+    callbacks = stage_callbacks or {}
+    for plan in plans:
+        stage = plan.spec
+        if plan.action in ("skip", "keep"):
+            assert plan.manifest is not None
+            log.info("stage %s: %s", stage.name, plan.reason)
+            manifest, run_result = plan.manifest, None
+        else:
+            manifest, run_result = _train_stage(
+                pipeline, plan, manifests, callbacks.get(stage.name, ())
+            )
+        manifests[stage.name] = manifest
+        result.stages.append(
+            StageResult(
+                stage.name,
+                STATUS[plan.action],
+                manifest,
+                stage_dir_of(pipeline, stage) / MANIFEST_NAME,
+                run_result,
+            )
+        )
+    result.summary = [
+        stage_summary(
+            r.manifest,
+            r.status,
+            r.manifest_path,
+            plan.spec.init,
+            plan.source_stage or (plan.source_file.label if plan.source_file else None),
+        )
+        for r, plan in zip(result.stages, plans, strict=True)
+    ]
+    if rank_zero:
+        result.report_dir = _write_report(pipeline, result, console)
+    return result
+
+
+def _write_report(pipeline: PipelineSpec, result: PipelineResult, console: Console | None) -> Path:
+    report_dir = pipeline.dir / REPORT_DIR
+    series = [
+        read_stage_logs(stage_dir_of(pipeline, spec), r.name, r.manifest.start_step)
+        for spec, r in zip(pipeline.stages, result.stages, strict=True)
+    ]
+    plots = write_plots(series, report_dir)
+    write_summary(report_dir / "summary.json", pipeline.name, pipeline.dir, result.summary, plots)
+    print_summary_table(pipeline.name, result.summary, console)
+    log.info("report written to %s", report_dir)
+    return report_dir

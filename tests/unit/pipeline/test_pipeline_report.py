@@ -1,0 +1,83 @@
+"""The report reads every CSV log version of a stage and draws the pipeline's plots."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+from rich.console import Console
+
+from recipes_lib.pipeline.report import (
+    PLOTS,
+    print_summary_table,
+    read_stage_logs,
+    write_plots,
+    write_summary,
+)
+
+
+def _write_csv(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    names = sorted({k for row in rows for k in row})
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=names)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_resumed_versions_override_the_steps_they_repeat(tmp_path):
+    logs = tmp_path / "cpt" / "logs"
+    _write_csv(
+        logs / "version_0" / "metrics.csv",
+        [{"step": s, "train/loss": 10 - s} for s in range(0, 6)] + [{"step": 4, "val/loss": 7}],
+    )
+    # killed after a checkpoint at step 3: the resumed run logs steps 3.. again
+    _write_csv(
+        logs / "version_1" / "metrics.csv",
+        [{"step": s, "train/loss": 20 - s, "train/lr/decay": 0.1} for s in range(3, 8)],
+    )
+    _write_csv(logs / "version_10" / "metrics.csv", [{"step": 7, "train/loss": 1.0}])
+    series = read_stage_logs(tmp_path / "cpt", "cpt")
+    losses = dict(series.series["train/loss"])
+    assert [s for s, _ in series.series["train/loss"]] == list(range(8))
+    assert losses[2] == 8 and losses[3] == 17 and losses[6] == 14
+    assert losses[7] == 1.0  # version_10 sorts after version_1, not before version_2
+    assert series.first("train/loss") == 10 and series.last("train/loss") == 1.0
+    assert series.last("val/loss") == 7 and series.first("missing") is None
+
+
+def test_plots_and_summary_are_written_even_without_optional_metrics(tmp_path):
+    _write_csv(
+        tmp_path / "a" / "logs" / "version_0" / "metrics.csv",
+        [{"step": s, "train/loss": 5 - s / 10, "perf/tokens_per_sec": 1000} for s in range(5)],
+    )
+    _write_csv(
+        tmp_path / "b" / "logs" / "version_0" / "metrics.csv",
+        [{"step": s, "train/loss": 4.0} for s in range(5, 9)],  # continued step count
+    )
+    series = [read_stage_logs(tmp_path / "a", "a"), read_stage_logs(tmp_path / "b", "b", 5)]
+    plots = write_plots(series, tmp_path / "report")
+    assert [p.name for p in plots] == list(PLOTS)
+    for path in plots:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # lr.png: nothing logged, still drawn
+    stages = [
+        {
+            "stage": "a",
+            "recipe": "pretrain/tiny",
+            "status": "trained",
+            "steps": 5,
+            "train_loss_start": 5.0,
+            "train_loss_end": 4.6,
+            "val_loss": None,
+            "val_ppl": None,
+            "tokens": 12_345,
+            "seconds": 3.25,
+        }
+    ]
+    summary = write_summary(tmp_path / "report" / "summary.json", "p", tmp_path, stages, plots)
+    assert json.loads(summary.read_text())["plots"] == list(PLOTS)
+    out = io.StringIO()
+    print_summary_table("p", stages, Console(file=out, width=150))
+    text = out.getvalue()
+    assert "5.000" in text and "4.600" in text and "12.35k" in text and "3.2s" in text
