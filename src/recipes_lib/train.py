@@ -11,7 +11,9 @@ The order below matters and reads top to bottom:
 4. fit, resuming from ``run.ckpt_path`` when set;
 5. export the stage's output weights to ``<run.dir>/model.safetensors`` (rank 0): the
    final weights, the mean of the last ``stage.average_last_k`` step checkpoints, or
-   the ``stage.ema_decay`` moving average.
+   the ``stage.ema_decay`` moving average. With an adapter (LoRA/QLoRA) these are the
+   base weights with the adapters merged in, and ``<run.dir>/adapter/`` holds the
+   adapters alone in PEFT's format.
 """
 
 from __future__ import annotations
@@ -27,6 +29,13 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
+from recipes_lib.adapters import (
+    ADAPTER_DIR,
+    check_adapter_config,
+    has_adapter,
+    merge_adapter,
+    save_adapter,
+)
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.checkpoint.weights import (
     WEIGHTS_NAME,
@@ -37,8 +46,12 @@ from recipes_lib.checkpoint.weights import (
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
 from recipes_lib.config.validate import validate_run_config
 from recipes_lib.data import PretrainDataModule
+from recipes_lib.data.chat_module import build_chat_data
+from recipes_lib.data.preference import build_preference_data
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.stages.causal_lm import CausalLMModule
+from recipes_lib.stages.dpo import build_dpo_module
+from recipes_lib.stages.sft import SFTModule
 
 
 @dataclass
@@ -95,9 +108,13 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
 
 
 def _causal_lm_module(
-    cfg: RunConfig, *, total_steps: int, tokens_per_step: int
+    cfg: RunConfig,
+    *,
+    total_steps: int,
+    tokens_per_step: int,
+    module_class: type[CausalLMModule] = CausalLMModule,
 ) -> L.LightningModule:
-    return CausalLMModule(
+    return module_class(
         cfg.model,
         cfg.kernels,
         cfg.optim,
@@ -107,6 +124,7 @@ def _causal_lm_module(
         document_mask=cfg.data.document_mask,
         init_from=cfg.stage.init_from,
         init_optimizer=cfg.stage.init_optimizer,
+        adapter=cfg.adapter,
     )
 
 
@@ -116,6 +134,12 @@ def _pretrain_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDa
         model_vocab_size=cfg.model.vocab_size,
         model_max_seq_len=cfg.model.max_seq_len,
         total_train_samples=total_train_samples,
+    )
+
+
+def _sft_module(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> L.LightningModule:
+    return _causal_lm_module(
+        cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, module_class=SFTModule
     )
 
 
@@ -133,6 +157,8 @@ class Objective:
 
 OBJECTIVES: dict[str, Objective] = {
     "pretrain": Objective(module=_causal_lm_module, data=_pretrain_data),
+    "sft": Objective(module=_sft_module, data=build_chat_data),
+    "dpo": Objective(module=build_dpo_module, data=build_preference_data),
 }
 
 
@@ -181,6 +207,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     """
     cfg = to_run_config(cfg)
     validate_run_config(cfg, objectives=tuple(OBJECTIVES))
+    check_adapter_config(cfg.adapter, accelerator=cfg.trainer.accelerator)
     ckpt_path = _resolve_ckpt_path(cfg)
     _refuse_to_overwrite(cfg, ckpt_path)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
@@ -301,6 +328,12 @@ def _export_weights(
             state, source = ema.averaged_state_dict(module.model), f"ema decay {ema.decay}"
         else:
             state, source = module.model.state_dict(), "final"
+        if has_adapter(module.model):
+            save_adapter(module.model, out / ADAPTER_DIR, cfg.adapter, state=state)
+            state, source = (
+                merge_adapter(module.model, state),
+                f"{source}, {cfg.adapter.kind} merged",
+            )
         save_weights(state, path, metadata={"global_step": str(step), "weights": source})
     trainer.strategy.barrier("export_weights")
     return path, chosen

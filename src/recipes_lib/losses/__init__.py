@@ -6,5 +6,24 @@ from recipes_lib.losses.cross_entropy import (
     causal_lm_loss,
     chunked_cross_entropy,
 )
+from recipes_lib.losses.preference import (
+    PREFERENCE_LOSSES,
+    dpo_sigmoid_loss,
+    hinge_loss,
+    ipo_loss,
+    sequence_logprobs,
+    token_logprobs,
+)
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "IGNORE_INDEX", "causal_lm_loss", "chunked_cross_entropy"]
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "IGNORE_INDEX",
+    "PREFERENCE_LOSSES",
+    "causal_lm_loss",
+    "chunked_cross_entropy",
+    "dpo_sigmoid_loss",
+    "hinge_loss",
+    "ipo_loss",
+    "sequence_logprobs",
+    "token_logprobs",
+]

@@ -24,8 +24,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from recipes_lib.adapters import apply_adapter, check_adapter_config
 from recipes_lib.checkpoint.weights import load_state_into, load_weights, read_checkpoint
-from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
+from recipes_lib.config.schema import (
+    AdapterConfig,
+    KernelsConfig,
+    ModelConfig,
+    OptimConfig,
+    SchedulerConfig,
+)
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.kernels import get_attention_backend
 from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
@@ -199,6 +206,8 @@ class CausalLMModule(L.LightningModule):
         init_optimizer: Also start from the optimizer state of ``init_from`` (a Lightning
             checkpoint): AdamW moments carry over, learning rates and the schedule come
             from ``optim`` and ``scheduler`` (see :func:`load_optimizer_moments`).
+        adapter: LoRA or QLoRA applied to the built model after ``init_from`` is loaded
+            (:func:`recipes_lib.adapters.apply_adapter`); only the adapters train.
     """
 
     def __init__(
@@ -213,12 +222,17 @@ class CausalLMModule(L.LightningModule):
         document_mask: bool = False,
         init_from: str | None = None,
         init_optimizer: bool = False,
+        adapter: AdapterConfig | None = None,
     ):
         super().__init__()
         self.model_config: ModelConfig = _as_config(ModelConfig, model, "model")
         self.kernels_config: KernelsConfig = _as_config(KernelsConfig, kernels, "kernels")
         self.optim_config: OptimConfig = _as_config(OptimConfig, optim, "optim")
         self.scheduler_config: SchedulerConfig = _as_config(SchedulerConfig, scheduler, "scheduler")
+        self.adapter_config: AdapterConfig = _as_config(
+            AdapterConfig, adapter if adapter is not None else AdapterConfig(), "adapter"
+        )
+        check_adapter_config(self.adapter_config)
         self.total_steps = int(total_steps)
         self.tokens_per_step = int(tokens_per_step)
         self.document_mask = document_mask
@@ -242,6 +256,7 @@ class CausalLMModule(L.LightningModule):
                 "document_mask": document_mask,
                 "init_from": init_from,
                 "init_optimizer": init_optimizer,
+                "adapter": asdict(self.adapter_config),
             }
         )
         self.model: Transformer | None = None
@@ -278,6 +293,9 @@ class CausalLMModule(L.LightningModule):
                     "meta device (deferred sharded init); use a strategy that builds it on device"
                 )
             load_model_weights(model, self.init_from)
+        # after the base weights are in place; before compilation, which must see the
+        # adapted modules
+        model = apply_adapter(model, self.adapter_config)
         if self.kernels_config.compile:
             for block in model.layers:
                 block.compile()  # in place: parameter names stay as they are
@@ -290,8 +308,17 @@ class CausalLMModule(L.LightningModule):
         return self._built_model()(input_ids, doc_ids)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token at ``seq_len`` (for throughput and MFU)."""
-        return self._built_model().flops_per_token(seq_len)
+        """Training FLOPs per token at ``seq_len`` (for throughput and MFU).
+
+        With an adapter they are counted on the plain model's shape: the base matmuls
+        run at full size whatever their storage (4-bit weights count half their
+        elements), and the LoRA factors add little.
+        """
+        model = self._built_model()
+        if self.adapter_config.kind != "none":
+            with torch.device("meta"):  # shapes only, no memory
+                model = Transformer(self.model_config, attention=model.attention_backend)
+        return model.flops_per_token(seq_len)
 
     def _built_model(self) -> Transformer:
         if self.model is None:

@@ -1,0 +1,276 @@
+"""LoRA (through ``peft``) and QLoRA (LoRA over 4-bit NF4 base linears, ``bitsandbytes``).
+
+``peft.inject_adapter_in_model`` wraps each targeted ``nn.Linear`` of the native model in
+place: ``layers.0.attention.wq`` becomes a LoRA layer whose frozen ``base_layer`` is the
+original linear (or, for QLoRA, a ``bitsandbytes.nn.Linear4bit`` holding it in NF4) and
+whose ``lora_A``/``lora_B`` are the only trainable weights. Its output is
+``base(x) + scale * B(A(dropout(x)))`` with ``scale = alpha / r``, so merging is
+``W + scale * B @ A``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+
+from recipes_lib.config.schema import AdapterConfig
+from recipes_lib.errors import ConfigError
+
+ADAPTER_KINDS = ("none", "lora", "qlora")
+NATIVE_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+HF_TO_NATIVE_TARGET = {
+    "q_proj": "wq",
+    "k_proj": "wk",
+    "v_proj": "wv",
+    "o_proj": "wo",
+    "gate_proj": "w1",
+    "down_proj": "w2",
+    "up_proj": "w3",
+}
+ADAPTER_NAME = "default"
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_LORA_MARK = ".lora_"
+
+
+def native_targets(config: AdapterConfig) -> list[str]:
+    """``adapter.target_modules`` as native names (Hugging Face names are accepted).
+
+    Raises:
+        ConfigError: an empty list or a name that is not a linear of the decoder.
+    """
+    targets = []
+    for name in config.target_modules:
+        native = HF_TO_NATIVE_TARGET.get(name, name)
+        if native not in NATIVE_TARGETS:
+            raise ConfigError(
+                f"adapter.target_modules: {name!r} is not a linear layer of the model; choose "
+                f"from {list(NATIVE_TARGETS)} (or {list(HF_TO_NATIVE_TARGET)})"
+            )
+        if native not in targets:
+            targets.append(native)
+    if not targets:
+        raise ConfigError(f"adapter.kind={config.kind} needs adapter.target_modules")
+    return targets
+
+
+def check_adapter_config(config: AdapterConfig, accelerator: str = "auto") -> None:
+    """Fail before training on an adapter that cannot run here.
+
+    Args:
+        config: the ``adapter`` config.
+        accelerator: ``trainer.accelerator`` (QLoRA needs a CUDA one).
+
+    Raises:
+        ConfigError: an unknown kind or bad rank, alpha, dropout or target, or QLoRA
+            without ``bitsandbytes`` or without a CUDA GPU (naming what is missing).
+    """
+    if config.kind not in ADAPTER_KINDS:
+        raise ConfigError(f"adapter.kind={config.kind!r} is not one of {list(ADAPTER_KINDS)}")
+    if config.kind == "none":
+        return
+    if config.r < 1:
+        raise ConfigError(f"adapter.r={config.r} must be a positive rank")
+    if config.alpha <= 0:
+        raise ConfigError(f"adapter.alpha={config.alpha} must be positive")
+    if not 0.0 <= config.dropout < 1.0:
+        raise ConfigError(f"adapter.dropout={config.dropout} must be in [0, 1)")
+    native_targets(config)
+    if config.kind != "qlora":
+        return
+    if config.compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(
+            f"adapter.compute_dtype={config.compute_dtype!r} is not one of {list(COMPUTE_DTYPES)}"
+        )
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(
+            "adapter.kind=qlora needs the bitsandbytes package, which is not installed "
+            "(pip install 'recipes-lib[qlora]'); use adapter=lora instead"
+        )
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "adapter.kind=qlora needs a CUDA GPU (bitsandbytes 4-bit kernels), and none is "
+            "available; use adapter=lora on this machine"
+        )
+    if accelerator not in ("auto", "cuda", "gpu"):
+        raise ConfigError(
+            f"adapter.kind=qlora needs a CUDA GPU, but trainer.accelerator={accelerator}"
+        )
+
+
+def lora_config(config: AdapterConfig, targets: list[str] | None = None):
+    """The ``peft.LoraConfig`` of ``config`` (over native module names by default)."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=config.r,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=targets if targets is not None else native_targets(config),
+        bias="none",
+    )
+
+
+def _quantize_base_linears(model: nn.Module, targets: list[str], config: AdapterConfig) -> None:
+    """Replace each targeted ``nn.Linear`` by a frozen NF4 ``bitsandbytes.nn.Linear4bit``."""
+    import bitsandbytes as bnb
+
+    compute_dtype = COMPUTE_DTYPES[config.compute_dtype]
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if child_name not in targets or not isinstance(child, nn.Linear):
+                continue
+            device = child.weight.device
+            if device.type != "cuda":
+                raise ConfigError(
+                    f"adapter.kind=qlora quantizes on a CUDA device, but the model was built on "
+                    f"{device}; run with trainer.accelerator=gpu"
+                )
+            quantized = bnb.nn.Linear4bit(
+                child.in_features,
+                child.out_features,
+                bias=child.bias is not None,
+                compute_dtype=compute_dtype,
+                compress_statistics=config.double_quant,
+                quant_type="nf4",
+            )
+            quantized.weight = bnb.nn.Params4bit(
+                child.weight.data,
+                requires_grad=False,
+                compress_statistics=config.double_quant,
+                quant_type="nf4",
+            )
+            if child.bias is not None:
+                quantized.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, child_name, quantized.to(device))  # .to(cuda) quantizes
+    model.is_loaded_in_4bit = True  # peft wraps Linear4bit bases in its 4-bit LoRA layer
+
+
+def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
+    """Put LoRA (or QLoRA) adapters on ``model`` in place and freeze everything else.
+
+    Call after the base weights are loaded. ``kind=none`` returns ``model`` untouched.
+
+    Returns:
+        ``model``, whose only trainable parameters are the ``lora_A``/``lora_B`` weights.
+
+    Raises:
+        ConfigError: a bad adapter config (see :func:`check_adapter_config`) or a model
+            built on the meta device (deferred init cannot hold adapters).
+    """
+    if config.kind == "none":
+        return model
+    check_adapter_config(config)
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigError(
+            f"adapter.kind={config.kind} cannot be applied to a model built on the meta device "
+            "(deferred sharded init); use a strategy that builds the model on its device"
+        )
+    from peft import inject_adapter_in_model
+
+    targets = native_targets(config)
+    if config.kind == "qlora":
+        _quantize_base_linears(model, targets, config)
+    inject_adapter_in_model(lora_config(config, targets), model, adapter_name=ADAPTER_NAME)
+    for name, param in model.named_parameters():
+        param.requires_grad_(_LORA_MARK in name)
+    return model
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Module name -> peft LoRA layer, for every adapted linear of ``model``."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+
+
+def has_adapter(model: nn.Module) -> bool:
+    """Whether ``model`` carries LoRA layers."""
+    return bool(lora_layers(model))
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` as its frozen base: every LoRA layer is bypassed inside the block.
+
+    With adapters, the base model is the reference of preference optimisation without
+    a second copy. ``requires_grad`` of every parameter is as before afterwards.
+    """
+    layers = list(lora_layers(model).values())
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for name, param in model.named_parameters():
+            param.requires_grad_(trainable[name])
+
+
+def _base_weight(layer: nn.Module) -> Tensor:
+    """The dense weight of a LoRA layer's base linear (dequantized from NF4 for QLoRA)."""
+    base = layer.get_base_layer()
+    weight = base.weight
+    quant_state = getattr(weight, "quant_state", None)
+    if quant_state is not None:
+        import bitsandbytes.functional as bnbf
+
+        return bnbf.dequantize_4bit(weight.data, quant_state).to(quant_state.dtype)
+    return weight.detach()
+
+
+def _merged(
+    model: nn.Module, state: Mapping[str, Tensor] | None, with_adapters: bool
+) -> dict[str, Tensor]:
+    layers = lora_layers(model)
+    source = dict(state) if state is not None else {}
+    out: dict[str, Tensor] = {}
+    copies: dict[int, Tensor] = {}  # one CPU copy per tensor: tied weights stay tied
+    for name, value in model.state_dict(keep_vars=True).items():
+        if _LORA_MARK in name or any(name.startswith(f"{layer}.base_layer.") for layer in layers):
+            continue  # LoRA factors, and the (possibly 4-bit) base tensors: merged below
+        value = source.get(name, value)
+        if id(value) not in copies:
+            copies[id(value)] = value.detach().cpu()
+        out[name] = copies[id(value)]
+    for layer_name, layer in layers.items():
+        weight = _base_weight(layer)
+        if with_adapters:
+            prefix = f"{layer_name}.lora_{{}}.{ADAPTER_NAME}.weight"
+            a = source.get(prefix.format("A"), layer.lora_A[ADAPTER_NAME].weight)
+            b = source.get(prefix.format("B"), layer.lora_B[ADAPTER_NAME].weight)
+            scale = layer.scaling[ADAPTER_NAME]
+            delta = (b.detach().float() @ a.detach().float()) * scale  # (out, in)
+            weight = (weight.float() + delta.to(weight.device)).to(weight.dtype)
+        out[f"{layer_name}.weight"] = weight.cpu()  # one layer at a time on the device
+        bias = layer.get_base_layer().bias
+        if bias is not None:
+            bias = source.get(f"{layer_name}.base_layer.bias", bias)
+            out[f"{layer_name}.bias"] = bias.detach().cpu()
+    return out
+
+
+def merge_adapter(model: nn.Module, state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """A plain :class:`~recipes_lib.models.Transformer` state dict: ``W + scale * B @ A``.
+
+    The tensors are on the CPU (merged one layer at a time, so a 4-bit model never
+    holds all its dense weights on the GPU at once); QLoRA bases are dequantized.
+
+    Args:
+        model: an adapted model (one without adapters gives its own state dict).
+        state: the adapted model's state dict to merge instead of its current weights
+            (e.g. an average of checkpoints or an EMA); missing entries come from
+            ``model``. Base weights are frozen, so only the adapters can differ.
+    """
+    return _merged(model, state, with_adapters=True)
+
+
+def base_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The plain state dict (on the CPU) of the base model under the adapters (QLoRA:
+    dequantized)."""
+    return _merged(model, None, with_adapters=False)

@@ -1,0 +1,416 @@
+"""Chat records: validation, rendering with a chat template, and the assistant-token mask.
+
+A chat record is either a ``messages`` list of ``{"role", "content"}`` turns (roles
+``system``, ``user``, ``assistant``) or a ``prompt``/``response`` pair, read as one user
+turn and one assistant turn. Field names come from ``data.chat``
+(:class:`~recipes_lib.config.schema.ChatFormatConfig`).
+
+A conversation is rendered with a Jinja chat template, one turn at a time: the text a
+turn adds is the difference between rendering the turns up to it and the turns before
+it, so every character (and, tokenizing turn by turn, every token) is known to belong
+to one turn. The mask marks an assistant turn's content and the end-of-turn special
+token that follows it; headers, user and system turns are not trained on.
+
+The template is ``data.chat.chat_template`` (Jinja text, or the name of a built-in
+one), else the tokenizer's own, else the built-in ``chatml``:
+
+    <|im_start|>user\\n{content}<|im_end|>\\n<|im_start|>assistant\\n{content}<|im_end|>\\n
+
+which needs ``<|im_start|>`` and ``<|im_end|>`` as special tokens of the tokenizer (a
+tokenizer trained for a chat run gets them). The built-in ``plain`` needs only the
+end-of-document token: ``### {role}\\n{content}{eos_token}\\n`` per turn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from recipes_lib.config.schema import ChatFormatConfig
+from recipes_lib.data.instructions import (  # the built-in source's records, re-exported
+    stdlib_instruction_records as stdlib_instruction_records,
+)
+from recipes_lib.errors import ConfigError, DataError
+
+ROLES = ("system", "user", "assistant")
+IGNORE_INDEX = -100
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHATML_TOKENS = (IM_START, IM_END)
+TRUNCATION_POLICIES = ("right", "left", "drop")
+BAD_RECORD_POLICIES = ("error", "skip")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '### ' + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant\n' }}{% endif %}"
+)
+BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE, "plain": PLAIN_TEMPLATE}
+_TEMPLATE_KEY = "data.chat.chat_template"
+
+Message = dict[str, str]
+
+
+# ------------------------------------------------------------------- records
+def _bad(source: str, index: int, field: str, problem: str) -> DataError:
+    return DataError(f"{source}: record {index}, field {field!r}: {problem}")
+
+
+def validate_messages(value: Any, index: int, field: str, source: str = "data") -> list[Message]:
+    """A ``messages`` list as plain ``{"role", "content"}`` dicts.
+
+    Raises:
+        DataError: not a non-empty list, a turn that is not a mapping, an unknown role
+            or a content that is not text; the message names ``source``, the record
+            ``index`` and the field (``messages[2].role``).
+    """
+    if not isinstance(value, Sequence) or isinstance(value, str) or len(value) == 0:
+        raise _bad(source, index, field, f"must be a non-empty list of turns, got {value!r:.80}")
+    turns = []
+    for j, turn in enumerate(value):
+        where = f"{field}[{j}]"
+        if not isinstance(turn, Mapping):
+            raise _bad(
+                source, index, where, f"must be a mapping with role and content, got {turn!r:.80}"
+            )
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES:
+            raise _bad(
+                source, index, f"{where}.role", f"unknown role {role!r}; roles: {list(ROLES)}"
+            )
+        if not isinstance(content, str):
+            got = "missing" if content is None else f"{type(content).__name__}, not text"
+            raise _bad(source, index, f"{where}.content", got)
+        turns.append({"role": role, "content": content})
+    return turns
+
+
+def record_messages(
+    record: Any, index: int, chat: ChatFormatConfig, source: str = "data"
+) -> list[Message]:
+    """The turns of one chat record: its ``messages`` list or its prompt/response pair.
+
+    Raises:
+        DataError: a malformed record (see :func:`validate_messages`), a missing or
+            empty prompt or response, or a conversation with no assistant turn with
+            content to train on; the message names the record index and field.
+    """
+    if not isinstance(record, Mapping):
+        raise DataError(f"{source}: record {index} is not a mapping: {record!r:.80}")
+    if record.get(chat.messages_field) is not None:
+        messages = validate_messages(
+            record[chat.messages_field], index, chat.messages_field, source
+        )
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            raise _bad(source, index, chat.messages_field, "has no assistant turn with content")
+        return messages
+    if chat.prompt_field not in record and chat.response_field not in record:
+        raise DataError(
+            f"{source}: record {index} has neither field {chat.messages_field!r} nor "
+            f"{chat.prompt_field!r}/{chat.response_field!r} (fields: {sorted(record)}); set "
+            "data.chat.messages_field or data.chat.prompt_field/response_field"
+        )
+    for field in (chat.prompt_field, chat.response_field):
+        value = record.get(field)
+        if not isinstance(value, str) or not value.strip():
+            got = "missing" if value is None else f"empty or not text: {value!r:.80}"
+            raise _bad(source, index, field, got)
+    return [
+        {"role": "user", "content": record[chat.prompt_field]},
+        {"role": "assistant", "content": record[chat.response_field]},
+    ]
+
+
+# ----------------------------------------------------------------- templates
+class _GenerationTag(Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` (used by some Hugging Face
+    templates to mark assistant text) and renders its body unchanged."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_render_body")
+        return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _render_body(self, caller):
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+@lru_cache(maxsize=16)
+def compile_template(text: str) -> jinja2.Template:
+    """A Jinja chat template compiled the way ``transformers`` compiles one.
+
+    Raises:
+        ConfigError: the template does not parse.
+    """
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
+    env.globals["raise_exception"] = _raise_exception
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateError as err:
+        raise ConfigError(f"{_TEMPLATE_KEY}: the chat template does not parse: {err}") from err
+
+
+def resolve_template(configured: str | None, tokenizer_template: str | None) -> tuple[str, str]:
+    """``(name, Jinja text)`` of the template to use.
+
+    ``configured`` (``data.chat.chat_template``) is Jinja text or a built-in name; when
+    it is None, the tokenizer's template is used, else the built-in ``chatml``.
+
+    Raises:
+        ConfigError: ``configured`` is neither Jinja nor a built-in name.
+    """
+    if configured is None:
+        if tokenizer_template is not None:
+            return "tokenizer", tokenizer_template
+        return "chatml", CHATML_TEMPLATE
+    if configured in BUILTIN_TEMPLATES:
+        return configured, BUILTIN_TEMPLATES[configured]
+    if "{{" in configured or "{%" in configured:
+        return "configured", configured
+    raise ConfigError(
+        f"{_TEMPLATE_KEY}={configured!r} is neither a Jinja template nor a built-in one "
+        f"({', '.join(BUILTIN_TEMPLATES)})"
+    )
+
+
+def _special_tokens(tokenizer: Tokenizer) -> list[str]:
+    return [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A conversation as token ids and, per token, whether it is assistant output."""
+
+    input_ids: list[int]
+    assistant_mask: list[bool]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class ChatRenderer:
+    """Renders conversations to token ids and an exact assistant-token mask.
+
+    Args:
+        tokenizer: the tokenizer of the model being trained.
+        template: ``data.chat.chat_template`` (Jinja text, a built-in name, or None).
+        tokenizer_template: the tokenizer's own chat template, if it has one.
+        eos_token: the end-of-document token, ``eos_token`` inside templates.
+        bos_token: ``bos_token`` inside templates (None: empty).
+
+    Raises:
+        ConfigError: the template does not parse, or a built-in template needs special
+            tokens (or the EOS token) that the tokenizer lacks.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        template: str | None = None,
+        *,
+        tokenizer_template: str | None = None,
+        eos_token: str = "<|endoftext|>",
+        bos_token: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.template_name, self.template_text = resolve_template(template, tokenizer_template)
+        self._template = compile_template(self.template_text)
+        self.eos_token = eos_token
+        self.bos_token = bos_token or ""
+        self._check_tokens()
+        self._specials = sorted(_special_tokens(tokenizer), key=len, reverse=True)
+
+    def _check_tokens(self) -> None:
+        needed: tuple[str, ...] = ()
+        if self.template_name == "chatml":
+            needed = CHATML_TOKENS
+        elif self.template_name == "plain":
+            needed = (self.eos_token,)
+        specials = set(_special_tokens(self.tokenizer))
+        missing = [t for t in needed if t not in specials]
+        if missing:
+            raise ConfigError(
+                f"{_TEMPLATE_KEY}: the built-in {self.template_name!r} template needs the "
+                f"special token(s) {missing}, which the tokenizer lacks; use a tokenizer that "
+                "has them (one trained for this run with data.tokenizer.path=null gets the chat "
+                "tokens), set data.chat.chat_template=plain (needs only the EOS token, "
+                "data.tokenizer.eos_token), or give a Jinja template"
+            )
+
+    # ------------------------------------------------------------------ text
+    def text(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
+        """The template's rendering of ``messages`` (raises ``jinja2.TemplateError``)."""
+        return self._template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            eos_token=self.eos_token,
+            bos_token=self.bos_token,
+        )
+
+    def _assistant_span(self, delta: str, content: str) -> tuple[int, int]:
+        """Where, in the text an assistant turn adds, its trained part starts and ends:
+        from its content through the first special token after it (the end of turn),
+        or through the content's end when no special token follows."""
+        start = delta.find(content) if content else -1
+        if start < 0 and content.strip():
+            start = delta.find(content.strip())
+            content = content.strip()
+        if start < 0:  # the template rewrote the content: train on the whole turn
+            return 0, len(delta.rstrip())
+        end = start + len(content)
+        rest = delta[end:]
+        stripped = rest.lstrip()
+        for token in self._specials:
+            if stripped.startswith(token):
+                return start, end + (len(rest) - len(stripped)) + len(token)
+        return start, end
+
+    def segments(self, messages: Sequence[Message]) -> list[tuple[str, bool]]:
+        """The rendered text of ``messages`` cut into ``(text, is_assistant)`` pieces.
+
+        Raises:
+            jinja2.TemplateError: the template fails on these messages.
+            ValueError: the template is not incremental (rendering the first k turns is
+                not a prefix of rendering k + 1 turns), so turns cannot be told apart.
+        """
+        pieces: list[tuple[str, bool]] = []
+        previous = ""
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                head = self.text(messages[:i], add_generation_prompt=True)
+                full = self.text(messages[: i + 1])
+                _check_prefix(previous, head, i)
+                _check_prefix(head, full, i)
+                pieces.append((head[len(previous) :], False))
+                delta = full[len(head) :]
+                start, end = self._assistant_span(delta, message["content"])
+                pieces += [(delta[:start], False), (delta[start:end], True), (delta[end:], False)]
+            else:
+                full = self.text(messages[: i + 1])
+                _check_prefix(previous, full, i)
+                pieces.append((full[len(previous) :], False))
+            previous = full
+        return [(text, flag) for text, flag in pieces if text]
+
+    # ---------------------------------------------------------------- tokens
+    def render(
+        self, messages: Sequence[Message], *, index: int | None = None, source: str = "data"
+    ) -> RenderedChat:
+        """Token ids of the conversation and the mask of its assistant tokens.
+
+        Raises:
+            DataError: the template fails to render the conversation (naming record
+                ``index`` of ``source`` when given).
+        """
+        try:
+            pieces = self.segments(messages)
+        except (jinja2.TemplateError, ValueError, TypeError) as err:
+            where = f"record {index}" if index is not None else "a conversation"
+            raise DataError(
+                f"{source}: {where}, field 'messages': the chat template "
+                f"({self.template_name}) failed to render it: {err}"
+            ) from err
+        encoded = self.tokenizer.encode_batch(
+            [text for text, _ in pieces], add_special_tokens=False
+        )
+        ids: list[int] = []
+        mask: list[bool] = []
+        for (_, is_assistant), encoding in zip(pieces, encoded, strict=True):
+            ids.extend(encoding.ids)
+            mask.extend([is_assistant] * len(encoding.ids))
+        return RenderedChat(ids, mask)
+
+    def render_prompt(self, messages: Sequence[Message]) -> list[int]:
+        """Token ids of ``messages`` followed by the assistant header (for generation)."""
+        text = self.text(messages, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def _check_prefix(prefix: str, text: str, turn: int) -> None:
+    if not text.startswith(prefix):
+        raise ValueError(
+            f"the template is not incremental: rendering turns 0..{turn} does not start with "
+            "the rendering of the turns before it, so turns cannot be masked separately"
+        )
+
+
+def render_chat(
+    messages: Sequence[Message],
+    template: str | None,
+    tokenizer: Tokenizer,
+    *,
+    tokenizer_template: str | None = None,
+    eos_token: str = "<|endoftext|>",
+) -> tuple[list[int], list[bool]]:
+    """``(token_ids, assistant_mask)`` of one conversation (see :class:`ChatRenderer`)."""
+    renderer = ChatRenderer(
+        tokenizer, template, tokenizer_template=tokenizer_template, eos_token=eos_token
+    )
+    rendered = renderer.render(messages)
+    return rendered.input_ids, rendered.assistant_mask
+
+
+# -------------------------------------------------------- training examples
+def check_chat_format(chat: ChatFormatConfig) -> None:
+    """Raise :class:`ConfigError` on an unknown truncation or bad-record policy."""
+    if chat.truncation not in TRUNCATION_POLICIES:
+        raise ConfigError(
+            f"data.chat.truncation={chat.truncation!r} is not one of {list(TRUNCATION_POLICIES)}"
+        )
+    if chat.on_bad_record not in BAD_RECORD_POLICIES:
+        raise ConfigError(
+            f"data.chat.on_bad_record={chat.on_bad_record!r} is not one of "
+            f"{list(BAD_RECORD_POLICIES)}"
+        )
+
+
+def truncate(rendered: RenderedChat, max_len: int, policy: str) -> RenderedChat | None:
+    """``rendered`` cut to at most ``max_len`` tokens.
+
+    ``right`` keeps the first ``max_len`` tokens, ``left`` the last ``max_len`` (the
+    end of the conversation), ``drop`` returns None for an over-long conversation.
+    """
+    if len(rendered) <= max_len:
+        return rendered
+    if policy == "drop":
+        return None
+    if policy == "right":
+        return RenderedChat(rendered.input_ids[:max_len], rendered.assistant_mask[:max_len])
+    if policy == "left":
+        return RenderedChat(rendered.input_ids[-max_len:], rendered.assistant_mask[-max_len:])
+    raise ConfigError(f"data.chat.truncation={policy!r} is not one of {list(TRUNCATION_POLICIES)}")
+
+
+def next_token_labels(rendered: RenderedChat) -> list[int]:
+    """Labels aligned with the inputs: ``labels[t]`` is the token after ``t`` when that
+    token is assistant output, else ``-100``; the last position has no next token."""
+    ids, mask = rendered.input_ids, rendered.assistant_mask
+    labels = [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
+    return labels + [IGNORE_INDEX] if ids else []

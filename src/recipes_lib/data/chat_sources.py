@@ -1,0 +1,202 @@
+"""Records of SFT and preference sources, and the tokenizer a chat run uses.
+
+A record source is a local ``.jsonl``/``.json``/``.parquet`` file or directory, a
+``datasets`` hub name, or a built-in generator of records (``stdlib_sft`` here; the
+preference data adds its own). Each source's records are split into training and
+held-out records by a seeded ``data.val_fraction``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import datasets
+from tokenizers import Tokenizer
+
+from recipes_lib.config.schema import DataConfig, SourceConfig
+from recipes_lib.data.chat import CHATML_TOKENS
+from recipes_lib.data.instructions import stdlib_instruction_records
+from recipes_lib.data.prepare import resolve_cache_dir
+from recipes_lib.data.raw import local_files, source_fingerprint, source_kind
+from recipes_lib.data.shards import held_out_mask
+from recipes_lib.data.tokenizer import (
+    TOKENIZER_FILE,
+    load_tokenizer,
+    resolve_tokenizer_file,
+    save_tokenizer,
+    train_bpe_tokenizer,
+)
+from recipes_lib.errors import ConfigError, DataError
+
+# name -> (max_records, seed) -> records
+RecordBuiltin = Callable[[int | None, int], list[dict[str, Any]]]
+SFT_BUILTINS: dict[str, RecordBuiltin] = {"stdlib_sft": stdlib_instruction_records}
+RECORD_FORMATS = ("json", "parquet")
+
+
+def load_records(
+    name: str,
+    source: SourceConfig,
+    builtins: Mapping[str, RecordBuiltin],
+    *,
+    cache_dir: Path | None = None,
+    seed: int = 0,
+) -> list[dict[str, Any]]:
+    """Every record of ``data.sources.<name>`` (at most ``max_documents`` of them).
+
+    Raises:
+        ConfigError: the source names none or several origins, or a bad max_documents.
+        DataError: an unknown built-in, a missing path, a file of plain text, an
+            unreadable dataset, or no records.
+    """
+    key = f"data.sources.{name}"
+    kind = source_kind(name, source)
+    limit = source.max_documents
+    if limit is not None and limit < 1:
+        raise ConfigError(f"{key}.max_documents must be >= 1, got {limit}")
+    if kind == "builtin":
+        if source.builtin not in builtins:
+            raise DataError(
+                f"{key}.builtin={source.builtin!r} is not a built-in record source here; "
+                f"choose one of {sorted(builtins)}"
+            )
+        records = builtins[source.builtin](limit, seed)
+        description = f"builtin {source.builtin}"
+    else:
+        if kind == "path":
+            builder, files = local_files(name, source.path)  # type: ignore[arg-type]
+            if builder not in RECORD_FORMATS:
+                raise DataError(
+                    f"{key}.path: {source.path} holds {builder} files; chat and preference "
+                    "records must be .jsonl, .json or .parquet"
+                )
+            args: dict[str, Any] = {"path": builder, "data_files": [str(f) for f in files]}
+            args["split"] = "train"
+            if cache_dir is not None:
+                args["cache_dir"] = str(cache_dir)
+            description = f"{builder}: {source.path}"
+        else:
+            args = {"path": source.hub, "name": source.subset, "split": source.split}
+            description = f"hub: {source.hub} split={source.split}"
+        try:
+            dataset = datasets.load_dataset(**args, streaming=source.streaming)
+        except Exception as err:  # datasets raises many types
+            raise DataError(
+                f"{key}: could not load {description}: {type(err).__name__}: {err}"
+            ) from err
+        if limit is not None:
+            dataset = (
+                dataset.take(limit)
+                if source.streaming
+                else dataset.select(range(min(limit, len(dataset))))
+            )
+        records = list(dataset)
+    if not records:
+        raise DataError(f"{key}: no records in {description}")
+    return records
+
+
+def split_records(
+    records: list[dict[str, Any]], val_fraction: float, seed: int
+) -> tuple[list[int], list[int]]:
+    """Indices of the training and the held-out records (a seeded ``val_fraction``)."""
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    held = held_out_mask(len(records), val_fraction, seed).tolist()
+    train = [i for i, is_held in enumerate(held) if not is_held]
+    return train, [i for i, is_held in enumerate(held) if is_held]
+
+
+def records_fingerprint(name: str, source: SourceConfig) -> str:
+    """A cheap identity of a record source (names cached tokenizers)."""
+    if source_kind(name, source) != "builtin":
+        return source_fingerprint(name, source)
+    identity = {k: v for k, v in asdict(source).items() if k != "weight"}
+    identity["python"] = sys.version
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def load_chat_tokenizer(
+    config: DataConfig,
+    training_texts: Callable[[], Iterable[str]],
+    fingerprint: str,
+) -> tuple[Tokenizer, str | None, Path]:
+    """The tokenizer of a chat run, its own chat template, and its file.
+
+    ``data.tokenizer.path`` (a tokenizer.json or a Hugging Face folder, whose template
+    comes along; a pipeline stage gets the previous stage's here), or else a byte-level
+    BPE trained on ``training_texts`` and cached under ``data.cache_dir``, with the
+    ChatML tokens (``<|im_start|>``, ``<|im_end|>``) added as special tokens within
+    ``data.tokenizer.vocab_size``.
+
+    Raises:
+        DataError: a missing or invalid tokenizer file.
+    """
+    settings = config.tokenizer
+    if settings.path is not None:
+        file = resolve_tokenizer_file(settings.path).resolve()
+        return load_tokenizer(file), tokenizer_chat_template(file.parent), file
+    identity = json.dumps(
+        {"tokenizer": asdict(settings), "sources": fingerprint, "chat_tokens": CHATML_TOKENS},
+        sort_keys=True,
+    )
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    path = resolve_cache_dir(config.cache_dir) / "tokenizers" / f"chat-{digest}" / TOKENIZER_FILE
+    if not path.is_file():
+        tokenizer = train_bpe_tokenizer(
+            _limited(training_texts(), settings.train_max_bytes),
+            settings.vocab_size - len(CHATML_TOKENS),
+            settings.eos_token,
+        )
+        tokenizer.add_special_tokens(list(CHATML_TOKENS))
+        save_tokenizer(tokenizer, path)
+    return load_tokenizer(path, key=f"tokenizer cache {path.parent}"), None, path
+
+
+def tokenizer_beside(weights: str | None) -> Path | None:
+    """The ``tokenizer.json`` in the folder of ``weights`` (a file or a folder), if any:
+    where a pipeline stage leaves the tokenizer its output weights use."""
+    if weights is None:
+        return None
+    path = Path(weights).expanduser()
+    candidate = (path if path.is_dir() else path.parent) / TOKENIZER_FILE
+    return candidate if candidate.is_file() else None
+
+
+def tokenizer_chat_template(folder: Path) -> str | None:
+    """The chat template stored beside a tokenizer, as ``transformers`` saves it:
+    ``chat_template`` of ``tokenizer_config.json``, else ``chat_template.jinja``.
+
+    Raises:
+        DataError: tokenizer_config.json is not readable JSON.
+    """
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            template = json.loads(config_file.read_text()).get("chat_template")
+        except (OSError, ValueError, AttributeError) as err:
+            raise DataError(
+                f"data.tokenizer.path: {config_file} is not readable JSON: {err}"
+            ) from err
+        if isinstance(template, list):  # named templates: "default" wins
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
+        if isinstance(template, str):
+            return template
+    jinja_file = folder / "chat_template.jinja"
+    return jinja_file.read_text() if jinja_file.is_file() else None
+
+
+def _limited(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    taken = 0
+    for text in texts:
+        if taken >= max_bytes:
+            return
+        taken += len(text.encode("utf-8"))
+        yield text

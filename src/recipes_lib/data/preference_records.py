@@ -1,0 +1,349 @@
+"""Preference records: validation, tokenization and truncation of (prompt, chosen, rejected).
+
+A preference record holds a prompt and two responses, ``chosen`` and ``rejected``
+(field names from ``data.chat``). Each field is plain text or a list of chat messages
+(``{"role", "content"}``); the prompt may also come as a ``messages`` conversation,
+and a record with only ``chosen``/``rejected`` conversations takes their common
+leading turns as its prompt. Plain text is read as one user turn (the prompt) and one
+assistant turn (a response), as supervised fine-tuning reads prompt/response records,
+and every pair is rendered with the run's chat template
+(:class:`recipes_lib.data.chat.ChatRenderer`). Only response tokens are trained on:
+the rendered prompt, and the template's headers, get label ``-100``.
+
+A malformed record stops loading with a :class:`~recipes_lib.errors.DataError` that
+names the source, the record index and the field, or, with
+``data.chat.on_bad_record=skip``, is skipped and counted. ``data.chat.truncation``
+says what happens to a pair longer than ``data.seq_len + 1`` tokens (``seq_len``
+inputs and their next-token labels):
+
+- ``right``: the end of each response is cut (the prompt is kept whole; a pair whose
+  prompt alone fills the window, or whose responses become identical, is skipped and
+  counted);
+- ``left``: the start of the prompt is cut, by the same amount for both responses
+  (a pair whose longer response alone exceeds the window is skipped and counted);
+- ``drop``: the pair is skipped and counted.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from recipes_lib.config.schema import ChatFormatConfig
+from recipes_lib.data.chat import ROLES, ChatRenderer, check_chat_format
+from recipes_lib.errors import DataError
+
+Text = str | list[dict]  # plain text, or chat messages
+
+
+@dataclass(frozen=True)
+class PreferenceRecord:
+    """One validated pair: each part is plain text or a list of ``{role, content}``."""
+
+    prompt: Text
+    chosen: Text
+    rejected: Text
+
+
+@dataclass(frozen=True)
+class EncodedPair:
+    """Token ids of a pair's two full sequences (prompt + response) and, per token,
+    whether it is a response token that counts towards the log-probability."""
+
+    chosen_ids: np.ndarray  # (n_c,) int64
+    chosen_mask: np.ndarray  # (n_c,) bool
+    rejected_ids: np.ndarray  # (n_r,) int64
+    rejected_mask: np.ndarray  # (n_r,) bool
+
+    @property
+    def max_len(self) -> int:
+        return max(len(self.chosen_ids), len(self.rejected_ids))
+
+
+class BadRecord(Exception):
+    """A record that cannot be used; ``reason`` is what a skip is counted under."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _check_messages(value: list, field: str, where: str) -> list[dict]:
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise BadRecord(
+                f"{where}: field {field!r} message {i} is a {type(message).__name__}, not a "
+                "{role, content} mapping",
+                f"malformed field {field!r}",
+            )
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise BadRecord(
+                f"{where}: field {field!r} message {i} has unknown role {role!r} "
+                f"(expected one of {list(ROLES)})",
+                f"unknown role in field {field!r}",
+            )
+        if not isinstance(content, str):
+            raise BadRecord(
+                f"{where}: field {field!r} message {i} has no text content",
+                f"malformed field {field!r}",
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _field(record: Mapping, field: str, where: str, *, required: bool = True) -> Text | None:
+    value = record.get(field)
+    if value is None:
+        if required:
+            raise BadRecord(f"{where}: field {field!r} is missing", f"missing field {field!r}")
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            raise BadRecord(f"{where}: field {field!r} is empty", f"empty field {field!r}")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise BadRecord(f"{where}: field {field!r} is empty", f"empty field {field!r}")
+        return _check_messages(value, field, where)
+    raise BadRecord(
+        f"{where}: field {field!r} holds {type(value).__name__}, not text or a list of messages",
+        f"malformed field {field!r}",
+    )
+
+
+def _common_prefix(a: list[dict], b: list[dict]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def parse_record(record: Mapping, chat: ChatFormatConfig, where: str) -> PreferenceRecord:
+    """Validate one raw record (``where`` names it in messages, e.g. ``... record 7``).
+
+    Raises:
+        BadRecord: a missing or empty field, a wrong type, an unknown role, or chosen and
+            rejected that are identical.
+    """
+    if not isinstance(record, Mapping):
+        raise BadRecord(f"{where}: is a {type(record).__name__}, not a mapping", "not a mapping")
+    chosen = _field(record, chat.chosen_field, where)
+    rejected = _field(record, chat.rejected_field, where)
+    prompt = _field(record, chat.prompt_field, where, required=False)
+    if prompt is None:
+        prompt = _field(record, chat.messages_field, where, required=False)
+    if prompt is None:
+        if not (isinstance(chosen, list) and isinstance(rejected, list)):
+            raise BadRecord(
+                f"{where}: field {chat.prompt_field!r} is missing",
+                f"missing field {chat.prompt_field!r}",
+            )
+        # full conversations: the shared leading turns are the prompt
+        shared = _common_prefix(chosen, rejected)
+        if shared == 0:
+            raise BadRecord(
+                f"{where}: field {chat.prompt_field!r} is missing and {chat.chosen_field!r} and "
+                f"{chat.rejected_field!r} share no leading turns to take as the prompt",
+                f"missing field {chat.prompt_field!r}",
+            )
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+        for field, part in ((chat.chosen_field, chosen), (chat.rejected_field, rejected)):
+            if not part:
+                raise BadRecord(
+                    f"{where}: field {field!r} has no turns after the shared prompt",
+                    f"empty field {field!r}",
+                )
+    if chosen == rejected:
+        raise BadRecord(
+            f"{where}: fields {chat.chosen_field!r} and {chat.rejected_field!r} are identical",
+            "identical responses",
+        )
+    return PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected)
+
+
+class PairEncoder:
+    """Tokenizes validated records into :class:`EncodedPair` and applies truncation.
+
+    Args:
+        renderer: renders conversations with the run's chat template and tokenizer.
+        seq_len: ``data.seq_len``; a full sequence may hold ``seq_len + 1`` tokens.
+        chat: field names and policies.
+    """
+
+    def __init__(self, renderer: ChatRenderer, seq_len: int, chat: ChatFormatConfig) -> None:
+        check_chat_format(chat)
+        self.renderer = renderer
+        self.max_tokens = seq_len + 1
+        self.seq_len = seq_len
+        self.chat = chat
+
+    def _render(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+        try:
+            rendered = self.renderer.render(messages)
+        except DataError as err:
+            raise BadRecord(f"{where}: {err}", "template failed to render") from err
+        return list(rendered.input_ids), [bool(m) for m in rendered.assistant_mask]
+
+    def split(self, record: PreferenceRecord, where: str) -> tuple[list[int], tuple, tuple]:
+        """``prompt_ids`` and, per response, ``(ids, counted_mask)`` after the prompt."""
+        prompt = _as_messages(record.prompt, "user")
+        prompt_ids, _ = self._render(prompt, where)
+        responses = []
+        for field, part in (
+            (self.chat.chosen_field, record.chosen),
+            (self.chat.rejected_field, record.rejected),
+        ):
+            ids, mask = self._render(prompt + _as_messages(part, "assistant"), where)
+            if ids[: len(prompt_ids)] != prompt_ids:
+                raise BadRecord(
+                    f"{where}: field {field!r}: the chat template renders the prompt differently "
+                    "when a response follows it",
+                    "template failed to render",
+                )
+            responses.append((ids[len(prompt_ids) :], mask[len(prompt_ids) :]))
+        return prompt_ids, responses[0], responses[1]
+
+    def encode(self, record: PreferenceRecord, where: str) -> EncodedPair:
+        """Token ids and counted-token masks of both sequences, truncated to fit.
+
+        Raises:
+            BadRecord: the template fails, a response has no counted token, or the pair
+                does not fit under the truncation policy.
+        """
+        prompt, (chosen, chosen_mask), (rejected, rejected_mask) = self.split(record, where)
+        for field, mask in (
+            (self.chat.chosen_field, chosen_mask),
+            (self.chat.rejected_field, rejected_mask),
+        ):
+            if not any(mask):
+                raise BadRecord(
+                    f"{where}: field {field!r} has no response tokens", f"empty field {field!r}"
+                )
+        longest = len(prompt) + max(len(chosen), len(rejected))
+        limit = self.max_tokens
+        if longest > limit:
+            policy = self.chat.truncation
+            if policy == "drop":
+                raise BadRecord(
+                    f"{where}: {longest} tokens, longer than data.seq_len + 1 = {limit}",
+                    "too long (data.chat.truncation=drop)",
+                )
+            if policy == "right":
+                if len(prompt) >= limit:
+                    raise BadRecord(
+                        f"{where}: the prompt alone has {len(prompt)} tokens, no room for a "
+                        f"response in data.seq_len + 1 = {limit}",
+                        "prompt too long (data.chat.truncation=right)",
+                    )
+                room = limit - len(prompt)
+                chosen, chosen_mask = chosen[:room], chosen_mask[:room]
+                rejected, rejected_mask = rejected[:room], rejected_mask[:room]
+                # the first response token is predicted from the last prompt token
+                if not any(chosen_mask) or not any(rejected_mask):
+                    raise BadRecord(
+                        f"{where}: no response token is left after truncating to {limit} tokens",
+                        "prompt too long (data.chat.truncation=right)",
+                    )
+            else:  # left: cut the shared prompt's start
+                if max(len(chosen), len(rejected)) >= limit:
+                    raise BadRecord(
+                        f"{where}: a response alone has {max(len(chosen), len(rejected))} "
+                        f"tokens, more than fit after a prompt token in {limit}",
+                        "response too long (data.chat.truncation=left)",
+                    )
+                prompt = prompt[longest - limit :]
+            if chosen == rejected:
+                raise BadRecord(
+                    f"{where}: the responses are identical once truncated to {limit} tokens",
+                    f"identical after truncation (data.chat.truncation={policy})",
+                )
+        if not prompt:
+            raise BadRecord(
+                f"{where}: the prompt renders to no tokens",
+                f"empty field {self.chat.prompt_field!r}",
+            )
+        return EncodedPair(
+            chosen_ids=np.asarray(prompt + chosen, dtype=np.int64),
+            chosen_mask=np.asarray([False] * len(prompt) + chosen_mask, dtype=bool),
+            rejected_ids=np.asarray(prompt + rejected, dtype=np.int64),
+            rejected_mask=np.asarray([False] * len(prompt) + rejected_mask, dtype=bool),
+        )
+
+
+def _as_messages(part: Text, role: str) -> list[dict]:
+    return part if isinstance(part, list) else [{"role": role, "content": part}]
+
+
+@dataclass
+class EncodedPairs:
+    """The pairs of a source that survived validation, and what was skipped and why."""
+
+    pairs: list[EncodedPair]
+    total: int
+    skipped: Counter
+
+    def skip_summary(self) -> str:
+        reasons = ", ".join(f"{n} {reason}" for reason, n in self.skipped.most_common())
+        return f"skipped {sum(self.skipped.values())} of {self.total} records: {reasons}"
+
+
+def encode_records(
+    records: Iterable[Mapping],
+    encoder: PairEncoder,
+    key: str,
+    indices: Iterable[int] | None = None,
+) -> EncodedPairs:
+    """Validate and encode every record of one source (``key`` names it); ``indices``
+    are the records' positions in the source (default ``0, 1, ...``), named in errors.
+
+    A malformed record raises with its index and field unless
+    ``data.chat.on_bad_record=skip``; truncation skips are always counted.
+
+    Raises:
+        DataError: a bad record (in ``error`` mode).
+    """
+    chat = encoder.chat
+    pairs: list[EncodedPair] = []
+    skipped: Counter = Counter()
+    total = 0
+    positions = iter(indices) if indices is not None else None
+    for count, raw in enumerate(records):
+        index = next(positions) if positions is not None else count
+        total += 1
+        where = f"{key}: record {index}"
+        try:
+            record = parse_record(raw, chat, where)
+        except BadRecord as bad:
+            if chat.on_bad_record == "error":
+                raise DataError(f"{bad} (set data.chat.on_bad_record=skip to skip it)") from None
+            skipped[bad.reason] += 1
+            continue
+        try:
+            pairs.append(encoder.encode(record, where))
+        except BadRecord as bad:
+            truncation = "data.chat.truncation" in bad.reason
+            if chat.on_bad_record == "error" and not truncation:
+                raise DataError(f"{bad} (set data.chat.on_bad_record=skip to skip it)") from None
+            skipped[bad.reason] += 1
+    return EncodedPairs(pairs=pairs, total=total, skipped=skipped)
+
+
+def record_texts(records: Iterable[Mapping], chat: ChatFormatConfig) -> Iterable[str]:
+    """Every piece of text in well-formed records (to train a tokenizer on)."""
+    fields = (chat.prompt_field, chat.messages_field, chat.chosen_field, chat.rejected_field)
+    for record in records:
+        if not isinstance(record, Mapping):
+            continue
+        for field in fields:
+            value = record.get(field)
+            if isinstance(value, str):
+                yield value
+            elif isinstance(value, list):
+                yield from (
+                    m["content"]
+                    for m in value
+                    if isinstance(m, Mapping) and isinstance(m.get("content"), str)
+                )

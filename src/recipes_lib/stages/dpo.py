@@ -1,0 +1,332 @@
+"""Direct preference optimisation: the ``dpo`` objective.
+
+:class:`DPOModule` is a :class:`~recipes_lib.stages.causal_lm.CausalLMModule` whose loss
+compares the policy with a frozen reference on preference pairs (batches of
+:mod:`recipes_lib.data.preference`). One forward pass of the policy covers the chosen
+and the rejected sequences of every pair (they are rows of one batch, or documents of
+packed rows); summed response log-probs per sequence feed the configured loss
+(:mod:`recipes_lib.losses.preference`).
+
+The reference is, by default, the weights the stage starts from
+(``preference.reference_from``, else ``stage.init_from``, else the policy's initial
+weights). With a LoRA or QLoRA adapter and no other reference source it is the policy
+itself with its adapters bypassed, so no second copy of the base exists. Otherwise it
+is a separate frozen model: in eval mode, without gradients, outside the optimizer and
+outside checkpoints (it is not a submodule). A checkpoint records only where the
+reference came from, and a resumed run (which has no ``stage.init_from``) rebuilds it
+from there.
+
+With ``preference.precompute_reference=true`` the reference runs once over every
+training and validation pair before the first step (in ``on_fit_start``); its
+log-probs are stored on the datasets by pair index, so the resumable sampler's order
+does not matter, and a separate reference model is freed afterwards.
+
+Logged as ``train/...`` and ``val/...``: ``loss``, ``rewards/chosen``,
+``rewards/rejected`` (``beta`` times the policy-reference log-ratio), ``rewards/margin``
+(their difference), ``rewards/accuracy`` (the share of pairs whose chosen reward is the
+higher) and the policy's ``logps/chosen`` and ``logps/rejected``.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from recipes_lib.adapters import adapters_disabled, has_adapter
+from recipes_lib.checkpoint.weights import load_state_into, load_weights
+from recipes_lib.config.schema import PreferenceConfig, RunConfig
+from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.losses.preference import PREFERENCE_LOSSES, token_logprobs
+from recipes_lib.models import Transformer
+from recipes_lib.stages.causal_lm import Batch, CausalLMModule, _as_config
+
+SPLITS = ("train", "val")
+REFERENCE_SOURCE_KEY = "dpo_reference_from"  # checkpoint entry: where the reference came from
+
+
+def pair_logprobs(logits: Tensor, labels: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
+    """Summed response log-probs of every pair's two sequences, ``(P, 2)`` fp32.
+
+    Args:
+        logits: ``(R, T, V)`` scores of the batch's rows.
+        labels: ``(R, T)`` next-token ids, -100 where nothing counts.
+        sequence_ids: ``(R, T)``: ``j`` on tokens of pair ``j``'s chosen sequence,
+            ``P + j`` on its rejected one, -1 on padding.
+        n_pairs: ``P``.
+
+    Returns:
+        Column 0 the chosen, column 1 the rejected log-probabilities.
+    """
+    per_token = token_logprobs(logits, labels)  # (R, T), 0 where ignored
+    real = sequence_ids >= 0
+    sums = torch.zeros(2 * n_pairs, dtype=per_token.dtype, device=per_token.device)
+    sums = sums.index_add(0, sequence_ids.clamp(min=0).flatten(), (per_token * real).flatten())
+    return sums.view(2, n_pairs).t()  # (P, 2)
+
+
+def _load_reference(reference: nn.Module, source: str, label: str) -> None:
+    try:
+        state = load_weights(source)
+    except CheckpointError as err:
+        raise CheckpointError(f"{label}: {err}") from err
+    load_state_into(reference, state, label)
+
+
+class FrozenReference:
+    """The reference policy: a frozen model of its own, or an adapted policy run with its
+    adapters bypassed. A plain object, not a module: it is never registered on the
+    LightningModule, so it has no place in the optimizer, the state dict or a checkpoint.
+    """
+
+    def __init__(self, model: nn.Module | None = None, adapted_policy: nn.Module | None = None):
+        if (model is None) == (adapted_policy is None):
+            raise ValueError("give exactly one of model and adapted_policy")
+        self.model = model
+        self.adapted_policy = adapted_policy
+        if model is not None:
+            model.eval().requires_grad_(False)
+
+    @property
+    def shares_policy(self) -> bool:
+        return self.adapted_policy is not None
+
+    @torch.no_grad()
+    def logits(self, input_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+        if self.model is not None:
+            return self.model(input_ids, doc_ids)
+        with adapters_disabled(self.adapted_policy) as base:  # type: ignore[arg-type]
+            return base(input_ids, doc_ids)
+
+    def match_dtype(self, dtype: torch.dtype) -> None:
+        """Cast a separate reference to ``dtype`` (the policy's, under ``*-true`` precision)."""
+        if self.model is not None:
+            first = next(self.model.parameters(), None)
+            if first is not None and first.dtype != dtype:
+                self.model.to(dtype=dtype)
+
+
+class DPOModule(CausalLMModule):
+    """Preference optimisation of a causal LM against a frozen reference.
+
+    Takes :class:`CausalLMModule`'s arguments plus ``preference`` (loss, beta,
+    reference source, precomputation).
+
+    Raises:
+        ConfigError: an unknown loss, a non-positive beta, or ``kernels.loss_chunk_size``
+            (the preference loss needs per-sequence log-probs, not one mean loss).
+    """
+
+    def __init__(self, *args: Any, preference: PreferenceConfig | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        config = preference if preference is not None else PreferenceConfig()
+        self.preference_config: PreferenceConfig = _as_config(
+            PreferenceConfig, config, "preference"
+        )
+        if self.preference_config.loss not in PREFERENCE_LOSSES:
+            raise ConfigError(
+                f"preference.loss={self.preference_config.loss!r} is not one of "
+                f"{sorted(PREFERENCE_LOSSES)}"
+            )
+        if not self.preference_config.beta > 0:
+            raise ConfigError(f"preference.beta={self.preference_config.beta} must be positive")
+        if self.kernels_config.loss_chunk_size is not None:
+            raise ConfigError(
+                f"kernels.loss_chunk_size={self.kernels_config.loss_chunk_size} fuses a mean "
+                "cross-entropy; objective dpo needs per-sequence log-probs: set it to null"
+            )
+        self._preference_loss = PREFERENCE_LOSSES[self.preference_config.loss]
+        self.hparams["preference"] = asdict(self.preference_config)
+        self.reference: FrozenReference | None = None
+        self.reference_source: str | None = None  # the file a separate reference came from
+
+    # ------------------------------------------------------------- reference
+    def configure_model(self) -> None:
+        """Build the policy (see :class:`CausalLMModule`), then its frozen reference."""
+        if self.model is not None:
+            return
+        super().configure_model()
+        self.reference = self._build_reference()
+
+    def _build_reference(self) -> FrozenReference:
+        policy = self._built_model()
+        settings = self.preference_config
+        source = settings.reference_from or self.init_from
+        same_base = settings.reference_from is None or settings.reference_from == self.init_from
+        if has_adapter(policy) and same_base:
+            return FrozenReference(adapted_policy=policy)
+        if any(p.is_meta for p in policy.parameters()):
+            raise ConfigError(
+                "objective dpo builds a separate reference model on the policy's device; a "
+                "deferred (meta-device) initialisation is not supported"
+            )
+        device = next(policy.parameters()).device
+        seed = os.environ.get("PL_GLOBAL_SEED")
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            if seed is not None:
+                torch.manual_seed(int(seed))
+            with torch.device(device):
+                reference = Transformer(self.model_config, attention=policy.attention_backend)
+        if source is None:
+            # the policy's initial weights (no adapter here: it would have been handled)
+            reference.load_state_dict(policy.state_dict())
+        else:
+            key = "preference.reference_from" if settings.reference_from else "stage.init_from"
+            _load_reference(reference, source, f"{key}={source!r}")
+            self.reference_source = str(Path(source).expanduser().resolve())
+        if self.kernels_config.compile:
+            for block in reference.layers:
+                block.compile()
+        return FrozenReference(model=reference)
+
+    # ----------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[REFERENCE_SOURCE_KEY] = self.reference_source
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A resumed run has no ``stage.init_from``: rebuild a separate reference from the
+        source the checkpoint names (its weights are never in the checkpoint)."""
+        super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get(REFERENCE_SOURCE_KEY)
+        reference = self.reference
+        if saved is None or self.reference_source is not None or reference is None:
+            return
+        if reference.model is None:  # the adapted policy's base: restored with the policy
+            return
+        _load_reference(
+            reference.model,
+            saved,
+            f"the reference of the resumed checkpoint ({saved!r}; set "
+            "preference.reference_from if it moved)",
+        )
+        self.reference_source = saved
+
+    def _reference(self) -> FrozenReference:
+        if self.reference is None:
+            raise RuntimeError(
+                "the reference was freed after precomputing its log-probs, or never built"
+            )
+        return self.reference
+
+    def free_reference(self) -> None:
+        """Drop a separate reference model (an adapter-based one costs nothing to keep)."""
+        if self.reference is not None and not self.reference.shares_policy:
+            self.reference = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: Batch) -> Tensor:
+        """``(P, 2)`` reference log-probs of the batch's pairs, computed now."""
+        input_ids, doc_ids = self.model_inputs(batch)
+        logits = self._reference().logits(input_ids, doc_ids)
+        return pair_logprobs(
+            logits, batch["labels"], batch["sequence_ids"], batch["pair_index"].numel()
+        )
+
+    def precompute_reference(self, batches: Iterable[Batch], n_pairs: int) -> Tensor:
+        """``(n_pairs, 2)`` reference log-probs of every pair in ``batches``, placed by
+        ``pair_index`` (rows of pairs not in ``batches`` stay 0)."""
+        table = torch.zeros(n_pairs, 2, dtype=torch.float32, device=self.device)
+        for batch in batches:
+            batch = {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+            with self._autocast():
+                table[batch["pair_index"]] = self.reference_logprobs(batch)
+        return table
+
+    def _autocast(self):
+        try:
+            return self.trainer.precision_plugin.forward_context()
+        except RuntimeError:  # not attached to a Trainer
+            return torch.autocast(self.device.type, enabled=False)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self._reference().match_dtype(next(self._built_model().parameters()).dtype)
+        if not self.preference_config.precompute_reference:
+            return
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None or not hasattr(datamodule, "reference_dataloader"):
+            raise ConfigError(
+                "preference.precompute_reference=true needs a data module with "
+                "reference_dataloader() and set_reference_logps() (PreferenceDataModule)"
+            )
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        for split in SPLITS:
+            dataset = datamodule.split_dataset(split)
+            if dataset is None or len(dataset) == 0:
+                continue
+            loader = datamodule.reference_dataloader(split, rank, world)
+            table = self.precompute_reference(loader, len(dataset))
+            if world > 1:  # each rank filled its own share of the rows
+                table = self.trainer.strategy.reduce(table, reduce_op="sum")
+            datamodule.set_reference_logps(split, table)
+        self.free_reference()
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The preference loss of a batch of pairs, and the reward metrics."""
+        input_ids, doc_ids = self.model_inputs(batch)
+        n_pairs = batch["pair_index"].numel()
+        logits = self._built_model()(input_ids, doc_ids)  # (R, T, V): chosen and rejected
+        policy = pair_logprobs(logits, batch["labels"], batch["sequence_ids"], n_pairs)
+        reference = batch.get("reference_logps")
+        if reference is None:
+            if self.preference_config.precompute_reference and self.reference is None:
+                raise RuntimeError(
+                    "preference.precompute_reference=true but the batch carries no "
+                    "reference_logps and the reference model was freed"
+                )
+            reference = self.reference_logprobs(batch)
+        loss, chosen_rewards, rejected_rewards = self._preference_loss(
+            policy[:, 0],
+            policy[:, 1],
+            reference[:, 0].to(policy.dtype),
+            reference[:, 1].to(policy.dtype),
+            self.preference_config.beta,
+        )
+        metrics = {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/margin": (chosen_rewards - rejected_rewards).mean(),
+            "rewards/accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+            "logps/chosen": policy[:, 0].detach().mean(),
+            "logps/rejected": policy[:, 1].detach().mean(),
+        }
+        return loss, metrics
+
+    def count_tokens(self, batch: Batch) -> int:
+        """Real (non-padding) tokens of both sequences of every pair."""
+        count = batch.get("num_tokens")
+        if count is None:
+            count = int((batch["sequence_ids"] >= 0).sum())
+        return int(count)
+
+    def on_validation_epoch_end(self) -> None:
+        # a preference loss has no perplexity: drop the base module's running sums
+        self._val_loss_sum = self._val_batches = None
+
+
+def build_dpo_module(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> DPOModule:
+    """The LightningModule of the ``dpo`` objective from the typed run config."""
+    return DPOModule(
+        cfg.model,
+        cfg.kernels,
+        cfg.optim,
+        cfg.scheduler,
+        total_steps=total_steps,
+        tokens_per_step=tokens_per_step,
+        document_mask=cfg.data.document_mask,
+        init_from=cfg.stage.init_from,
+        init_optimizer=cfg.stage.init_optimizer,
+        adapter=cfg.adapter,
+        preference=cfg.preference,
+    )

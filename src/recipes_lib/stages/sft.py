@@ -1,0 +1,32 @@
+"""Supervised fine-tuning: next-token loss on the assistant's tokens only.
+
+Batch contract (from :class:`~recipes_lib.data.chat_module.ChatDataModule`):
+``input_ids`` ``(B, T)``; ``labels`` ``(B, T)``, the next token where that token is
+assistant output (its content and end-of-turn token) and ``-100`` on system and user
+turns, role headers, padding and each conversation's last position; ``doc_ids``
+``(B, T)`` numbering the conversations packed into a row (used when
+``data.document_mask``). Because the labels already carry the mask, the loss is the
+causal-LM loss of :class:`~recipes_lib.stages.causal_lm.CausalLMModule`: a mean over the
+assistant tokens of the batch. LoRA and QLoRA come from the ``adapter`` config, applied
+by the base module.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from recipes_lib.losses.cross_entropy import IGNORE_INDEX
+from recipes_lib.stages.causal_lm import Batch, CausalLMModule
+
+
+class SFTModule(CausalLMModule):
+    """Fine-tunes on conversations; logs ``assistant_tokens`` (trained tokens per batch).
+
+    Takes the arguments of :class:`~recipes_lib.stages.causal_lm.CausalLMModule`.
+    """
+
+    def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        loss, metrics = super().compute_loss(batch)
+        assistant = (batch["labels"] != IGNORE_INDEX).sum()
+        metrics["assistant_tokens"] = assistant.float()
+        return loss, metrics

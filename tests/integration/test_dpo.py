@@ -1,0 +1,112 @@
+"""DPO end to end: a short pretraining run hands its weights to DPO runs on stdlib pairs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from integration_helpers import metric_series, read_metrics, tiny_overrides
+
+from recipes_lib.checkpoint.weights import load_weights
+from recipes_lib.config import compose_config
+from recipes_lib.errors import ConfigError
+from recipes_lib.train import run
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory, shared_cache):
+    result = run(compose_config(tiny_overrides(tmp_path_factory.mktemp("pre"), shared_cache)))
+    assert result.weights_path is not None and result.tokenizer_path is not None
+    return result
+
+
+def dpo_overrides(run_dir, cache_dir, pretrained, *extra: str, recipe="dpo/tiny") -> list[str]:
+    return [
+        f"recipe={recipe}",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={cache_dir}",
+        f"stage.init_from={pretrained.weights_path}",
+        f"data.tokenizer.path={pretrained.tokenizer_path}",
+        "model.vocab_size=512",
+        "data.tokenizer.vocab_size=512",
+        "data.seq_len=128",
+        "data.batch_size=4",
+        "data.sources.stdlib_dpo.max_documents=400",
+        "optim.lr=1e-3",
+        "scheduler.warmup=2",
+        "trainer.max_steps=16",
+        "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=4",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "callbacks=minimal",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_dpo_from_pretrained_weights_learns_held_out_preferences(
+    tmp_path, shared_cache, pretrained
+):
+    result = run(
+        compose_config(
+            dpo_overrides(
+                tmp_path, shared_cache, pretrained, "preference.precompute_reference=true"
+            )
+        )
+    )
+    assert result.global_step == 16
+    rows = read_metrics(result.output_dir)
+    accuracy = metric_series(rows, "val/rewards/accuracy")
+    margin = metric_series(rows, "val/rewards/margin")
+    assert [step for step, _ in margin] == [3, 7, 11, 15]
+    # the policy starts as the reference (margin 0, no pair preferred); the margin grows
+    assert margin[-1][1] > margin[0][1] > 0
+    assert accuracy[-1][1] > 0.6
+    chosen = metric_series(rows, "val/rewards/chosen")[-1][1]
+    rejected = metric_series(rows, "val/rewards/rejected")[-1][1]
+    assert chosen - rejected == pytest.approx(margin[-1][1], abs=1e-5)
+    # the output is the trained policy, a full state dict of the decoder
+    output = load_weights(result.weights_path)
+    start = load_weights(pretrained.weights_path)
+    assert output.keys() == start.keys()
+    assert any(not torch.equal(output[k], start[k]) for k in output)
+
+
+def test_lora_dpo_trains_adapters_over_the_frozen_reference(tmp_path, shared_cache, pretrained):
+    result = run(
+        compose_config(
+            dpo_overrides(
+                tmp_path,
+                shared_cache,
+                pretrained,
+                "trainer.max_steps=4",
+                "trainer.val_check_interval=4",
+                "trainer.limit_val_batches=2",
+                recipe="dpo/lora_tiny",
+            )
+        )
+    )
+    assert result.global_step == 4
+    assert result.metrics["train/rewards/accuracy"] >= 0
+    config = json.loads((result.output_dir / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 8
+    # merged output: only the adapted linears moved, the frozen rest is the start
+    output, start = load_weights(result.weights_path), load_weights(pretrained.weights_path)
+    assert output.keys() == start.keys()
+    moved = {k for k in output if not torch.equal(output[k], start[k])}
+    assert moved and all(
+        k.rsplit(".", 2)[-2] in ("wq", "wk", "wv", "wo", "w1", "w2", "w3") for k in moved
+    )
+
+
+def test_dpo_from_weights_without_a_known_tokenizer_stops_before_training(
+    tmp_path, shared_cache, pretrained
+):
+    overrides = dpo_overrides(tmp_path, shared_cache, pretrained)
+    overrides.remove(f"data.tokenizer.path={pretrained.tokenizer_path}")
+    with pytest.raises(ConfigError, match="no tokenizer.json beside it"):
+        run(compose_config(overrides))
+    assert not (tmp_path / "checkpoints").exists()
