@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as L
 import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -42,7 +41,7 @@ from recipes_lib.data.chat_sources import (
     tokenizer_beside,
 )
 from recipes_lib.data.mixture import MixtureDataset
-from recipes_lib.data.module import ResumableDataLoader, StridedSampler
+from recipes_lib.data.module import ResumableDataLoader, ResumableDataModule, StridedSampler
 from recipes_lib.data.prepare import resolve_cache_dir
 from recipes_lib.data.sampler import ResumableSampler
 from recipes_lib.data.tokenizer import check_vocab_fits, tokenizer_sha256, tokenizer_vocab_size
@@ -224,7 +223,7 @@ class PreparedChat:
     chat_template: str
 
 
-class ChatDataModule(L.LightningDataModule):
+class ChatDataModule(ResumableDataModule):
     """SFT batches ``{"input_ids", "labels", "doc_ids"}`` of rendered conversations.
 
     The training stream is the same endless seeded shuffle as pretraining's
@@ -435,20 +434,6 @@ class ChatDataModule(L.LightningDataModule):
         rank, world_size = self._rank_and_world()
         sampler = StridedSampler(len(self.val_dataset), rank, world_size)
         return DataLoader(self.val_dataset, sampler=sampler, **self._loader_options())
-
-    @property
-    def consumed_samples(self) -> int:
-        """Training rows this rank has consumed (from the trainer when attached)."""
-        trainer = self.trainer
-        if trainer is None:
-            return self._consumed_samples
-        return trainer.global_step * trainer.accumulate_grad_batches * self.config.batch_size
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._consumed_samples = int(state_dict["consumed_samples"])
 
 
 def build_chat_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModule:

@@ -25,7 +25,34 @@ from recipes_lib.data.tokenizer import (
 from recipes_lib.errors import ConfigError
 
 
-class PretrainDataModule(L.LightningDataModule):
+class ResumableDataModule(L.LightningDataModule):
+    """A data module whose training position is part of every checkpoint.
+
+    The position is the number of training samples this rank has consumed, counted
+    from optimizer steps (``global_step * accumulate_grad_batches * data.batch_size``),
+    not from what the loader prefetched, so it is exact at every checkpoint. Subclasses
+    start their train sampler at ``self._consumed_samples`` and keep ``self.config``
+    (a :class:`DataConfig`).
+    """
+
+    _consumed_samples: int = 0
+
+    @property
+    def consumed_samples(self) -> int:
+        """Training samples this rank has consumed (from the trainer when attached)."""
+        trainer = self.trainer
+        if trainer is None:
+            return self._consumed_samples
+        return trainer.global_step * trainer.accumulate_grad_batches * self.config.batch_size
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._consumed_samples = int(state_dict["consumed_samples"])
+
+
+class PretrainDataModule(ResumableDataModule):
     """Packed next-token batches over a weighted mixture of tokenized sources.
 
     Batches are ``{"input_ids": (B, T) int64, "labels": (B, T) int64, "doc_ids": (B, T)
@@ -184,20 +211,6 @@ class PretrainDataModule(L.LightningDataModule):
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
-
-    @property
-    def consumed_samples(self) -> int:
-        """Training samples this rank has consumed (from the trainer when attached)."""
-        trainer = self.trainer
-        if trainer is None:
-            return self._consumed_samples
-        return trainer.global_step * trainer.accumulate_grad_batches * self.config.batch_size
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._consumed_samples = int(state_dict["consumed_samples"])
 
 
 class ResumableDataLoader(DataLoader):

@@ -33,7 +33,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import lightning.pytorch as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from tokenizers import Tokenizer
@@ -50,7 +49,7 @@ from recipes_lib.data.chat_sources import (
     split_records,
     tokenizer_beside,
 )
-from recipes_lib.data.module import ResumableDataLoader, StridedSampler
+from recipes_lib.data.module import ResumableDataLoader, ResumableDataModule, StridedSampler
 from recipes_lib.data.preference_records import (
     EncodedPair,
     PairEncoder,
@@ -182,7 +181,7 @@ class PairCollator:
         return collate_pairs(items, self.pad_id, self.packing, self.seq_len)
 
 
-class PreferenceDataModule(L.LightningDataModule):
+class PreferenceDataModule(ResumableDataModule):
     """Batches of preference pairs (see the module docstring), resumable like pretraining.
 
     The training stream is a :class:`ResumableSampler` over pairs; its state is the
@@ -429,21 +428,6 @@ class PreferenceDataModule(L.LightningDataModule):
                 f"{tuple(table.shape)}"
             )
         dataset.reference_logps = table.detach().float().cpu()
-
-    # ------------------------------------------------------------- resume state
-    @property
-    def consumed_samples(self) -> int:
-        """Training pairs this rank has consumed (from the trainer when attached)."""
-        trainer = self.trainer
-        if trainer is None:
-            return self._consumed_samples
-        return trainer.global_step * trainer.accumulate_grad_batches * self.config.batch_size
-
-    def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._consumed_samples = int(state_dict["consumed_samples"])
 
 
 def build_preference_data(cfg: RunConfig, *, total_train_samples: int) -> PreferenceDataModule:
