@@ -15,7 +15,10 @@ and the built-in standard-library data, so every figure has its baseline beside 
   ``cost_per_token_vs_sft`` is the time per real token relative to padded SFT on the
   same model. The one-off precomputation pass is reported on its own.
 - ``adapter_memory``: peak CUDA memory (and tokens/s) of full, LoRA and QLoRA SFT of
-  ``--memory-model`` (a 1B shape by default), padded batches, same settings.
+  ``--memory-model`` (a 1B shape by default), padded batches, same settings; then
+  again under ``lean`` with activation checkpointing per block and the chunked
+  output+loss (the full logits never exist), where weights and optimizer state rather
+  than activations decide the peak.
 
 bf16 autocast over fp32 weights, AdamW (fused on CUDA), lr 1e-5 (2e-4 with adapters),
 gradient clipping at 1.0, no compilation (padded batches change shape every step). The
@@ -76,6 +79,7 @@ from recipes_lib.stages.dpo import DPOModule
 from recipes_lib.stages.sft import SFTModule
 
 GRAD_CLIP = 1.0
+LEAN_LOSS_CHUNK = 2048  # rows of the chunked output+loss in the lean memory setting
 SCHEDULER = SchedulerConfig(name="constant", warmup=0, min_lr_ratio=1.0)
 ADAPTERS = {
     "full": AdapterConfig(kind="none"),
@@ -266,11 +270,19 @@ def fit_and_measure(module, args, device, *, loader=None, datamodule=None) -> tu
     return measure.report(module), measure
 
 
-def module_kwargs(cfg: ModelConfig, args, *, attention: str = "sdpa", adapter=None) -> dict:
+def module_kwargs(
+    cfg: ModelConfig, args, *, attention: str = "sdpa", adapter=None, lean: bool = False
+) -> dict:
+    """``lean``: activation checkpointing per block and the chunked output+loss (no full
+    logits), the memory-saving kernel settings."""
     lr = 2e-4 if adapter is not None and adapter.kind != "none" else 1e-5
+    kernels = KernelsConfig(attention=attention, compile=False)
+    if lean:
+        kernels.activation_checkpointing = True
+        kernels.loss_chunk_size = LEAN_LOSS_CHUNK
     return {
         "model": cfg,
-        "kernels": KernelsConfig(attention=attention, compile=False),
+        "kernels": kernels,
         "optim": OptimConfig(lr=lr, weight_decay=0.0),
         "scheduler": SCHEDULER,
         "total_steps": args.warmup_steps + args.steps,
@@ -370,33 +382,45 @@ def dpo_vs_sft(cfg: ModelConfig, args, device, tokenizer: str, sft_padded: dict)
 
 
 def adapter_memory(args, device, tokenizer: str) -> dict:
+    """Peak memory of full, LoRA and QLoRA SFT with the default kernels, then again
+    with the lean ones (activation checkpointing + chunked loss) under ``lean``."""
     cfg = load_model_preset(args.memory_model)
-    result: dict[str, Any] = {"model": args.memory_model}
     n_batches = args.warmup_steps + args.steps
 
-    def run(adapter: AdapterConfig) -> dict:
+    def run(adapter: AdapterConfig, lean: bool) -> dict:
         datamodule = chat_data(args, cfg, tokenizer, packing=False)
         reset_memory(device)
         L.seed_everything(args.seed, verbose=False)
-        module = SFTModule(**module_kwargs(cfg, args, adapter=adapter))
+        module = SFTModule(**module_kwargs(cfg, args, adapter=adapter, lean=lean))
         report, _ = fit_and_measure(
             module, args, device, loader=sft_loader(datamodule, args, n_batches)
         )
         return report
 
-    for name, adapter in ADAPTERS.items():
-        try:
-            check_adapter_config(adapter, accelerator="gpu" if device.type == "cuda" else "cpu")
-        except ConfigError as err:
-            result[name] = {"skipped": str(err)}
-            continue
-        result[name] = guarded(f"sft memory {name}", lambda a=adapter: run(a))
-    full = result["full"].get("peak_memory_gib")
-    result["peak_memory_vs_full"] = {
-        name: round(result[name]["peak_memory_gib"] / full, 4)
-        if full and result[name].get("peak_memory_gib")
-        else None
-        for name in ("lora", "qlora")
+    def measure_all(lean: bool) -> dict:
+        result: dict[str, Any] = {}
+        for name, adapter in ADAPTERS.items():
+            try:
+                accelerator = "gpu" if device.type == "cuda" else "cpu"
+                check_adapter_config(adapter, accelerator=accelerator)
+            except ConfigError as err:
+                result[name] = {"skipped": str(err)}
+                continue
+            label = f"sft memory {name}{' lean' if lean else ''}"
+            result[name] = guarded(label, lambda a=adapter: run(a, lean))
+        full = result["full"].get("peak_memory_gib")
+        result["peak_memory_vs_full"] = {
+            name: round(result[name]["peak_memory_gib"] / full, 4)
+            if full and result[name].get("peak_memory_gib")
+            else None
+            for name in ("lora", "qlora")
+        }
+        return result
+
+    result: dict[str, Any] = {"model": args.memory_model, **measure_all(lean=False)}
+    result["lean"] = {
+        "kernels": f"activation_checkpointing=true, loss_chunk_size={LEAN_LOSS_CHUNK}",
+        **measure_all(lean=True),
     }
     return result
 

@@ -14,12 +14,14 @@ from recipes_lib.callbacks.throughput import (
     peak_tflops_for,
     precision_arithmetic,
 )
+from recipes_lib.callbacks.validation import ValidateAtStart
 
 __all__ = [
     "PEAK_TFLOPS",
     "GradNormMonitor",
     "ThroughputMonitor",
     "TokenProgressBar",
+    "ValidateAtStart",
     "WeightEMA",
     "peak_tflops_for",
     "precision_arithmetic",

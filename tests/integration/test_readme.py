@@ -1,6 +1,9 @@
 """The README's commands are the ones that work: the main command runs the demo pipeline
-(pretrain, then anneal) on the embedded corpus, the loss falls well below where it
-started and the summary and report are written; the test command is the one CI runs."""
+(pretrain, anneal, SFT, DPO) on the embedded corpus; pretraining takes the loss well
+below where it started, SFT lowers the held-out loss on instructions, DPO raises the
+held-out preference accuracy and margin, the summary and report are written, and the
+SFT output exports to a folder transformers renders conversations in as training did;
+the test command is the one CI runs."""
 
 from __future__ import annotations
 
@@ -12,9 +15,20 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from integration_helpers import metric_series, read_metrics
+from omegaconf import OmegaConf
+
+from recipes_lib.checkpoint.hf import export_hf_checkpoint
+from recipes_lib.checkpoint.weights import load_weights
+from recipes_lib.config import to_run_config
+from recipes_lib.data.chat import PLAIN_TEMPLATE, record_messages
+from recipes_lib.data.chat_module import ChatDataModule
+from recipes_lib.data.chat_sources import split_records
 
 ROOT = Path(__file__).resolve().parents[2]
+SFT_MIN_DROP = 0.3  # held-out SFT loss: start (the annealed weights) minus end, at least
+DPO_MIN_ACCURACY = 0.7  # held-out DPO preference accuracy at the end, at least
 
 
 def readme_command(marker: str) -> str:
@@ -68,17 +82,63 @@ def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     anneal = read_metrics(out / "anneal")
     assert metric_series(anneal, "train/loss")[-1][0] == 99  # 100 more steps
     assert metric_series(anneal, "val/loss")[-1][1] < val[-1][1]
-    for stage in ("pretrain", "anneal"):
+    for stage in ("pretrain", "anneal", "sft", "dpo"):
         assert (out / stage / "manifest.json").is_file()
         assert (out / stage / "model.safetensors").is_file()
 
+    # SFT, validated before its first step, lowers the loss on held-out instructions
+    sft = metric_series(read_metrics(out / "sft"), "val/loss")
+    assert sft[0][0] == 0 and len(sft) >= 3
+    assert sft[-1][1] < sft[0][1] - SFT_MIN_DROP, sft
+    assert sft[-1][1] < sft[1][1], sft  # still falling after its first interval
+
+    # DPO starts as its reference (no pair preferred, margin 0), then learns held-out pairs
+    dpo = read_metrics(out / "dpo")
+    accuracy = metric_series(dpo, "val/rewards/accuracy")
+    margin = metric_series(dpo, "val/rewards/margin")
+    assert accuracy[0] == (0, 0.0) and margin[0] == (0, 0.0)
+    assert accuracy[-1][1] >= DPO_MIN_ACCURACY, accuracy
+    assert accuracy[-1][1] >= accuracy[1][1], accuracy  # no worse than after its first interval
+    assert margin[-1][1] > margin[1][1] > 0, margin  # and the margin keeps growing
+
     # the summary table and the report
-    assert "pipeline demo" in proc.stdout and "val ppl" in proc.stdout
+    assert "pipeline demo" in proc.stdout and "held-out: first → last" in proc.stdout
+    assert "accuracy 0.00 →" in proc.stdout  # DPO's held-out change, in the table
     summary = json.loads((out / "report" / "summary.json").read_text())
     stages = {s["stage"]: s for s in summary["stages"]}
-    assert list(stages) == ["pretrain", "anneal"]
+    assert list(stages) == ["pretrain", "anneal", "sft", "dpo"]
     assert all(s["status"] == "trained" for s in stages.values())
     assert stages["pretrain"]["train_loss_end"] < stages["pretrain"]["train_loss_start"] - 3.0
     assert stages["anneal"]["last_lr"] == 0.0
+    held_out = stages["sft"]["held_out"]["val/loss"]
+    assert (held_out["first"], held_out["last"]) == (sft[0][1], sft[-1][1])
+    held_out = stages["dpo"]["held_out"]
+    assert held_out["val/rewards/accuracy"]["last"] == accuracy[-1][1]
+    assert held_out["val/rewards/margin"]["last"] > held_out["val/rewards/margin"]["first"]
     for name in ("loss.png", "lr.png", "throughput.png"):
         assert (out / "report" / name).read_bytes()[:4] == b"\x89PNG"
+
+    _assert_sft_exports_its_chat_template(out / "sft", tmp_path / "sft-hf")
+
+
+def _assert_sft_exports_its_chat_template(stage_dir: Path, export_dir: Path) -> None:
+    """The SFT stage folder carries its tokenizer and chat template: exported to Hugging
+    Face format, transformers renders held-out conversations to the ids SFT trained on."""
+    transformers = pytest.importorskip("transformers")
+    cfg = to_run_config(OmegaConf.load(stage_dir / "config.yaml"))
+    saved = json.loads((stage_dir / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == PLAIN_TEMPLATE
+    exported = export_hf_checkpoint(
+        load_weights(stage_dir / "model.safetensors"), cfg.model, export_dir, stage_dir
+    )
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(exported)
+    data = ChatDataModule(cfg.data, cfg.model.vocab_size, cfg.model.max_seq_len)
+    data.setup("fit")
+    assert data.renderer is not None
+    records = data._source_records("stdlib_sft")
+    _, held_out = split_records(records, cfg.data.val_fraction, cfg.data.seed)
+    for index in held_out[:40]:
+        messages = record_messages(records[index], index, cfg.data.chat)
+        ours = data.renderer.render(messages).input_ids
+        theirs = hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        assert list(theirs) == ours, records[index]["source"]

@@ -15,9 +15,11 @@ rotate-half RoPE as ``transformers``, so converting is a rename, with no permuta
     model.norm                      <-> norm
     lm_head                         <-> output   (absent when the embeddings are tied)
 
-:func:`load_hf_checkpoint` reads a downloaded folder into a model; :func:`export_hf_checkpoint`
-writes one that ``transformers.AutoModelForCausalLM.from_pretrained`` loads (as ``llama``, or
-``qwen2`` when the model has q/k/v biases).
+:func:`load_hf_checkpoint` reads a downloaded folder into a model; :func:`load_hf_weights_into`
+fills a model built from a run's config (``stage.init_from=<folder>``) after checking that the
+folder's ``config.json`` describes it; :func:`export_hf_checkpoint` writes one that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads (as ``llama``, or ``qwen2`` when
+the model has q/k/v biases), with the tokenizer and chat template a run saved beside it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 from recipes_lib.data.tokenizer import (
     load_tokenizer,
     resolve_tokenizer_file,
+    save_tokenizer_folder,
     tokenizer_vocab_size,
 )
 from recipes_lib.errors import CheckpointError
@@ -404,6 +406,121 @@ def empty_model(
     return model
 
 
+def _checked_tensors(
+    folder: Path, model: nn.Module, tied: bool, what: str
+) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
+    """The folder's tensors located by native name, after checking that every tensor of
+    ``model`` (a tied output head aside) is there with its shape and nothing else is."""
+    located, unexpected = _locate_tensors(hf_weight_files(folder), tied)
+    expected = {
+        name: tuple(t.shape)
+        for name, t in model.state_dict().items()
+        if not (tied and name == "output.weight")
+    }
+    problems = _mismatches(expected, located, unexpected)
+    if problems:
+        raise CheckpointError(f"'{folder}' does not fit {what}: " + " | ".join(problems))
+    return located
+
+
+def _copy_tensors(
+    params: Mapping[str, Tensor], located: Mapping[str, tuple[Path, str, tuple[int, ...], str]]
+) -> None:
+    """Copy each located tensor into ``params[name]`` (in place, cast to its dtype),
+    opening every file once."""
+    by_file: dict[Path, list[str]] = {}
+    for name, (file, _, _, _) in located.items():
+        by_file.setdefault(file, []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    params[name].copy_(f.get_tensor(located[name][1]))
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a Hugging Face model folder (a folder holding config.json)."""
+    folder = Path(path).expanduser()
+    return folder.is_dir() and (folder / HF_CONFIG_NAME).is_file()
+
+
+# ModelConfig field -> how config.json says it, for messages
+_HF_KEY_NAMES = {
+    "vocab_size": "vocab_size",
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
+    "ffn_dim": "intermediate_size",
+    "rope_theta": "rope_theta",
+    "rope_scaling": "rope_scaling",
+    "norm_eps": "rms_norm_eps",
+    "qkv_bias": "q/k/v biases (model_type qwen2)",
+    "tie_embeddings": "tie_word_embeddings",
+}
+
+
+def _computed_fields(config: ModelConfig) -> dict[str, Any]:
+    """The fields that decide what a model computes, defaults spelled out."""
+    values = {name: getattr(config, name) for name in _HF_KEY_NAMES}
+    values["n_kv_heads"] = config.n_kv_heads or config.n_heads
+    values["head_dim"] = config.head_dim or config.dim // config.n_heads
+    return values
+
+
+def hf_config_mismatches(hf: ModelConfig, configured: ModelConfig) -> list[str]:
+    """``model.<key>=<ours> vs <config.json key>=<theirs>`` for every field in which a
+    Hugging Face model's config differs from the configured model's (``name``,
+    ``init_std`` and ``max_seq_len`` are free to differ)."""
+    ours, theirs = _computed_fields(configured), _computed_fields(hf)
+    return [
+        f"model.{name}={ours[name]!r} vs {_HF_KEY_NAMES[name]}={theirs[name]!r}"
+        for name in _HF_KEY_NAMES
+        if ours[name] != theirs[name]
+    ]
+
+
+def load_hf_weights_into(model: Transformer, path: str | os.PathLike, label: str) -> None:
+    """Copy a Hugging Face model folder's weights into an already built ``model``.
+
+    The folder's ``config.json`` must describe the same model as ``model.config`` (the
+    shapes, RoPE, norm epsilon, biases and tied embeddings; the context length may
+    differ), and its tensors must be exactly the model's. Each tensor is read once and
+    cast to the parameter's dtype and device.
+
+    Args:
+        model: the model to load into (built from the run's ``model`` config).
+        path: the folder with ``config.json`` and ``model.safetensors`` or its shards.
+        label: how the caller names the source in errors (``stage.init_from='...'``).
+
+    Raises:
+        CheckpointError: naming ``label``: the folder is missing or unsupported, its
+            config differs from the configured model (the first differences are
+            listed), or its tensors' names or shapes do not fit.
+    """
+    folder = Path(path).expanduser()
+    configured: ModelConfig = model.config
+    try:
+        hf = model_config_from_hf(
+            read_hf_config(folder), name=configured.name, max_seq_len=configured.max_seq_len
+        )
+        differences = hf_config_mismatches(hf, configured)
+        if differences:
+            more = len(differences) - _MAX_LISTED
+            raise CheckpointError(
+                f"its {HF_CONFIG_NAME} does not match the configured model "
+                f"({len(differences)} difference(s)): "
+                + "; ".join(differences[:_MAX_LISTED])
+                + (f"; and {more} more" if more > 0 else "")
+                + "; set model.* to the checkpoint's shape"
+            )
+        located = _checked_tensors(folder, model, configured.tie_embeddings, "the configured model")
+    except CheckpointError as err:
+        raise CheckpointError(f"{label}: {err}") from err
+    _copy_tensors(model.state_dict(), located)
+
+
 def load_hf_checkpoint(
     path: str | os.PathLike,
     attention: str = "sdpa",
@@ -433,29 +550,13 @@ def load_hf_checkpoint(
     """
     folder = Path(path).expanduser()
     config = model_config_from_hf(read_hf_config(folder), name=folder.name, max_seq_len=max_seq_len)
-    located, unexpected = _locate_tensors(hf_weight_files(folder), config.tie_embeddings)
     with torch.device("meta"):  # only its names and shapes
-        model = Transformer(config, attention)
-    expected = {
-        name: tuple(t.shape)
-        for name, t in model.state_dict().items()
-        if not (config.tie_embeddings and name == "output.weight")
-    }
-    problems = _mismatches(expected, located, unexpected)
-    if problems:
-        raise CheckpointError(f"'{folder}' does not fit its config.json: " + " | ".join(problems))
+        shapes = Transformer(config, attention)
+    located = _checked_tensors(folder, shapes, config.tie_embeddings, f"its {HF_CONFIG_NAME}")
     if dtype is None:
         dtype = _DTYPES.get(located["tok_embeddings.weight"][3], torch.float32)
     model = empty_model(config, attention, dtype=dtype, device=device)
-    params = model.state_dict()
-    by_file: dict[Path, list[str]] = {}
-    for name, (file, _, _, _) in located.items():
-        by_file.setdefault(file, []).append(name)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    params[name].copy_(f.get_tensor(located[name][1]))
+    _copy_tensors(model.state_dict(), located)
     return model.eval(), config
 
 
@@ -535,9 +636,12 @@ def export_hf_checkpoint(
         model: a :class:`~recipes_lib.models.Transformer` or its state dict.
         config: the model's shape.
         out_dir: the folder to write (created if needed).
-        tokenizer_path: a tokenizer.json, or a folder holding one, to copy.
-        eos_token: the end-of-sequence token; default the tokenizer's first special token.
-        chat_template: a Jinja chat template for ``tokenizer.apply_chat_template``.
+        tokenizer_path: a tokenizer.json, or a folder holding one, to copy (an SFT or
+            DPO run's output folder carries the tokenizer and chat template it used).
+        eos_token: the end-of-sequence token; default the one the tokenizer_config.json
+            beside the tokenizer names, else the tokenizer's first special token.
+        chat_template: a Jinja chat template for ``tokenizer.apply_chat_template``;
+            default the one saved beside the tokenizer (see :func:`hf_chat_template`).
         max_shard_bytes: the largest shard.
         dtype: the dtype to store; default the model's.
 
@@ -563,6 +667,13 @@ def export_hf_checkpoint(
                 f"the tokenizer '{tokenizer_path}' has {tokenizer_vocab_size(tokenizer)} "
                 f"tokens, more than model.vocab_size={config.vocab_size}"
             )
+        # a run's output folder carries the template and EOS token it trained with
+        beside = resolve_tokenizer_file(tokenizer_path, key="tokenizer_path").parent
+        if chat_template is None:
+            chat_template = hf_chat_template(beside)
+        eos_token = eos_token or _token_text(
+            _read_json(beside / HF_TOKENIZER_CONFIG_NAME).get("eos_token")
+        )
         eos_token = eos_token or _first_special_token(tokenizer)
         eos_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
         if eos_token is not None and eos_id is None:
@@ -572,17 +683,13 @@ def export_hf_checkpoint(
     hf_config = hf_config_from_model(config, stored_dtype, eos_id)
     (folder / HF_CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
     if tokenizer_path is not None:
-        shutil.copyfile(resolve_tokenizer_file(tokenizer_path), folder / "tokenizer.json")
-        tokenizer_config: dict[str, Any] = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "eos_token": eos_token,
-            "model_max_length": config.max_seq_len,
-            "clean_up_tokenization_spaces": False,
-        }
-        if chat_template is not None:
-            tokenizer_config["chat_template"] = chat_template
-        text = json.dumps(tokenizer_config, indent=2) + "\n"
-        (folder / HF_TOKENIZER_CONFIG_NAME).write_text(text)
+        save_tokenizer_folder(
+            folder,
+            tokenizer_path,
+            eos_token=eos_token,
+            chat_template=chat_template,
+            model_max_length=config.max_seq_len,
+        )
     return folder
 
 
@@ -595,6 +702,13 @@ def _read_json(file: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
     return data if isinstance(data, dict) else {}
+
+
+def _token_text(token: Any) -> str | None:
+    """A special token as tokenizer_config.json stores it: text, or ``{"content": ...}``."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
 def _template_text(template: Any) -> str | None:
@@ -618,14 +732,24 @@ def load_hf_tokenizer(path: str | os.PathLike) -> tuple[Tokenizer, str | None]:
     """
     folder = Path(path).expanduser()
     tokenizer = load_tokenizer(folder, key="tokenizer")
-    if not folder.is_dir():
-        folder = folder.parent
+    return tokenizer, hf_chat_template(folder if folder.is_dir() else folder.parent)
+
+
+def hf_chat_template(folder: str | os.PathLike) -> str | None:
+    """The chat template saved in a tokenizer folder, if any: ``chat_template`` of
+    ``tokenizer_config.json``, else ``chat_template.jinja`` or ``chat_template.json``
+    (where transformers 5 saves it).
+
+    Raises:
+        CheckpointError: one of those files is not readable JSON.
+    """
+    folder = Path(folder).expanduser()
     template = _template_text(_read_json(folder / HF_TOKENIZER_CONFIG_NAME).get("chat_template"))
     if template is None and (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
     if template is None:
         template = _template_text(_read_json(folder / "chat_template.json").get("chat_template"))
-    return tokenizer, template
+    return template
 
 
 def hf_eos_token_ids(path: str | os.PathLike, tokenizer: Tokenizer) -> list[int]:
@@ -639,8 +763,6 @@ def hf_eos_token_ids(path: str | os.PathLike, tokenizer: Tokenizer) -> list[int]
         ids = _read_json(folder / file).get("eos_token_id")
         if ids is not None:
             return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
-    token = _read_json(folder / HF_TOKENIZER_CONFIG_NAME).get("eos_token")
-    if isinstance(token, dict):
-        token = token.get("content")
-    token_id = tokenizer.token_to_id(token) if isinstance(token, str) else None
+    token = _token_text(_read_json(folder / HF_TOKENIZER_CONFIG_NAME).get("eos_token"))
+    token_id = tokenizer.token_to_id(token) if token is not None else None
     return [] if token_id is None else [token_id]

@@ -9,10 +9,8 @@ otherwise each row is one example, padded to the longest of its batch.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +32,19 @@ from recipes_lib.data.chat import (
 from recipes_lib.data.chat_sources import (
     SFT_BUILTINS,
     RecordBuiltin,
+    chat_data_fingerprint,
+    init_tokenizer_path,
     load_chat_tokenizer,
-    load_records,
-    records_fingerprint,
+    load_source_records,
+    record_texts,
+    save_chat_tokenizer,
+    sources_fingerprint,
     split_records,
-    tokenizer_beside,
 )
 from recipes_lib.data.mixture import MixtureDataset
 from recipes_lib.data.module import ResumableDataLoader, ResumableDataModule, StridedSampler
-from recipes_lib.data.prepare import resolve_cache_dir
 from recipes_lib.data.sampler import ResumableSampler
-from recipes_lib.data.tokenizer import check_vocab_fits, tokenizer_sha256, tokenizer_vocab_size
+from recipes_lib.data.tokenizer import check_vocab_fits, tokenizer_vocab_size
 from recipes_lib.errors import ConfigError, DataError
 
 DEFAULT_SFT_SOURCES = {"stdlib_sft": SourceConfig(builtin="stdlib_sft")}
@@ -258,6 +258,7 @@ class ChatDataModule(ResumableDataModule):
             )
         self.config = config
         self.model_vocab_size = model_vocab_size
+        self.model_max_seq_len = model_max_seq_len
         self.total_train_samples = total_train_samples
         self.builtins = dict(builtins)
         self.sources = dict(config.sources) if config.sources else dict(DEFAULT_SFT_SOURCES)
@@ -275,9 +276,8 @@ class ChatDataModule(ResumableDataModule):
     # ------------------------------------------------------------- preparing
     def _source_records(self, name: str) -> list[dict[str, Any]]:
         if name not in self._records:
-            cache = resolve_cache_dir(self.config.cache_dir) / "hf_datasets"
-            self._records[name] = load_records(
-                name, self.sources[name], self.builtins, cache_dir=cache, seed=self.config.seed
+            self._records[name] = load_source_records(
+                self.config, name, self.sources[name], self.builtins
             )
         return self._records[name]
 
@@ -285,24 +285,10 @@ class ChatDataModule(ResumableDataModule):
         for name in self.sources:
             records = self._source_records(name)
             train, _ = split_records(records, self.config.val_fraction, self.config.seed)
-            for index in train:
-                record = records[index]
-                for value in record.values():
-                    if isinstance(value, str):
-                        yield value
-                    elif isinstance(value, list):
-                        yield from (
-                            m["content"]
-                            for m in value
-                            if isinstance(m, Mapping) and isinstance(m.get("content"), str)
-                        )
+            yield from record_texts(records[index] for index in train)
 
     def _fingerprint(self) -> str:
-        return hashlib.sha256(
-            json.dumps(
-                {name: records_fingerprint(name, s) for name, s in sorted(self.sources.items())}
-            ).encode()
-        ).hexdigest()
+        return sources_fingerprint(self.sources)
 
     def prepare_data(self) -> None:
         """Train (or find) the tokenizer once, on rank 0."""
@@ -357,17 +343,28 @@ class ChatDataModule(ResumableDataModule):
             next(iter(train.values())) if len(train) == 1 else MixtureDataset(train, weights)
         )
         self.val_dataset = ConcatDataset(val) if val else None
-        identity = {
-            "sources": sources_fp,
-            "tokenizer": tokenizer_sha256(tokenizer),
-            "chat": asdict(config.chat),
-            "template": self.renderer.template_text,
-            "seq_len": config.seq_len,
-            "val_fraction": config.val_fraction,
-            "seed": config.seed,
-        }
-        fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-        self.prepared = PreparedChat(tokenizer_path, fingerprint, self.renderer.template_text)
+        template = self.renderer.template_text
+        fingerprint = chat_data_fingerprint(config, sources_fp, tokenizer, template)
+        self.prepared = PreparedChat(tokenizer_path, fingerprint, template)
+
+    def save_tokenizer(self, folder: str | Path) -> Path:
+        """Write the tokenizer and the chat template this run renders with into
+        ``folder`` (``tokenizer.json`` and transformers' ``tokenizer_config.json``), so
+        the run's output weights carry what their conversations looked like.
+
+        Raises:
+            RuntimeError: called before :meth:`setup`.
+        """
+        if self.prepared is None or self.tokenizer is None:
+            raise RuntimeError("call setup() before save_tokenizer()")
+        return save_chat_tokenizer(
+            folder,
+            self.prepared.tokenizer_path,
+            self.tokenizer,
+            self.config,
+            chat_template=self.prepared.chat_template,
+            model_max_length=self.model_max_seq_len,
+        )
 
     def _dataset(self, examples: list[ChatExample], seed: int) -> Dataset:
         if self.config.chat.packing:
@@ -387,12 +384,6 @@ class ChatDataModule(ResumableDataModule):
             )
 
     # ------------------------------------------------------------- loading
-    def _rank_and_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
     def _loader_options(self) -> dict[str, Any]:
         workers = self.config.num_workers
         options: dict[str, Any] = {
@@ -446,15 +437,8 @@ def build_chat_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModu
     Raises:
         ConfigError: ``stage.init_from`` is set but no tokenizer for its weights is known.
     """
-    data = cfg.data
-    if data.tokenizer.path is None and cfg.stage.init_from is not None:
-        found = tokenizer_beside(cfg.stage.init_from)
-        if found is None:
-            raise ConfigError(
-                f"stage.init_from={cfg.stage.init_from!r} has no tokenizer.json beside it; set "
-                "data.tokenizer.path to the tokenizer its weights were trained with"
-            )
-        data = replace(data, tokenizer=replace(data.tokenizer, path=str(found)))
+    tokenizer = init_tokenizer_path(cfg.data, cfg.stage.init_from)
+    data = replace(cfg.data, tokenizer=replace(cfg.data.tokenizer, path=tokenizer))
     return ChatDataModule(
         data,
         model_vocab_size=cfg.model.vocab_size,

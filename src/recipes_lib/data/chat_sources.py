@@ -3,7 +3,11 @@
 A record source is a local ``.jsonl``/``.json``/``.parquet`` file or directory, a
 ``datasets`` hub name, or a built-in generator of records (``stdlib_sft`` here; the
 preference data adds its own). Each source's records are split into training and
-held-out records by a seeded ``data.val_fraction``.
+held-out records by a seeded ``data.val_fraction``. The SFT and the preference data
+modules share what is here: loading and splitting records, the texts a tokenizer is
+trained on, the identity of their sources and examples, finding the tokenizer (beside
+the weights a stage starts from) and saving it with its chat template beside a run's
+output weights.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -30,6 +34,8 @@ from recipes_lib.data.tokenizer import (
     load_tokenizer,
     resolve_tokenizer_file,
     save_tokenizer,
+    save_tokenizer_folder,
+    tokenizer_sha256,
     train_bpe_tokenizer,
 )
 from recipes_lib.errors import ConfigError, DataError
@@ -102,6 +108,15 @@ def load_records(
     return records
 
 
+def load_source_records(
+    config: DataConfig, name: str, source: SourceConfig, builtins: Mapping[str, RecordBuiltin]
+) -> list[dict[str, Any]]:
+    """:func:`load_records` of ``data.sources.<name>`` with the run's cache and seed
+    (``datasets`` files are cached under ``<data.cache_dir>/hf_datasets``)."""
+    cache = resolve_cache_dir(config.cache_dir) / "hf_datasets"
+    return load_records(name, source, builtins, cache_dir=cache, seed=config.seed)
+
+
 def split_records(
     records: list[dict[str, Any]], val_fraction: float, seed: int
 ) -> tuple[list[int], list[int]]:
@@ -120,6 +135,67 @@ def records_fingerprint(name: str, source: SourceConfig) -> str:
     identity = {k: v for k, v in asdict(source).items() if k != "weight"}
     identity["python"] = sys.version
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def sources_fingerprint(sources: Mapping[str, SourceConfig]) -> str:
+    """The identity of a mixture of record sources (see :func:`records_fingerprint`)."""
+    fingerprints = {name: records_fingerprint(name, s) for name, s in sorted(sources.items())}
+    return hashlib.sha256(json.dumps(fingerprints).encode()).hexdigest()
+
+
+def chat_data_fingerprint(
+    config: DataConfig, sources: str, tokenizer: Tokenizer, template: str
+) -> str:
+    """The identity of a chat run's examples: its sources (:func:`sources_fingerprint`),
+    tokenizer, chat settings and template, sequence length, split and seed."""
+    identity = {
+        "sources": sources,
+        "tokenizer": tokenizer_sha256(tokenizer),
+        "chat": asdict(config.chat),
+        "template": template,
+        "seq_len": config.seq_len,
+        "val_fraction": config.val_fraction,
+        "seed": config.seed,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
+def record_texts(records: Iterable[Any], fields: Sequence[str] | None = None) -> Iterator[str]:
+    """Every piece of text in the records' ``fields`` (default: all of them), plain or
+    as the ``content`` of chat messages: what a tokenizer for them is trained on.
+    Records that are not mappings are passed over (loading reports them)."""
+    for record in records:
+        if not isinstance(record, Mapping):
+            continue
+        values = record.values() if fields is None else (record.get(f) for f in fields)
+        for value in values:
+            if isinstance(value, str):
+                yield value
+            elif isinstance(value, list):
+                yield from (
+                    m["content"]
+                    for m in value
+                    if isinstance(m, Mapping) and isinstance(m.get("content"), str)
+                )
+
+
+def init_tokenizer_path(config: DataConfig, init_from: str | None) -> str | None:
+    """The tokenizer of a chat run: ``data.tokenizer.path`` when set; else, for a stage
+    that starts from weights (``stage.init_from``), the ``tokenizer.json`` beside them;
+    else None (a tokenizer is trained on the records).
+
+    Raises:
+        ConfigError: ``stage.init_from`` is set but has no tokenizer beside it.
+    """
+    if config.tokenizer.path is not None or init_from is None:
+        return config.tokenizer.path
+    found = tokenizer_beside(init_from)
+    if found is None:
+        raise ConfigError(
+            f"stage.init_from={init_from!r} has no tokenizer.json beside it; set "
+            "data.tokenizer.path to the tokenizer its weights were trained with"
+        )
+    return str(found)
 
 
 def load_chat_tokenizer(
@@ -157,6 +233,33 @@ def load_chat_tokenizer(
         tokenizer.add_special_tokens(list(CHATML_TOKENS))
         save_tokenizer(tokenizer, path)
     return load_tokenizer(path, key=f"tokenizer cache {path.parent}"), None, path
+
+
+def save_chat_tokenizer(
+    folder: str | Path,
+    tokenizer_path: str | Path,
+    tokenizer: Tokenizer,
+    config: DataConfig,
+    *,
+    chat_template: str | None,
+    model_max_length: int | None = None,
+) -> Path:
+    """Write a chat run's tokenizer and the chat template it rendered with into
+    ``folder`` as transformers reads them (see
+    :func:`recipes_lib.data.tokenizer.save_tokenizer_folder`), so that
+    ``apply_chat_template`` there gives the token ids training used. The EOS token is
+    ``data.tokenizer.eos_token``, left out when the tokenizer has no such token.
+    """
+    eos_token: str | None = config.tokenizer.eos_token
+    if tokenizer.token_to_id(eos_token) is None:
+        eos_token = None
+    return save_tokenizer_folder(
+        folder,
+        tokenizer_path,
+        eos_token=eos_token,
+        chat_template=chat_template,
+        model_max_length=model_max_length,
+    )
 
 
 def tokenizer_beside(weights: str | None) -> Path | None:

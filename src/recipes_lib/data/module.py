@@ -51,6 +51,25 @@ class ResumableDataModule(L.LightningDataModule):
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self._consumed_samples = int(state_dict["consumed_samples"])
 
+    def _rank_and_world(self) -> tuple[int, int]:
+        """This rank and the world size its samplers shard over (0, 1 without a Trainer).
+
+        Raises:
+            ConfigError: the Trainer would also shard the loaders (a distributed
+                sampler), so each rank would see a share of its share.
+        """
+        trainer = self.trainer
+        if trainer is None:
+            return 0, 1
+        if trainer.world_size > 1 and getattr(
+            getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", False
+        ):
+            raise ConfigError(
+                f"{type(self).__name__} shards batches across ranks itself; build the Trainer "
+                "with use_distributed_sampler=False"
+            )
+        return trainer.global_rank, trainer.world_size
+
 
 class PretrainDataModule(ResumableDataModule):
     """Packed next-token batches over a weighted mixture of tokenized sources.
@@ -153,19 +172,6 @@ class PretrainDataModule(ResumableDataModule):
                 continue
             val.append(PackedSequenceDataset(shard, seq_len))
         self.val_dataset = ConcatDataset(val) if val else None
-
-    def _rank_and_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        if trainer.world_size > 1 and getattr(
-            getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", False
-        ):
-            raise ConfigError(
-                "PretrainDataModule shards batches across ranks itself; build the Trainer "
-                "with use_distributed_sampler=False"
-            )
-        return trainer.global_rank, trainer.world_size
 
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:

@@ -26,11 +26,9 @@ needs ``data.document_mask=true``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,11 +41,14 @@ from recipes_lib.config.schema import DataConfig, RunConfig, SourceConfig
 from recipes_lib.data.chat import ChatRenderer
 from recipes_lib.data.chat_sources import (
     RecordBuiltin,
+    chat_data_fingerprint,
+    init_tokenizer_path,
     load_chat_tokenizer,
-    load_records,
-    records_fingerprint,
+    load_source_records,
+    record_texts,
+    save_chat_tokenizer,
+    sources_fingerprint,
     split_records,
-    tokenizer_beside,
 )
 from recipes_lib.data.module import ResumableDataLoader, ResumableDataModule, StridedSampler
 from recipes_lib.data.preference_records import (
@@ -55,12 +56,10 @@ from recipes_lib.data.preference_records import (
     PairEncoder,
     check_chat_format,
     encode_records,
-    record_texts,
 )
-from recipes_lib.data.prepare import resolve_cache_dir
 from recipes_lib.data.sampler import ResumableSampler
 from recipes_lib.data.stdlib_pairs import stdlib_preference_records
-from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id, tokenizer_sha256
+from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id
 from recipes_lib.errors import ConfigError, DataError
 
 DEFAULT_PREFERENCE_SOURCES = {"stdlib_dpo": SourceConfig(builtin="stdlib_dpo")}
@@ -76,6 +75,7 @@ class PreparedPairs:
     num_train: int
     num_val: int
     skipped: dict[str, int] = field(default_factory=dict)
+    chat_template: str | None = None  # the Jinja template the pairs were rendered with
 
 
 class PreferencePairDataset(Dataset):
@@ -231,6 +231,7 @@ class PreferenceDataModule(ResumableDataModule):
             )
         self.config = config
         self.model_vocab_size = model_vocab_size
+        self.model_max_seq_len = model_max_seq_len
         self.total_train_samples = total_train_samples
         self.tokenizer_path = tokenizer_path or config.tokenizer.path
         self.prepare_data_per_node = False
@@ -256,11 +257,8 @@ class PreferenceDataModule(ResumableDataModule):
 
     def _records(self) -> dict[str, list[dict]]:
         if self._raw_records is None:
-            cache = resolve_cache_dir(self.config.cache_dir) / "hf_datasets"
             self._raw_records = {
-                name: load_records(
-                    name, source, PREFERENCE_BUILTINS, cache_dir=cache, seed=self.config.seed
-                )
+                name: load_source_records(self.config, name, source, PREFERENCE_BUILTINS)
                 for name, source in self._sources().items()
             }
         return self._raw_records
@@ -270,15 +268,15 @@ class PreferenceDataModule(ResumableDataModule):
         return split_records(self._records()[name], self.config.val_fraction, self.config.seed)
 
     def _training_texts(self):
+        chat = self.config.chat
+        fields = (chat.prompt_field, chat.messages_field, chat.chosen_field, chat.rejected_field)
         for name in self._sources():
             records = self._records()[name]
             train, _ = self._split(name)
-            yield from record_texts((records[i] for i in train), self.config.chat)
+            yield from record_texts((records[i] for i in train), fields)
 
     def _fingerprint(self) -> str:
-        sources = sorted(self._sources().items())
-        fps = {name: records_fingerprint(name, source) for name, source in sources}
-        return hashlib.sha256(json.dumps(fps).encode()).hexdigest()
+        return sources_fingerprint(self._sources())
 
     def _tokenizer(self) -> tuple[Tokenizer, str | None, Path]:
         config = self.config
@@ -330,30 +328,35 @@ class PreferenceDataModule(ResumableDataModule):
         self.train_dataset = PreferencePairDataset(splits["train"])
         self.val_dataset = PreferencePairDataset(splits["val"]) if splits["val"] else None
         self.tokenizer, self.eos_id = tokenizer, eos_id
-        identity = {
-            "sources": self._fingerprint(),
-            "tokenizer": tokenizer_sha256(tokenizer),
-            "chat": asdict(config.chat),
-            "template": renderer.template_text,
-            "seq_len": config.seq_len,
-            "val_fraction": config.val_fraction,
-            "seed": config.seed,
-        }
+        template = renderer.template_text
         self.prepared = PreparedPairs(
             tokenizer_path=Path(tokenizer_path).resolve(),
-            fingerprint=hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest(),
+            fingerprint=chat_data_fingerprint(config, self._fingerprint(), tokenizer, template),
             num_train=len(splits["train"]),
             num_val=len(splits["val"]),
             skipped=dict(self.skipped),
+            chat_template=template,
+        )
+
+    def save_tokenizer(self, folder: str | Path) -> Path:
+        """Write the tokenizer and the chat template the pairs were rendered with into
+        ``folder`` (``tokenizer.json`` and transformers' ``tokenizer_config.json``).
+
+        Raises:
+            RuntimeError: called before :meth:`setup`.
+        """
+        if self.prepared is None or self.tokenizer is None:
+            raise RuntimeError("call setup() before save_tokenizer()")
+        return save_chat_tokenizer(
+            folder,
+            self.prepared.tokenizer_path,
+            self.tokenizer,
+            self.config,
+            chat_template=self.prepared.chat_template,
+            model_max_length=self.model_max_seq_len,
         )
 
     # ------------------------------------------------------------- loaders
-    def _rank_and_world(self) -> tuple[int, int]:
-        trainer = self.trainer
-        if trainer is None:
-            return 0, 1
-        return trainer.global_rank, trainer.world_size
-
     def collator(self) -> PairCollator:
         if self.eos_id is None:
             raise RuntimeError("call setup() first")
@@ -440,15 +443,7 @@ def build_preference_data(cfg: RunConfig, *, total_train_samples: int) -> Prefer
     Raises:
         ConfigError: ``stage.init_from`` is set but no tokenizer for its weights is known.
     """
-    tokenizer = cfg.data.tokenizer.path
-    if tokenizer is None and cfg.stage.init_from is not None:
-        found = tokenizer_beside(cfg.stage.init_from)
-        tokenizer = str(found) if found is not None else None
-        if tokenizer is None:
-            raise ConfigError(
-                f"stage.init_from={cfg.stage.init_from!r} has no tokenizer.json beside it; set "
-                "data.tokenizer.path to the tokenizer its weights were trained with"
-            )
+    tokenizer = init_tokenizer_path(cfg.data, cfg.stage.init_from)
     return PreferenceDataModule(
         cfg.data,
         model_vocab_size=cfg.model.vocab_size,

@@ -329,21 +329,3 @@ def encode_records(
                 raise DataError(f"{bad} (set data.chat.on_bad_record=skip to skip it)") from None
             skipped[bad.reason] += 1
     return EncodedPairs(pairs=pairs, total=total, skipped=skipped)
-
-
-def record_texts(records: Iterable[Mapping], chat: ChatFormatConfig) -> Iterable[str]:
-    """Every piece of text in well-formed records (to train a tokenizer on)."""
-    fields = (chat.prompt_field, chat.messages_field, chat.chosen_field, chat.rejected_field)
-    for record in records:
-        if not isinstance(record, Mapping):
-            continue
-        for field in fields:
-            value = record.get(field)
-            if isinstance(value, str):
-                yield value
-            elif isinstance(value, list):
-                yield from (
-                    m["content"]
-                    for m in value
-                    if isinstance(m, Mapping) and isinstance(m.get("content"), str)
-                )

@@ -8,6 +8,7 @@ every string round-trips, whatever its characters), merges are learned by
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -18,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from recipes_lib.errors import ConfigError, DataError
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # transformers' tokenizer settings
 
 
 def train_bpe_tokenizer(
@@ -98,15 +100,69 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
     if path.suffix != ".json":
         path = path / TOKENIZER_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
+    _write_text_atomic(path, tokenizer.to_str())
+    return path
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(tokenizer.to_str())
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def save_tokenizer_folder(
+    folder: str | Path,
+    tokenizer_path: str | Path,
+    *,
+    eos_token: str | None,
+    chat_template: str | None = None,
+    model_max_length: int | None = None,
+) -> Path:
+    """Write a tokenizer as ``transformers`` reads one: ``tokenizer.json`` (a copy of
+    ``tokenizer_path``) and ``tokenizer_config.json`` naming the fast tokenizer class,
+    the EOS token and the chat template. ``AutoTokenizer.from_pretrained(folder)`` then
+    renders conversations with ``apply_chat_template`` as training did. Each file is
+    written under a temporary name and renamed into place.
+
+    Args:
+        folder: where to write (created if needed).
+        tokenizer_path: a tokenizer.json, or a folder holding one.
+        eos_token: the end-of-sequence token (``eos_token`` inside the template).
+        chat_template: the Jinja chat template; None writes none.
+        model_max_length: the longest sequence the model takes.
+
+    Returns:
+        ``folder`` as a path.
+
+    Raises:
+        DataError: ``tokenizer_path`` holds no tokenizer, or ``eos_token`` is not a token
+            of it.
+    """
+    source = resolve_tokenizer_file(tokenizer_path, key="tokenizer")
+    tokenizer = load_tokenizer(source, key="tokenizer")
+    if eos_token is not None and tokenizer.token_to_id(eos_token) is None:
+        raise DataError(f"eos_token={eos_token!r} is not a token of '{source}'")
+    out = Path(folder).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / TOKENIZER_FILE
+    if not (target.exists() and target.resolve() == source.resolve()):
+        _write_text_atomic(target, source.read_text(encoding="utf-8"))
+    config: dict[str, object] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_token,
+    }
+    if model_max_length is not None:
+        config["model_max_length"] = model_max_length
+    config["clean_up_tokenization_spaces"] = False
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    _write_text_atomic(out / TOKENIZER_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    return out
 
 
 def resolve_tokenizer_file(path: str | Path, key: str = "data.tokenizer.path") -> Path:

@@ -26,6 +26,13 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from recipes_lib.checkpoint.hf import (
+    HF_CONFIG_NAME,
+    hf_weight_files,
+    is_hf_folder,
+    model_config_from_hf,
+    read_hf_config,
+)
 from recipes_lib.checkpoint.manifest import MANIFEST_NAME, StageManifest, read_manifest
 from recipes_lib.checkpoint.weights import WEIGHTS_NAME, read_checkpoint, sha256_file
 from recipes_lib.config import (
@@ -36,7 +43,7 @@ from recipes_lib.config import (
     list_recipes,
 )
 from recipes_lib.data.prepare import DEFAULT_SOURCES
-from recipes_lib.data.tokenizer import resolve_tokenizer_file
+from recipes_lib.data.tokenizer import TOKENIZER_FILE, resolve_tokenizer_file
 from recipes_lib.errors import CheckpointError, ConfigError, RecipesError
 from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
 
@@ -122,9 +129,38 @@ def handoff_from_manifest(manifest: StageManifest, label: str) -> Handoff:
     )
 
 
+def handoff_from_hf_folder(folder: Path, where: str) -> Handoff:
+    """The hand-off of a Hugging Face model folder: its weights (``stage.init_from`` loads
+    the folder itself), its tokenizer and chat template when it has a ``tokenizer.json``,
+    and the model shape its ``config.json`` describes. Its checksum covers config.json
+    and every weight file.
+
+    Raises:
+        CheckpointError: naming ``where``, for an unsupported or incomplete folder.
+    """
+    try:
+        model = model_config_from_hf(read_hf_config(folder), name=folder.name)
+        files = [folder / HF_CONFIG_NAME, *hf_weight_files(folder)]
+    except CheckpointError as err:
+        raise CheckpointError(f"{where}: {err}") from err
+    digest = hashlib.sha256(" ".join(sha256_file(f) for f in files).encode()).hexdigest()
+    tokenizer = folder / TOKENIZER_FILE
+    return Handoff(
+        label=str(folder),
+        stage=None,
+        manifest=None,
+        weights=folder,
+        weights_sha256=digest,
+        tokenizer=tokenizer if tokenizer.is_file() else None,
+        tokenizer_sha256=sha256_file(tokenizer) if tokenizer.is_file() else None,
+        model=asdict(model),
+    )
+
+
 def handoff_from_path(path: str | Path, stage: StageSpec) -> Handoff:
     """The hand-off of an outside ``from`` path: a manifest (or a folder holding one), a
-    Lightning ``.ckpt``, a ``.safetensors`` file or a folder holding ``model.safetensors``.
+    Hugging Face model folder (``config.json`` and safetensors weights), a Lightning
+    ``.ckpt``, a ``.safetensors`` file or a folder holding ``model.safetensors``.
 
     Raises:
         CheckpointError: naming the stage and the path, when it is none of those or
@@ -137,6 +173,8 @@ def handoff_from_path(path: str | Path, stage: StageSpec) -> Handoff:
     if source.is_file() and source.suffix == ".json":
         manifest = read_manifest(source, stage=f"{stage.name} (from {source})")
         return handoff_from_manifest(manifest, str(source))
+    if is_hf_folder(source):
+        return handoff_from_hf_folder(source, where)
     if source.is_dir() and (source / WEIGHTS_NAME).is_file():
         source = source / WEIGHTS_NAME
     if source.is_file() and source.suffix == ".safetensors":
@@ -165,7 +203,8 @@ def handoff_from_path(path: str | Path, stage: StageSpec) -> Handoff:
         raise CheckpointError(f"{where}: no such stage or file")
     raise CheckpointError(
         f"{where} is not a manifest (.json or a stage folder holding {MANIFEST_NAME}), a "
-        f".ckpt, a .safetensors file or a folder holding {WEIGHTS_NAME}"
+        f"Hugging Face model folder, a .ckpt, a .safetensors file or a folder holding "
+        f"{WEIGHTS_NAME}"
     )
 
 

@@ -7,6 +7,10 @@ counter (``init: full``) starts where its source ended, every other stage after 
 previous stage's last step. The report folder holds ``loss.png`` (train and
 validation loss), ``lr.png`` (learning rate), ``throughput.png`` (tokens per second)
 and ``summary.json``.
+
+Each stage's entry in the summary also says what it changed on held-out data: its
+validation loss and, for a preference stage, its reward accuracy and margin, at its
+first and at its last validation (:func:`held_out_changes`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ from rich.table import Table
 from recipes_lib.checkpoint.manifest import StageManifest
 
 REPORT_DIR = "report"
+# held-out metrics compared at a stage's first and last validation, by short name
+HELD_OUT_METRICS = {
+    "val/loss": "loss",
+    "val/rewards/accuracy": "accuracy",
+    "val/rewards/margin": "margin",
+}
+PREFERENCE_METRICS = ("val/rewards/accuracy", "val/rewards/margin")
 PLOTS = {
     "loss.png": ("loss", ("train/loss", "val/loss")),
     "lr.png": ("learning rate", ("train/lr/",)),
@@ -49,6 +60,27 @@ class StageSeries:
     def last(self, name: str) -> float | None:
         values = self.series.get(name)
         return values[-1][1] if values else None
+
+
+def held_out_changes(series: StageSeries) -> dict[str, dict[str, float | int]]:
+    """Each held-out metric the stage logged (:data:`HELD_OUT_METRICS`) at its first
+    and its last validation: ``{name: {"first", "first_step", "last", "last_step"}}``.
+
+    A stage validated before its first step (``recipes_lib.callbacks.ValidateAtStart``)
+    has its starting weights as ``first``; otherwise ``first`` is its first validation.
+    """
+    changes: dict[str, dict[str, float | int]] = {}
+    for name in HELD_OUT_METRICS:
+        values = series.series.get(name)
+        if values:
+            (first_step, first), (last_step, last) = values[0], values[-1]
+            changes[name] = {
+                "first": first,
+                "first_step": first_step,
+                "last": last,
+                "last_step": last_step,
+            }
+    return changes
 
 
 def _version(path: Path) -> int:
@@ -148,8 +180,14 @@ def write_plots(stages: Sequence[StageSeries], out_dir: Path) -> list[Path]:
 
 
 def stage_summary(
-    manifest: StageManifest, status: str, manifest_path: Path, init: str, source: str | None
+    manifest: StageManifest,
+    status: str,
+    manifest_path: Path,
+    init: str,
+    source: str | None,
+    held_out: dict[str, dict[str, float | int]] | None = None,
 ) -> dict[str, Any]:
+    """One stage's entry of ``summary.json``; ``held_out`` is :func:`held_out_changes`."""
     m = manifest.metrics
     return {
         "stage": manifest.stage,
@@ -166,6 +204,7 @@ def stage_summary(
         "train_loss_end": m.train_loss_end,
         "val_loss": m.val_loss,
         "val_ppl": m.val_ppl,
+        "held_out": held_out or {},
         "last_lr": manifest.last_lr,
         "weights": str(manifest.weights_path),
         "manifest": str(manifest_path),
@@ -206,20 +245,40 @@ def _fmt_tokens(tokens: int) -> str:
     return str(tokens)
 
 
+def _change(first: float | None, last: float | None, spec: str = ".3f") -> str:
+    return f"{_fmt(first, spec)} → {_fmt(last, spec)}"
+
+
+def _held_out_text(held_out: dict[str, dict[str, Any]], val_loss: float | None) -> str:
+    """``loss 2.512 → 1.873``, or for a preference stage ``accuracy 0.00 → 0.81,
+    margin 0.00 → 0.42``; the last validation loss alone when only that is known."""
+    names = [n for n in PREFERENCE_METRICS if n in held_out] or [
+        n for n in ("val/loss",) if n in held_out
+    ]
+    if not names:
+        return f"loss {_fmt(val_loss)}" if val_loss is not None else "-"
+    parts = []
+    for name in names:
+        spec = ".3f" if name == "val/loss" else ".2f"
+        change = held_out[name]
+        parts.append(f"{HELD_OUT_METRICS[name]} {_change(change['first'], change['last'], spec)}")
+    return ", ".join(parts)
+
+
 def print_summary_table(
     pipeline: str, stages: list[dict[str, Any]], console: Console | None = None
 ):
-    """The per-stage summary as a Rich table on stdout."""
+    """The per-stage summary as a Rich table on stdout: the train loss from the first to
+    the last logged step, and the held-out metrics from the first to the last
+    validation (the loss; accuracy and reward margin for a preference stage)."""
     table = Table(title=f"pipeline {pipeline}")
     for column, justify in (
         ("stage", "left"),
         ("recipe", "left"),
         ("status", "left"),
         ("steps", "right"),
-        ("start loss", "right"),
-        ("end loss", "right"),
-        ("val loss", "right"),
-        ("val ppl", "right"),
+        ("train loss", "right"),
+        ("held-out: first → last validation", "left"),
         ("tokens", "right"),
         ("time", "right"),
     ):
@@ -230,12 +289,10 @@ def print_summary_table(
             s["recipe"],
             s["status"],
             str(s["steps"]),
-            _fmt(s["train_loss_start"]),
-            _fmt(s["train_loss_end"]),
-            _fmt(s["val_loss"]),
-            _fmt(s["val_ppl"], ".2f"),
+            _change(s["train_loss_start"], s["train_loss_end"]),
+            _held_out_text(s.get("held_out") or {}, s.get("val_loss")),
             _fmt_tokens(int(s["tokens"])),
             f"{s['seconds']:.1f}s",
         )
-    console = console or Console(width=max(Console().width, 120))
+    console = console or Console(width=max(Console().width, 132))
     console.print(table)

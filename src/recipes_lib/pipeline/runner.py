@@ -56,6 +56,8 @@ from recipes_lib.pipeline.plan import (
 )
 from recipes_lib.pipeline.report import (
     REPORT_DIR,
+    StageSeries,
+    held_out_changes,
     print_summary_table,
     read_stage_logs,
     stage_summary,
@@ -337,6 +339,10 @@ def run_pipeline(
                 run_result,
             )
         )
+    series = [
+        read_stage_logs(stage_dir_of(pipeline, plan.spec), r.name, r.manifest.start_step)
+        for r, plan in zip(result.stages, plans, strict=True)
+    ]
     result.summary = [
         stage_summary(
             r.manifest,
@@ -344,20 +350,22 @@ def run_pipeline(
             r.manifest_path,
             plan.spec.init,
             plan.source_stage or (plan.source_file.label if plan.source_file else None),
+            held_out=held_out_changes(logged),
         )
-        for r, plan in zip(result.stages, plans, strict=True)
+        for r, plan, logged in zip(result.stages, plans, series, strict=True)
     ]
     if rank_zero:
-        result.report_dir = _write_report(pipeline, result, console)
+        result.report_dir = _write_report(pipeline, result, series, console)
     return result
 
 
-def _write_report(pipeline: PipelineSpec, result: PipelineResult, console: Console | None) -> Path:
+def _write_report(
+    pipeline: PipelineSpec,
+    result: PipelineResult,
+    series: list[StageSeries],
+    console: Console | None,
+) -> Path:
     report_dir = pipeline.dir / REPORT_DIR
-    series = [
-        read_stage_logs(stage_dir_of(pipeline, spec), r.name, r.manifest.start_step)
-        for spec, r in zip(pipeline.stages, result.stages, strict=True)
-    ]
     plots = write_plots(series, report_dir)
     write_summary(report_dir / "summary.json", pipeline.name, pipeline.dir, result.summary, plots)
     print_summary_table(pipeline.name, result.summary, console)

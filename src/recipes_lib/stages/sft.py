@@ -13,14 +13,32 @@ by the base module.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import lightning as L
 from torch import Tensor
 
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
 
 
+def save_chat_tokenizer_beside_outputs(module: L.LightningModule) -> Path | None:
+    """At the end of a chat stage, write the tokenizer and the chat template it trained
+    with into the run's folder (``trainer.default_root_dir``, where ``model.safetensors``
+    goes) on global rank 0, when the data module can (``save_tokenizer(folder)``: the
+    SFT and preference data modules). Returns the folder written, or None."""
+    trainer = module.trainer
+    save = getattr(trainer.datamodule, "save_tokenizer", None)
+    if not trainer.is_global_zero or not callable(save):
+        return None
+    return save(Path(trainer.default_root_dir))
+
+
 class SFTModule(CausalLMModule):
     """Fine-tunes on conversations; logs ``assistant_tokens`` (trained tokens per batch).
+
+    When fitting ends, the run's folder gets the tokenizer and chat template the
+    conversations were rendered with (see :func:`save_chat_tokenizer_beside_outputs`).
 
     Takes the arguments of :class:`~recipes_lib.stages.causal_lm.CausalLMModule`.
     """
@@ -30,3 +48,6 @@ class SFTModule(CausalLMModule):
         assistant = (batch["labels"] != IGNORE_INDEX).sum()
         metrics["assistant_tokens"] = assistant.float()
         return loss, metrics
+
+    def on_fit_end(self) -> None:
+        save_chat_tokenizer_beside_outputs(self)

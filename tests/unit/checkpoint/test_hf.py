@@ -9,13 +9,15 @@ from recipes_lib.checkpoint.hf import (
     export_hf_checkpoint,
     hf_eos_token_ids,
     hf_to_native_name,
+    is_hf_folder,
     load_hf_checkpoint,
     load_hf_tokenizer,
+    load_hf_weights_into,
     model_config_from_hf,
     native_to_hf_name,
 )
 from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
-from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
+from recipes_lib.data.tokenizer import save_tokenizer, save_tokenizer_folder, train_bpe_tokenizer
 from recipes_lib.errors import CheckpointError, ConfigError, DataError
 from recipes_lib.models import Transformer
 
@@ -387,3 +389,61 @@ def test_tokenizer_template_from_transformers_files(tmp_path, tokenizer_file):
     assert tokenizer.encode("class Point").ids == hf_tokenizer("class Point").input_ids
     with pytest.raises(DataError, match=str(tmp_path / "nowhere")):
         load_hf_tokenizer(tmp_path / "nowhere")
+
+
+# ------------------------------------------------------ into a configured model
+def test_hf_weights_load_into_a_model_of_the_same_config(tmp_path):
+    hf = save_hf(tmp_path, "qwen2", max_shard_size="40KB", tie_word_embeddings=True)
+    _, config = load_hf_checkpoint(tmp_path)
+    assert is_hf_folder(tmp_path) and not is_hf_folder(tmp_path / "model.safetensors")
+    torch.manual_seed(3)
+    model = Transformer(replace(config, name="mine", max_seq_len=64)).eval()  # random init
+    load_hf_weights_into(model, tmp_path, "stage.init_from='x'")
+    x = tokens(2, 60)
+    torch.testing.assert_close(logits_of(model, x), logits_of(hf, x), atol=1e-4, rtol=1e-4)
+    assert model.output.weight is model.tok_embeddings.weight  # still tied
+
+
+def test_hf_config_differences_are_listed_before_any_weight_is_read(tmp_path):
+    save_hf(tmp_path, "llama")
+    _, config = load_hf_checkpoint(tmp_path)
+    model = Transformer(replace(config, ffn_dim=128, norm_eps=1e-5, qkv_bias=True))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError) as err:
+        load_hf_weights_into(model, tmp_path, "stage.init_from='hf'")
+    message = str(err.value)
+    assert message.startswith("stage.init_from='hf': its config.json does not match")
+    assert "(3 difference(s))" in message
+    assert "model.ffn_dim=128 vs intermediate_size=96" in message
+    assert "model.norm_eps=1e-05 vs rms_norm_eps=1e-06" in message
+    assert "model.qkv_bias=True vs q/k/v biases (model_type qwen2)=False" in message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+    # the config fits but a tensor is missing: named, with the folder
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"1 missing: model\.layers\.1\.mlp\.down_proj"):
+        load_hf_weights_into(Transformer(config), tmp_path, "stage.init_from='hf'")
+
+
+def test_export_carries_the_template_and_eos_saved_beside_the_tokenizer(tmp_path, tokenizer_file):
+    run_dir = tmp_path / "run"
+    save_tokenizer_folder(
+        run_dir, tokenizer_file, eos_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+    model = native_model()
+    out = export_hf_checkpoint(model, model.config, tmp_path / "hf", run_dir)
+    written = json.loads((out / "tokenizer_config.json").read_text())
+    assert written["chat_template"] == CHAT_TEMPLATE and written["eos_token"] == "<|endoftext|>"
+    assert written["model_max_length"] == model.config.max_seq_len
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "def add"}, {"role": "assistant", "content": "(a)"}]
+    assert (
+        hf_tokenizer.apply_chat_template(messages, tokenize=False) == "<user>def add<assistant>(a)"
+    )
+    # an explicit template still wins
+    export_hf_checkpoint(model, model.config, tmp_path / "hf", run_dir, chat_template="{{ 'x' }}")
+    assert load_hf_tokenizer(tmp_path / "hf")[1] == "{{ 'x' }}"
+    with pytest.raises(DataError, match="eos_token='<missing>' is not a token"):
+        save_tokenizer_folder(tmp_path / "bad", tokenizer_file, eos_token="<missing>")

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from recipes_lib.pipeline.report import (
     PLOTS,
+    held_out_changes,
     print_summary_table,
     read_stage_logs,
     write_plots,
@@ -81,3 +82,49 @@ def test_plots_and_summary_are_written_even_without_optional_metrics(tmp_path):
     print_summary_table("p", stages, Console(file=out, width=150))
     text = out.getvalue()
     assert "5.000" in text and "4.600" in text and "12.35k" in text and "3.2s" in text
+
+
+def test_held_out_changes_run_from_the_first_to_the_last_validation(tmp_path):
+    _write_csv(
+        tmp_path / "sft" / "logs" / "version_0" / "metrics.csv",
+        [{"step": 0, "val/loss": 2.5, "val/ppl": 12.2}]
+        + [{"step": s, "train/loss": 2.4 - s / 100} for s in range(0, 10)]
+        + [{"step": 9, "val/loss": 1.9, "val/ppl": 6.7}],
+    )
+    _write_csv(
+        tmp_path / "dpo" / "logs" / "version_0" / "metrics.csv",
+        [
+            {"step": 0, "val/loss": 0.693, "val/rewards/accuracy": 0.0, "val/rewards/margin": 0.0},
+            {"step": 4, "val/loss": 0.61, "val/rewards/accuracy": 0.75, "val/rewards/margin": 0.2},
+            {
+                "step": 9,
+                "val/loss": 0.52,
+                "val/rewards/accuracy": 0.875,
+                "val/rewards/margin": 0.45,
+            },
+        ],
+    )
+    sft = held_out_changes(read_stage_logs(tmp_path / "sft", "sft"))
+    assert sft == {"val/loss": {"first": 2.5, "first_step": 0, "last": 1.9, "last_step": 9}}
+    dpo = held_out_changes(read_stage_logs(tmp_path / "dpo", "dpo"))
+    assert set(dpo) == {"val/loss", "val/rewards/accuracy", "val/rewards/margin"}
+    assert dpo["val/rewards/accuracy"]["first"] == 0.0
+    assert dpo["val/rewards/accuracy"]["last"] == 0.875
+    assert dpo["val/rewards/margin"]["last_step"] == 9
+
+    base = {"recipe": "r", "status": "trained", "steps": 10, "tokens": 100, "seconds": 1.0}
+    rows = [
+        {**base, "stage": "sft", "train_loss_start": 2.4, "train_loss_end": 2.31, "val_loss": 1.9}
+        | {"val_ppl": 6.7, "held_out": sft},
+        {**base, "stage": "dpo", "train_loss_start": 0.69, "train_loss_end": 0.5, "val_loss": 0.52}
+        | {"val_ppl": None, "held_out": dpo},
+        # a summary written before held-out changes were recorded
+        {**base, "stage": "old", "train_loss_start": 3.0, "train_loss_end": 2.0, "val_loss": 2.1}
+        | {"val_ppl": 8.2},
+    ]
+    out = io.StringIO()
+    print_summary_table("p", rows, Console(file=out, width=200))
+    text = out.getvalue()
+    assert "2.400 → 2.310" in text and "loss 2.500 → 1.900" in text
+    assert "accuracy 0.00 → 0.88, margin 0.00 → 0.45" in text
+    assert "loss 2.100" in text

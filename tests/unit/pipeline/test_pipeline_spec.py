@@ -20,11 +20,16 @@ def test_demo_pipeline_parses_in_order_with_defaults():
     assert spec.name == "demo"
     assert spec.dir.as_posix().endswith("outputs/pipelines/demo")
     assert spec.on_change == "error"
-    assert spec.stage_names() == ["pretrain", "anneal"]
-    pretrain, anneal = spec.stages
+    assert spec.stage_names() == ["pretrain", "anneal", "sft", "dpo"]
+    pretrain, anneal, sft, dpo = spec.stages
     assert (pretrain.recipe, pretrain.init, pretrain.source) == ("pretrain/tiny", "scratch", None)
     assert (anneal.recipe, anneal.init, anneal.source) == ("anneal/tiny", "weights", "pretrain")
     assert anneal.lr_from_previous and anneal.replay_fraction == 0.0
+    assert (sft.recipe, sft.init, sft.source) == ("sft/tiny", "weights", "anneal")
+    assert (dpo.recipe, dpo.init, dpo.source) == ("dpo/tiny", "weights", "sft")
+    for stage in (sft, dpo):  # validated before their first step too
+        callback = stage.settings["callbacks"]["validate_at_start"]
+        assert callback["_target_"] == "recipes_lib.callbacks.ValidateAtStart"
 
 
 @pytest.mark.parametrize("name", shipped_pipelines())
