@@ -2,23 +2,31 @@ r"""Pretraining throughput of recipes_lib against a plain PyTorch loop and Huggi
 
 For each model preset (a YAML file of ``conf/model/``) three trainers train the same
 decoder shape in this process, on this card, on the same random-token batches (fixed
-seed; data loading is not measured), with the same micro-batch size, bf16 autocast over
-fp32 weights, fused AdamW (lr 3e-4, weight decay 0.1 on weight matrices only, via
-``recipes_lib.optim.build_optimizer``), gradient clipping at 1.0 and a constant LR:
+seed; data loading is not measured), with the same micro-batch size, fused AdamW (lr
+3e-4, weight decay 0.1 on weight matrices only, via ``recipes_lib.optim.build_optimizer``),
+gradient clipping at 1.0 and a constant LR:
 
-- ``recipes_lib``: ``CausalLMModule`` trained by a ``lightning.Trainer``
-  (``precision="bf16-mixed"``); ``kernels.compile=true`` compiles each block.
+- ``recipes_lib``: the library's own path, built as ``recipes-train`` builds it
+  (``compose_config`` -> ``build_trainer`` / ``build_stage``) with the overrides
+  ``strategy=--strategy``, ``precision=--precision``,
+  ``kernels.activation_checkpointing``, ``kernels.compile`` (each block compiled).
+  ``--precisions bf16-mixed,fp8`` measures it once per precision, in this process, on
+  this card: the first is reported as ``recipes_lib``, the others as
+  ``recipes_lib_<precision>``, with ``precision_comparison`` giving each one's tokens/s
+  ratio to the first.
 - ``plain_pytorch``: the same ``recipes_lib.models.Transformer``, blocks compiled the
-  same way, same attention kernel, trained by a bare loop (no Lightning).
+  same way, same attention kernel, bf16 autocast over fp32 weights, trained by a bare
+  loop (no Lightning).
 - ``hf_transformers``: ``transformers.LlamaForCausalLM`` of the same shape with SDPA
   attention, each decoder layer compiled, trained by the same bare loop.
 
-All three use the same FLOPs count (``Transformer.flops_per_token``) for TFLOP/s and
-MFU. The first ``--warmup-steps`` steps (where compilation happens) are not timed.
-Prints one JSON object to stdout. On the GPU machine::
+All use the same FLOPs count (``Transformer.flops_per_token``) for TFLOP/s and MFU,
+against the card's dense bf16 peak (also for FP8, so FP8's MFU reads as "bf16
+equivalents"). The first ``--warmup-steps`` steps (where compilation happens) are not
+timed. Prints one JSON object to stdout. On the GPU machine::
 
     python benchmarks/pretrain_throughput.py --models gpt_124m,llama_1b \
-        --out $OUT/pretrain_throughput.json
+        --precisions bf16-mixed,fp8 --out $OUT/pretrain_throughput.json
 
 A trainer that fails (out of memory, say) is recorded as ``{"error": ...}``, the others
 still run, and the exit status is 1. ``--smoke`` runs the tiny preset on CPU in fp32
@@ -32,10 +40,9 @@ import contextlib
 import importlib.util
 import inspect
 import sys
-import tempfile
 import traceback
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 
 import lightning as L
@@ -50,133 +57,80 @@ from _common import (
     reset_memory,
     throughput_report,
 )
-from omegaconf import OmegaConf
-
-from recipes_lib.callbacks import GradNormMonitor, ThroughputMonitor
-from recipes_lib.config import (
-    KernelsConfig,
-    ModelConfig,
-    OptimConfig,
-    SchedulerConfig,
-    conf_dir,
-    list_group_options,
+from _library import (
+    GRAD_CLIP,
+    compose_run,
+    fit_measured,
+    flag,
+    measured_run_overrides,
+    meta_transformer,
+    synthetic_batches,
+    temporary_run_dir,
 )
+
+from recipes_lib.config import ModelConfig, OptimConfig, list_group_options
 from recipes_lib.kernels import ATTENTION_BACKENDS
 from recipes_lib.losses import causal_lm_loss
 from recipes_lib.models import Transformer
 from recipes_lib.optim import build_optimizer
-from recipes_lib.stages import CausalLMModule
 
 TRAINERS = ("recipes_lib", "plain_pytorch", "hf_transformers")
-DEFAULT_BATCH_SIZES = {"gpt_124m": 16, "llama_1b": 8, "tiny": 4}
+STRATEGIES = ("single", "ddp", "fsdp")
+PRECISIONS = ("bf16-mixed", "bf16-true", "fp8", "32-true")
+DEFAULT_BATCH_SIZES = {"gpt_124m": 32, "llama_1b": 8, "tiny": 4}  # the recipes' micro-batches
 FALLBACK_BATCH_SIZE = 8
-OPTIM = OptimConfig(lr=3e-4, weight_decay=0.1)  # fused=None: fused AdamW on CUDA
-SCHEDULER = SchedulerConfig(name="constant", warmup=0, min_lr_ratio=1.0)
-GRAD_CLIP = 1.0
 
 Batch = dict[str, torch.Tensor]
 Measured = tuple[StepTimer, float]  # the timer of the measured steps, the last loss
 
 
-def load_model_preset(name: str) -> ModelConfig:
-    """``conf/model/<name>.yaml`` merged onto :class:`ModelConfig`."""
-    if name not in list_group_options("model"):
-        raise SystemExit(
-            f"unknown model preset {name!r}; choose from {list_group_options('model')}"
-        )
-    merged = OmegaConf.merge(
-        OmegaConf.structured(ModelConfig), OmegaConf.load(conf_dir() / "model" / f"{name}.yaml")
-    )
-    return OmegaConf.to_object(merged)  # type: ignore[return-value]
-
-
-def meta_transformer(cfg: ModelConfig) -> Transformer:
-    """The model without memory behind its weights, for parameter and FLOP counts."""
-    with torch.device("meta"):
-        return Transformer(cfg)
-
-
-def synthetic_batches(vocab_size: int, batch_size: int, seq_len: int, n: int, seed: int):
-    """``n`` batches of uniformly random tokens on the CPU, the same for every trainer."""
-    generator = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab_size, (n, batch_size, seq_len + 1), generator=generator)
-    doc_ids = torch.zeros(batch_size, seq_len, dtype=torch.int32)  # one document per row
-    return [
-        {"input_ids": row[:, :-1].clone(), "labels": row[:, 1:].clone(), "doc_ids": doc_ids}
-        for row in tokens
-    ]  # each (B, T)
-
-
 # --------------------------------------------------------------------------- trainers
-class _MeasuredSteps(L.Callback):
-    """Starts the timer at the first measured batch and stops it after the last one."""
-
-    def __init__(self, timer: StepTimer, warmup_steps: int, total_steps: int):
-        self.timer, self.warmup_steps, self.total_steps = timer, warmup_steps, total_steps
-        self.last_loss: torch.Tensor | None = None
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == self.warmup_steps:
-            self.timer.start()
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        loss = outputs["loss"] if isinstance(outputs, Mapping) else outputs
-        self.last_loss = loss.detach()
-        if batch_idx >= self.warmup_steps:
-            self.timer.step_end()
-        if batch_idx == self.total_steps - 1:
-            self.timer.stop()
-
-
-def run_recipes_lib(cfg: ModelConfig, batches: list[Batch], args, device) -> Measured:
-    total = len(batches)
-    B, T = batches[0]["input_ids"].shape
-    module = CausalLMModule(
-        cfg,
-        KernelsConfig(
-            attention=args.attention, compile=args.compile, loss_chunk_size=args.loss_chunk_size
-        ),
-        OPTIM,
-        SCHEDULER,
-        total_steps=total,
-        tokens_per_step=B * T,
-    )
-    timer = StepTimer(device)
-    measured = _MeasuredSteps(timer, args.warmup_steps, total)
-    callbacks: list[L.Callback] = [measured]
-    if args.monitors:  # the per-step monitors of conf/callbacks/default.yaml
-        callbacks += [ThroughputMonitor(window=20), GradNormMonitor()]
-    with tempfile.TemporaryDirectory() as root:
-        trainer = L.Trainer(
+def recipes_lib_overrides(
+    name: str, precision: str, batch_size: int, args, device: torch.device, run_dir: str
+) -> list[str]:
+    """What ``recipes-train`` would be given for this measurement."""
+    chunk = args.loss_chunk_size
+    return [
+        f"model={name}",
+        f"kernels.attention={args.attention}",
+        f"kernels.compile={flag(args.compile)}",
+        f"kernels.loss_chunk_size={'null' if chunk is None else chunk}",
+        f"kernels.activation_checkpointing={flag(args.activation_checkpointing)}",
+        f"strategy={args.strategy}",
+        f"precision={precision}",
+        *measured_run_overrides(
+            steps=args.warmup_steps + args.steps,
+            seq_len=args.seq_len,
+            batch_size=batch_size,
             accelerator="gpu" if device.type == "cuda" else "cpu",
             devices=1,
-            precision="bf16-mixed" if args.bf16 else "32-true",
-            max_steps=total,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            gradient_clip_val=GRAD_CLIP,
-            num_sanity_val_steps=0,
-            callbacks=callbacks,
-            default_root_dir=root,
-        )
-        loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
-        trainer.fit(module, train_dataloaders=loader)
-    if not timer.started or measured.last_loss is None:
-        raise RuntimeError(f"the trainer stopped after {trainer.global_step} of {total} steps")
-    return timer, measured.last_loss.item()
+            run_dir=run_dir,
+            seed=args.seed,
+            monitors=args.monitors,
+        ),
+    ]
+
+
+def run_recipes_lib(
+    name: str, precision: str, batches: list[Batch], args, device: torch.device
+) -> Measured:
+    batch_size = batches[0]["input_ids"].shape[0]
+    with temporary_run_dir() as root:
+        cfg = compose_run(recipes_lib_overrides(name, precision, batch_size, args, device, root))
+        fit = fit_measured(cfg, batches, warmup_steps=args.warmup_steps, device=device)
+        return fit.timer, fit.final_loss
 
 
 def plain_loop(
     model: torch.nn.Module,
     forward: Callable[[torch.Tensor], torch.Tensor],
     batches: list[Batch],
+    optim: OptimConfig,
     args,
     device: torch.device,
 ) -> Measured:
     """Autocast forward, fp32 cross-entropy, backward, clip, fused AdamW, zero grads."""
-    optimizer = build_optimizer(model, OPTIM)
+    optimizer = build_optimizer(model, optim)
     # CausalLMModule compiles its loss (fp32 upcast fused with log-softmax) with its blocks
     loss_fn = torch.compile(causal_lm_loss) if args.compile else causal_lm_loss
     timer = StepTimer(device)
@@ -199,13 +153,15 @@ def plain_loop(
     return timer, loss.item()
 
 
-def run_plain_pytorch(cfg: ModelConfig, batches: list[Batch], args, device) -> Measured:
+def run_plain_pytorch(
+    cfg: ModelConfig, optim: OptimConfig, batches: list[Batch], args, device
+) -> Measured:
     with device:
         model = Transformer(cfg, attention=args.attention)
     if args.compile:
         for block in model.layers:
             block.compile()  # as CausalLMModule.configure_model does
-    return plain_loop(model, model, batches, args, device)
+    return plain_loop(model, model, batches, optim, args, device)
 
 
 def hf_llama_config(cfg: ModelConfig):
@@ -246,7 +202,9 @@ def hf_llama_config(cfg: ModelConfig):
     )
 
 
-def run_hf_transformers(cfg: ModelConfig, batches: list[Batch], args, device) -> Measured:
+def run_hf_transformers(
+    cfg: ModelConfig, optim: OptimConfig, batches: list[Batch], args, device
+) -> Measured:
     from transformers import LlamaForCausalLM
 
     with device:
@@ -261,63 +219,119 @@ def run_hf_transformers(cfg: ModelConfig, batches: list[Batch], args, device) ->
         for layer in model.model.layers:
             layer.compile()  # per decoder layer, like the recipes_lib blocks
     forward = lambda ids: model(input_ids=ids, use_cache=False).logits  # noqa: E731
-    return plain_loop(model, forward, batches, args, device)
+    return plain_loop(model, forward, batches, optim, args, device)
 
 
-RUNNERS = {
-    "recipes_lib": run_recipes_lib,
-    "plain_pytorch": run_plain_pytorch,
-    "hf_transformers": run_hf_transformers,
-}
+BASELINES = {"plain_pytorch": run_plain_pytorch, "hf_transformers": run_hf_transformers}
 
 
 # ------------------------------------------------------------------------------ main
+def recipes_lib_key(precision: str, args) -> str:
+    """``recipes_lib`` for the first of ``--precisions``, ``recipes_lib_<p>`` for the rest."""
+    return "recipes_lib" if precision == args.precisions[0] else f"recipes_lib_{precision}"
+
+
+def measure(label: str, work: Callable[[], Measured], device, tokens_per_step, flops, peak) -> dict:
+    """``work()``'s figures, or ``{"error": ...}`` when it fails (the others still run)."""
+    print(f"{label} ...", file=sys.stderr, flush=True)
+    reset_memory(device)
+    try:
+        timer, final_loss = work()
+        report = throughput_report(
+            timer,
+            tokens_per_step=tokens_per_step,
+            flops_per_token=flops,
+            peak_tflops=peak,
+            final_loss=final_loss,
+        )
+    except Exception as err:  # one trainer failing (e.g. out of memory) spares the rest
+        traceback.print_exc(file=sys.stderr)
+        report = {"error": f"{type(err).__name__}: {err}"[:2000]}
+    print(f"{label}: {report}", file=sys.stderr, flush=True)
+    return report
+
+
+def _ratio(a: dict, b: dict, key: str) -> float | None:
+    x, y = a.get(key), b.get(key)
+    numbers = isinstance(x, float | int) and isinstance(y, float | int)
+    return round(x / y, 4) if numbers and y else None
+
+
 def benchmark_model(name: str, args, device: torch.device, peak: float | None) -> dict:
-    cfg = load_model_preset(name)
     batch_size = args.batch_sizes.get(name, DEFAULT_BATCH_SIZES.get(name, FALLBACK_BATCH_SIZE))
+    # The composed config gives the model shape and optimizer that every trainer uses.
+    run_cfg = compose_run(
+        recipes_lib_overrides(name, args.precisions[0], batch_size, args, device, "unused"),
+        check=False,  # a precision this machine lacks fails in its own measurement
+    )
+    cfg, optim = run_cfg.model, run_cfg.optim
     shape = meta_transformer(cfg)
     flops_per_token = shape.flops_per_token(args.seq_len)
     batches = synthetic_batches(
         cfg.vocab_size, batch_size, args.seq_len, args.warmup_steps + args.steps, args.seed
     )
+    tokens_per_step = batch_size * args.seq_len
     result: dict = {
         "config": asdict(cfg),
         "batch_size": batch_size,
-        "tokens_per_step": batch_size * args.seq_len,
+        "tokens_per_step": tokens_per_step,
         "num_params": shape.num_params(),
         "flops_per_token": flops_per_token,
         "trainers": {},
     }
+    trainers = result["trainers"]
     for trainer in args.trainers:
-        if trainer == "hf_transformers" and importlib.util.find_spec("transformers") is None:
-            result["trainers"][trainer] = {"skipped": "transformers is not installed"}
+        if trainer == "recipes_lib":
+            for precision in args.precisions:
+                key = recipes_lib_key(precision, args)
+                report = measure(
+                    f"[{name}] {key} ({args.strategy}, {precision})",
+                    lambda p=precision: run_recipes_lib(name, p, batches, args, device),
+                    device,
+                    tokens_per_step,
+                    flops_per_token,
+                    peak,
+                )
+                report.update(
+                    strategy=args.strategy,
+                    precision=precision,
+                    activation_checkpointing=args.activation_checkpointing,
+                )
+                trainers[key] = report
             continue
-        print(f"[{name}] {trainer} ...", file=sys.stderr, flush=True)
-        reset_memory(device)
-        L.seed_everything(args.seed, verbose=False)  # CausalLMModule inits from PL_GLOBAL_SEED
-        try:
-            timer, final_loss = RUNNERS[trainer](cfg, batches, args, device)
-            result["trainers"][trainer] = throughput_report(
-                timer,
-                tokens_per_step=batch_size * args.seq_len,
-                flops_per_token=flops_per_token,
-                peak_tflops=peak,
-                final_loss=final_loss,
-            )
-        except Exception as err:  # one trainer failing (e.g. out of memory) spares the rest
-            traceback.print_exc(file=sys.stderr)
-            result["trainers"][trainer] = {"error": f"{type(err).__name__}: {err}"[:2000]}
-        print(f"[{name}] {trainer}: {result['trainers'][trainer]}", file=sys.stderr, flush=True)
+        if trainer == "hf_transformers" and importlib.util.find_spec("transformers") is None:
+            trainers[trainer] = {"skipped": "transformers is not installed"}
+            continue
+        L.seed_everything(args.seed, verbose=False)
+        trainers[trainer] = measure(
+            f"[{name}] {trainer}",
+            lambda t=trainer: BASELINES[t](cfg, optim, batches, args, device),
+            device,
+            tokens_per_step,
+            flops_per_token,
+            peak,
+        )
 
-    def tokens_per_sec(trainer: str) -> float | None:
-        return result["trainers"].get(trainer, {}).get("tokens_per_sec")
-
-    base = tokens_per_sec("plain_pytorch")
+    plain = trainers.get("plain_pytorch", {})
     result["tokens_per_sec_ratios"] = {  # None where either side did not run
-        f"{trainer}/plain_pytorch": round(other / base, 4) if base and other else None
+        f"{trainer}/plain_pytorch": _ratio(trainers.get(trainer, {}), plain, "tokens_per_sec")
         for trainer in ("recipes_lib", "hf_transformers")
-        for other in [tokens_per_sec(trainer)]
     }
+    if "recipes_lib" in args.trainers and len(args.precisions) > 1:
+        first = args.precisions[0]
+        base = trainers["recipes_lib"]
+        comparison = {}
+        for precision in args.precisions[1:]:
+            other = trainers[recipes_lib_key(precision, args)]
+            loss_a, loss_b = other.get("final_loss"), base.get("final_loss")
+            comparison[f"{precision}/{first}"] = {
+                "tokens_per_sec_ratio": _ratio(other, base, "tokens_per_sec"),
+                "peak_memory_ratio": _ratio(other, base, "peak_memory_gib"),
+                "final_loss_difference": round(loss_a - loss_b, 5)
+                if isinstance(loss_a, float) and isinstance(loss_b, float)
+                else None,
+            }
+        result["precision_comparison"] = comparison
     return result
 
 
@@ -343,6 +357,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-chunk-size", type=int, default=None, help="recipes_lib trainer only")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument(
+        "--strategy", default="single", choices=STRATEGIES, help="recipes_lib, on one device"
+    )
+    p.add_argument(
+        "--precision",
+        default=None,
+        choices=PRECISIONS,
+        help="recipes_lib (default bf16-mixed; 32-true with --smoke)",
+    )
+    p.add_argument(
+        "--precisions",
+        default=None,
+        help="recipes_lib once per precision, e.g. bf16-mixed,fp8 (overrides --precision)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recipes_lib: recompute each block's activations in the backward pass",
+    )
+    p.add_argument(
         "--monitors",
         action="store_true",
         help="recipes_lib: add ThroughputMonitor, GradNormMonitor",
@@ -356,8 +389,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.trainers = [t for t in args.trainers.split(",") if t]
     if unknown := set(args.trainers) - set(TRAINERS):
         p.error(f"unknown trainers {sorted(unknown)}; choose from {TRAINERS}")
+    if unknown := set(args.models) - set(list_group_options("model")):
+        presets = list_group_options("model")
+        p.error(f"unknown model presets {sorted(unknown)}; choose from {presets}")
+    if args.precisions:
+        args.precisions = list(dict.fromkeys(x for x in args.precisions.split(",") if x))
+    elif args.precision:
+        args.precisions = [args.precision]
+    else:
+        args.precisions = ["32-true" if args.smoke else "bf16-mixed"]
+    if unknown := set(args.precisions) - set(PRECISIONS):
+        p.error(f"unknown precisions {sorted(unknown)}; choose from {PRECISIONS}")
     args.batch_sizes = _batch_sizes(args.batch_size)
-    args.bf16 = True
+    args.bf16 = True  # the baselines' autocast
     if args.smoke:
         args.models, args.seq_len, args.warmup_steps, args.steps = ["tiny"], 64, 2, 3
         args.compile, args.bf16 = False, False
@@ -382,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "pretrain_throughput",
         "device": name,
         "peak_tflops_per_card": peak,
-        "versions": package_versions("lightning", "transformers", "recipes-lib"),
+        "versions": package_versions("lightning", "transformers", "torchao", "recipes-lib"),
         "command": command_line(),
         "settings": {
             "seq_len": args.seq_len,
@@ -393,9 +437,16 @@ def main(argv: list[str] | None = None) -> dict:
             "attention": args.attention,
             "hf_transformers_attention": "sdpa",
             "loss_chunk_size": args.loss_chunk_size,
-            "recipes_lib_monitors": args.monitors,
+            "recipes_lib": {
+                "built_by": "compose_config -> build_trainer / build_stage",
+                "strategy": args.strategy,
+                "precisions": args.precisions,
+                "activation_checkpointing": args.activation_checkpointing,
+                "monitors": args.monitors,
+            },
             "optimizer": "AdamW fused (foreach on CPU), lr 3e-4, weight decay 0.1, constant LR",
             "grad_clip_norm": GRAD_CLIP,
+            "mfu_peak": "dense bf16 peak of the card, for every precision",
             "seed": args.seed,
         },
         "models": {},

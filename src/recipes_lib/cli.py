@@ -10,6 +10,7 @@ Hydra application.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import hydra
@@ -85,18 +86,37 @@ def _pipeline(cfg: DictConfig) -> float | None:
     return result.stages[-1].manifest.metrics.val_loss  # the value a sweeper optimises
 
 
+def launcher_rank() -> int:
+    """This process's global rank as ``torchrun`` or SLURM's ``srun`` set it (0 alone)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(name)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _quiet_other_ranks() -> None:
+    """Under a multi-process launcher only rank 0 writes Hydra's config copy and log file;
+    the other ranks still print errors (:func:`_report`)."""
+    if launcher_rank() > 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
+
+
 def train_main() -> None:
     """Entry point of ``recipes-train``."""
+    _quiet_other_ranks()
     _train()
 
 
 def prepare_main() -> None:
     """Entry point of ``recipes-prepare``: tokenize the configured data into shards."""
+    _quiet_other_ranks()
     _prepare()
 
 
 def pipeline_main() -> None:
     """Entry point of ``recipes-pipeline``: run the stages of ``pipeline=NAME`` in order."""
+    _quiet_other_ranks()
     _pipeline()
 
 

@@ -37,6 +37,7 @@ from recipes_lib.adapters import (
     save_adapter,
 )
 from recipes_lib.callbacks.ema import WeightEMA
+from recipes_lib.checkpoint.sharded import is_sharded_checkpoint
 from recipes_lib.checkpoint.weights import (
     WEIGHTS_NAME,
     average_checkpoints,
@@ -49,6 +50,14 @@ from recipes_lib.data import PretrainDataModule
 from recipes_lib.data.chat_module import build_chat_data
 from recipes_lib.data.preference import build_preference_data
 from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.parallel import (
+    build_strategy,
+    check_strategy,
+    gather_full_state_dict,
+    trainer_devices,
+)
+from recipes_lib.parallel.fp8 import fp8_callbacks
+from recipes_lib.parallel.precision import lightning_precision
 from recipes_lib.stages.causal_lm import CausalLMModule
 from recipes_lib.stages.dpo import build_dpo_module
 from recipes_lib.stages.sft import SFTModule
@@ -95,11 +104,16 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     else:
         kwargs["limit_val_batches"] = 0
     callbacks = instantiate_dict(cfg.callbacks, "callbacks") + list(extra_callbacks)
+    # float8 all-gather under FSDP: every weight's scale refreshed after each step
+    callbacks += fp8_callbacks(cfg.precision, fsdp=cfg.strategy.name == "fsdp")
     if not cfg.trainer.enable_progress_bar:  # a progress bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = instantiate_dict(cfg.logger, "logger")
+    kwargs["devices"] = trainer_devices(cfg)
     return L.Trainer(
         **kwargs,
+        strategy=build_strategy(cfg.strategy, micro_batch_size=cfg.data.batch_size),
+        precision=lightning_precision(cfg.precision),
         callbacks=callbacks,
         logger=loggers if loggers else False,
         default_root_dir=cfg.run.dir,
@@ -125,6 +139,8 @@ def _causal_lm_module(
         init_from=cfg.stage.init_from,
         init_optimizer=cfg.stage.init_optimizer,
         adapter=cfg.adapter,
+        precision=cfg.precision,
+        strategy=cfg.strategy,
     )
 
 
@@ -172,8 +188,10 @@ def _resolve_ckpt_path(cfg: RunConfig) -> str | None:
     path = cfg.run.ckpt_path
     if path is None or path in ("last", "hpc", "best"):
         return path
-    if not Path(path).is_file():
-        raise CheckpointError(f"run.ckpt_path: checkpoint file '{path}' does not exist")
+    if not (Path(path).is_file() or is_sharded_checkpoint(path)):
+        raise CheckpointError(
+            f"run.ckpt_path: '{path}' is neither a checkpoint file nor a sharded checkpoint folder"
+        )
     return path
 
 
@@ -208,6 +226,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     cfg = to_run_config(cfg)
     validate_run_config(cfg, objectives=tuple(OBJECTIVES))
     check_adapter_config(cfg.adapter, accelerator=cfg.trainer.accelerator)
+    check_strategy(cfg)
     ckpt_path = _resolve_ckpt_path(cfg)
     _refuse_to_overwrite(cfg, ckpt_path)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
@@ -239,7 +258,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     prepared = datamodule.prepared
     return RunResult(
         output_dir=out,
-        last_checkpoint=last if last.is_file() else None,
+        last_checkpoint=last if last.exists() else None,  # a folder when sharded
         global_step=trainer.global_step,
         tokens_seen=int(getattr(module, "tokens_seen", 0)),
         metrics=metrics,
@@ -321,13 +340,15 @@ def _export_weights(
             )
         chosen = [p for _, p in saved[-k:]]
     path = out / WEIGHTS_NAME
+    # sharded weights are gathered by every rank together, onto rank 0
+    final = gather_full_state_dict(module.model, trainer.strategy)
     if trainer.is_global_zero:
         if chosen:
             state, source = average_checkpoints(chosen), f"mean of {len(chosen)} checkpoints"
         elif ema is not None:
             state, source = ema.averaged_state_dict(module.model), f"ema decay {ema.decay}"
         else:
-            state, source = module.model.state_dict(), "final"
+            state, source = final, "final"
         if has_adapter(module.model):
             save_adapter(module.model, out / ADAPTER_DIR, cfg.adapter, state=state)
             state, source = (

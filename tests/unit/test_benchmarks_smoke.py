@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "pretrain_throughput.py"
 TRAINERS = ("recipes_lib", "plain_pytorch", "hf_transformers")
 
@@ -49,3 +51,46 @@ def test_pretrain_throughput_smoke_reports_all_trainers(tmp_path):
         trainers["recipes_lib"]["final_loss"], trainers["plain_pytorch"]["final_loss"], rel_tol=1e-5
     )
     assert tiny["tokens_per_sec_ratios"]["recipes_lib/plain_pytorch"] > 0
+
+
+def test_pretrain_throughput_smoke_measures_each_precision_through_the_library(tmp_path):
+    """``--precisions`` measures recipes_lib once per precision in one process, built by
+    compose_config/build_trainer/build_stage; activation checkpointing recomputes the
+    same numbers in fp32, so the library still trains exactly as the plain loop."""
+    from recipes_lib.parallel.precision import detect_cpu_bf16
+
+    if not detect_cpu_bf16():
+        pytest.skip("this CPU has no native bf16 kernels; precision=bf16-mixed is refused")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARK),
+            "--smoke",
+            "--trainers",
+            "recipes_lib,plain_pytorch",
+            "--precisions",
+            "32-true,bf16-mixed",
+            "--activation-checkpointing",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(proc.stdout)
+    assert figures["settings"]["recipes_lib"]["precisions"] == ["32-true", "bf16-mixed"]
+    tiny = figures["models"]["tiny"]
+    trainers = tiny["trainers"]
+    assert set(trainers) == {"recipes_lib", "recipes_lib_bf16-mixed", "plain_pytorch"}
+    for key, precision in (("recipes_lib", "32-true"), ("recipes_lib_bf16-mixed", "bf16-mixed")):
+        report = trainers[key]
+        assert "error" not in report, report
+        assert report["precision"] == precision and report["strategy"] == "single"
+        assert report["activation_checkpointing"] is True
+        assert report["tokens_per_sec"] > 0 and report["measured_steps"] == 3
+    assert math.isclose(
+        trainers["recipes_lib"]["final_loss"], trainers["plain_pytorch"]["final_loss"], rel_tol=1e-5
+    )
+    comparison = tiny["precision_comparison"]["bf16-mixed/32-true"]
+    assert comparison["tokens_per_sec_ratio"] > 0
+    assert abs(comparison["final_loss_difference"]) < 0.1  # bf16 rounding, a few steps

@@ -239,7 +239,10 @@ def _merged(
             copies[id(value)] = value.detach().cpu()
         out[name] = copies[id(value)]
     for layer_name, layer in layers.items():
-        weight = _base_weight(layer)
+        # a float base weight given in ``state`` (whole, where the model's may be an
+        # FSDP shard); 4-bit bases are dequantized from the model (never sharded)
+        given = source.get(f"{layer_name}.base_layer.weight")
+        weight = given if given is not None and given.is_floating_point() else _base_weight(layer)
         if with_adapters:
             prefix = f"{layer_name}.lora_{{}}.{ADAPTER_NAME}.weight"
             a = source.get(prefix.format("A"), layer.lora_A[ADAPTER_NAME].weight)

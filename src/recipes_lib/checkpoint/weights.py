@@ -22,6 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from recipes_lib.checkpoint.sharded import is_sharded_checkpoint, read_sharded_checkpoint
 from recipes_lib.errors import CheckpointError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -173,13 +174,16 @@ def model_state_of(checkpoint: Mapping[str, Any]) -> dict[str, Tensor]:
 
 
 def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
-    """Model weights from a ``.safetensors`` file, a folder with ``model.safetensors``, or
-    a torch checkpoint (Lightning ``.ckpt`` or a plain state dict), all on the CPU.
+    """Model weights from a ``.safetensors`` file, a folder with ``model.safetensors``, a
+    torch checkpoint (Lightning ``.ckpt`` or a plain state dict), or a sharded (FSDP)
+    checkpoint folder, all on the CPU.
 
     Raises:
         CheckpointError: the path is missing or unreadable.
     """
     source = Path(path).expanduser()
+    if is_sharded_checkpoint(source):
+        return model_state_of({"state_dict": read_sharded_checkpoint(source)})
     if source.is_dir():
         source = source / WEIGHTS_NAME
     if not source.is_file():

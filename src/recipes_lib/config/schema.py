@@ -60,6 +60,8 @@ class KernelsConfig:
     attention: str = "sdpa"
     compile: bool = False  # torch.compile each transformer block
     loss_chunk_size: int | None = None  # fused output + loss, N rows at a time; None: off
+    # recompute each block's activations in the backward pass instead of storing them
+    activation_checkpointing: bool = False
 
 
 @dataclass
@@ -208,13 +210,53 @@ class SchedulerConfig:
 
 
 @dataclass
+class StrategyConfig:
+    """How the run is spread over devices (config group ``strategy``).
+
+    ``name``: ``single`` (one device) | ``ddp`` (replicated weights, all-reduced
+    gradients) | ``fsdp`` (FSDP2: each block's parameters, gradients and optimizer state
+    sharded with ``fully_shard`` through Lightning's ``ModelParallelStrategy``) |
+    ``deepspeed_zero2`` | ``deepspeed_zero3`` (Lightning's ``DeepSpeedStrategy``; needs
+    the ``deepspeed`` extra).
+    """
+
+    name: str = "single"
+    # fsdp: parameters, gradients and optimizer state live on the CPU between uses;
+    # deepspeed: optimizer state (ZeRO-2) and parameters too (ZeRO-3) on the CPU
+    cpu_offload: bool = False
+    reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward
+    find_unused_parameters: bool = False  # ddp
+    timeout_minutes: int = 30  # collective timeout of the process group
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision of training (config group ``precision``).
+
+    ``name``: ``32-true`` | ``bf16-mixed`` (bf16 compute over fp32 weights) |
+    ``bf16-true`` (weights and compute in bf16) | ``fp8`` (bf16-mixed, with the
+    Linear layers' matmuls in float8 through torchao; CUDA with compute capability
+    8.9 or newer). Under ``strategy=fsdp`` the mixed precisions become FSDP2's
+    mixed-precision policy (bf16 parameters in compute, fp32 gradient reduction).
+    """
+
+    name: str = "32-true"
+    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise scaling of the float8 casts
+    # Linear layers kept in bf16: fnmatch patterns of module names (the output head)
+    fp8_skip: list[str] = field(default_factory=lambda: ["output"])
+    # Linear layers with a dimension below this stay in bf16 (float8 casts cost more
+    # than they save on small matmuls); both dimensions must also divide by 16
+    fp8_min_features: int = 1024
+
+
+@dataclass
 class TrainerConfig:
-    """Arguments of ``lightning.Trainer``, one to one."""
+    """Arguments of ``lightning.Trainer``, one to one (strategy and precision come from
+    their own groups)."""
 
     accelerator: str = "auto"
     devices: Any = "auto"
     num_nodes: int = 1
-    precision: str = "32-true"
     max_steps: int = 1000
     accumulate_grad_batches: int = 1
     gradient_clip_val: float | None = 1.0
@@ -252,6 +294,8 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     run: RunInfoConfig = field(default_factory=RunInfoConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ...}
     logger: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ...}

@@ -8,12 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
-
-PRECISIONS = ("32-true", "32", "bf16-mixed", "bf16-true", "16-mixed", "16-true", "64-true")
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -32,18 +28,6 @@ def _check_positive(cfg: RunConfig) -> None:
     ):
         if value <= 0:
             raise ConfigError(f"{key}={value} must be positive")
-
-
-def _check_precision(cfg: RunConfig) -> None:
-    precision = str(cfg.trainer.precision)
-    _check_choice("trainer.precision", precision, PRECISIONS)
-    on_cpu = cfg.trainer.accelerator == "cpu" or (
-        cfg.trainer.accelerator == "auto" and not torch.cuda.is_available()
-    )
-    if on_cpu and precision.startswith("16"):
-        raise ConfigError(
-            f"trainer.precision={precision} needs a GPU; on CPU use 32-true or bf16-mixed"
-        )
 
 
 def _check_stage_io(cfg: RunConfig) -> None:
@@ -80,10 +64,11 @@ def validate_run_config(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain
         objectives: the objectives a LightningModule exists for (``stage.objective``).
     """
     from recipes_lib.kernels import get_attention_backend
+    from recipes_lib.parallel.precision import check_precision
 
     _check_choice("stage.objective", cfg.stage.objective, objectives)
     _check_positive(cfg)
-    _check_precision(cfg)
+    check_precision(cfg)
     _check_stage_io(cfg)
     if cfg.data.seq_len > cfg.model.max_seq_len:
         raise ConfigError(

@@ -25,13 +25,16 @@ import torch
 from torch import Tensor
 
 from recipes_lib.adapters import apply_adapter, check_adapter_config
+from recipes_lib.checkpoint.hf import is_hf_folder, load_hf_weights_into
 from recipes_lib.checkpoint.weights import load_state_into, load_weights, read_checkpoint
 from recipes_lib.config.schema import (
     AdapterConfig,
     KernelsConfig,
     ModelConfig,
     OptimConfig,
+    PrecisionConfig,
     SchedulerConfig,
+    StrategyConfig,
 )
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.kernels import get_attention_backend
@@ -116,18 +119,26 @@ def restore_rng_states(states: Mapping[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(states["cuda"].cpu(), device)
 
 
-def load_model_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
+def load_model_weights(
+    model: torch.nn.Module, path: str | os.PathLike, label: str | None = None
+) -> None:
     """Load weights into ``model`` from ``path``.
 
-    ``path`` is a ``.safetensors`` file, a directory holding ``model.safetensors``, or a
+    ``path`` is a ``.safetensors`` file, a directory holding ``model.safetensors``, a
     torch file (a Lightning checkpoint of this module, whose ``model.`` prefix is
-    stripped, or a plain state dict).
+    stripped, or a plain state dict), or a Hugging Face model folder (``config.json``
+    with ``model.safetensors`` or its shards), whose config must match the model's.
+    ``label`` names the source in errors (default ``stage.init_from='<path>'``).
 
     Raises:
-        CheckpointError: the path is missing or unreadable, or its tensors do not fit the
-            model (the first mismatching names and shapes are listed).
+        CheckpointError: the path is missing or unreadable, a Hugging Face config
+            differs from the model's, or its tensors do not fit the model (the first
+            mismatches are listed).
     """
-    label = f"stage.init_from={str(path)!r}"
+    label = label or f"stage.init_from={str(path)!r}"
+    if is_hf_folder(path):
+        load_hf_weights_into(model, path, label)  # type: ignore[arg-type]
+        return
     try:
         state = load_weights(path)
     except CheckpointError as err:
@@ -208,6 +219,10 @@ class CausalLMModule(L.LightningModule):
             from ``optim`` and ``scheduler`` (see :func:`load_optimizer_moments`).
         adapter: LoRA or QLoRA applied to the built model after ``init_from`` is loaded
             (:func:`recipes_lib.adapters.apply_adapter`); only the adapters train.
+        precision: ``fp8`` converts the large Linear layers to float8 training; under
+            FSDP the mixed precisions set its mixed-precision policy.
+        strategy: with ``fsdp`` (a ``ModelParallelStrategy`` Trainer), each block is
+            sharded with ``fully_shard`` (offload and resharding from here).
     """
 
     def __init__(
@@ -223,6 +238,8 @@ class CausalLMModule(L.LightningModule):
         init_from: str | None = None,
         init_optimizer: bool = False,
         adapter: AdapterConfig | None = None,
+        precision: PrecisionConfig | None = None,
+        strategy: StrategyConfig | None = None,
     ):
         super().__init__()
         self.model_config: ModelConfig = _as_config(ModelConfig, model, "model")
@@ -233,6 +250,12 @@ class CausalLMModule(L.LightningModule):
             AdapterConfig, adapter if adapter is not None else AdapterConfig(), "adapter"
         )
         check_adapter_config(self.adapter_config)
+        self.precision_config: PrecisionConfig = _as_config(
+            PrecisionConfig, precision if precision is not None else PrecisionConfig(), "precision"
+        )
+        self.strategy_config: StrategyConfig = _as_config(
+            StrategyConfig, strategy if strategy is not None else StrategyConfig(), "strategy"
+        )
         self.total_steps = int(total_steps)
         self.tokens_per_step = int(tokens_per_step)
         self.document_mask = document_mask
@@ -257,6 +280,8 @@ class CausalLMModule(L.LightningModule):
                 "init_from": init_from,
                 "init_optimizer": init_optimizer,
                 "adapter": asdict(self.adapter_config),
+                "precision": asdict(self.precision_config),
+                "strategy": asdict(self.strategy_config),
             }
         )
         self.model: Transformer | None = None
@@ -271,13 +296,44 @@ class CausalLMModule(L.LightningModule):
         """Build the model once; later calls (e.g. a second ``fit``) keep it.
 
         The model is built on the default device of the surrounding context (a Trainer
-        makes that its root device, or ``meta`` for a deferred, sharded init) and
-        initialised under the run's seed (``PL_GLOBAL_SEED``, set by
+        makes that its root device; under FSDP, the root device, or the CPU when
+        offloading) and initialised under the run's seed (``PL_GLOBAL_SEED``, set by
         ``lightning.seed_everything``), in a forked RNG so the global streams are left
-        as they were.
+        as they were; every strategy starts from the same weights. Then, in this order:
+        ``init_from`` weights, adapter, float8, activation checkpointing, per-block
+        compilation, and FSDP sharding.
         """
         if self.model is not None:
             return
+        with torch.device(self._build_device()):
+            model = self._build_model()
+        self._apply_transforms(model)
+        mesh = self._data_parallel_mesh()
+        if mesh is not None:
+            from recipes_lib.parallel.fsdp import shard_model
+
+            shard_model(model, mesh, self.strategy_config, self.precision_config)
+        self.model = model
+
+    def _build_device(self) -> torch.device:
+        if self._data_parallel_mesh() is None:
+            return torch.get_default_device()
+        if self.strategy_config.cpu_offload:
+            return torch.device("cpu")
+        return self.trainer.strategy.root_device
+
+    def _data_parallel_mesh(self):
+        """The data-parallel device mesh under an FSDP2 (``ModelParallelStrategy``)
+        Trainer, else None."""
+        try:
+            mesh = self.device_mesh
+        except (AttributeError, RuntimeError):
+            return None
+        return mesh["data_parallel"] if mesh is not None else None
+
+    def _build_model(self) -> Transformer:
+        """The decoder with its initial weights (seeded init, then ``init_from``) and its
+        adapter."""
         backend = get_attention_backend(self.kernels_config.attention)
         seed = os.environ.get("PL_GLOBAL_SEED")
         device = torch.get_default_device()
@@ -295,13 +351,24 @@ class CausalLMModule(L.LightningModule):
             load_model_weights(model, self.init_from)
         # after the base weights are in place; before compilation, which must see the
         # adapted modules
-        model = apply_adapter(model, self.adapter_config)
+        return apply_adapter(model, self.adapter_config)
+
+    def _apply_transforms(self, model: Transformer) -> None:
+        """float8 Linear layers, activation checkpointing and per-block compilation, in
+        that order (compilation must see the final modules)."""
+        if self.precision_config.name == "fp8":
+            from recipes_lib.parallel.fp8 import convert_to_fp8
+
+            convert_to_fp8(
+                model, self.precision_config, fsdp=self._data_parallel_mesh() is not None
+            )
+        if self.kernels_config.activation_checkpointing:
+            model.set_activation_checkpointing(True)
         if self.kernels_config.compile:
             for block in model.layers:
                 block.compile()  # in place: parameter names stay as they are
             # fuses the fp32 upcast with log-softmax: the fp32 logits are never stored
             self._loss_fn = torch.compile(causal_lm_loss)
-        self.model = model
 
     def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Next-token logits ``(B, T, V)``."""
@@ -410,7 +477,8 @@ class CausalLMModule(L.LightningModule):
         totals = torch.stack([self._val_loss_sum, self._val_batches])
         totals = self.trainer.strategy.reduce(totals, reduce_op="sum")
         if totals[1] > 0:  # same batch-size-weighted mean as val/loss
-            self.log("val/ppl", torch.exp(totals[0] / totals[1]), on_epoch=True)
+            # already summed over ranks: every rank logs the same value
+            self.log("val/ppl", torch.exp(totals[0] / totals[1]), on_epoch=True, sync_dist=True)
         self._val_loss_sum = self._val_batches = None
 
     def configure_gradient_clipping(

@@ -40,12 +40,12 @@ import torch
 from torch import Tensor, nn
 
 from recipes_lib.adapters import adapters_disabled, has_adapter
-from recipes_lib.checkpoint.weights import load_state_into, load_weights
 from recipes_lib.config.schema import PreferenceConfig, RunConfig
-from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import PREFERENCE_LOSSES, token_logprobs
 from recipes_lib.models import Transformer
-from recipes_lib.stages.causal_lm import Batch, CausalLMModule, _as_config
+from recipes_lib.stages.causal_lm import Batch, CausalLMModule, _as_config, load_model_weights
+from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
 
 SPLITS = ("train", "val")
 REFERENCE_SOURCE_KEY = "dpo_reference_from"  # checkpoint entry: where the reference came from
@@ -72,11 +72,7 @@ def pair_logprobs(logits: Tensor, labels: Tensor, sequence_ids: Tensor, n_pairs:
 
 
 def _load_reference(reference: nn.Module, source: str, label: str) -> None:
-    try:
-        state = load_weights(source)
-    except CheckpointError as err:
-        raise CheckpointError(f"{label}: {err}") from err
-    load_state_into(reference, state, label)
+    load_model_weights(reference, source, label)  # any source stage.init_from takes
 
 
 class FrozenReference:
@@ -116,7 +112,8 @@ class DPOModule(CausalLMModule):
     """Preference optimisation of a causal LM against a frozen reference.
 
     Takes :class:`CausalLMModule`'s arguments plus ``preference`` (loss, beta,
-    reference source, precomputation).
+    reference source, precomputation). When fitting ends, the run's folder gets the
+    tokenizer and chat template the pairs were rendered with, as after SFT.
 
     Raises:
         ConfigError: an unknown loss, a non-positive beta, or ``kernels.loss_chunk_size``
@@ -166,7 +163,8 @@ class DPOModule(CausalLMModule):
                 "objective dpo builds a separate reference model on the policy's device; a "
                 "deferred (meta-device) initialisation is not supported"
             )
-        device = next(policy.parameters()).device
+        mesh = self._data_parallel_mesh()
+        device = self._build_device()
         seed = os.environ.get("PL_GLOBAL_SEED")
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if seed is not None:
@@ -174,8 +172,11 @@ class DPOModule(CausalLMModule):
             with torch.device(device):
                 reference = Transformer(self.model_config, attention=policy.attention_backend)
         if source is None:
-            # the policy's initial weights (no adapter here: it would have been handled)
-            reference.load_state_dict(policy.state_dict())
+            # the policy's initial weights (no adapter here: it would have been handled);
+            # a sharded policy was built under the same seed, so the reference already
+            # holds them
+            if mesh is None:
+                reference.load_state_dict(policy.state_dict())
         else:
             key = "preference.reference_from" if settings.reference_from else "stage.init_from"
             _load_reference(reference, source, f"{key}={source!r}")
@@ -183,6 +184,10 @@ class DPOModule(CausalLMModule):
         if self.kernels_config.compile:
             for block in reference.layers:
                 block.compile()
+        if mesh is not None:
+            from recipes_lib.parallel.fsdp import shard_model
+
+            shard_model(reference, mesh, self.strategy_config, self.precision_config)
         return FrozenReference(model=reference)
 
     # ----------------------------------------------------------- checkpoints
@@ -314,6 +319,9 @@ class DPOModule(CausalLMModule):
         # a preference loss has no perplexity: drop the base module's running sums
         self._val_loss_sum = self._val_batches = None
 
+    def on_fit_end(self) -> None:
+        save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
+
 
 def build_dpo_module(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> DPOModule:
     """The LightningModule of the ``dpo`` objective from the typed run config."""
@@ -328,5 +336,7 @@ def build_dpo_module(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) 
         init_from=cfg.stage.init_from,
         init_optimizer=cfg.stage.init_optimizer,
         adapter=cfg.adapter,
+        precision=cfg.precision,
+        strategy=cfg.strategy,
         preference=cfg.preference,
     )

@@ -25,6 +25,8 @@ GROUPS = [
     "optim",
     "scheduler",
     "trainer",
+    "strategy",
+    "precision",
     "callbacks",
     "logger",
 ]
@@ -85,7 +87,7 @@ def test_recipe_overrides_group_defaults():
     assert cfg.model.name == "llama_1b"
     assert cfg.model.rope_scaling.type == "llama3"
     assert cfg.scheduler.name == "wsd"
-    assert cfg.trainer.precision == "bf16-mixed"
+    assert cfg.precision.name == "bf16-mixed"
 
 
 def test_unknown_key_fails_at_compose_time_naming_it():

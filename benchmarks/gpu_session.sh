@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of the project on one 4-GPU machine, in parts that each
+# fit ten minutes. Results and logs go to $OUT (default ./gpu-results).
+#
+#   bash benchmarks/gpu_session.sh tests       # every GPU test (1 and 2 GPUs)
+#   bash benchmarks/gpu_session.sh throughput  # bf16 vs fp8 at 1B; 124M with baselines; post-training
+#   bash benchmarks/gpu_session.sh scaling     # 1 and 2 GPUs beside single-GPU tests, then 4 GPUs
+#   bash benchmarks/gpu_session.sh memory      # largest model per strategy (80 GB cap), 2-GPU tests
+#
+# Jobs that run at once each get their own GPUs (CUDA_VISIBLE_DEVICES); no two timed
+# measurements share a card. RECORD=1 records the reference loss curves of
+# tests/gpu/test_stage_curves.py on this card instead of checking them.
+set -u
+OUT=${OUT:-gpu-results}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+T=${JOB_TIMEOUT_S:-540}
+REC=""
+[ "${RECORD:-0}" = 1 ] && REC="RECIPES_RECORD_LOSSES=1"
+
+job() {  # job NAME GPUS COMMAND: run COMMAND in the background, log to $OUT/NAME.log
+  local name=$1 gpus=$2
+  shift 2
+  (CUDA_VISIBLE_DEVICES=$gpus timeout "$T" bash -c "$*" >"$OUT/$name.log" 2>&1
+   echo "$name exit $?" >>"$OUT/status.txt") &
+}
+ONE_GPU_TESTS="-m 'gpu and not multigpu' tests -p no:cacheprovider"
+
+case "${1:-tests}" in
+tests)
+  job multigpu_tests 0,1 "$PY -m pytest -q tests/gpu/test_multigpu.py -p no:cacheprovider"
+  job gpu_tests 2 "env $REC $PY -m pytest -q $ONE_GPU_TESTS;
+    cp tests/gpu/reference_losses.json $OUT/"
+  wait ;;
+throughput)
+  job fp8 0 "$PY benchmarks/pretrain_throughput.py --models llama_1b \
+    --trainers recipes_lib,plain_pytorch --precisions bf16-mixed,fp8 --out $OUT/fp8_llama_1b.json"
+  job gpt_124m 1 "$PY benchmarks/pretrain_throughput.py --models gpt_124m \
+    --out $OUT/throughput_gpt_124m.json"
+  job posttrain 2 "$PY benchmarks/posttrain.py --out $OUT/posttrain.json"
+  wait ;;
+scaling)
+  job scaling12 0,1 "$PY benchmarks/scaling.py --gpus 1,2 --strategies fsdp,ddp \
+    --timeout-s 110 --budget-s 330 --out $OUT/scaling.json"
+  job curves_fp8 2 "env $REC $PY -m pytest -q tests/gpu/test_stage_curves.py \
+    tests/gpu/test_fp8_gpu.py -p no:cacheprovider; cp tests/gpu/reference_losses.json $OUT/"
+  job other_gpu_tests 3 "$PY -m pytest -q $ONE_GPU_TESTS \
+    --ignore tests/gpu/test_stage_curves.py --ignore tests/gpu/test_fp8_gpu.py"
+  wait
+  job scaling4 0,1,2,3 "$PY benchmarks/scaling.py --gpus 4 --strategies fsdp,ddp \
+    --no-single-baseline --timeout-s 110 --budget-s 220 --resume $OUT/scaling.json \
+    --out $OUT/scaling.json"
+  wait ;;
+memory)
+  job memory 0,1 "$PY benchmarks/memory.py --gpus 0,1 --budget-s 420 --out $OUT/memory.json"
+  job multigpu_tests 2,3 "$PY -m pytest -q tests/gpu/test_multigpu.py -p no:cacheprovider;
+    CUDA_VISIBLE_DEVICES=2 $PY -m pytest -q tests/gpu/test_stage_curves.py -p no:cacheprovider"
+  wait ;;
+esac
+cat "$OUT/status.txt"

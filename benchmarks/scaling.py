@@ -1,0 +1,376 @@
+r"""Data-parallel scaling of the 1B pretraining recipe: tokens/s on 1, 2 and 4 GPUs.
+
+The driver launches one ``torchrun --standalone --nproc_per_node=N`` job of this script
+(``--worker``) per configuration, one after another, each under its own time limit, and
+prints one JSON object. Each worker composes ``recipe=pretrain/llama_1b`` (Llama 3.2 1B
+shape, sequence 2048, bf16-mixed, compiled blocks) with ``strategy=<s>``,
+``trainer.devices=N`` and a fixed micro-batch per GPU (no accumulation), builds the
+trainer and module with the library's own builders, and trains on uniformly random
+tokens (each rank its own). The first ``--warmup-steps`` steps are not timed; then
+``--steps`` steps are timed on rank 0 between CUDA synchronizations. Figures per
+configuration::
+
+    tokens_per_sec           = N * micro_batch * seq_len * steps / seconds  (all ranks)
+    tokens_per_sec_per_gpu   = tokens_per_sec / N
+    mfu                      = tokens_per_sec * flops_per_token / (N * peak bf16 TFLOP/s)
+    scaling_efficiency       = tokens_per_sec(N) / (N * tokens_per_sec(1)), same strategy
+    efficiency_vs_single     = tokens_per_sec(N) / (N * tokens_per_sec of strategy=single
+                               on 1 GPU)
+    peak_memory_gib          = the largest max_memory_allocated over the ranks
+
+On a machine with 4 GPUs::
+
+    python benchmarks/scaling.py --gpus 1,2,4 --strategies fsdp,ddp --out $OUT/scaling.json
+
+The JSON is also rewritten after every configuration, so a run that is stopped keeps
+what it measured. A configuration that fails or runs past ``--timeout-s`` is recorded as
+``{"error": ...}`` (with the tail of its log) and the rest still run; the exit status is
+then 1. ``--smoke`` runs the tiny recipe on CPU with gloo (fp32, no compilation) on 1 and
+2 processes with ``ddp`` (``--strategies ddp,fsdp`` adds FSDP), in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+from _common import command_line, device_name, emit, package_versions, peak_bf16_tflops
+
+HERE = Path(__file__).resolve()
+GPU_RECIPE = "pretrain/llama_1b"
+SMOKE_RECIPE = "pretrain/tiny"
+STRATEGIES = ("single", "ddp", "fsdp")
+LOG_TAIL_CHARS = 3000
+
+
+# ---------------------------------------------------------------------------- worker
+def _rank_env() -> tuple[int, int, int]:
+    return (
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
+
+
+def worker_overrides(args, world_size: int, run_dir: str) -> list[str]:
+    from _library import measured_run_overrides
+
+    recipe = SMOKE_RECIPE if args.smoke else GPU_RECIPE
+    extra = ["precision=32-true", "kernels.compile=false"] if args.smoke else []
+    return [
+        f"recipe={recipe}",
+        f"strategy={args.strategy}",
+        *extra,
+        *measured_run_overrides(
+            steps=args.warmup_steps + args.steps,
+            seq_len=args.seq_len,
+            batch_size=args.micro_batch,
+            accelerator="cpu" if args.smoke else "gpu",
+            devices=world_size,
+            run_dir=run_dir,
+            seed=args.seed,
+        ),
+    ]
+
+
+def _max_over_ranks(value: float, device: torch.device) -> float:
+    """The largest ``value`` of all ranks (every rank must call this)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return float(tensor.item())
+
+
+def run_worker(args) -> dict:
+    """One configuration, in one of the ``torchrun`` processes; rank 0's figures."""
+    from _common import synchronize
+    from _library import compose_run, fit_measured, meta_transformer, synthetic_batches
+
+    rank, local_rank, world_size = _rank_env()
+    if args.smoke:
+        device = torch.device("cpu")
+    else:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.set_float32_matmul_precision("high")
+    with tempfile.TemporaryDirectory(prefix="recipes-scaling-") as root:
+        cfg = compose_run(worker_overrides(args, world_size, root))
+        batches = synthetic_batches(
+            cfg.model.vocab_size,
+            args.micro_batch,
+            args.seq_len,
+            args.warmup_steps + args.steps,
+            seed=args.seed + rank,  # each rank its own data, as in training
+        )
+        fit = fit_measured(
+            cfg, batches, warmup_steps=args.warmup_steps, device=device, world_size=world_size
+        )
+    synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    peak = _max_over_ranks(peak, device)
+    name = device_name(device)
+    peak_tflops = None if args.smoke else peak_bf16_tflops(name)
+    flops_per_token = meta_transformer(cfg.model).flops_per_token(args.seq_len)
+    step_ms = fit.timer.step_times_ms()
+    tokens_per_sec = world_size * args.micro_batch * args.seq_len * len(step_ms)
+    tokens_per_sec /= fit.timer.total_s
+    tflops = tokens_per_sec * flops_per_token / 1e12
+    return {
+        "device": name,
+        "world_size": world_size,
+        "strategy": args.strategy,
+        "trainer_strategy": type(fit.trainer.strategy).__name__,
+        "tokens_per_sec": round(tokens_per_sec, 1),
+        "tokens_per_sec_per_gpu": round(tokens_per_sec / world_size, 1),
+        "tflops": round(tflops, 3),
+        "mfu": round(tflops / (peak_tflops * world_size), 4) if peak_tflops else None,
+        "step_time_ms_median": round(sorted(step_ms)[len(step_ms) // 2], 3),
+        "measured_steps": len(step_ms),
+        "peak_memory_gib": round(peak, 3) if device.type == "cuda" else None,
+        "final_loss_rank0": round(fit.final_loss, 5),
+        "num_params": meta_transformer(cfg.model).num_params(),
+        "flops_per_token": flops_per_token,
+    }
+
+
+def worker_main(args) -> int:
+    rank, _, _ = _rank_env()
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            report = run_worker(args)
+    except Exception as err:
+        traceback.print_exc(file=sys.stderr)
+        report = {"error": f"rank {rank}: {type(err).__name__}: {err}"[:2000]}
+    if rank == 0:
+        Path(args.fragment).write_text(json.dumps(report))
+    return 1 if "error" in report else 0
+
+
+# ---------------------------------------------------------------------------- driver
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Stop the torchrun job this driver started (its own session), workers included."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=15)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def launch(args, strategy: str, gpus: int, timeout_s: float) -> dict:
+    """One ``torchrun`` job; its rank-0 fragment, or an error with the log's tail."""
+    with tempfile.TemporaryDirectory(prefix="recipes-scaling-") as tmp:
+        fragment = Path(tmp) / "fragment.json"
+        log_path = Path(tmp) / "log.txt"
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={gpus}",
+            str(HERE),
+            "--worker",
+            f"--fragment={fragment}",
+            f"--strategy={strategy}",
+            f"--micro-batch={args.micro_batch}",
+            f"--seq-len={args.seq_len}",
+            f"--warmup-steps={args.warmup_steps}",
+            f"--steps={args.steps}",
+            f"--seed={args.seed}",
+            *(["--smoke"] if args.smoke else []),
+        ]
+        env = dict(os.environ)
+        if args.smoke:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        env.setdefault("OMP_NUM_THREADS", "1" if args.smoke else "4")
+        started = time.perf_counter()
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+            try:
+                proc.wait(timeout=max(1.0, timeout_s))
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                timed_out = True
+        seconds = round(time.perf_counter() - started, 1)
+        tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
+        if fragment.is_file() and not timed_out:
+            report = json.loads(fragment.read_text())
+        elif timed_out:
+            report = {"error": f"timed out after {timeout_s:.0f} s"}
+        else:
+            report = {"error": f"torchrun exited with status {proc.returncode}"}
+        if "error" in report:
+            report["log_tail"] = tail
+        report["wall_s"] = seconds
+        return report
+
+
+def _efficiency(runs: dict, key: str, base_key: str, gpus: int) -> float | None:
+    run, base = runs.get(key, {}), runs.get(base_key, {})
+    tps, base_tps = run.get("tokens_per_sec"), base.get("tokens_per_sec")
+    if not tps or not base_tps:
+        return None
+    return round(tps / (gpus * base_tps), 4)
+
+
+def summarize(runs: dict, strategies: list[str], gpus: list[int]) -> dict:
+    """Scaling efficiency of each run against 1 GPU of its strategy and of ``single``."""
+    table: dict = {}
+    for strategy in strategies:
+        for n in gpus:
+            key = f"{strategy}/{n}"
+            if key not in runs:
+                continue
+            table[key] = {
+                "tokens_per_sec": runs[key].get("tokens_per_sec"),
+                "tokens_per_sec_per_gpu": runs[key].get("tokens_per_sec_per_gpu"),
+                "mfu": runs[key].get("mfu"),
+                "peak_memory_gib": runs[key].get("peak_memory_gib"),
+                "scaling_efficiency": _efficiency(runs, key, f"{strategy}/1", n),
+                "efficiency_vs_single": _efficiency(runs, key, "single/1", n),
+            }
+    return table
+
+
+def driver_main(args) -> dict:
+    configs = [("single", 1)] if args.single_baseline else []
+    configs += [(s, n) for s in args.strategies for n in args.gpus if (s, n) != ("single", 1)]
+    available = torch.cuda.device_count() if not args.smoke else os.cpu_count() or 1
+    if not args.smoke and available == 0:
+        raise SystemExit("no CUDA device; run with --smoke for the CPU check")
+    result: dict = {
+        "benchmark": "scaling",
+        "device": None,  # from the workers: the driver leaves the GPUs alone
+        "gpus_available": None if args.smoke else available,
+        "versions": package_versions("lightning", "recipes-lib"),
+        "command": command_line(),
+        "settings": {
+            "recipe": SMOKE_RECIPE if args.smoke else GPU_RECIPE,
+            "precision": "32-true" if args.smoke else "bf16-mixed (the recipe's)",
+            "compile": "off" if args.smoke else "each block (the recipe's sdpa_compiled)",
+            "micro_batch_per_gpu": args.micro_batch,
+            "seq_len": args.seq_len,
+            "accumulate_grad_batches": 1,
+            "warmup_steps": args.warmup_steps,
+            "steps": args.steps,
+            "timeout_s_per_config": args.timeout_s,
+            "budget_s": args.budget_s,
+            "data": "uniformly random tokens, each rank its own",
+            "launcher": "torchrun --standalone --nproc_per_node=N (one job per config)",
+            "seed": args.seed,
+        },
+        "runs": {},
+        "summary": {},
+    }
+    if args.resume and Path(args.resume).is_file():
+        # configurations measured by an earlier call on this machine (not failed ones)
+        earlier = json.loads(Path(args.resume).read_text())
+        result["runs"] = {k: v for k, v in earlier.get("runs", {}).items() if "tokens_per_sec" in v}
+        result["device"] = earlier.get("device")
+    all_gpus = sorted({*args.gpus, *(int(k.split("/")[1]) for k in result["runs"])})
+    started = time.perf_counter()
+    for strategy, n in configs:
+        key = f"{strategy}/{n}"
+        left = args.budget_s - (time.perf_counter() - started)
+        if key in result["runs"]:
+            continue
+        if not args.smoke and n > available:
+            result["runs"][key] = {"skipped": f"needs {n} GPUs, {available} visible"}
+        elif left < 30:
+            result["runs"][key] = {"skipped": f"time budget of {args.budget_s} s used up"}
+        else:
+            print(f"[scaling] {key} ...", file=sys.stderr, flush=True)
+            result["runs"][key] = launch(args, strategy, n, min(args.timeout_s, left))
+            print(f"[scaling] {key}: {result['runs'][key]}", file=sys.stderr, flush=True)
+            result["device"] = result["device"] or result["runs"][key].get("device")
+        result["summary"] = summarize(result["runs"], ["single", *args.strategies], all_gpus)
+        if args.out:  # keep what is measured so far
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    result["summary"] = summarize(result["runs"], ["single", *args.strategies], all_gpus)
+    emit(result, args.out)
+    return result
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gpus", default="1,2,4", help="process counts, e.g. 1,2,4")
+    p.add_argument(
+        "--strategies", default=None, help=f"subset of {STRATEGIES} (fsdp,ddp; ddp with --smoke)"
+    )
+    p.add_argument(
+        "--no-single-baseline",
+        dest="single_baseline",
+        action="store_false",
+        help="skip strategy=single on 1 GPU (the efficiency_vs_single baseline)",
+    )
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--warmup-steps", type=int, default=8)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per configuration")
+    p.add_argument("--budget-s", type=float, default=560.0, help="all configurations")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument(
+        "--resume",
+        default=None,
+        help="a JSON of an earlier call on this machine: keep its measured configurations "
+        "(e.g. --gpus 1,2 first, then --gpus 4 --resume the same file)",
+    )
+    p.add_argument("--smoke", action="store_true", help="tiny recipe on CPU (gloo), 1-2 procs")
+    # worker-only
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--fragment", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--strategy", default="ddp", choices=STRATEGIES, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.gpus = _ints(args.gpus)
+    if args.strategies is None:
+        args.strategies = "ddp" if args.smoke else "fsdp,ddp"
+    args.strategies = [s for s in args.strategies.split(",") if s]
+    if unknown := set(args.strategies) - set(STRATEGIES):
+        p.error(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
+    if args.smoke and not args.worker:
+        args.gpus = [n for n in args.gpus if n <= 2] or [1, 2]
+        args.seq_len, args.micro_batch = 64, 2
+        args.warmup_steps, args.steps = 1, 2
+        args.timeout_s = min(args.timeout_s, 60.0)
+    if args.worker and not args.fragment:
+        p.error("--worker needs --fragment")
+    if args.steps < 1:
+        p.error("--steps must be at least 1")
+    return args
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    if arguments.worker:
+        sys.exit(worker_main(arguments))
+    figures = driver_main(arguments)
+
+    def _failed(report: dict) -> bool:
+        return "error" in report
+
+    sys.exit(1 if any(_failed(r) for r in figures["runs"].values()) else 0)

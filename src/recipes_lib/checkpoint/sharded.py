@@ -1,0 +1,68 @@
+"""Sharded checkpoints: the folders FSDP2 runs write with ``torch.distributed.checkpoint``
+(one file per rank plus ``.metadata``), read back as one whole state dict on the CPU, so
+they can start another stage, be exported, or be converted to a single file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torch import Tensor
+
+from recipes_lib.errors import CheckpointError
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder written by ``torch.distributed.checkpoint``."""
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
+def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The model weights of a sharded checkpoint folder, gathered into one state dict on
+    the CPU (keys as in the LightningModule's state dict, e.g. ``model.layers.0...``).
+
+    Raises:
+        CheckpointError: the folder is not a sharded checkpoint or cannot be read.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    folder = Path(path)
+    if not is_sharded_checkpoint(folder):
+        raise CheckpointError(f"'{folder}' is not a sharded checkpoint folder (no .metadata file)")
+    state: dict = {}
+    try:
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(folder),
+            planner=_EmptyStateDictLoadPlanner(keys={"state_dict"}),
+            no_dist=True,
+        )
+    except Exception as err:  # noqa: BLE001 - any unreadable shard is one error here
+        raise CheckpointError(f"cannot read sharded checkpoint '{folder}': {err}") from err
+    weights = state.get("state_dict")
+    if not isinstance(weights, dict) or not weights:
+        raise CheckpointError(f"sharded checkpoint '{folder}' holds no model state_dict")
+    return {k: v for k, v in weights.items() if isinstance(v, Tensor)}
+
+
+def consolidate_sharded_checkpoint(
+    path: str | os.PathLike, out: str | os.PathLike | None = None
+) -> Path:
+    """Write the model weights of a sharded checkpoint folder as one ``model.safetensors``
+    (default: beside the folder, named ``<folder>.safetensors``), keys as in the native
+    model; returns the file written.
+
+    Raises:
+        CheckpointError: the folder cannot be read.
+    """
+    from recipes_lib.checkpoint.weights import MODEL_PREFIX, save_weights
+
+    folder = Path(path)
+    state = read_sharded_checkpoint(folder)
+    weights = {k.removeprefix(MODEL_PREFIX): v for k, v in state.items()}
+    target = Path(out) if out is not None else folder.with_suffix(".safetensors")
+    save_weights(weights, target, metadata={"source": str(folder)})
+    return target

@@ -1,0 +1,100 @@
+"""FSDP2 for the native decoder: shard each block, gather whole weights, read sharded
+checkpoints back as one state dict.
+
+The order of model transforms is fixed (see ``CausalLMModule.configure_model``):
+weights -> adapter -> float8 -> activation checkpointing -> compile -> ``shard_model``.
+Sharded checkpoints are read back whole by
+:func:`recipes_lib.checkpoint.sharded.read_sharded_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from recipes_lib.config.schema import PrecisionConfig, StrategyConfig
+
+_MIXED = ("bf16-mixed", "fp8")  # precisions whose compute runs in bf16 over fp32 weights
+
+
+def mixed_precision_policy(precision: PrecisionConfig) -> MixedPrecisionPolicy:
+    """bf16 parameters in compute and fp32 gradient reduction for the mixed precisions;
+    otherwise parameters are used (and reduced) in their stored dtype."""
+    if precision.name in _MIXED:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _quantized_params(model: nn.Module) -> set[nn.Parameter]:
+    """Parameters stored in an integer dtype (QLoRA's 4-bit base weights): frozen and
+    small, they stay whole on every rank instead of being sharded."""
+    return {p for p in model.parameters() if not (p.is_floating_point() or p.is_complex())}
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder's transformer blocks, also under a peft wrapper."""
+    for module in model.modules():
+        layers = getattr(module, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+            return list(layers)
+    raise ValueError(f"{type(model).__name__} has no transformer blocks (a `layers` ModuleList)")
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    strategy: StrategyConfig,
+    precision: PrecisionConfig,
+) -> nn.Module:
+    """Apply ``fully_shard`` to each block, then to the whole model (embeddings, final
+    norm, output head), in place; returns ``model``.
+
+    Each block is one unit of all-gather and reduce-scatter, so only one block's full
+    parameters exist at a time (two with prefetching). Integer-typed parameters
+    (4-bit QLoRA weights) are left unsharded.
+
+    Args:
+        model: the built decoder (or its peft wrapper), on the device or the CPU.
+        mesh: the one-dimensional data-parallel device mesh.
+        strategy: ``strategy.reshard_after_forward`` and ``strategy.cpu_offload``.
+        precision: the mixed-precision policy (:func:`mixed_precision_policy`).
+    """
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision_policy(precision),
+        "offload_policy": CPUOffloadPolicy() if strategy.cpu_offload else None,
+    }
+    if kwargs["offload_policy"] is None:
+        del kwargs["offload_policy"]
+    ignored = _quantized_params(model)
+    if ignored:
+        kwargs["ignored_params"] = ignored
+    blocks = _blocks(model)
+    for index, block in enumerate(blocks):
+        # the last block's parameters are needed again at once by the backward pass
+        reshard = strategy.reshard_after_forward and index < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=strategy.reshard_after_forward, **kwargs)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is an FSDP2 shard (a ``DTensor``)."""
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The whole, unsharded state dict of ``model`` on the CPU.
+
+    With sharded parameters this is a collective (every rank must call it) and only
+    global rank 0 receives the tensors; other ranks get an empty dict. Plain models
+    return their state dict as it is.
+    """
+    if not is_sharded(model):
+        return model.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)

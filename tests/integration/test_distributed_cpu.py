@@ -1,0 +1,171 @@
+"""Multi-process runs on the CPU: two ``torchrun`` processes over gloo.
+
+The same global batch on one process (batch 4) and on two (batch 2 each) reads the same
+samples at every step (the sampler interleaves ranks over one stream), and gradients
+are averaged over ranks, so DDP and FSDP must reach the single-process weights. A
+sharded FSDP checkpoint must resume to the same weights and read back as one state
+dict.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from integration_helpers import read_metrics, tiny_overrides
+
+from recipes_lib.checkpoint.sharded import (
+    consolidate_sharded_checkpoint,
+    is_sharded_checkpoint,
+    read_sharded_checkpoint,
+)
+from recipes_lib.checkpoint.weights import MODEL_PREFIX, load_weights
+from recipes_lib.config import compose_config
+from recipes_lib.train import run
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+STEPS = 6
+COMMON = (
+    f"trainer.max_steps={STEPS}",
+    "trainer.val_check_interval=3",
+    "run.checkpoint_every_n_steps=3",
+    "run.save_top_k=-1",
+    "scheduler.warmup=2",
+)
+
+
+def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
+    items = tiny_overrides(run_dir.parent, cache, *COMMON, *extra)
+    return [o if not o.startswith("run.dir=") else f"run.dir={run_dir}" for o in items]
+
+
+def _torchrun(run_dir: Path, cache: Path, *extra: str, processes: int = 2) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        "-m",
+        "recipes_lib.cli",
+        *_overrides(run_dir, cache, f"trainer.devices={processes}", *extra),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """One single-process reference run (batch 4) and the same run on two processes."""
+    root = tmp_path_factory.mktemp("distributed")
+    cache = root / "cache"
+    dirs = {name: root / name for name in ("single", "ddp", "fsdp")}
+    single = run(compose_config(_overrides(dirs["single"], cache)))  # prepares the shards
+    dirs["tokenizer"] = single.tokenizer_path
+    _torchrun(dirs["ddp"], cache, "strategy=ddp", "data.batch_size=2")
+    _torchrun(dirs["fsdp"], cache, "strategy=fsdp", "data.batch_size=2")
+    dirs["cache"] = cache
+    return dirs
+
+
+def _assert_same_weights(a: dict, b: dict, atol: float = 2e-5) -> None:
+    assert a.keys() == b.keys()
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst < atol, f"largest weight difference {worst:.2e}"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_reach_the_single_process_weights(runs, strategy):
+    single = load_weights(runs["single"] / "model.safetensors")
+    parallel = load_weights(runs[strategy] / "model.safetensors")
+    _assert_same_weights(single, parallel)
+    # the validation loss is reduced over ranks: the same as on one process
+    val = [float(r["val/loss"]) for r in read_metrics(runs[strategy]) if r.get("val/loss")]
+    ref = [float(r["val/loss"]) for r in read_metrics(runs["single"]) if r.get("val/loss")]
+    assert val == pytest.approx(ref, abs=1e-3)
+
+
+def test_only_rank_zero_writes_the_run_folder(runs):
+    assert (runs["fsdp"] / "config.yaml").is_file()
+    assert len(list((runs["fsdp"] / "logs").glob("version_*"))) == 1
+    log = (runs["fsdp"] / "cli.log").read_text()
+    assert log.count("finished at step") == 1
+
+
+def test_fsdp_writes_sharded_checkpoints_that_read_back_whole(runs, tmp_path):
+    final = runs["fsdp"] / "checkpoints" / f"step{STEPS:06d}.ckpt"
+    assert is_sharded_checkpoint(final)
+    state = read_sharded_checkpoint(final)
+    weights = {k.removeprefix(MODEL_PREFIX): v for k, v in state.items()}
+    exported = load_weights(runs["fsdp"] / "model.safetensors")
+    _assert_same_weights(weights, exported, atol=1e-12)
+    # one file, readable wherever weights are (stage.init_from, export, generate)
+    single_file = consolidate_sharded_checkpoint(final, tmp_path / "consolidated.safetensors")
+    _assert_same_weights(load_weights(single_file), exported, atol=1e-12)
+    _assert_same_weights(load_weights(final), exported, atol=1e-12)
+
+
+def test_fsdp_resumes_from_a_sharded_checkpoint(runs, tmp_path):
+    middle = runs["fsdp"] / "checkpoints" / f"step{STEPS // 2:06d}.ckpt"
+    resumed = tmp_path / "resumed"
+    _torchrun(
+        resumed, runs["cache"], "strategy=fsdp", "data.batch_size=2", f"run.ckpt_path={middle}"
+    )
+    _assert_same_weights(
+        load_weights(runs["fsdp"] / "model.safetensors"),
+        load_weights(resumed / "model.safetensors"),
+        atol=1e-6,
+    )
+
+
+def _dpo_overrides(run_dir: Path, runs: dict, *extra: str) -> list[str]:
+    return [
+        f"run.dir={run_dir}",
+        f"data.cache_dir={runs['cache']}",
+        f"stage.init_from={runs['single'] / 'model.safetensors'}",
+        f"data.tokenizer.path={runs['tokenizer']}",
+        "model.vocab_size=512",
+        "data.tokenizer.vocab_size=512",
+        "data.seq_len=128",
+        "data.sources.stdlib_dpo.max_documents=200",
+        "scheduler.warmup=1",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=2",
+        "trainer.enable_progress_bar=false",
+        "trainer.enable_model_summary=false",
+        "callbacks=minimal",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("recipe", ["dpo/tiny", "dpo/lora_tiny"])
+def test_dpo_under_fsdp_matches_one_process(runs, tmp_path, recipe):
+    """A separate reference model is sharded like the policy; with LoRA the reference is
+    the sharded policy with its adapters bypassed."""
+    single_dir, fsdp_dir = tmp_path / "single", tmp_path / "fsdp"
+    run(
+        compose_config([f"recipe={recipe}", *_dpo_overrides(single_dir, runs, "data.batch_size=4")])
+    )
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "-m", "recipes_lib.cli", f"recipe={recipe}",
+        *_dpo_overrides(fsdp_dir, runs, "data.batch_size=2", "strategy=fsdp", "trainer.devices=2"),
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    _assert_same_weights(
+        load_weights(single_dir / "model.safetensors"), load_weights(fsdp_dir / "model.safetensors")
+    )
+    if recipe == "dpo/lora_tiny":
+        assert (fsdp_dir / "adapter" / "adapter_model.safetensors").is_file()
