@@ -23,7 +23,7 @@ from recipes_lib.checkpoint.sharded import (
     is_sharded_checkpoint,
     read_sharded_checkpoint,
 )
-from recipes_lib.checkpoint.weights import MODEL_PREFIX, load_weights
+from recipes_lib.checkpoint.weights import MODEL_PREFIX, list_step_checkpoints, load_weights
 from recipes_lib.config import compose_config
 from recipes_lib.train import run
 
@@ -104,6 +104,9 @@ def test_only_rank_zero_writes_the_run_folder(runs):
 def test_fsdp_writes_sharded_checkpoints_that_read_back_whole(runs, tmp_path):
     final = runs["fsdp"] / "checkpoints" / f"step{STEPS:06d}.ckpt"
     assert is_sharded_checkpoint(final)
+    # the step of each folder is read from its metadata, not from the shards
+    steps = [step for step, _ in list_step_checkpoints(runs["fsdp"] / "checkpoints")]
+    assert steps == [STEPS // 2, STEPS]
     state = read_sharded_checkpoint(final)
     weights = {k.removeprefix(MODEL_PREFIX): v for k, v in state.items()}
     exported = load_weights(runs["fsdp"] / "model.safetensors")

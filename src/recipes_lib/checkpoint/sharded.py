@@ -12,6 +12,9 @@ from torch import Tensor
 
 from recipes_lib.errors import CheckpointError
 
+# the loops, callbacks and step of a sharded Lightning checkpoint (all but the tensors)
+SHARDED_METADATA_NAME = "meta.pt"
+
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a folder written by ``torch.distributed.checkpoint``."""

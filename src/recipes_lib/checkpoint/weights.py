@@ -22,7 +22,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from recipes_lib.checkpoint.sharded import is_sharded_checkpoint, read_sharded_checkpoint
+from recipes_lib.checkpoint.sharded import (
+    SHARDED_METADATA_NAME,
+    is_sharded_checkpoint,
+    read_sharded_checkpoint,
+)
 from recipes_lib.errors import CheckpointError
 
 WEIGHTS_NAME = "model.safetensors"
@@ -282,18 +286,33 @@ def average_checkpoints(paths: Iterable[str | os.PathLike]) -> dict[str, Tensor]
     return {name: averaged[name] for name in reference}
 
 
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The ``global_step`` a Lightning checkpoint was saved at: a ``.ckpt`` file, or a
+    sharded checkpoint folder (read from its ``meta.pt``, without the weights).
+
+    Raises:
+        CheckpointError: the checkpoint is missing or unreadable.
+    """
+    source = Path(path)
+    if is_sharded_checkpoint(source):
+        source = source / SHARDED_METADATA_NAME
+    step = read_checkpoint(source).get("global_step")
+    return step if isinstance(step, int) else None
+
+
 def list_step_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     """The ``(global_step, path)`` of every step checkpoint in ``directory``, oldest first.
 
-    Every ``*.ckpt`` file counts except ``last*.ckpt``; the step is read from the file.
-    Of two files with the same step, the more recently written one is kept.
+    Every ``*.ckpt`` file (or sharded ``*.ckpt`` folder) counts except ``last*.ckpt``;
+    the step is read from the checkpoint. Of two with the same step, the more recently
+    written one is kept.
     """
     folder = Path(directory)
     by_step: dict[int, Path] = {}
     for path in sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns):
         if path.stem.startswith("last"):
             continue
-        step = read_checkpoint(path).get("global_step")
-        if isinstance(step, int):
+        step = checkpoint_step(path)
+        if step is not None:
             by_step[step] = path
     return sorted(by_step.items())

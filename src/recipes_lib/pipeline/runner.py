@@ -41,7 +41,7 @@ from recipes_lib.checkpoint.manifest import (
     relative_to,
     write_manifest,
 )
-from recipes_lib.checkpoint.weights import list_step_checkpoints, read_checkpoint, sha256_file
+from recipes_lib.checkpoint.weights import checkpoint_step, list_step_checkpoints, sha256_file
 from recipes_lib.config import RunConfig
 from recipes_lib.data.prepare import global_rank, resolve_sources
 from recipes_lib.errors import CheckpointError, ConfigError
@@ -115,9 +115,7 @@ class FinalCheckpoint(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.global_step < trainer.max_steps:
             return  # stopped early: the stage is not finished
-        if self.path.is_file() and read_checkpoint(self.path).get("global_step") == (
-            trainer.global_step
-        ):
+        if self.path.exists() and checkpoint_step(self.path) == trainer.global_step:
             return
         trainer.save_checkpoint(self.path)
 
@@ -139,7 +137,7 @@ def _move_aside(stage_dir: Path) -> Path:
 
 def _resume_checkpoint(stage_dir: Path) -> Path:
     last = stage_dir / "checkpoints" / "last.ckpt"
-    if last.is_file():
+    if last.exists():  # a folder when sharded
         return last
     saved = list_step_checkpoints(stage_dir / "checkpoints")
     if not saved:
