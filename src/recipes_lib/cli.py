@@ -102,10 +102,22 @@ def _quiet_other_ranks() -> None:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
 
 
+def _close_process_group() -> None:
+    """Tear down the distributed process group before the interpreter exits: left to
+    interpreter shutdown, its communication threads can abort the process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def train_main() -> None:
     """Entry point of ``recipes-train``."""
     _quiet_other_ranks()
-    _train()
+    try:
+        _train()
+    finally:
+        _close_process_group()
 
 
 def prepare_main() -> None:
@@ -117,7 +129,10 @@ def prepare_main() -> None:
 def pipeline_main() -> None:
     """Entry point of ``recipes-pipeline``: run the stages of ``pipeline=NAME`` in order."""
     _quiet_other_ranks()
-    _pipeline()
+    try:
+        _pipeline()
+    finally:
+        _close_process_group()
 
 
 if __name__ == "__main__":
