@@ -32,12 +32,12 @@ from recipes_lib.data.chat import (
 from recipes_lib.data.chat_sources import (
     SFT_BUILTINS,
     RecordBuiltin,
+    SavesChatTokenizer,
     chat_data_fingerprint,
     init_tokenizer_path,
     load_chat_tokenizer,
     load_source_records,
     record_texts,
-    save_chat_tokenizer,
     sources_fingerprint,
     split_records,
 )
@@ -223,7 +223,7 @@ class PreparedChat:
     chat_template: str
 
 
-class ChatDataModule(ResumableDataModule):
+class ChatDataModule(SavesChatTokenizer, ResumableDataModule):
     """SFT batches ``{"input_ids", "labels", "doc_ids"}`` of rendered conversations.
 
     The training stream is the same endless seeded shuffle as pretraining's
@@ -346,25 +346,6 @@ class ChatDataModule(ResumableDataModule):
         template = self.renderer.template_text
         fingerprint = chat_data_fingerprint(config, sources_fp, tokenizer, template)
         self.prepared = PreparedChat(tokenizer_path, fingerprint, template)
-
-    def save_tokenizer(self, folder: str | Path) -> Path:
-        """Write the tokenizer and the chat template this run renders with into
-        ``folder`` (``tokenizer.json`` and transformers' ``tokenizer_config.json``), so
-        the run's output weights carry what their conversations looked like.
-
-        Raises:
-            RuntimeError: called before :meth:`setup`.
-        """
-        if self.prepared is None or self.tokenizer is None:
-            raise RuntimeError("call setup() before save_tokenizer()")
-        return save_chat_tokenizer(
-            folder,
-            self.prepared.tokenizer_path,
-            self.tokenizer,
-            self.config,
-            chat_template=self.prepared.chat_template,
-            model_max_length=self.model_max_seq_len,
-        )
 
     def _dataset(self, examples: list[ChatExample], seed: int) -> Dataset:
         if self.config.chat.packing:

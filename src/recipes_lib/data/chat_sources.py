@@ -262,6 +262,34 @@ def save_chat_tokenizer(
     )
 
 
+class SavesChatTokenizer:
+    """Mixin of the chat data modules (SFT, preference pairs): :meth:`save_tokenizer`.
+
+    Uses the module's ``prepared`` (``tokenizer_path``, ``chat_template``, set in
+    ``setup``), ``tokenizer``, ``config`` and ``model_max_seq_len``.
+    """
+
+    def save_tokenizer(self, folder: str | Path) -> Path:
+        """Write the tokenizer and the chat template this run renders with into
+        ``folder`` (``tokenizer.json`` and transformers' ``tokenizer_config.json``), so
+        the run's output weights carry what their conversations looked like.
+
+        Raises:
+            RuntimeError: called before ``setup``.
+        """
+        prepared, tokenizer = getattr(self, "prepared", None), getattr(self, "tokenizer", None)
+        if prepared is None or tokenizer is None:
+            raise RuntimeError("call setup() before save_tokenizer()")
+        return save_chat_tokenizer(
+            folder,
+            prepared.tokenizer_path,
+            tokenizer,
+            self.config,  # type: ignore[attr-defined]
+            chat_template=prepared.chat_template,
+            model_max_length=self.model_max_seq_len,  # type: ignore[attr-defined]
+        )
+
+
 def tokenizer_beside(weights: str | None) -> Path | None:
     """The ``tokenizer.json`` in the folder of ``weights`` (a file or a folder), if any:
     where a pipeline stage leaves the tokenizer its output weights use."""

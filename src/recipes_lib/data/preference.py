@@ -41,12 +41,12 @@ from recipes_lib.config.schema import DataConfig, RunConfig, SourceConfig
 from recipes_lib.data.chat import ChatRenderer
 from recipes_lib.data.chat_sources import (
     RecordBuiltin,
+    SavesChatTokenizer,
     chat_data_fingerprint,
     init_tokenizer_path,
     load_chat_tokenizer,
     load_source_records,
     record_texts,
-    save_chat_tokenizer,
     sources_fingerprint,
     split_records,
 )
@@ -181,7 +181,7 @@ class PairCollator:
         return collate_pairs(items, self.pad_id, self.packing, self.seq_len)
 
 
-class PreferenceDataModule(ResumableDataModule):
+class PreferenceDataModule(SavesChatTokenizer, ResumableDataModule):
     """Batches of preference pairs (see the module docstring), resumable like pretraining.
 
     The training stream is a :class:`ResumableSampler` over pairs; its state is the
@@ -336,24 +336,6 @@ class PreferenceDataModule(ResumableDataModule):
             num_val=len(splits["val"]),
             skipped=dict(self.skipped),
             chat_template=template,
-        )
-
-    def save_tokenizer(self, folder: str | Path) -> Path:
-        """Write the tokenizer and the chat template the pairs were rendered with into
-        ``folder`` (``tokenizer.json`` and transformers' ``tokenizer_config.json``).
-
-        Raises:
-            RuntimeError: called before :meth:`setup`.
-        """
-        if self.prepared is None or self.tokenizer is None:
-            raise RuntimeError("call setup() before save_tokenizer()")
-        return save_chat_tokenizer(
-            folder,
-            self.prepared.tokenizer_path,
-            self.tokenizer,
-            self.config,
-            chat_template=self.prepared.chat_template,
-            model_max_length=self.model_max_seq_len,
         )
 
     # ------------------------------------------------------------- loaders
