@@ -403,8 +403,9 @@ def apply_handoff(
     elif stage.init in ("weights+optimizer", "full"):
         if handoff.checkpoint is None or not handoff.checkpoint.is_file():
             raise CheckpointError(
-                f"stage {stage.name}: init={stage.init} needs a Lightning checkpoint of "
-                f"{handoff.label}, which has none"
+                f"stage {stage.name}: init={stage.init} needs a single-file Lightning "
+                f"checkpoint of {handoff.label}, which has none (a stage run with a sharded "
+                "strategy keeps folder checkpoints: continue it with init: weights)"
             )
         if stage.init == "full":
             cfg.run.ckpt_path = str(handoff.checkpoint)
