@@ -128,19 +128,8 @@ def _causal_lm_module(
     tokens_per_step: int,
     module_class: type[CausalLMModule] = CausalLMModule,
 ) -> L.LightningModule:
-    return module_class(
-        cfg.model,
-        cfg.kernels,
-        cfg.optim,
-        cfg.scheduler,
-        total_steps=total_steps,
-        tokens_per_step=tokens_per_step,
-        document_mask=cfg.data.document_mask,
-        init_from=cfg.stage.init_from,
-        init_optimizer=cfg.stage.init_optimizer,
-        adapter=cfg.adapter,
-        precision=cfg.precision,
-        strategy=cfg.strategy,
+    return module_class.from_run_config(
+        cfg, total_steps=total_steps, tokens_per_step=tokens_per_step
     )
 
 

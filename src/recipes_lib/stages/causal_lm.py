@@ -33,6 +33,7 @@ from recipes_lib.config.schema import (
     ModelConfig,
     OptimConfig,
     PrecisionConfig,
+    RunConfig,
     SchedulerConfig,
     StrategyConfig,
 )
@@ -290,6 +291,27 @@ class CausalLMModule(L.LightningModule):
         self._rng_states_to_restore: Mapping[str, Any] | None = None
         self._val_loss_sum: Tensor | None = None
         self._val_batches: Tensor | None = None
+
+    @classmethod
+    def from_run_config(
+        cls, cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
+    ) -> CausalLMModule:
+        """The module of a typed run config; ``extra`` adds a subclass's own arguments."""
+        return cls(
+            cfg.model,
+            cfg.kernels,
+            cfg.optim,
+            cfg.scheduler,
+            total_steps=total_steps,
+            tokens_per_step=tokens_per_step,
+            document_mask=cfg.data.document_mask,
+            init_from=cfg.stage.init_from,
+            init_optimizer=cfg.stage.init_optimizer,
+            adapter=cfg.adapter,
+            precision=cfg.precision,
+            strategy=cfg.strategy,
+            **extra,
+        )
 
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:

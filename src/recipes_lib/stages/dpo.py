@@ -325,18 +325,6 @@ class DPOModule(CausalLMModule):
 
 def build_dpo_module(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> DPOModule:
     """The LightningModule of the ``dpo`` objective from the typed run config."""
-    return DPOModule(
-        cfg.model,
-        cfg.kernels,
-        cfg.optim,
-        cfg.scheduler,
-        total_steps=total_steps,
-        tokens_per_step=tokens_per_step,
-        document_mask=cfg.data.document_mask,
-        init_from=cfg.stage.init_from,
-        init_optimizer=cfg.stage.init_optimizer,
-        adapter=cfg.adapter,
-        precision=cfg.precision,
-        strategy=cfg.strategy,
-        preference=cfg.preference,
+    return DPOModule.from_run_config(
+        cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, preference=cfg.preference
     )
