@@ -43,7 +43,6 @@ from recipes_lib.data.chat_sources import (
 )
 from recipes_lib.data.mixture import MixtureDataset
 from recipes_lib.data.module import ResumableDataLoader, ResumableDataModule, StridedSampler
-from recipes_lib.data.sampler import ResumableSampler
 from recipes_lib.data.tokenizer import check_vocab_fits, tokenizer_vocab_size
 from recipes_lib.errors import ConfigError, DataError
 
@@ -381,15 +380,7 @@ class ChatDataModule(SavesChatTokenizer, ResumableDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             self.setup("fit")
-        rank, world_size = self._rank_and_world()
-        sampler = ResumableSampler(
-            len(self.train_dataset),  # type: ignore[arg-type]
-            seed=self.config.seed,
-            start=self._consumed_samples,
-            rank=rank,
-            world_size=world_size,
-            length=self.total_train_samples,
-        )
+        sampler = self.train_sampler()
         return ResumableDataLoader(
             self.train_dataset,  # type: ignore[arg-type]
             sampler=sampler,

@@ -31,11 +31,13 @@ class ResumableDataModule(L.LightningDataModule):
     The position is the number of training samples this rank has consumed, counted
     from optimizer steps (``global_step * accumulate_grad_batches * data.batch_size``),
     not from what the loader prefetched, so it is exact at every checkpoint. Subclasses
-    start their train sampler at ``self._consumed_samples`` and keep ``self.config``
-    (a :class:`DataConfig`).
+    keep ``self.config`` (a :class:`DataConfig`), ``self.train_dataset`` and
+    ``self.total_train_samples``, and draw training samples through
+    :meth:`train_sampler`.
     """
 
     _consumed_samples: int = 0
+    total_train_samples: int | None = None
 
     @property
     def consumed_samples(self) -> int:
@@ -69,6 +71,20 @@ class ResumableDataModule(L.LightningDataModule):
                 "with use_distributed_sampler=False"
             )
         return trainer.global_rank, trainer.world_size
+
+    def train_sampler(self) -> ResumableSampler:
+        """The seeded shuffle of ``train_dataset`` that this rank reads its share of,
+        starting after the samples a restored checkpoint had consumed; its length is
+        ``total_train_samples`` (None: one pass)."""
+        rank, world_size = self._rank_and_world()
+        return ResumableSampler(
+            len(self.train_dataset),  # type: ignore[attr-defined]
+            seed=self.config.seed,  # type: ignore[attr-defined]
+            start=self._consumed_samples,
+            rank=rank,
+            world_size=world_size,
+            length=self.total_train_samples,
+        )
 
 
 class PretrainDataModule(ResumableDataModule):
@@ -176,15 +192,7 @@ class PretrainDataModule(ResumableDataModule):
     def train_dataloader(self) -> DataLoader:
         if self.train_dataset is None:
             self.setup("fit")
-        rank, world_size = self._rank_and_world()
-        sampler = ResumableSampler(
-            len(self.train_dataset),  # type: ignore[arg-type]
-            seed=self.config.seed,
-            start=self._consumed_samples,
-            rank=rank,
-            world_size=world_size,
-            length=self.total_train_samples,
-        )
+        sampler = self.train_sampler()
         workers = self.config.num_workers
         return ResumableDataLoader(
             self.train_dataset,  # type: ignore[arg-type]

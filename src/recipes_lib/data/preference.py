@@ -57,7 +57,6 @@ from recipes_lib.data.preference_records import (
     check_chat_format,
     encode_records,
 )
-from recipes_lib.data.sampler import ResumableSampler
 from recipes_lib.data.stdlib_pairs import stdlib_preference_records
 from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id
 from recipes_lib.errors import ConfigError, DataError
@@ -361,15 +360,7 @@ class PreferenceDataModule(SavesChatTokenizer, ResumableDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        rank, world_size = self._rank_and_world()
-        sampler = ResumableSampler(
-            len(self.train_dataset),  # type: ignore[arg-type]
-            seed=self.config.seed,
-            start=self._consumed_samples,
-            rank=rank,
-            world_size=world_size,
-            length=self.total_train_samples,
-        )
+        sampler = self.train_sampler()
         return self._loader(
             self.train_dataset,
             sampler,
