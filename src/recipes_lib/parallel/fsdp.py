@@ -63,13 +63,9 @@ def shard_model(
         strategy: ``strategy.reshard_after_forward`` and ``strategy.cpu_offload``.
         precision: the mixed-precision policy (:func:`mixed_precision_policy`).
     """
-    kwargs = {
-        "mesh": mesh,
-        "mp_policy": mixed_precision_policy(precision),
-        "offload_policy": CPUOffloadPolicy() if strategy.cpu_offload else None,
-    }
-    if kwargs["offload_policy"] is None:
-        del kwargs["offload_policy"]
+    kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(precision)}
+    if strategy.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     ignored = _quantized_params(model)
     if ignored:
         kwargs["ignored_params"] = ignored

@@ -95,7 +95,7 @@ def check_precision(
     detect = cuda_capability == "detect"
     # the capability is read only for fp8: reading it initialises CUDA in this process
     gpu_visible = torch.cuda.is_available() if detect else cuda_capability is not None
-    device = _device(cfg.trainer.accelerator, gpu_visible)
+    device = device_type(cfg.trainer.accelerator, gpu_visible)
     if precision.name.startswith("bf16") and device == "cpu":
         has_bf16 = detect_cpu_bf16() if cpu_bf16 == "detect" else cpu_bf16
         if not has_bf16:
@@ -115,7 +115,7 @@ def _check_name(name: str) -> None:
         raise ConfigError(f"precision.name={name!r} is not one of: {', '.join(PRECISIONS)}")
 
 
-def _device(accelerator: str, gpu_visible: bool) -> str:
+def device_type(accelerator: str, gpu_visible: bool) -> str:
     """``cpu``, ``cuda`` or the accelerator's own name (``mps``, ...) of a run."""
     if accelerator == "cpu" or (accelerator == "auto" and not gpu_visible):
         return "cpu"

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from recipes_lib.config.schema import RunConfig, StrategyConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.parallel.fsdp import full_state_dict
+from recipes_lib.parallel.precision import device_type
 
 STRATEGIES = ("single", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
 SHARDED = ("fsdp", "deepspeed_zero2", "deepspeed_zero3")
@@ -133,11 +134,6 @@ def trainer_devices(cfg: RunConfig) -> Any:
     return cfg.trainer.devices
 
 
-def _on_cpu(cfg: RunConfig) -> bool:
-    accelerator = cfg.trainer.accelerator
-    return accelerator == "cpu" or (accelerator == "auto" and not torch.cuda.is_available())
-
-
 def _device_count(devices: Any) -> int | None:
     """How many devices ``trainer.devices`` names, when that is known without hardware."""
     if isinstance(devices, int) and devices > 0:
@@ -174,7 +170,7 @@ def check_strategy(cfg: RunConfig) -> None:
                 f"strategy={name} needs DeepSpeed, which is not installed: "
                 "pip install 'recipes-lib[deepspeed]'"
             )
-        if _on_cpu(cfg):
+        if device_type(cfg.trainer.accelerator, torch.cuda.is_available()) == "cpu":
             raise ConfigError(f"strategy={name} needs CUDA GPUs (trainer.accelerator=gpu)")
         if cfg.adapter.kind == "qlora":
             raise ConfigError(

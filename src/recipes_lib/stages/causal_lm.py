@@ -327,18 +327,20 @@ class CausalLMModule(L.LightningModule):
         """
         if self.model is not None:
             return
-        with torch.device(self._build_device()):
-            model = self._build_model()
-        self._apply_transforms(model)
         mesh = self._data_parallel_mesh()
+        with torch.device(self._build_device(sharded=mesh is not None)):
+            model = self._build_model()
+        self._apply_transforms(model, sharded=mesh is not None)
         if mesh is not None:
             from recipes_lib.parallel.fsdp import shard_model
 
             shard_model(model, mesh, self.strategy_config, self.precision_config)
         self.model = model
 
-    def _build_device(self) -> torch.device:
-        if self._data_parallel_mesh() is None:
+    def _build_device(self, *, sharded: bool) -> torch.device:
+        """Where a model is built: the context's default device; when it will be sharded,
+        the strategy's root device, or the CPU when offloading."""
+        if not sharded:
             return torch.get_default_device()
         if self.strategy_config.cpu_offload:
             return torch.device("cpu")
@@ -375,15 +377,14 @@ class CausalLMModule(L.LightningModule):
         # adapted modules
         return apply_adapter(model, self.adapter_config)
 
-    def _apply_transforms(self, model: Transformer) -> None:
-        """float8 Linear layers, activation checkpointing and per-block compilation, in
-        that order (compilation must see the final modules)."""
+    def _apply_transforms(self, model: Transformer, *, sharded: bool) -> None:
+        """float8 Linear layers (``sharded``: ready for FSDP's float8 all-gather),
+        activation checkpointing and per-block compilation, in that order (compilation
+        must see the final modules)."""
         if self.precision_config.name == "fp8":
             from recipes_lib.parallel.fp8 import convert_to_fp8
 
-            convert_to_fp8(
-                model, self.precision_config, fsdp=self._data_parallel_mesh() is not None
-            )
+            convert_to_fp8(model, self.precision_config, fsdp=sharded)
         if self.kernels_config.activation_checkpointing:
             model.set_activation_checkpointing(True)
         if self.kernels_config.compile:

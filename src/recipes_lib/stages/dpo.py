@@ -164,7 +164,7 @@ class DPOModule(CausalLMModule):
                 "deferred (meta-device) initialisation is not supported"
             )
         mesh = self._data_parallel_mesh()
-        device = self._build_device()
+        device = self._build_device(sharded=mesh is not None)
         seed = os.environ.get("PL_GLOBAL_SEED")
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             if seed is not None:
