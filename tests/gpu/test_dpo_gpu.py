@@ -4,13 +4,12 @@ memory than full DPO with a separate reference model."""
 
 from __future__ import annotations
 
-import csv
 import gc
 import math
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from gpu_helpers import PeakTrainingMemory, qlora_overrides, read_metrics
 
 from recipes_lib.config import compose_config
 from recipes_lib.train import run
@@ -18,52 +17,26 @@ from recipes_lib.train import run
 pytestmark = pytest.mark.gpu
 
 
-class Inspect(Callback):
+class Inspect(PeakTrainingMemory):
     """Peak CUDA memory of training, and what the reference is."""
 
     def __init__(self) -> None:
-        self.peak = 0
+        super().__init__()
         self.shares_policy: bool | None = None
 
     def on_fit_start(self, trainer, pl_module) -> None:
         reference = pl_module.reference
         self.shares_policy = reference is not None and reference.shares_policy
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        torch.cuda.synchronize()
-        self.peak = torch.cuda.max_memory_allocated()
+        super().on_fit_start(trainer, pl_module)
 
 
 def _dpo(tmp_path, name: str, *extra: str):
-    overrides = [
-        "recipe=dpo/qlora_1b",
-        "model=qwen2_0_5b",  # random init: the memory and the code path are what count
-        f"run.dir={tmp_path / name}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "data.sources.stdlib_dpo.max_documents=200",
-        "data.tokenizer.vocab_size=8192",
-        "data.seq_len=512",
-        "data.batch_size=4",
-        "trainer.max_steps=4",
-        "trainer.accumulate_grad_batches=1",
-        "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=2",
-        "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "scheduler.warmup=1",
-        "run.checkpoint_every_n_steps=4",
-        "run.save_top_k=0",  # last.ckpt only: a 0.5B model's checkpoint is several GB
-        "callbacks=minimal",
-        *extra,
-    ]
+    overrides = qlora_overrides(
+        "dpo/qlora_1b", "stdlib_dpo", tmp_path / name, tmp_path / "cache", *extra
+    )
     inspect = Inspect()
     result = run(compose_config(overrides), callbacks=[inspect])
-    rows = []
-    for path in sorted((result.output_dir / "logs").glob("version_*/metrics.csv")):
-        with open(path) as f:
-            rows.extend(csv.DictReader(f))
+    rows = read_metrics(result.output_dir)
     gc.collect()
     torch.cuda.empty_cache()
     return result, inspect, rows

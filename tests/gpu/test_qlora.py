@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from gpu_helpers import PeakTrainingMemory, qlora_overrides
 
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config
@@ -18,43 +18,10 @@ from recipes_lib.train import run
 pytestmark = pytest.mark.gpu
 
 
-class PeakTrainingMemory(Callback):
-    """The peak CUDA memory allocated from the start of fit to the end of training."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        torch.cuda.synchronize()
-        self.peak = torch.cuda.max_memory_allocated()
-
-
 def _sft(tmp_path, name: str, *extra: str):
-    overrides = [
-        "recipe=sft/qlora_1b",
-        "model=qwen2_0_5b",  # random init: the memory and the code path are what count
-        f"run.dir={tmp_path / name}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "data.sources.stdlib_sft.max_documents=200",
-        "data.tokenizer.vocab_size=8192",
-        "data.seq_len=512",
-        "data.batch_size=4",
-        "trainer.max_steps=4",
-        "trainer.accumulate_grad_batches=1",
-        "trainer.val_check_interval=4",
-        "trainer.limit_val_batches=2",
-        "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "scheduler.warmup=1",
-        "run.checkpoint_every_n_steps=4",
-        "run.save_top_k=0",  # last.ckpt only: a 0.5B model's checkpoint is several GB
-        "callbacks=minimal",
-        *extra,
-    ]
+    overrides = qlora_overrides(
+        "sft/qlora_1b", "stdlib_sft", tmp_path / name, tmp_path / "cache", *extra
+    )
     memory = PeakTrainingMemory()
     result = run(compose_config(overrides), callbacks=[memory])
     gc.collect()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
+
+from run_metrics import metric_series, read_metrics
+
+__all__ = ["metric_series", "read_metrics", "tiny_overrides"]
 
 
 def tiny_overrides(tmp_path: Path, cache_dir: Path, *extra: str) -> list[str]:
@@ -29,16 +32,3 @@ def tiny_overrides(tmp_path: Path, cache_dir: Path, *extra: str) -> list[str]:
         "callbacks=minimal",
         *extra,
     ]
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, str]]:
-    """Rows of every CSV log version of a run (a resume starts a new version)."""
-    rows: list[dict[str, str]] = []
-    for path in sorted((run_dir / "logs").glob("version_*/metrics.csv")):
-        with open(path) as f:
-            rows.extend(csv.DictReader(f))
-    return rows
-
-
-def metric_series(rows: list[dict[str, str]], name: str) -> list[tuple[int, float]]:
-    return [(int(r["step"]), float(r[name])) for r in rows if r.get(name)]

@@ -47,7 +47,8 @@ def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     return [o if not o.startswith("run.dir=") else f"run.dir={run_dir}" for o in items]
 
 
-def _torchrun(run_dir: Path, cache: Path, *extra: str, processes: int = 2) -> None:
+def _launch(*cli_args: str, processes: int = 2) -> None:
+    """``recipes-train`` on ``processes`` torchrun processes; fails with its output."""
     command = [
         sys.executable,
         "-m",
@@ -56,11 +57,16 @@ def _torchrun(run_dir: Path, cache: Path, *extra: str, processes: int = 2) -> No
         f"--nproc_per_node={processes}",
         "-m",
         "recipes_lib.cli",
-        *_overrides(run_dir, cache, f"trainer.devices={processes}", *extra),
+        *cli_args,
+        f"trainer.devices={processes}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+def _torchrun(run_dir: Path, cache: Path, *extra: str) -> None:
+    _launch(*_overrides(run_dir, cache, *extra))
 
 
 @pytest.fixture(scope="module")
@@ -159,14 +165,10 @@ def test_dpo_under_fsdp_matches_one_process(runs, tmp_path, recipe):
     run(
         compose_config([f"recipe={recipe}", *_dpo_overrides(single_dir, runs, "data.batch_size=4")])
     )
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        "-m", "recipes_lib.cli", f"recipe={recipe}",
-        *_dpo_overrides(fsdp_dir, runs, "data.batch_size=2", "strategy=fsdp", "trainer.devices=2"),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    _launch(
+        f"recipe={recipe}",
+        *_dpo_overrides(fsdp_dir, runs, "data.batch_size=2", "strategy=fsdp"),
+    )
     _assert_same_weights(
         load_weights(single_dir / "model.safetensors"), load_weights(fsdp_dir / "model.safetensors")
     )
