@@ -3,16 +3,11 @@ training memory and the small QLoRA runs."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 from lightning.pytorch.callbacks import Callback
-from run_metrics import metric_series, read_metrics
+from run_helpers import metric_series, read_metrics, torchrun
 
 __all__ = [
     "WORKER",
@@ -24,43 +19,6 @@ __all__ = [
 ]
 
 WORKER = Path(__file__).with_name("multigpu_worker.py")
-
-
-def torchrun(processes: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=<processes> <args>``; fails the test with
-    the end of its output when the job fails."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={processes}",
-        *args,
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "4"}
-    # its own session, so a job that hangs is stopped with every worker it started
-    proc = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        status = f"exited with {proc.returncode}"
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        status = f"timed out after {timeout} s"
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(command)}\n{status}\n"
-            f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-8000:]}"
-        )
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
 
 
 class PeakTrainingMemory(Callback):

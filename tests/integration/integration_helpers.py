@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from run_metrics import metric_series, read_metrics
+from run_helpers import metric_series, read_metrics
 
 __all__ = ["metric_series", "read_metrics", "tiny_overrides"]
 

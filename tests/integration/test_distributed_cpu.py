@@ -9,14 +9,12 @@ dict.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from integration_helpers import read_metrics, tiny_overrides
+from run_helpers import torchrun
 
 from recipes_lib.checkpoint.sharded import (
     consolidate_sharded_checkpoint,
@@ -48,21 +46,15 @@ def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
 
 
 def _launch(*cli_args: str, processes: int = 2) -> None:
-    """``recipes-train`` on ``processes`` torchrun processes; fails with its output."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={processes}",
+    """``recipes-train`` on ``processes`` torchrun processes, one thread each."""
+    torchrun(
+        processes,
         "-m",
         "recipes_lib.cli",
         *cli_args,
         f"trainer.devices={processes}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+        omp_threads=1,
+    )
 
 
 def _torchrun(run_dir: Path, cache: Path, *extra: str) -> None:

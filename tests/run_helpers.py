@@ -1,0 +1,66 @@
+"""Shared by the integration and GPU tests: the CSV metrics a run logs, and ``torchrun``
+jobs."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, str]]:
+    """Rows of every CSV log version of a run (a resume starts a new version)."""
+    rows: list[dict[str, str]] = []
+    for path in sorted((Path(run_dir) / "logs").glob("version_*/metrics.csv")):
+        with open(path) as f:
+            rows.extend(csv.DictReader(f))
+    return rows
+
+
+def metric_series(rows: list[dict[str, str]], name: str) -> list[tuple[int, float]]:
+    """``(step, value)`` of every row that logged ``name``."""
+    return [(int(r["step"]), float(r[name])) for r in rows if r.get(name)]
+
+
+def torchrun(
+    processes: int, *args: str, timeout: float = 300, omp_threads: int = 4
+) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=<processes> <args>``; fails the test with
+    the end of its output when the job fails (or is stopped, with every worker, after
+    ``timeout`` seconds)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={processes}",
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": str(omp_threads)}
+    # its own session, so a job that hangs is stopped with every worker it started
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        status = f"exited with {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        status = f"timed out after {timeout} s"
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(command)}\n{status}\n"
+            f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-8000:]}"
+        )
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
