@@ -121,30 +121,12 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     )
 
 
-def _causal_lm_module(
-    cfg: RunConfig,
-    *,
-    total_steps: int,
-    tokens_per_step: int,
-    module_class: type[CausalLMModule] = CausalLMModule,
-) -> L.LightningModule:
-    return module_class.from_run_config(
-        cfg, total_steps=total_steps, tokens_per_step=tokens_per_step
-    )
-
-
 def _pretrain_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDataModule:
     return PretrainDataModule(
         cfg.data,
         model_vocab_size=cfg.model.vocab_size,
         model_max_seq_len=cfg.model.max_seq_len,
         total_train_samples=total_train_samples,
-    )
-
-
-def _sft_module(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> L.LightningModule:
-    return _causal_lm_module(
-        cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, module_class=SFTModule
     )
 
 
@@ -161,8 +143,8 @@ class Objective:
 
 
 OBJECTIVES: dict[str, Objective] = {
-    "pretrain": Objective(module=_causal_lm_module, data=_pretrain_data),
-    "sft": Objective(module=_sft_module, data=build_chat_data),
+    "pretrain": Objective(module=CausalLMModule.from_run_config, data=_pretrain_data),
+    "sft": Objective(module=SFTModule.from_run_config, data=build_chat_data),
     "dpo": Objective(module=build_dpo_module, data=build_preference_data),
 }
 
