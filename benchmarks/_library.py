@@ -18,10 +18,8 @@ import torch
 from _common import StepTimer
 
 from recipes_lib.config import RunConfig, compose_config, to_run_config
-from recipes_lib.config.validate import validate_run_config
 from recipes_lib.models import Transformer
-from recipes_lib.parallel import check_strategy
-from recipes_lib.train import OBJECTIVES, build_stage, build_trainer
+from recipes_lib.train import build_stage, build_trainer, check_run_config
 
 GRAD_CLIP = 1.0
 
@@ -86,8 +84,7 @@ def compose_run(overrides: Sequence[str], *, check: bool = True) -> RunConfig:
     with its reason)."""
     cfg = to_run_config(compose_config(list(overrides)))
     if check:
-        validate_run_config(cfg, objectives=tuple(OBJECTIVES))
-        check_strategy(cfg)
+        check_run_config(cfg)
     return cfg
 
 

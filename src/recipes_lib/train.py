@@ -181,6 +181,18 @@ def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
     OmegaConf.save(OmegaConf.structured(cfg), out / "config.yaml")
 
 
+def check_run_config(cfg: RunConfig) -> None:
+    """Every check :func:`run` makes before touching data or weights: values and their
+    combinations, the adapter, and the strategy on this machine.
+
+    Raises:
+        ConfigError: the first problem found, naming its keys.
+    """
+    validate_run_config(cfg, objectives=tuple(OBJECTIVES))
+    check_adapter_config(cfg.adapter, accelerator=cfg.trainer.accelerator)
+    check_strategy(cfg)
+
+
 def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunResult:
     """Train one stage as configured and return where it ended.
 
@@ -195,9 +207,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         RecipesError: a bad config, data path, tokenizer or checkpoint, before training.
     """
     cfg = to_run_config(cfg)
-    validate_run_config(cfg, objectives=tuple(OBJECTIVES))
-    check_adapter_config(cfg.adapter, accelerator=cfg.trainer.accelerator)
-    check_strategy(cfg)
+    check_run_config(cfg)
     ckpt_path = _resolve_ckpt_path(cfg)
     _refuse_to_overwrite(cfg, ckpt_path)
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
