@@ -107,6 +107,11 @@ class StepTimer:
         return bool(self._boundaries)
 
     @property
+    def window(self) -> tuple[float, float]:
+        """The ``time.perf_counter()`` readings at ``start()`` and ``stop()``."""
+        return self._t0, self._t1
+
+    @property
     def total_s(self) -> float:
         return self._t1 - self._t0
 
@@ -115,6 +120,53 @@ class StepTimer:
         if self.device.type == "cuda":
             return [a.elapsed_time(b) for a, b in zip(marks, marks[1:], strict=False)]
         return [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+
+
+class GcPauses:
+    """Records every pause of Python's garbage collector while it is active.
+
+    ``with GcPauses() as pauses: ...`` hooks ``gc.callbacks``; :meth:`summary` then gives
+    the collections that started between two ``time.perf_counter()`` readings (a timed
+    window), their total and longest pause, and how many were full (generation 2).
+    """
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float, int]] = []  # (start, seconds, generation)
+        self._started: float | None = None
+
+    def _hook(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+        elif self._started is not None:
+            self.pauses.append((self._started, now - self._started, int(info["generation"])))
+            self._started = None
+
+    def __enter__(self) -> GcPauses:
+        gc.callbacks.append(self._hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._hook)
+
+    def summary(self, t0: float = -math.inf, t1: float = math.inf) -> dict:
+        inside = [(s, g) for start, s, g in self.pauses if t0 <= start <= t1]
+        return {
+            "collections": len(inside),
+            "full_collections": sum(1 for _, g in inside if g == 2),
+            "total_ms": round(sum(s for s, _ in inside) * 1e3, 3),
+            "max_ms": round(max((s for s, _ in inside), default=0.0) * 1e3, 3),
+        }
+
+
+def step_time_stats(step_ms: list[float]) -> dict:
+    """Mean, median, min and max of per-step times (ms)."""
+    return {
+        "mean": round(statistics.fmean(step_ms), 3),
+        "median": round(statistics.median(step_ms), 3),
+        "min": round(min(step_ms), 3),
+        "max": round(max(step_ms), 3),
+    }
 
 
 def throughput_report(
@@ -134,12 +186,7 @@ def throughput_report(
         peak_memory = torch.cuda.max_memory_allocated(timer.device) / 2**30
     return {
         "tokens_per_sec": round(tokens_per_sec, 1),
-        "step_time_ms": {
-            "mean": round(statistics.fmean(step_ms), 3),
-            "median": round(statistics.median(step_ms), 3),
-            "min": round(min(step_ms), 3),
-            "max": round(max(step_ms), 3),
-        },
+        "step_time_ms": step_time_stats(step_ms),
         "measured_steps": len(step_ms),
         "tflops": round(tflops, 3),
         "mfu": round(tflops / peak_tflops, 4) if peak_tflops else None,

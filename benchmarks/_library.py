@@ -147,9 +147,11 @@ def fit_measured(
     warmup_steps: int,
     device: torch.device,
     world_size: int = 1,
+    callbacks: Sequence[L.Callback] = (),
 ) -> MeasuredFit:
     """Train ``cfg`` on ``batches`` (one per step, this rank's) and time the steps after
-    ``warmup_steps``. The trainer and module are built by the library's own builders.
+    ``warmup_steps``. The trainer and module are built by the library's own builders;
+    ``callbacks`` run after the timing callback.
     The CUDA peak-memory counter is left alone: it covers building the model too.
 
     Raises:
@@ -162,7 +164,7 @@ def fit_measured(
     timer = StepTimer(device)
     measured = MeasuredSteps(timer, warmup_steps, total)
     L.seed_everything(cfg.run.seed, verbose=False)  # the module inits from PL_GLOBAL_SEED
-    trainer = build_trainer(cfg, [measured])
+    trainer = build_trainer(cfg, [measured, *callbacks])
     module = build_stage(cfg, total_steps=total, tokens_per_step=B * T * world_size)
     loader = torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
     trainer.fit(module, train_dataloaders=loader)

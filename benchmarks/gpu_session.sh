@@ -6,6 +6,11 @@
 #   bash benchmarks/gpu_session.sh throughput  # bf16 vs fp8 at 1B; 124M with baselines; post-training
 #   bash benchmarks/gpu_session.sh scaling     # 1 and 2 GPUs beside single-GPU tests, then 4 GPUs
 #   bash benchmarks/gpu_session.sh memory      # largest model per strategy (80 GB cap), 2-GPU tests
+#   bash benchmarks/gpu_session.sh speed       # the speed targets in one part: 124M and 1B MFU,
+#                                              # fp8 vs bf16, scaling (with and without the GC
+#                                              # callback) and profiles of the steps behind them
+#   bash benchmarks/gpu_session.sh offload     # every multi-GPU test, and the offload choices'
+#                                              # largest model from 7B up (longer attempts)
 #
 # Jobs that run at once each get their own GPUs (CUDA_VISIBLE_DEVICES); no two timed
 # measurements share a card. RECORD=1 records the reference loss curves of
@@ -55,6 +60,33 @@ memory)
   job memory 0,1 "$PY benchmarks/memory.py --gpus 0,1 --budget-s 420 --out $OUT/memory.json"
   job multigpu_tests 2,3 "$PY -m pytest -q tests/gpu/test_multigpu.py -p no:cacheprovider;
     CUDA_VISIBLE_DEVICES=2 $PY -m pytest -q tests/gpu/test_stage_curves.py -p no:cacheprovider"
+  wait ;;
+speed)  # two phases that fit one ten-minute call
+  PROFILE="$PY benchmarks/profile_step.py recipe=pretrain/llama_1b --steps 4"
+  T=${JOB_TIMEOUT_S:-285}
+  job fp8 0 "$PY benchmarks/pretrain_throughput.py --models llama_1b --trainers recipes_lib \
+    --precisions bf16-mixed,fp8 --out $OUT/fp8_llama_1b.json;
+    $PROFILE precision=fp8 --out $OUT/profile_1b_fp8.json"
+  job gpt_124m 1 "$PY benchmarks/pretrain_throughput.py --models gpt_124m \
+    --out $OUT/throughput_gpt_124m.json; $PROFILE --out $OUT/profile_1b_bf16.json"
+  job scaling12 2,3 "$PY benchmarks/scaling.py --gpus 1,2 --strategies fsdp,ddp \
+    --timeout-s 90 --budget-s 230 --out $OUT/scaling.json;
+    $PY benchmarks/scaling.py --gpus 2 --strategies fsdp+gc --no-single-baseline \
+    --timeout-s 90 --budget-s 40 --resume $OUT/scaling.json --out $OUT/scaling.json"
+  wait
+  job scaling4 0,1,2,3 "$PY benchmarks/scaling.py --gpus 4 --strategies fsdp,fsdp+gc,ddp \
+    --no-single-baseline --timeout-s 90 --budget-s 170 --resume $OUT/scaling.json \
+    --out $OUT/scaling.json;
+    $PY -m torch.distributed.run --standalone --nproc_per_node=4 \
+      benchmarks/profile_step.py recipe=pretrain/llama_1b strategy=fsdp --steps 4 \
+      --out $OUT/profile_1b_fsdp4.json"
+  wait ;;
+offload)
+  job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"
+  job memory 2,3 "$PY benchmarks/memory.py --gpus 2,3 \
+    --choices fsdp_cpu_offload,deepspeed_zero3_offload,deepspeed_zero3 \
+    --models llama_3b,llama2_7b,llama_8b,llama2_13b --steps 1 --timeout-s 300 \
+    --budget-s 500 --out $OUT/memory_offload.json"
   wait ;;
 esac
 cat "$OUT/status.txt"

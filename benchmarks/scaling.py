@@ -17,6 +17,13 @@ configuration::
     efficiency_vs_single     = tokens_per_sec(N) / (N * tokens_per_sec of strategy=single
                                on 1 GPU)
     peak_memory_gib          = the largest max_memory_allocated over the ranks
+    step_time_ms             = rank 0's per-step times (mean/median/min/max, and each)
+    gc_pauses                = Python garbage-collector pauses in the timed window, per
+                               rank (count, full collections, total and longest ms)
+
+A strategy written ``NAME+gc`` (``fsdp+gc``) runs NAME with the library's
+``GarbageCollection`` callback (automatic collection off, a collection every
+``--gc-every-n-steps`` steps on all ranks at once), so the two can be compared in one run.
 
 On a machine with 4 GPUs::
 
@@ -45,12 +52,21 @@ import warnings
 from pathlib import Path
 
 import torch
-from _common import command_line, device_name, emit, package_versions, peak_bf16_tflops
+from _common import (
+    GcPauses,
+    command_line,
+    device_name,
+    emit,
+    package_versions,
+    peak_bf16_tflops,
+    step_time_stats,
+)
 
 HERE = Path(__file__).resolve()
 GPU_RECIPE = "pretrain/llama_1b"
 SMOKE_RECIPE = "pretrain/tiny"
 STRATEGIES = ("single", "ddp", "fsdp")
+GC_SUFFIX = "+gc"  # NAME+gc: NAME with the GarbageCollection callback
 LOG_TAIL_CHARS = 3000
 
 
@@ -68,6 +84,11 @@ def worker_overrides(args, world_size: int, run_dir: str) -> list[str]:
 
     recipe = SMOKE_RECIPE if args.smoke else GPU_RECIPE
     extra = ["precision=32-true", "kernels.compile=false"] if args.smoke else []
+    if args.gc_every_n_steps:
+        extra.append(
+            "+callbacks.gc={_target_:recipes_lib.callbacks.GarbageCollection,"
+            f"every_n_steps:{args.gc_every_n_steps}}}"
+        )
     return [
         f"recipe={recipe}",
         f"strategy={args.strategy}",
@@ -84,13 +105,30 @@ def worker_overrides(args, world_size: int, run_dir: str) -> list[str]:
     ]
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def _max_over_ranks(value: float, device: torch.device) -> float:
     """The largest ``value`` of all ranks (every rank must call this)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+    if not _distributed():
         return value
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
     return float(tensor.item())
+
+
+def _gathered(summary: dict, device: torch.device) -> list[dict]:
+    """Every rank's ``summary`` (a dict of numbers, same keys on all ranks), by rank."""
+    keys = sorted(summary)
+    if not _distributed():
+        return [summary]
+    local = torch.tensor([float(summary[k]) for k in keys], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(parts, local)
+    return [
+        {k: round(float(v), 3) for k, v in zip(keys, part.tolist(), strict=True)} for part in parts
+    ]
 
 
 def run_worker(args) -> dict:
@@ -114,10 +152,12 @@ def run_worker(args) -> dict:
             args.warmup_steps + args.steps,
             seed=args.seed + rank,  # each rank its own data, as in training
         )
-        fit = fit_measured(
-            cfg, batches, warmup_steps=args.warmup_steps, device=device, world_size=world_size
-        )
+        with GcPauses() as pauses:
+            fit = fit_measured(
+                cfg, batches, warmup_steps=args.warmup_steps, device=device, world_size=world_size
+            )
     synchronize(device)
+    gc_pauses = _gathered(pauses.summary(*fit.timer.window), device)
     peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     peak = _max_over_ranks(peak, device)
     name = device_name(device)
@@ -130,13 +170,16 @@ def run_worker(args) -> dict:
     return {
         "device": name,
         "world_size": world_size,
-        "strategy": args.strategy,
+        "strategy": args.strategy + (GC_SUFFIX if args.gc_every_n_steps else ""),
         "trainer_strategy": type(fit.trainer.strategy).__name__,
         "tokens_per_sec": round(tokens_per_sec, 1),
         "tokens_per_sec_per_gpu": round(tokens_per_sec / world_size, 1),
         "tflops": round(tflops, 3),
         "mfu": round(tflops / (peak_tflops * world_size), 4) if peak_tflops else None,
         "step_time_ms_median": round(sorted(step_ms)[len(step_ms) // 2], 3),
+        "step_time_ms": {**step_time_stats(step_ms), "each": [round(t, 2) for t in step_ms]},
+        "gc_pauses": gc_pauses,
+        "gc_every_n_steps": args.gc_every_n_steps or None,
         "measured_steps": len(step_ms),
         "peak_memory_gib": round(peak, 3) if device.type == "cuda" else None,
         "final_loss_rank0": round(fit.final_loss, 5),
@@ -172,6 +215,13 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+def split_strategy(name: str) -> tuple[str, bool]:
+    """``fsdp+gc`` -> (``fsdp``, True); ``fsdp`` -> (``fsdp``, False)."""
+    if name.endswith(GC_SUFFIX):
+        return name[: -len(GC_SUFFIX)], True
+    return name, False
+
+
 def launch(args, strategy: str, gpus: int, timeout_s: float) -> dict:
     """One ``torchrun`` job; its rank-0 fragment, or an error with the log's tail."""
     with tempfile.TemporaryDirectory(prefix="recipes-scaling-") as tmp:
@@ -186,7 +236,8 @@ def launch(args, strategy: str, gpus: int, timeout_s: float) -> dict:
             str(HERE),
             "--worker",
             f"--fragment={fragment}",
-            f"--strategy={strategy}",
+            f"--strategy={split_strategy(strategy)[0]}",
+            f"--gc-every-n-steps={args.gc_every_n_steps if split_strategy(strategy)[1] else 0}",
             f"--micro-batch={args.micro_batch}",
             f"--seq-len={args.seq_len}",
             f"--warmup-steps={args.warmup_steps}",
@@ -231,6 +282,13 @@ def _efficiency(runs: dict, key: str, base_key: str, gpus: int) -> float | None:
     return round(tps / (gpus * base_tps), 4)
 
 
+def _one_gpu_key(runs: dict, strategy: str) -> str:
+    """The 1-GPU run a strategy's scaling is measured against: its own, or for a
+    ``NAME+gc`` variant not run on 1 GPU, NAME's (one process has no one to wait for)."""
+    own = f"{strategy}/1"
+    return own if own in runs else f"{split_strategy(strategy)[0]}/1"
+
+
 def summarize(runs: dict, strategies: list[str], gpus: list[int]) -> dict:
     """Scaling efficiency of each run against 1 GPU of its strategy and of ``single``."""
     table: dict = {}
@@ -244,10 +302,15 @@ def summarize(runs: dict, strategies: list[str], gpus: list[int]) -> dict:
                 "tokens_per_sec_per_gpu": runs[key].get("tokens_per_sec_per_gpu"),
                 "mfu": runs[key].get("mfu"),
                 "peak_memory_gib": runs[key].get("peak_memory_gib"),
-                "scaling_efficiency": _efficiency(runs, key, f"{strategy}/1", n),
+                "scaling_efficiency": _efficiency(runs, key, _one_gpu_key(runs, strategy), n),
                 "efficiency_vs_single": _efficiency(runs, key, "single/1", n),
             }
     return table
+
+
+def _strategies_of(runs: dict, args) -> list[str]:
+    """This call's strategies and those of the runs it resumed, in order, once each."""
+    return list(dict.fromkeys(["single", *args.strategies, *(k.split("/")[0] for k in runs)]))
 
 
 def driver_main(args) -> dict:
@@ -276,6 +339,7 @@ def driver_main(args) -> dict:
             "data": "uniformly random tokens, each rank its own",
             "launcher": "torchrun --standalone --nproc_per_node=N (one job per config)",
             "seed": args.seed,
+            "gc_every_n_steps_in_gc_runs": args.gc_every_n_steps,
         },
         "runs": {},
         "summary": {},
@@ -301,11 +365,11 @@ def driver_main(args) -> dict:
             result["runs"][key] = launch(args, strategy, n, min(args.timeout_s, left))
             print(f"[scaling] {key}: {result['runs'][key]}", file=sys.stderr, flush=True)
             result["device"] = result["device"] or result["runs"][key].get("device")
-        result["summary"] = summarize(result["runs"], ["single", *args.strategies], all_gpus)
+        result["summary"] = summarize(result["runs"], _strategies_of(result["runs"], args), all_gpus)
         if args.out:  # keep what is measured so far
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    result["summary"] = summarize(result["runs"], ["single", *args.strategies], all_gpus)
+    result["summary"] = summarize(result["runs"], _strategies_of(result["runs"], args), all_gpus)
     emit(result, args.out)
     return result
 
@@ -318,7 +382,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", default="1,2,4", help="process counts, e.g. 1,2,4")
     p.add_argument(
-        "--strategies", default=None, help=f"subset of {STRATEGIES} (fsdp,ddp; ddp with --smoke)"
+        "--strategies",
+        default=None,
+        help=f"subset of {STRATEGIES}, each also as NAME{GC_SUFFIX} (fsdp,ddp; ddp with --smoke)",
     )
     p.add_argument(
         "--no-single-baseline",
@@ -329,7 +395,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--warmup-steps", type=int, default=8)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument(
+        "--gc-every-n-steps",
+        type=int,
+        default=10,
+        help="steps between the GarbageCollection callback's collections in NAME+gc runs",
+    )
     p.add_argument("--timeout-s", type=float, default=240.0, help="per configuration")
     p.add_argument("--budget-s", type=float, default=560.0, help="all configurations")
     p.add_argument("--seed", type=int, default=1234)
@@ -350,7 +422,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.strategies is None:
         args.strategies = "ddp" if args.smoke else "fsdp,ddp"
     args.strategies = [s for s in args.strategies.split(",") if s]
-    if unknown := set(args.strategies) - set(STRATEGIES):
+    if unknown := {s for s in args.strategies if split_strategy(s)[0] not in STRATEGIES}:
         p.error(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
     if args.smoke and not args.worker:
         args.gpus = [n for n in args.gpus if n <= 2] or [1, 2]

@@ -6,6 +6,7 @@ they need from the LightningModule by duck typing (``tokens_seen``,
 """
 
 from recipes_lib.callbacks.ema import WeightEMA
+from recipes_lib.callbacks.gc import GarbageCollection
 from recipes_lib.callbacks.monitors import GradNormMonitor, total_grad_norm
 from recipes_lib.callbacks.progress import TokenProgressBar
 from recipes_lib.callbacks.throughput import (
@@ -17,6 +18,7 @@ from recipes_lib.callbacks.throughput import (
 from recipes_lib.callbacks.validation import ValidateAtStart
 
 __all__ = [
+    "GarbageCollection",
     "PEAK_TFLOPS",
     "GradNormMonitor",
     "ThroughputMonitor",

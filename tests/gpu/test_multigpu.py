@@ -197,26 +197,44 @@ def _cli(processes: int, *overrides: str) -> list[tuple[int, float]]:
     return metric_series(read_metrics(Path(run_dir)), "train/loss")
 
 
-def test_deepspeed_zero2_trains_on_two_gpus(tmp_path, cache):
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        ["strategy=deepspeed_zero2"],
+        ["strategy=deepspeed_zero3"],
+        ["strategy=deepspeed_zero3", "strategy.cpu_offload=true"],
+    ],
+    ids=["zero2", "zero3", "zero3_offload"],
+)
+def test_deepspeed_trains_on_two_gpus(tmp_path, cache, strategy):
     pytest.importorskip("deepspeed")
-    run_dir = tmp_path / "zero2"
+    run_dir = tmp_path / "deepspeed"
     overrides = _overrides(
-        run_dir,
-        cache,
-        "strategy=deepspeed_zero2",
-        "trainer.devices=2",
-        "data.batch_size=8",
-        steps=6,
+        run_dir, cache, *strategy, "trainer.devices=2", "data.batch_size=8", steps=6
     )
     losses = _cli(2, *overrides)
     assert len(losses) == 6 and all(math.isfinite(v) for _, v in losses)
     assert losses[-1][1] < losses[0][1]
-    assert (run_dir / "model.safetensors").is_file()
+    # ZeRO-3 holds a shard of each weight per rank: the export gathers whole tensors
+    cfg = to_run_config(compose_config(overrides))
+    with torch.device("meta"):
+        expected = Transformer(cfg.model).state_dict()
+    exported = load_weights(run_dir / "model.safetensors")
+    assert {k: tuple(v.shape) for k, v in exported.items()} == {
+        k: tuple(v.shape) for k, v in expected.items()
+    }
 
 
-@pytest.mark.parametrize("recipe", ["sft/lora_tiny", "dpo/tiny"])
-def test_post_training_runs_under_fsdp(runs, tmp_path, recipe):
-    """LoRA SFT and DPO from the one-GPU pretrained ``small`` model, sharded on two GPUs."""
+@pytest.mark.parametrize(
+    ("recipe", "extra"),
+    [("sft/lora_tiny", []), ("sft/lora_tiny", ["adapter=qlora", "adapter.r=8"]), ("dpo/tiny", [])],
+    ids=["lora_sft", "qlora_sft", "dpo"],
+)
+def test_post_training_runs_under_fsdp(runs, tmp_path, recipe, extra):
+    """LoRA and QLoRA SFT and DPO from the one-GPU pretrained ``small`` model, sharded
+    on two GPUs (QLoRA's 4-bit base weights stay whole on each GPU)."""
+    if "adapter=qlora" in extra:
+        pytest.importorskip("bitsandbytes")
     pretrained = runs("single")
     run_dir = tmp_path / recipe.replace("/", "_")
     objective = recipe.split("/")[0]
@@ -244,10 +262,11 @@ def test_post_training_runs_under_fsdp(runs, tmp_path, recipe):
         "scheduler.warmup=1",
         "run.checkpoint_every_n_steps=6",
         "callbacks=minimal",
+        *extra,
     )
     assert len(losses) == 6 and all(math.isfinite(v) for _, v in losses)
     assert (run_dir / "model.safetensors").is_file()
-    if recipe == "sft/lora_tiny":
+    if objective == "sft":
         assert (run_dir / "adapter" / "adapter_config.json").is_file()
     else:  # the policy starts as the reference: the sigmoid loss starts at log 2
         assert losses[0][1] == pytest.approx(math.log(2), abs=0.02)

@@ -1,0 +1,87 @@
+import gc
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from recipes_lib.callbacks import GarbageCollection
+from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
+from recipes_lib.stages import CausalLMModule
+
+STEPS, VOCAB = 6, 32
+
+
+class CollectorProbe(L.Callback):
+    """Records whether the automatic collector is on at every training batch."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.enabled: list[bool] = []
+        self.fail_at = fail_at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.enabled.append(gc.isenabled())
+        if batch_idx == self.fail_at:
+            raise RuntimeError("stop here")
+
+
+def run(callbacks, accumulate: int = 1) -> None:
+    model = ModelConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, ffn_dim=32, max_seq_len=16)
+    module = CausalLMModule(
+        model,
+        KernelsConfig(),
+        OptimConfig(lr=1e-2),
+        SchedulerConfig(name="constant"),
+        total_steps=STEPS,
+        tokens_per_step=16,
+    )
+    gen = torch.Generator().manual_seed(0)
+    data = []
+    for _ in range(STEPS * accumulate):
+        tokens = torch.randint(0, VOCAB, (2, 9), generator=gen)
+        data.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=False,
+    )
+    trainer.fit(module, DataLoader(data, batch_size=None))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_collects_at_fixed_optimizer_steps_with_the_automatic_collector_off(accumulate):
+    assert gc.isenabled()
+    collector, probe = GarbageCollection(every_n_steps=2), CollectorProbe()
+    run([collector, probe], accumulate=accumulate)
+    assert probe.enabled == [False] * (STEPS * accumulate)
+    assert collector.collected_at == [2, 4, 6]  # once per optimizer step, not per micro-batch
+    assert gc.isenabled()
+
+
+def test_turns_the_collector_back_on_when_the_fit_fails():
+    probe = CollectorProbe(fail_at=3)
+    with pytest.raises(RuntimeError, match="stop here"):
+        run([GarbageCollection(every_n_steps=2), probe])
+    assert probe.enabled == [False] * 4
+    assert gc.isenabled()
+
+
+def test_leaves_a_collector_that_was_off_off():
+    gc.disable()
+    try:
+        run([GarbageCollection(every_n_steps=3)])
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("kwargs", [{"every_n_steps": 0}, {"generation": 3}])
+def test_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        GarbageCollection(**kwargs)
