@@ -365,7 +365,9 @@ def driver_main(args) -> dict:
             result["runs"][key] = launch(args, strategy, n, min(args.timeout_s, left))
             print(f"[scaling] {key}: {result['runs'][key]}", file=sys.stderr, flush=True)
             result["device"] = result["device"] or result["runs"][key].get("device")
-        result["summary"] = summarize(result["runs"], _strategies_of(result["runs"], args), all_gpus)
+        result["summary"] = summarize(
+            result["runs"], _strategies_of(result["runs"], args), all_gpus
+        )
         if args.out:  # keep what is measured so far
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
