@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_session.sh scaling     # 1 and 2 GPUs beside single-GPU tests, then 4 GPUs
 #   bash benchmarks/gpu_session.sh memory      # largest model per strategy (80 GB cap), 2-GPU tests
 #   bash benchmarks/gpu_session.sh speed       # the speed targets in one part: 124M and 1B MFU,
-#                                              # fp8 vs bf16, scaling (with and without the GC
-#                                              # callback) and profiles of the steps behind them
+#                                              # fp8 vs bf16, scaling (also FSDP under Python's
+#                                              # automatic GC) and profiles of the steps behind them
 #   bash benchmarks/gpu_session.sh offload     # every multi-GPU test, and the offload choices'
 #                                              # largest model from 7B up (longer attempts)
 #
@@ -70,12 +70,10 @@ speed)  # two phases that fit one ten-minute call
   job gpt_124m 1 "$PY benchmarks/pretrain_throughput.py --models gpt_124m \
     --out $OUT/throughput_gpt_124m.json; $PROFILE --out $OUT/profile_1b_bf16.json"
   job scaling12 2,3 "$PY benchmarks/scaling.py --gpus 1,2 --strategies fsdp,ddp \
-    --timeout-s 90 --budget-s 230 --out $OUT/scaling.json;
-    $PY benchmarks/scaling.py --gpus 2 --strategies fsdp+gc --no-single-baseline \
-    --timeout-s 90 --budget-s 40 --resume $OUT/scaling.json --out $OUT/scaling.json"
+    --timeout-s 90 --budget-s 260 --out $OUT/scaling.json"
   wait
-  job scaling4 0,1,2,3 "$PY benchmarks/scaling.py --gpus 4 --strategies fsdp,fsdp+gc,ddp \
-    --no-single-baseline --timeout-s 90 --budget-s 170 --resume $OUT/scaling.json \
+  job scaling4 0,1,2,3 "$PY benchmarks/scaling.py --gpus 4 --strategies fsdp,ddp,fsdp+autogc \
+    --no-single-baseline --timeout-s 90 --budget-s 180 --resume $OUT/scaling.json \
     --out $OUT/scaling.json;
     $PY -m torch.distributed.run --standalone --nproc_per_node=4 \
       benchmarks/profile_step.py recipe=pretrain/llama_1b strategy=fsdp --steps 4 \
@@ -86,7 +84,7 @@ offload)
   job memory 2,3 "$PY benchmarks/memory.py --gpus 2,3 \
     --choices fsdp_cpu_offload,deepspeed_zero3_offload,deepspeed_zero3 \
     --models llama_3b,llama2_7b,llama_8b,llama2_13b --steps 1 --timeout-s 300 \
-    --budget-s 500 --out $OUT/memory_offload.json"
+    --budget-s 470 --out $OUT/memory_offload.json"
   wait ;;
 esac
 cat "$OUT/status.txt"

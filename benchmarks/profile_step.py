@@ -250,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, help="folder for each rank's Chrome trace")
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny recipe on CPU, a few steps")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may follow the options
     if args.smoke:
         args.seq_len, args.micro_batch, args.warmup_steps = 64, 2, 1
         args.steps = min(args.steps, 2)

@@ -21,9 +21,10 @@ configuration::
     gc_pauses                = Python garbage-collector pauses in the timed window, per
                                rank (count, full collections, total and longest ms)
 
-A strategy written ``NAME+gc`` (``fsdp+gc``) runs NAME with the library's
-``GarbageCollection`` callback (automatic collection off, a collection every
-``--gc-every-n-steps`` steps on all ranks at once), so the two can be compared in one run.
+Runs use the library's ``GarbageCollection`` callback (``callbacks=minimal`` has it:
+automatic collection off, a collection every ``--gc-every-n-steps`` steps on all ranks
+at once). A strategy written ``NAME+autogc`` (``fsdp+autogc``) runs NAME without it,
+under Python's automatic collector, so the two can be compared in one run.
 
 On a machine with 4 GPUs::
 
@@ -66,7 +67,7 @@ HERE = Path(__file__).resolve()
 GPU_RECIPE = "pretrain/llama_1b"
 SMOKE_RECIPE = "pretrain/tiny"
 STRATEGIES = ("single", "ddp", "fsdp")
-GC_SUFFIX = "+gc"  # NAME+gc: NAME with the GarbageCollection callback
+GC_SUFFIX = "+autogc"  # NAME+autogc: NAME without the GarbageCollection callback
 LOG_TAIL_CHARS = 3000
 
 
@@ -84,11 +85,10 @@ def worker_overrides(args, world_size: int, run_dir: str) -> list[str]:
 
     recipe = SMOKE_RECIPE if args.smoke else GPU_RECIPE
     extra = ["precision=32-true", "kernels.compile=false"] if args.smoke else []
-    if args.gc_every_n_steps:
-        extra.append(
-            "+callbacks.gc={_target_:recipes_lib.callbacks.GarbageCollection,"
-            f"every_n_steps:{args.gc_every_n_steps}}}"
-        )
+    if args.auto_gc:
+        extra.append("~callbacks.gc")
+    else:
+        extra.append(f"callbacks.gc.every_n_steps={args.gc_every_n_steps}")
     return [
         f"recipe={recipe}",
         f"strategy={args.strategy}",
@@ -170,7 +170,7 @@ def run_worker(args) -> dict:
     return {
         "device": name,
         "world_size": world_size,
-        "strategy": args.strategy + (GC_SUFFIX if args.gc_every_n_steps else ""),
+        "strategy": args.strategy + (GC_SUFFIX if args.auto_gc else ""),
         "trainer_strategy": type(fit.trainer.strategy).__name__,
         "tokens_per_sec": round(tokens_per_sec, 1),
         "tokens_per_sec_per_gpu": round(tokens_per_sec / world_size, 1),
@@ -179,7 +179,7 @@ def run_worker(args) -> dict:
         "step_time_ms_median": round(sorted(step_ms)[len(step_ms) // 2], 3),
         "step_time_ms": {**step_time_stats(step_ms), "each": [round(t, 2) for t in step_ms]},
         "gc_pauses": gc_pauses,
-        "gc_every_n_steps": args.gc_every_n_steps or None,
+        "gc_every_n_steps": None if args.auto_gc else args.gc_every_n_steps,
         "measured_steps": len(step_ms),
         "peak_memory_gib": round(peak, 3) if device.type == "cuda" else None,
         "final_loss_rank0": round(fit.final_loss, 5),
@@ -216,7 +216,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def split_strategy(name: str) -> tuple[str, bool]:
-    """``fsdp+gc`` -> (``fsdp``, True); ``fsdp`` -> (``fsdp``, False)."""
+    """``fsdp+autogc`` -> (``fsdp``, True); ``fsdp`` -> (``fsdp``, False)."""
     if name.endswith(GC_SUFFIX):
         return name[: -len(GC_SUFFIX)], True
     return name, False
@@ -237,7 +237,8 @@ def launch(args, strategy: str, gpus: int, timeout_s: float) -> dict:
             "--worker",
             f"--fragment={fragment}",
             f"--strategy={split_strategy(strategy)[0]}",
-            f"--gc-every-n-steps={args.gc_every_n_steps if split_strategy(strategy)[1] else 0}",
+            f"--gc-every-n-steps={args.gc_every_n_steps}",
+            *(["--auto-gc"] if split_strategy(strategy)[1] else []),
             f"--micro-batch={args.micro_batch}",
             f"--seq-len={args.seq_len}",
             f"--warmup-steps={args.warmup_steps}",
@@ -284,7 +285,7 @@ def _efficiency(runs: dict, key: str, base_key: str, gpus: int) -> float | None:
 
 def _one_gpu_key(runs: dict, strategy: str) -> str:
     """The 1-GPU run a strategy's scaling is measured against: its own, or for a
-    ``NAME+gc`` variant not run on 1 GPU, NAME's (one process has no one to wait for)."""
+    ``NAME+autogc`` variant not run on 1 GPU, NAME's."""
     own = f"{strategy}/1"
     return own if own in runs else f"{split_strategy(strategy)[0]}/1"
 
@@ -339,7 +340,7 @@ def driver_main(args) -> dict:
             "data": "uniformly random tokens, each rank its own",
             "launcher": "torchrun --standalone --nproc_per_node=N (one job per config)",
             "seed": args.seed,
-            "gc_every_n_steps_in_gc_runs": args.gc_every_n_steps,
+            "gc_every_n_steps": f"{args.gc_every_n_steps} (none in NAME{GC_SUFFIX} runs)",
         },
         "runs": {},
         "summary": {},
@@ -402,8 +403,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--gc-every-n-steps",
         type=int,
         default=10,
-        help="steps between the GarbageCollection callback's collections in NAME+gc runs",
+        help="steps between the GarbageCollection callback's collections",
     )
+    p.add_argument("--auto-gc", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--timeout-s", type=float, default=240.0, help="per configuration")
     p.add_argument("--budget-s", type=float, default=560.0, help="all configurations")
     p.add_argument("--seed", type=int, default=1234)
