@@ -58,7 +58,7 @@ def test_optimizer_groups_cover_every_trainable_parameter_once():
     in_groups = [p for g in optimizer.param_groups for p in g["params"]]
     assert len({id(p) for p in in_groups}) == len(in_groups)
     assert sum(p.numel() for p in in_groups) == sum(p.numel() for p in model.parameters())
-    assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
+    assert optimizer.defaults["fused"] is True  # on the CPU too: several times faster
     assert optimizer.param_groups[0]["betas"] == (0.9, 0.95)
 
 
