@@ -9,6 +9,7 @@ tokens made on the host up front, so data loading is not measured.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -76,6 +77,20 @@ def measured_run_overrides(
         "run.ckpt_path=null",
         "stage.init_from=null",
     ]
+
+
+def rank_and_device(*, cpu: bool) -> tuple[int, int, torch.device]:
+    """This process's global rank, the world size (from torchrun's variables; 0 and 1
+    without them) and its device: the CPU, or the GPU of its local rank (made current,
+    with TF32 matmuls for fp32 work)."""
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if cpu:
+        return rank, world_size, torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    torch.set_float32_matmul_precision("high")
+    return rank, world_size, device
 
 
 def compose_run(overrides: Sequence[str], *, check: bool = True) -> RunConfig:

@@ -32,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 import warnings
@@ -55,11 +56,19 @@ COPY_CATEGORIES = ("gpu_memcpy", "gpu_memset")
 TOP_KERNELS = 15
 
 
+# cuBLASLt's Hopper GEMMs are named nvjet_sm90_<operand types>tst_...: plain "tst" for
+# bf16 operands, "qqtst" / "qrtst" for float8 ones (in a float8 run there are exactly as
+# many of them per step as float8 Linear layers times three: forward, two backward)
+FP8_NVJET = re.compile(r"^nvjet_sm\d+_q[a-z]tst")
+
+
 def kernel_kind(name: str, category: str = "kernel") -> str:
     """The kind of a GPU timeline event, from its trace category and kernel name."""
     if category in COPY_CATEGORIES:
         return "copy"
     lowered = name.lower()
+    if FP8_NVJET.match(lowered):
+        return "matmul_fp8"
     for kind, needles in KINDS:
         if any(needle in lowered for needle in needles):
             return kind
@@ -152,14 +161,6 @@ class ProfiledSteps(L.Callback):
             self.profiler.stop()
 
 
-def _rank_env() -> tuple[int, int, int]:
-    return (
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-    )
-
-
 def profile(args) -> dict:
     """Profile the composed run on this rank; every rank's report, on rank 0."""
     from _library import (
@@ -167,16 +168,11 @@ def profile(args) -> dict:
         fit_measured,
         measured_run_overrides,
         meta_transformer,
+        rank_and_device,
         synthetic_batches,
     )
 
-    rank, local_rank, world_size = _rank_env()
-    if args.smoke:
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high")
+    rank, world_size, device = rank_and_device(cpu=args.smoke)
     total = args.warmup_steps + args.steps
     with tempfile.TemporaryDirectory(prefix="recipes-profile-") as root:
         overrides = list(args.overrides)
@@ -262,7 +258,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    rank = _rank_env()[0]
+    rank = int(os.environ.get("RANK", 0))
     with contextlib.redirect_stdout(sys.stderr):
         found = profile(args)
     if rank == 0:

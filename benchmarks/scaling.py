@@ -72,14 +72,6 @@ LOG_TAIL_CHARS = 3000
 
 
 # ---------------------------------------------------------------------------- worker
-def _rank_env() -> tuple[int, int, int]:
-    return (
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
-    )
-
-
 def worker_overrides(args, world_size: int, run_dir: str) -> list[str]:
     from _library import measured_run_overrides
 
@@ -134,15 +126,15 @@ def _gathered(summary: dict, device: torch.device) -> list[dict]:
 def run_worker(args) -> dict:
     """One configuration, in one of the ``torchrun`` processes; rank 0's figures."""
     from _common import synchronize
-    from _library import compose_run, fit_measured, meta_transformer, synthetic_batches
+    from _library import (
+        compose_run,
+        fit_measured,
+        meta_transformer,
+        rank_and_device,
+        synthetic_batches,
+    )
 
-    rank, local_rank, world_size = _rank_env()
-    if args.smoke:
-        device = torch.device("cpu")
-    else:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        torch.set_float32_matmul_precision("high")
+    rank, world_size, device = rank_and_device(cpu=args.smoke)
     with tempfile.TemporaryDirectory(prefix="recipes-scaling-") as root:
         cfg = compose_run(worker_overrides(args, world_size, root))
         batches = synthetic_batches(
@@ -189,7 +181,7 @@ def run_worker(args) -> dict:
 
 
 def worker_main(args) -> int:
-    rank, _, _ = _rank_env()
+    rank = int(os.environ.get("RANK", 0))
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     try:
         with contextlib.redirect_stdout(sys.stderr):

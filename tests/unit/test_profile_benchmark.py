@@ -40,6 +40,9 @@ def test_union_length_counts_overlaps_once():
         ),
         ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "kernel", "matmul_fp8"),
         ("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_NNT", "kernel", "matmul"),
+        ("nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN", "kernel", "matmul"),
+        ("nvjet_sm90_qrtst_128x160_128x5_1x2_h_bz_coopA_algo2_TNT", "kernel", "matmul_fp8"),
+        ("nvjet_sm90_qqtst_192x192_128x4_2x1_v_bz_coopB_TNN", "kernel", "matmul_fp8"),
         (
             "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>",
             "kernel",

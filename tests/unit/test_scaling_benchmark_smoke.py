@@ -43,6 +43,11 @@ def test_scaling_smoke_runs_ddp_on_one_and_two_processes(tmp_path):
         assert run["tokens_per_sec"] > 0
         assert run["tokens_per_sec_per_gpu"] == pytest.approx(run["tokens_per_sec"] / int(n), 1e-3)
         assert math.isfinite(run["final_loss_rank0"])
+        # rank 0's step times, and each rank's collector pauses in the timed window
+        assert len(run["step_time_ms"]["each"]) == settings["steps"]
+        assert run["step_time_ms"]["min"] <= run["step_time_ms"]["median"]
+        assert len(run["gc_pauses"]) == int(n)
+        assert run["gc_every_n_steps"] == 10  # the GarbageCollection callback is on
     assert figures["runs"]["ddp/2"]["trainer_strategy"] == "DDPStrategy"
     summary = figures["summary"]
     assert summary["ddp/1"]["scaling_efficiency"] == 1.0
