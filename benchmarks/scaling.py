@@ -216,6 +216,7 @@ def split_strategy(name: str) -> tuple[str, bool]:
 
 def launch(args, strategy: str, gpus: int, timeout_s: float) -> dict:
     """One ``torchrun`` job; its rank-0 fragment, or an error with the log's tail."""
+    base, auto_gc = split_strategy(strategy)
     with tempfile.TemporaryDirectory(prefix="recipes-scaling-") as tmp:
         fragment = Path(tmp) / "fragment.json"
         log_path = Path(tmp) / "log.txt"
@@ -228,9 +229,9 @@ def launch(args, strategy: str, gpus: int, timeout_s: float) -> dict:
             str(HERE),
             "--worker",
             f"--fragment={fragment}",
-            f"--strategy={split_strategy(strategy)[0]}",
+            f"--strategy={base}",
             f"--gc-every-n-steps={args.gc_every_n_steps}",
-            *(["--auto-gc"] if split_strategy(strategy)[1] else []),
+            *(["--auto-gc"] if auto_gc else []),
             f"--micro-batch={args.micro_batch}",
             f"--seq-len={args.seq_len}",
             f"--warmup-steps={args.warmup_steps}",

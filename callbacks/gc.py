@@ -28,8 +28,10 @@ class GarbageCollection(Callback):
         every_n_steps: Optimizer steps between collections (at least 1).
         generation: The oldest generation collected at those steps (0, 1 or 2). The
             default, 1, frees the short-lived cycles a training step makes without
-            walking every long-lived object; a full collection (2) also runs once when
-            the fit starts, after the model and optimizer are built.
+            walking every long-lived object.
+
+    A full collection runs once when training starts, after the model and optimizer
+    are built (or restored).
     """
 
     def __init__(self, every_n_steps: int = 50, generation: int = 1):
@@ -79,7 +81,3 @@ class GarbageCollection(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self._restore()
-
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self._was_enabled is not None:
-            self._restore()
