@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from tokenizers import Tokenizer
-from torch.utils.data import ConcatDataset, DataLoader, Dataset
+from torch.utils.data import ConcatDataset, Dataset
 
 from recipes_lib.config.schema import DataConfig, RunConfig, SourceConfig
 from recipes_lib.data.chat import (
@@ -42,9 +42,12 @@ from recipes_lib.data.chat_sources import (
     split_records,
 )
 from recipes_lib.data.mixture import MixtureDataset
-from recipes_lib.data.module import ResumableDataLoader, ResumableDataModule, StridedSampler
+from recipes_lib.data.module import (
+    ResumableDataModule,
+    check_batch_shape,
+)
 from recipes_lib.data.tokenizer import check_vocab_fits, tokenizer_vocab_size
-from recipes_lib.errors import ConfigError, DataError
+from recipes_lib.errors import DataError
 
 DEFAULT_SFT_SOURCES = {"stdlib_sft": SourceConfig(builtin="stdlib_sft")}
 _OPEN_ROWS = 64  # packing looks for room in the most recent rows only
@@ -250,11 +253,7 @@ class ChatDataModule(SavesChatTokenizer, ResumableDataModule):
     ) -> None:
         super().__init__()
         check_chat_format(config.chat)
-        if not 1 <= config.seq_len <= model_max_seq_len or config.batch_size < 1:
-            raise ConfigError(
-                f"data.seq_len={config.seq_len} must be in [1, model.max_seq_len="
-                f"{model_max_seq_len}] and data.batch_size={config.batch_size} positive"
-            )
+        check_batch_shape(config, model_max_seq_len)
         self.config = config
         self.model_vocab_size = model_vocab_size
         self.model_max_seq_len = model_max_seq_len
@@ -364,39 +363,9 @@ class ChatDataModule(SavesChatTokenizer, ResumableDataModule):
             )
 
     # ------------------------------------------------------------- loading
-    def _loader_options(self) -> dict[str, Any]:
-        workers = self.config.num_workers
-        options: dict[str, Any] = {
-            "batch_size": self.config.batch_size,
-            "generator": torch.Generator().manual_seed(self.config.seed),
-            "num_workers": workers,
-            "persistent_workers": workers > 0,
-            "pin_memory": torch.cuda.is_available(),
-        }
-        if not self.config.chat.packing:
-            options["collate_fn"] = pad_collate(self.pad_id)
-        return options
-
-    def train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            self.setup("fit")
-        sampler = self.train_sampler()
-        return ResumableDataLoader(
-            self.train_dataset,  # type: ignore[arg-type]
-            sampler=sampler,
-            drop_last=True,
-            consumed_samples=lambda: self.consumed_samples,
-            **self._loader_options(),
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.train_dataset is None:
-            self.setup("validate")
-        if self.val_dataset is None:
-            return []
-        rank, world_size = self._rank_and_world()
-        sampler = StridedSampler(len(self.val_dataset), rank, world_size)
-        return DataLoader(self.val_dataset, sampler=sampler, **self._loader_options())
+    def collate_fn(self) -> Callable | None:
+        """Padding to the longest row, unless samples are already packed rows."""
+        return None if self.config.chat.packing else pad_collate(self.pad_id)
 
 
 def build_chat_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModule:

@@ -25,19 +25,37 @@ from recipes_lib.data.tokenizer import (
 from recipes_lib.errors import ConfigError
 
 
+def check_batch_shape(config: DataConfig, model_max_seq_len: int, *, min_seq_len: int = 1) -> None:
+    """Raise :class:`ConfigError` unless ``min_seq_len <= data.seq_len <= model.max_seq_len``
+    and ``data.batch_size >= 1``, naming the keys and their values."""
+    if config.seq_len > model_max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={config.seq_len} exceeds model.max_seq_len={model_max_seq_len}"
+        )
+    if config.seq_len < min_seq_len or config.batch_size < 1:
+        raise ConfigError(
+            f"data.seq_len must be >= {min_seq_len} and data.batch_size >= 1, got "
+            f"data.seq_len={config.seq_len} and data.batch_size={config.batch_size}"
+        )
+
+
 class ResumableDataModule(L.LightningDataModule):
     """A data module whose training position is part of every checkpoint.
 
     The position is the number of training samples this rank has consumed, counted
     from optimizer steps (``global_step * accumulate_grad_batches * data.batch_size``),
     not from what the loader prefetched, so it is exact at every checkpoint. Subclasses
-    keep ``self.config`` (a :class:`DataConfig`), ``self.train_dataset`` and
-    ``self.total_train_samples``, and draw training samples through
-    :meth:`train_sampler`.
+    keep ``self.config`` (a :class:`DataConfig`), ``self.train_dataset``,
+    ``self.val_dataset`` and ``self.total_train_samples``, build them in an idempotent
+    ``setup``, and override :meth:`collate_fn` where samples need their own collation;
+    the loaders are built here.
     """
 
-    _consumed_samples: int = 0
+    config: DataConfig
+    train_dataset: Dataset | None = None
+    val_dataset: Dataset | None = None
     total_train_samples: int | None = None
+    _consumed_samples: int = 0
 
     @property
     def consumed_samples(self) -> int:
@@ -78,13 +96,55 @@ class ResumableDataModule(L.LightningDataModule):
         ``total_train_samples`` (None: one pass)."""
         rank, world_size = self._rank_and_world()
         return ResumableSampler(
-            len(self.train_dataset),  # type: ignore[attr-defined]
-            seed=self.config.seed,  # type: ignore[attr-defined]
+            len(self.train_dataset),
+            seed=self.config.seed,
             start=self._consumed_samples,
             rank=rank,
             world_size=world_size,
             length=self.total_train_samples,
         )
+
+    def collate_fn(self) -> Callable | None:
+        """How samples become a batch (None: torch's default collation)."""
+        return None
+
+    def _loader(
+        self, dataset: Dataset, sampler, *, cls: type[DataLoader] = DataLoader, **kwargs
+    ) -> DataLoader:
+        """A loader of ``data.batch_size`` batches of ``dataset`` drawn by ``sampler``."""
+        workers = self.config.num_workers
+        return cls(
+            dataset,
+            batch_size=self.config.batch_size,
+            sampler=sampler,
+            collate_fn=self.collate_fn(),
+            # its own generator: creating an iterator must not draw from the global RNG,
+            # whose state a resumed run restores
+            generator=torch.Generator().manual_seed(self.config.seed),
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=torch.cuda.is_available(),
+            **kwargs,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup("fit")
+        return self._loader(
+            self.train_dataset,
+            self.train_sampler(),
+            cls=ResumableDataLoader,
+            drop_last=True,
+            consumed_samples=lambda: self.consumed_samples,
+        )
+
+    def val_dataloader(self) -> DataLoader | list:
+        """This rank's share of the held-out samples, in order (empty without any)."""
+        self.setup("validate")
+        if self.val_dataset is None:
+            return []
+        rank, world_size = self._rank_and_world()
+        sampler = StridedSampler(len(self.val_dataset), rank, world_size)
+        return self._loader(self.val_dataset, sampler)
 
 
 class PretrainDataModule(ResumableDataModule):
@@ -120,15 +180,7 @@ class PretrainDataModule(ResumableDataModule):
         total_train_samples: int | None = None,
     ) -> None:
         super().__init__()
-        if config.seq_len > model_max_seq_len:
-            raise ConfigError(
-                f"data.seq_len={config.seq_len} exceeds model.max_seq_len={model_max_seq_len}"
-            )
-        if config.seq_len < 1 or config.batch_size < 1:
-            raise ConfigError(
-                f"data.seq_len and data.batch_size must be >= 1, got {config.seq_len} and "
-                f"{config.batch_size}"
-            )
+        check_batch_shape(config, model_max_seq_len)
         if config.tokenizer.path is None and config.tokenizer.vocab_size > model_vocab_size:
             raise ConfigError(
                 f"data.tokenizer.vocab_size={config.tokenizer.vocab_size} exceeds "
@@ -188,43 +240,6 @@ class PretrainDataModule(ResumableDataModule):
                 continue
             val.append(PackedSequenceDataset(shard, seq_len))
         self.val_dataset = ConcatDataset(val) if val else None
-
-    def train_dataloader(self) -> DataLoader:
-        if self.train_dataset is None:
-            self.setup("fit")
-        sampler = self.train_sampler()
-        workers = self.config.num_workers
-        return ResumableDataLoader(
-            self.train_dataset,  # type: ignore[arg-type]
-            batch_size=self.config.batch_size,
-            sampler=sampler,
-            drop_last=True,
-            # its own generator: creating an iterator must not draw from the global RNG,
-            # whose state a resumed run restores
-            generator=torch.Generator().manual_seed(self.config.seed),
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
-            consumed_samples=lambda: self.consumed_samples,
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        if self.train_dataset is None:
-            self.setup("validate")
-        if self.val_dataset is None:
-            return []
-        rank, world_size = self._rank_and_world()
-        sampler = StridedSampler(len(self.val_dataset), rank, world_size)
-        workers = self.config.num_workers
-        return DataLoader(
-            self.val_dataset,
-            batch_size=self.config.batch_size,
-            sampler=sampler,
-            generator=torch.Generator().manual_seed(self.config.seed),
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
 
 
 class ResumableDataLoader(DataLoader):

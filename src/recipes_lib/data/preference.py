@@ -50,7 +50,10 @@ from recipes_lib.data.chat_sources import (
     sources_fingerprint,
     split_records,
 )
-from recipes_lib.data.module import ResumableDataLoader, ResumableDataModule, StridedSampler
+from recipes_lib.data.module import (
+    ResumableDataModule,
+    check_batch_shape,
+)
 from recipes_lib.data.preference_records import (
     EncodedPair,
     PairEncoder,
@@ -210,15 +213,7 @@ class PreferenceDataModule(SavesChatTokenizer, ResumableDataModule):
         tokenizer_path: str | None = None,
     ) -> None:
         super().__init__()
-        if config.seq_len > model_max_seq_len:
-            raise ConfigError(
-                f"data.seq_len={config.seq_len} exceeds model.max_seq_len={model_max_seq_len}"
-            )
-        if config.seq_len < 2 or config.batch_size < 1:
-            raise ConfigError(
-                f"data.seq_len must be >= 2 and data.batch_size >= 1, got {config.seq_len} and "
-                f"{config.batch_size}"
-            )
+        check_batch_shape(config, model_max_seq_len, min_seq_len=2)
         if not 0 <= config.val_fraction < 1:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {config.val_fraction}")
         check_chat_format(config.chat)
@@ -338,45 +333,10 @@ class PreferenceDataModule(SavesChatTokenizer, ResumableDataModule):
         )
 
     # ------------------------------------------------------------- loaders
-    def collator(self) -> PairCollator:
+    def collate_fn(self) -> PairCollator:
         if self.eos_id is None:
             raise RuntimeError("call setup() first")
         return PairCollator(self.eos_id, self.config.chat.packing, self.config.seq_len)
-
-    def _loader(self, dataset: Dataset, sampler, **kwargs) -> DataLoader:
-        workers = self.config.num_workers
-        cls = kwargs.pop("cls", DataLoader)
-        return cls(
-            dataset,
-            batch_size=self.config.batch_size,
-            sampler=sampler,
-            collate_fn=self.collator(),
-            generator=torch.Generator().manual_seed(self.config.seed),
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
-            **kwargs,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        self.setup("fit")
-        sampler = self.train_sampler()
-        return self._loader(
-            self.train_dataset,
-            sampler,
-            cls=ResumableDataLoader,
-            drop_last=True,
-            consumed_samples=lambda: self.consumed_samples,
-        )
-
-    def val_dataloader(self) -> DataLoader | list:
-        self.setup("validate")
-        if self.val_dataset is None:
-            return []
-        rank, world_size = self._rank_and_world()
-        return self._loader(
-            self.val_dataset, StridedSampler(len(self.val_dataset), rank, world_size)
-        )
 
     def split_dataset(self, split: str) -> PreferencePairDataset | None:
         if split not in ("train", "val"):
