@@ -61,6 +61,20 @@ def command_line() -> str:
     return " ".join(shlex.quote(arg) for arg in [Path(sys.executable).name, *sys.argv])
 
 
+def benchmark_device(smoke: bool) -> torch.device:
+    """The first GPU (TF32 allowed for fp32 matmuls), or the CPU for ``--smoke``.
+
+    Raises:
+        SystemExit: no CUDA device and not a smoke run.
+    """
+    if smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device; run with --smoke for the CPU check")
+    torch.set_float32_matmul_precision("high")
+    return torch.device("cuda:0")
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

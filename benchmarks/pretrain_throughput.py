@@ -49,6 +49,7 @@ import lightning as L
 import torch
 from _common import (
     StepTimer,
+    benchmark_device,
     command_line,
     device_name,
     emit,
@@ -414,11 +415,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    device = torch.device("cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
-    elif not args.smoke:
-        raise SystemExit("no CUDA device; run with --smoke for the CPU check")
+    device = benchmark_device(args.smoke)
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     name = device_name(device)
     peak = args.peak_tflops or (peak_bf16_tflops(name) if args.bf16 else None)
