@@ -103,12 +103,13 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
         kwargs["val_check_interval"] = max(1, min(val_every, cfg.trainer.max_steps)) * accumulate
     else:
         kwargs["limit_val_batches"] = 0
-    callbacks = instantiate_dict(cfg.callbacks, "callbacks") + list(extra_callbacks)
+    allowed = cfg.run.allowed_targets
+    callbacks = instantiate_dict(cfg.callbacks, "callbacks", allowed) + list(extra_callbacks)
     # float8 all-gather under FSDP: every weight's scale refreshed after each step
     callbacks += fp8_callbacks(cfg.precision, fsdp=cfg.strategy.name == "fsdp")
     if not cfg.trainer.enable_progress_bar:  # a progress bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
-    loggers = instantiate_dict(cfg.logger, "logger")
+    loggers = instantiate_dict(cfg.logger, "logger", allowed)
     kwargs["devices"] = trainer_devices(cfg)
     return L.Trainer(
         **kwargs,

@@ -98,3 +98,73 @@ def test_prepare_command_writes_shards(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert list(cache.glob("shards/**/tokens.bin"))
     assert list(cache.glob("tokenizers/**/tokenizer.json"))
+
+
+def _user_recipe(folder: Path, body: str) -> Path:
+    """A user's own recipe in ``folder/recipe/mine.yaml``, for ``--config-dir``."""
+    (folder / "recipe").mkdir(parents=True, exist_ok=True)
+    (folder / "recipe" / "mine.yaml").write_text(
+        "# @package _global_\ndefaults:\n  - pretrain/tiny\n" + body
+    )
+    return folder
+
+
+def test_user_recipe_with_a_nested_target_is_refused_before_it_runs(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    made = tmp_path / "made"
+    user = _user_recipe(
+        tmp_path / "user_conf",
+        "callbacks:\n  x:\n    _target_: lightning.pytorch.callbacks.LambdaCallback\n"
+        f"    on_fit_start: {{_target_: builtins.open, file: '{victim}', mode: w}}\n"
+        f"    on_train_start: {{_target_: os.makedirs, name: '{made}'}}\n",
+    )
+    proc = _run_cli(
+        "--config-dir",
+        str(user),
+        "recipe=mine",
+        f"run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1
+    assert "callbacks.x.on_fit_start._target_: 'builtins.open'" in errors[0]
+    assert "run.allowed_targets" in errors[0]
+    assert victim.read_text() == "precious" and not made.exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_user_callback_module_runs_once_its_prefix_is_allowed(tmp_path, shared_cache):
+    package = tmp_path / "mypkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "callbacks.py").write_text(
+        "from pathlib import Path\n"
+        "import lightning as L\n\n"
+        "class Marker(L.Callback):\n"
+        "    def __init__(self, path: str):\n"
+        "        self.path = Path(path)\n\n"
+        "    def on_fit_start(self, trainer, pl_module):\n"
+        "        self.path.write_text(str(trainer.max_steps))\n"
+    )
+    marker = tmp_path / "marker.txt"
+    user = _user_recipe(
+        tmp_path / "user_conf",
+        f"callbacks:\n  marker: {{_target_: mypkg.callbacks.Marker, path: '{marker}'}}\n",
+    )
+    overrides = [o for o in tiny_overrides(tmp_path, shared_cache) if not o.startswith("recipe=")]
+    env_path = f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    common = ["--config-dir", str(user), "recipe=mine", *overrides, "trainer.max_steps=6"]
+    os.environ["PYTHONPATH"], saved = env_path, os.environ.get("PYTHONPATH")
+    try:
+        refused = _run_cli(*common, cwd=tmp_path, check=False)
+        assert refused.returncode == 2 and "mypkg.callbacks.Marker" in refused.stderr
+        _run_cli(*common, "run.allowed_targets=[mypkg.callbacks.]", cwd=tmp_path)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH")
+        else:
+            os.environ["PYTHONPATH"] = saved
+    assert marker.read_text() == "6"

@@ -279,6 +279,9 @@ class RunInfoConfig:
     ckpt_path: str | None = None  # "last" or a checkpoint file to resume from
     checkpoint_every_n_steps: int = 200
     save_top_k: int = 1  # besides last.ckpt; -1 keeps all
+    # extra ``_target_`` prefixes (a module path ending in '.', or one exact target) a
+    # run may build from callbacks and loggers, e.g. [mypkg.callbacks.]
+    allowed_targets: list[str] = field(default_factory=list)
 
 
 @dataclass

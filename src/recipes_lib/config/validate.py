@@ -6,8 +6,10 @@ combinations that are wrong together, each with the key(s) named.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
+from recipes_lib.config.instantiate import check_targets
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
 
@@ -66,6 +68,8 @@ def validate_run_config(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain
     from recipes_lib.kernels import get_attention_backend
     from recipes_lib.parallel.precision import check_precision
 
+    # first: an unallowed _target_ anywhere is refused before anything is imported
+    check_targets(asdict(cfg), "", cfg.run.allowed_targets)
     _check_choice("stage.objective", cfg.stage.objective, objectives)
     _check_positive(cfg)
     check_precision(cfg)

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from recipes_lib.checkpoint.manifest import MANIFEST_NAME, StageManifest, read_manifest
 from recipes_lib.config import RunConfig
+from recipes_lib.config.instantiate import check_targets
 from recipes_lib.errors import ConfigError
 from recipes_lib.pipeline.handoff import (
     Handoff,
@@ -317,6 +318,8 @@ def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
     plans: dict[str, StagePlan] = {}
     for index, stage in enumerate(pipeline.stages):
         config = compose_stage(pipeline, stage)
+        # an unallowed _target_ in any stage stops the pipeline before anything runs
+        check_targets(asdict(config), stage.key, config.run.allowed_targets)
         source_stage, source_path = _source_of(pipeline, index)
         source_file = handoff_from_path(source_path, stage) if source_path is not None else None
         plan = StagePlan(stage, config, source_stage, source_file)
