@@ -1,42 +1,54 @@
-"""Each stage's loss curve on one GPU matches the values recorded on this card type.
+"""Each stage's loss curve on one GPU against the curves recorded per card.
 
 Pretraining (the ``tiny`` and ``small`` decoders), SFT, LoRA SFT and DPO each train
 ``STEPS`` steps through ``run(compose_config(...))`` with ``trainer=gpu
-precision=bf16-mixed``, a fixed seed and no compilation, and every step's training loss
-and the final validation loss are compared with ``reference_losses.json``, keyed by
-``torch.cuda.get_device_name()`` and test name (QLoRA has its own tests in
-``test_qlora.py``). A card with no record fails and says how to make one::
+precision=bf16-mixed``, a fixed seed and no compilation (QLoRA has its own tests in
+``test_qlora.py``). Every curve must be finite and fall; then its training losses and
+final validation loss are compared with ``reference_losses.json``, keyed by
+``torch.cuda.get_device_name()`` and test name: with this card's record step by step, or,
+on a card without one, with the nearest recorded card's (same compute capability first)
+within a wider band on window means. The rules and their tolerances are in
+``tests/reference_curves.py``; each test reports the record it used as the
+``loss_reference`` property (``--junitxml``), and a warning when it was another card's.
+A missing record never fails by itself. To record this card's curves::
 
     RECIPES_RECORD_LOSSES=1 python -m pytest -m gpu tests/gpu/test_stage_curves.py
 
-writes this card's values into ``reference_losses.json`` (commit it) instead of
-comparing. The data are the embedded standard-library corpus, so a record holds for
-the Python version it was made with (stored beside the values).
+writes them into ``reference_losses.json`` (commit it; ``tests/unit/test_reference_curves.py``
+then checks the recorded cards agree within the cross-card band) instead of comparing. The
+data are the embedded standard-library corpus, so a record holds for the Python version it
+was made with (stored beside the values).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from gpu_helpers import metric_series, read_metrics
+from reference_curves import (
+    REFERENCE,
+    LossReferenceWarning,
+    curve_problems,
+    find_reference,
+    load_records,
+    mismatches,
+    record_curve,
+)
 
 from recipes_lib.config import compose_config
 from recipes_lib.train import RunResult, run
 
 pytestmark = pytest.mark.gpu
 
-REFERENCE = Path(__file__).with_name("reference_losses.json")
 RECORD_ENV = "RECIPES_RECORD_LOSSES"
+RECORD_COMMAND = f"{RECORD_ENV}=1 python -m pytest -m gpu tests/gpu/test_stage_curves.py"
 STEPS = 30
-# bf16 on one card with a fixed seed: the curve repeats up to non-deterministic kernels
-# (atomic adds in some backward passes), a few thousandths after 30 steps
-ABS_TOL, REL_TOL = 0.02, 0.005
 
 
 def _overrides(recipe: str, run_dir: Path, cache: Path, *extra: str) -> list[str]:
@@ -80,37 +92,52 @@ def _card() -> str:
     return torch.cuda.get_device_name(0)
 
 
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability(0)
+
+
 def _environment() -> dict:
-    return {"python": platform.python_version(), "torch": torch.__version__}
+    major, minor = _capability()
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "capability": f"{major}.{minor}",
+    }
 
 
-def check_against_reference(name: str, curve: dict) -> None:
-    """Compare ``curve`` with the record of this card, or record it."""
-    assert all(math.isfinite(x) for x in [*curve["train/loss"], curve["val/loss"]]), curve
-    records = json.loads(REFERENCE.read_text()) if REFERENCE.is_file() else {}
+def check_against_reference(name: str, curve: dict, record_property) -> None:
+    """Check ``curve`` on its own, then against the nearest record, or record it."""
+    problems = curve_problems(curve)
+    # before recording too: a broken curve must not become a card's reference
+    assert not problems, f"{name} on {_card()!r}: {problems}"
     card = _card()
     if os.environ.get(RECORD_ENV) == "1":
-        records.setdefault(card, {})[name] = {**curve, "recorded_with": _environment()}
-        REFERENCE.write_text(json.dumps(records, indent=1, sort_keys=True) + "\n")
+        record_curve(card, name, curve, _environment())
+        record_property("loss_reference", f"recorded for {card!r} in {REFERENCE}")
         return
-    expected = records.get(card, {}).get(name)
-    if expected is None:
-        pytest.fail(
-            f"no recorded losses for {name!r} on {card!r} in {REFERENCE}. Record them once on "
-            f"this card with `{RECORD_ENV}=1 python -m pytest -m gpu "
-            "tests/gpu/test_stage_curves.py`, check that the curves look right, and commit "
-            "tests/gpu/reference_losses.json."
+    reference = find_reference(load_records(), card, _capability(), name)
+    if reference is None:
+        record_property("loss_reference", "none")
+        warnings.warn(
+            f"{name}: no card has a recorded curve in {REFERENCE}, so it was only checked to "
+            f"be finite and to fall. Record one with `{RECORD_COMMAND}`.",
+            LossReferenceWarning,
+            stacklevel=2,
         )
-    note = f"recorded with {expected.get('recorded_with')}, now {_environment()}"
-    got_train, want_train = curve["train/loss"], expected["train/loss"]
-    assert len(got_train) == len(want_train), (len(got_train), len(want_train), note)
-    bad = [
-        (step, got, want)
-        for step, (got, want) in enumerate(zip(got_train, want_train, strict=True))
-        if abs(got - want) > ABS_TOL + REL_TOL * abs(want)
-    ]
-    assert not bad, f"{name}: (step, got, recorded) beyond tolerance: {bad[:8]}; {note}"
-    assert curve["val/loss"] == pytest.approx(expected["val/loss"], abs=ABS_TOL, rel=REL_TOL), note
+        return
+    record_property("loss_reference", reference.describe())
+    if reference.card != card:
+        warnings.warn(
+            f"{name}: {card!r} has no record; compared with {reference.describe()} within "
+            f"the cross-card band. Record this card with `{RECORD_COMMAND}`, check that the "
+            "curves look right, and commit tests/gpu/reference_losses.json.",
+            LossReferenceWarning,
+            stacklevel=2,
+        )
+    problems = mismatches(curve, reference)
+    assert not problems, (
+        f"{name} on {card!r} against {reference.describe()}, now {_environment()}: {problems}"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +157,13 @@ def pretrained(tmp_path_factory, cache) -> RunResult:
     )
 
 
-def test_pretrain_tiny_curve(pretrained):
+def test_pretrain_tiny_curve(pretrained, record_property):
     curve = _curve(pretrained)
     assert curve["train/loss"][-1] < curve["train/loss"][0] - 0.5  # it learns
-    check_against_reference("pretrain_tiny", curve)
+    check_against_reference("pretrain_tiny", curve, record_property)
 
 
-def test_pretrain_small_curve(tmp_path, cache):
+def test_pretrain_small_curve(tmp_path, cache, record_property):
     result = run(
         compose_config(
             _overrides(
@@ -150,7 +177,7 @@ def test_pretrain_small_curve(tmp_path, cache):
     )
     curve = _curve(result)
     assert curve["train/loss"][-1] < curve["train/loss"][0] - 0.5
-    check_against_reference("pretrain_small", curve)
+    check_against_reference("pretrain_small", curve, record_property)
 
 
 @pytest.mark.parametrize(
@@ -161,7 +188,7 @@ def test_pretrain_small_curve(tmp_path, cache):
         ("dpo", "dpo/tiny", "stdlib_dpo"),
     ],
 )
-def test_post_training_curve(pretrained, tmp_path, cache, name, recipe, source):
+def test_post_training_curve(pretrained, tmp_path, cache, record_property, name, recipe, source):
     result = run(
         compose_config(
             _overrides(
@@ -178,4 +205,4 @@ def test_post_training_curve(pretrained, tmp_path, cache, name, recipe, source):
     curve = _curve(result)
     if name == "dpo":  # the policy starts as the reference: the sigmoid loss is log 2
         assert curve["train/loss"][0] == pytest.approx(math.log(2), abs=0.02)
-    check_against_reference(name, curve)
+    check_against_reference(name, curve, record_property)
