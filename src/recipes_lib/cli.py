@@ -5,6 +5,9 @@ Hydra application.
     recipes-train recipe=pretrain/tiny optim.lr=1e-3
     recipes-prepare recipe=pretrain/gpt_124m data=local_text data.sources.main.path=corpus/
     recipes-pipeline pipeline=demo stages.anneal.trainer.max_steps=200
+
+Each job's console shows one line per log record and hides library warnings
+(:mod:`recipes_lib.console`); ``RECIPES_VERBOSE=1`` shows everything.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.config import register_schema
+from recipes_lib.console import configure_console
 from recipes_lib.errors import RecipesError
 from recipes_lib.pipeline.spec import register_pipeline_schema
 
@@ -36,12 +40,14 @@ def _with_job_output_dir(cfg: DictConfig) -> DictConfig:
 
 
 def _report(err: RecipesError) -> None:
-    log.error("%s", err)
+    """The error on stderr, once; the log file gets it too (not the console a second time)."""
+    log.error("%s", err, extra={"console": False})
     print(f"error: {err}", file=sys.stderr)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
 def _train(cfg: DictConfig) -> float | None:
+    configure_console()
     from recipes_lib.train import run
 
     try:
@@ -57,6 +63,7 @@ def _train(cfg: DictConfig) -> float | None:
 
 @hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
 def _prepare(cfg: DictConfig) -> None:
+    configure_console()
     from recipes_lib.config import to_run_config
     from recipes_lib.data import prepare
 
@@ -70,6 +77,7 @@ def _prepare(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="pipeline_root")
 def _pipeline(cfg: DictConfig) -> float | None:
+    configure_console()
     from recipes_lib.pipeline import run_pipeline
 
     cfg = cfg.copy()

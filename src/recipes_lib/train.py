@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.adapters import (
@@ -37,6 +37,7 @@ from recipes_lib.adapters import (
     save_adapter,
 )
 from recipes_lib.callbacks.ema import WeightEMA
+from recipes_lib.callbacks.summary import ModelSizeSummary
 from recipes_lib.checkpoint.sharded import is_sharded_checkpoint
 from recipes_lib.checkpoint.weights import (
     WEIGHTS_NAME,
@@ -109,6 +110,13 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     callbacks += fp8_callbacks(cfg.precision, fsdp=cfg.strategy.name == "fsdp")
     if not cfg.trainer.enable_progress_bar:  # a progress bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    # Our summary line replaces Lightning's table (whose FLOPs need an example input:
+    # "Total FLOPs: 0"); Lightning is told not to add its own, which would also log that
+    # it skipped it when a summary callback is configured.
+    summary = kwargs.pop("enable_model_summary")
+    if summary and not any(isinstance(cb, ModelSummary) for cb in callbacks):
+        callbacks.append(ModelSizeSummary(seq_len=cfg.data.seq_len))
+    kwargs["enable_model_summary"] = False
     loggers = instantiate_dict(cfg.logger, "logger", allowed)
     kwargs["devices"] = trainer_devices(cfg)
     return L.Trainer(

@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -168,3 +169,34 @@ def test_user_callback_module_runs_once_its_prefix_is_allowed(tmp_path, shared_c
         else:
             os.environ["PYTHONPATH"] = saved
     assert marker.read_text() == "6"
+
+
+def test_console_shows_each_line_once_and_no_library_noise(tmp_path, shared_cache, monkeypatch):
+    """What a user sees of a run (progress line, model summary, Lightning's records),
+    piped: every line once, no advertisement, no epoch counter, no library warnings."""
+    for name in ("RECIPES_VERBOSE", "PYTHONWARNINGS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLUMNS", "80")  # the console width off a terminal
+    replaced = ("trainer.max_steps=", "trainer.enable_", "callbacks=", "trainer.val_check_")
+    overrides = [o for o in tiny_overrides(tmp_path, shared_cache) if not o.startswith(replaced)]
+    proc = _run_cli(
+        *overrides,
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "callbacks=default",
+        "~callbacks.checkpoint",  # Lightning's default checkpoint: its litmodels tip
+        cwd=tmp_path,
+    )
+    output = proc.stdout + proc.stderr
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert not [line for line, n in Counter(lines).items() if n > 1], output
+    for noise in ("litlogger", "litmodels", "Tip:", "Epoch", "v_num", "Total FLOPs"):
+        assert noise not in output, (noise, output)
+    assert "Warning" not in output and "deprecated" not in output.lower(), output
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in steps] == [f"step {s}/6" for s in range(1, 7)]
+    assert all(len(line) <= 80 and "loss " in line for line in steps), steps
+    assert "GPU available" in output  # Lightning's own records still show, once
+    assert any("FLOPs per token" in line for line in lines)  # the summary line instead
+    log_file = (tmp_path / "run" / "cli.log").read_text()
+    assert "GPU available" in log_file and "finished at step 6" in log_file

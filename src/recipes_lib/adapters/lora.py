@@ -11,6 +11,7 @@ whose ``lora_A``/``lora_B`` are the only trainable weights. Its output is
 from __future__ import annotations
 
 import importlib.util
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
@@ -182,6 +183,10 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """Module name -> peft LoRA layer, for every adapted linear of ``model``."""
+    if "peft" not in sys.modules:
+        # no model carries a peft layer before peft is imported; importing it just to
+        # find none costs a second and torchao's import-time warnings on every run
+        return {}
     from peft.tuners.lora import LoraLayer
 
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}

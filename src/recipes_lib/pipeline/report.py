@@ -5,8 +5,9 @@ version) are read, a later version's value winning for a step logged twice, and 
 end to end on one axis of pipeline steps: a stage that continues its source's step
 counter (``init: full``) starts where its source ended, every other stage after the
 previous stage's last step. The report folder holds ``loss.png`` (train and
-validation loss), ``lr.png`` (learning rate), ``throughput.png`` (tokens per second)
-and ``summary.json``.
+validation loss), ``lr.png`` (learning rate), ``throughput.png`` (tokens per second),
+for a pipeline with a preference stage (DPO) ``preference.png`` (preference accuracy
+and reward margin, each on its own axes), and ``summary.json``.
 
 Each stage's entry in the summary also says what it changed on held-out data: its
 validation loss and, for a preference stage, its reward accuracy and margin, at its
@@ -43,6 +44,12 @@ PLOTS = {
     "lr.png": ("learning rate", ("train/lr/",)),
     "throughput.png": ("tokens / s", ("perf/tokens_per_sec",)),
 }
+# preference.png, for preference stages: one axes per (y label, metrics)
+PREFERENCE_PLOT = "preference.png"
+PREFERENCE_PANELS = (
+    ("preference accuracy", ("train/rewards/accuracy", "val/rewards/accuracy")),
+    ("reward margin", ("train/rewards/margin", "val/rewards/margin")),
+)
 
 
 @dataclass
@@ -119,18 +126,8 @@ def _matching(series: StageSeries, prefix: str) -> list[str]:
     return [prefix] if prefix in series.series else []
 
 
-def write_plots(stages: Sequence[StageSeries], out_dir: Path) -> list[Path]:
-    """Write the loss, learning-rate and throughput plots; returns their paths.
-
-    A plot with nothing logged (e.g. a run without the throughput callback) still gets
-    its file, saying so, so the report's layout does not depend on the callbacks.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _stage_offsets(stages: Sequence[StageSeries]) -> list[int]:
+    """Where each stage starts on the pipeline's step axis (stages laid end to end)."""
     offsets: list[int] = []
     position = 0
     for series in stages:
@@ -138,44 +135,114 @@ def write_plots(stages: Sequence[StageSeries], out_dir: Path) -> list[Path]:
         steps = [s for values in series.series.values() for s, _ in values]
         length = (max(steps) + 1 - series.start_step) if steps else 0
         position += max(length, 0)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return offsets
+
+
+def _draw_panel(
+    ax: Any,
+    stages: Sequence[StageSeries],
+    offsets: Sequence[int],
+    colors: Sequence[str],
+    prefixes: Sequence[str],
+    ylabel: str,
+) -> None:
+    """One axes: every stage's ``prefixes`` metrics on the pipeline's step axis in the
+    stage's color (validation dashed with markers), a dotted line where each later
+    stage starts."""
+    plotted = False
+    for index, (series, offset, color) in enumerate(zip(stages, offsets, colors, strict=True)):
+        for prefix in prefixes:
+            for name in _matching(series, prefix):
+                points = series.series[name]
+                is_val = name.startswith("val/")
+                ax.plot(
+                    [offset + step - series.start_step for step, _ in points],
+                    [value for _, value in points],
+                    marker="o" if is_val else None,
+                    linestyle="--" if is_val else "-",
+                    color=color,
+                    label=f"{series.stage} {name}",
+                )
+                plotted = True
+        if index > 0:
+            ax.axvline(offset, color="grey", linestyle=":", linewidth=1)
+    if plotted:
+        ax.legend(fontsize="small")
+    else:
+        ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial.png")
+    fig.savefig(partial, dpi=100, bbox_inches="tight")
+    os.replace(partial, path)
+    return path
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _stage_colors(plt: Any, count: int) -> list[str]:
+    """One color per stage, the same in every plot."""
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return [cycle[i % len(cycle)] for i in range(count)]
+
+
+def preference_figure(stages: Sequence[StageSeries]) -> Any | None:
+    """The preference stages' panels: accuracy and reward margin, each on its own axes
+    over the pipeline's steps (training solid, held-out dashed); None without any.
+
+    Accuracy is a share in [0, 1], the margin a difference of log-ratios that grows
+    without bound: on one y-axis one of them would be flattened.
+    """
+    plt = _pyplot()
+    wanted = {name for _, names in PREFERENCE_PANELS for name in names}
+    shown = [i for i, series in enumerate(stages) if wanted & series.series.keys()]
+    if not shown:
+        return None
+    offsets, colors = _stage_offsets(stages), _stage_colors(plt, len(stages))
+    columns = [[items[i] for i in shown] for items in (stages, offsets, colors)]
+    fig, axes = plt.subplots(len(PREFERENCE_PANELS), 1, figsize=(8, 7), sharex=True)
+    for ax, (ylabel, names) in zip(axes, PREFERENCE_PANELS, strict=True):
+        _draw_panel(ax, *columns, names, ylabel)
+    axes[0].set_ylim(-0.05, 1.05)
+    axes[1].axhline(0.0, color="grey", linewidth=1)
+    axes[0].set_title("preference stages: training (solid) and held-out (dashed)")
+    axes[-1].set_xlabel("pipeline step")
+    return fig
+
+
+def write_plots(stages: Sequence[StageSeries], out_dir: Path) -> list[Path]:
+    """Write the loss, learning-rate and throughput plots, and ``preference.png``
+    (:func:`preference_figure`) when a stage logged preference metrics; returns their paths.
+
+    A plot of :data:`PLOTS` with nothing logged (e.g. a run without the throughput
+    callback) still gets its file, saying so, so the report's layout does not depend on
+    the callbacks; the preference panels belong to preference stages (DPO) only.
+    """
+    plt = _pyplot()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    offsets, colors = _stage_offsets(stages), _stage_colors(plt, len(stages))
     written = []
     for filename, (ylabel, prefixes) in PLOTS.items():
         fig, ax = plt.subplots(figsize=(8, 4.5))
-        plotted = False
-        for index, (series, offset) in enumerate(zip(stages, offsets, strict=True)):
-            color = colors[index % len(colors)]
-            for prefix in prefixes:
-                for name in _matching(series, prefix):
-                    points = series.series[name]
-                    xs = [offset + step - series.start_step for step, _ in points]
-                    ys = [value for _, value in points]
-                    is_val = name.startswith("val/")
-                    ax.plot(
-                        xs,
-                        ys,
-                        marker="o" if is_val else None,
-                        linestyle="--" if is_val else "-",
-                        color=color,
-                        label=f"{series.stage} {name}",
-                    )
-                    plotted = True
-            if index > 0:
-                ax.axvline(offset, color="grey", linestyle=":", linewidth=1)
-        if plotted:
-            ax.legend(fontsize="small")
-        else:
-            ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes)
+        _draw_panel(ax, stages, offsets, colors, prefixes, ylabel)
         ax.set_xlabel("pipeline step")
-        ax.set_ylabel(ylabel)
         ax.set_title(f"{ylabel} by stage")
-        ax.grid(alpha=0.3)
-        path = out_dir / filename
-        partial = out_dir / f".{filename}.{os.getpid()}.partial.png"
-        fig.savefig(partial, dpi=100, bbox_inches="tight")
+        written.append(_save(fig, out_dir / filename))
         plt.close(fig)
-        os.replace(partial, path)
-        written.append(path)
+    fig = preference_figure(stages)
+    if fig is not None:
+        written.append(_save(fig, out_dir / PREFERENCE_PLOT))
+        plt.close(fig)
     return written
 
 
@@ -282,7 +349,8 @@ def print_summary_table(
         ("tokens", "right"),
         ("time", "right"),
     ):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        # fold a long name onto a second line rather than cut it, on a narrow terminal
+        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
     for s in stages:
         table.add_row(
             s["stage"],
@@ -294,5 +362,10 @@ def print_summary_table(
             _fmt_tokens(int(s["tokens"])),
             f"{s['seconds']:.1f}s",
         )
-    console = console or Console(width=max(Console().width, 132))
+    if console is None:
+        # a terminal's own width (Rich wraps the cells); a file or pipe gets room for
+        # every column on one line
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=max(console.width, 132))
     console.print(table)

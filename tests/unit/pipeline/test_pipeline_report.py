@@ -10,7 +10,9 @@ from rich.console import Console
 
 from recipes_lib.pipeline.report import (
     PLOTS,
+    PREFERENCE_PLOT,
     held_out_changes,
+    preference_figure,
     print_summary_table,
     read_stage_logs,
     write_plots,
@@ -128,3 +130,43 @@ def test_held_out_changes_run_from_the_first_to_the_last_validation(tmp_path):
     assert "2.400 → 2.310" in text and "loss 2.500 → 1.900" in text
     assert "accuracy 0.00 → 0.88, margin 0.00 → 0.45" in text
     assert "loss 2.100" in text
+
+
+def test_preference_accuracy_and_margin_are_drawn_on_their_own_axes(tmp_path):
+    _write_csv(
+        tmp_path / "sft" / "logs" / "version_0" / "metrics.csv",
+        [{"step": s, "train/loss": 2.0 - s / 10, "val/loss": 2.1} for s in range(4)],
+    )
+    _write_csv(
+        tmp_path / "dpo" / "logs" / "version_0" / "metrics.csv",
+        [
+            {"step": s, "train/loss": 0.69, "train/rewards/accuracy": s / 4}
+            | {"train/rewards/margin": 0.5 * s}
+            for s in range(4)
+        ]
+        + [
+            {"step": s, "val/rewards/accuracy": a, "val/rewards/margin": m}
+            for s, a, m in ((0, 0.0, 0.0), (3, 0.75, 1.5))
+        ],
+    )
+    sft, dpo = read_stage_logs(tmp_path / "sft", "sft"), read_stage_logs(tmp_path / "dpo", "dpo")
+    assert preference_figure([sft]) is None  # no preference stage: no panels
+    assert [p.name for p in write_plots([sft], tmp_path / "a")] == list(PLOTS)
+
+    fig = preference_figure([sft, dpo])
+    accuracy, margin = fig.axes
+    assert accuracy.get_ylabel() == "preference accuracy" and margin.get_ylabel() == "reward margin"
+    labels = {ax: {line.get_label() for line in ax.get_lines()} for ax in (accuracy, margin)}
+    assert {"dpo train/rewards/accuracy", "dpo val/rewards/accuracy"} <= labels[accuracy]
+    assert {"dpo train/rewards/margin", "dpo val/rewards/margin"} <= labels[margin]
+    assert not any("margin" in label for label in labels[accuracy])
+    assert not any("accuracy" in label for label in labels[margin])
+    assert accuracy.get_ylim() == (-0.05, 1.05)  # a share, whatever the margin's scale
+    # on the pipeline's step axis: the DPO stage starts after the SFT stage's 4 steps
+    lines = {line.get_label(): line for line in accuracy.get_lines()}
+    held_out = lines["dpo val/rewards/accuracy"]
+    assert list(held_out.get_xdata()) == [4, 7]
+
+    plots = write_plots([sft, dpo], tmp_path / "b")
+    assert [p.name for p in plots] == [*PLOTS, PREFERENCE_PLOT]
+    assert plots[-1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
