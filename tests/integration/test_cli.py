@@ -78,6 +78,22 @@ def test_bad_input_exits_with_a_one_line_message(tmp_path, shared_cache):
     assert "Traceback" not in proc.stderr
 
 
+def test_non_finite_learning_rate_exits_with_one_error_line(tmp_path):
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    proc = _run_cli(
+        "recipe=pretrain/tiny",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={cache}",
+        "optim.lr=nan",
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: optim.lr=nan must be a finite number"]
+    assert "Traceback" not in proc.stderr and not cache.exists()
+
+
 def test_prepare_command_writes_shards(tmp_path):
     prepare = _script("recipes-prepare")
     cache = tmp_path / "cache"

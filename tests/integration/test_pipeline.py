@@ -178,6 +178,8 @@ def test_full_init_continues_the_step_count(tmp_path, shared_cache, monkeypatch)
                     "init": "full",
                     "trainer": {"max_steps": 7},
                     **common,
+                    # no step checkpoint in its 3 steps, as in sft/tiny and dpo/tiny
+                    "run": {"checkpoint_every_n_steps": 10},
                 },
             },
         }
@@ -194,6 +196,11 @@ def test_full_init_continues_the_step_count(tmp_path, shared_cache, monkeypatch)
     ):
         assert torch.equal(found, saved)
     assert (more.start_step, more.global_step, more.metrics.steps) == (4, 7, 3)
+    # one last.ckpt per stage at its final step, no last-v1.ckpt beside it
+    for manifest, step in ((first, 4), (more, 7)):
+        folder = manifest.directory / "checkpoints"
+        assert sorted(p.name for p in folder.glob("last*")) == ["last.ckpt"]
+        assert read_checkpoint(folder / "last.ckpt")["global_step"] == step
     assert more.tokens_seen == 7 * 4 * 64 and more.metrics.tokens == 3 * 4 * 64
     steps = [s for s, _ in metric_series(read_metrics(more.directory), "train/loss")]
     assert steps == [4, 5, 6]

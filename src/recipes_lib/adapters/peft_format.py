@@ -28,6 +28,7 @@ from recipes_lib.adapters.lora import (
     native_targets,
 )
 from recipes_lib.checkpoint.hf import native_to_hf_name
+from recipes_lib.checkpoint.weights import chmod_as_umask
 from recipes_lib.config.schema import AdapterConfig
 from recipes_lib.errors import CheckpointError
 
@@ -93,5 +94,6 @@ def save_adapter(
     peft_config.base_model_name_or_path = base_model_name_or_path
     peft_config.inference_mode = True
     save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})
+    chmod_as_umask(folder / ADAPTER_WEIGHTS_NAME)  # safetensors creates it 0600
     peft_config.save_pretrained(str(folder))  # adapter_config.json
     return folder

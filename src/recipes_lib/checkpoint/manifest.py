@@ -298,26 +298,42 @@ def read_manifest(
     return manifest
 
 
+def _retrain_advice(manifest: StageManifest, source: Path) -> str:
+    """How to train a stage whose outputs are damaged again. The runner reads and verifies
+    the manifest in a stage folder before it looks at on_change, so on_change=rerun alone
+    stops at the same error; without the folder the stage is simply not trained yet, and
+    on_change=rerun then retrains the stages that started from it too."""
+    folder = source.parent
+    return (
+        f"to train stage {manifest.stage} again, move its folder '{folder}' aside (rename it, "
+        f"e.g. to '{folder}.old') and run its pipeline again with on_change=rerun"
+    )
+
+
 def verify_manifest(manifest: StageManifest, source: Path, label: str) -> None:
     """Check that the files a manifest names exist and match their checksums.
 
     Raises:
-        CheckpointError: naming the stage, the file and the reason.
+        CheckpointError: naming the stage, the file and the reason, and how to train the
+            stage again.
     """
     for what, ref in (("weights", manifest.weights), ("tokenizer", manifest.tokenizer)):
         file = manifest.resolve(ref.path)
         if not file.is_file():
             raise CheckpointError(
-                f"stage {label}: manifest '{source}': its {what} file '{file}' is missing"
+                f"stage {label}: manifest '{source}': its {what} file '{file}' is missing; "
+                + _retrain_advice(manifest, source)
             )
         actual = sha256_file(file)
         if actual != ref.sha256:
             raise CheckpointError(
                 f"stage {label}: manifest '{source}': checksum mismatch for {what} '{file}' "
-                f"(recorded sha256 {ref.sha256[:16]}..., file has {actual[:16]}...)"
+                f"(recorded sha256 {ref.sha256[:16]}..., file has {actual[:16]}...): it "
+                "changed after the stage wrote it; " + _retrain_advice(manifest, source)
             )
     checkpoint = manifest.checkpoint_path
     if checkpoint is not None and not checkpoint.is_file():
         raise CheckpointError(
-            f"stage {label}: manifest '{source}': its checkpoint '{checkpoint}' is missing"
+            f"stage {label}: manifest '{source}': its checkpoint '{checkpoint}' is missing; "
+            + _retrain_advice(manifest, source)
         )

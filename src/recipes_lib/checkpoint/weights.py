@@ -52,6 +52,30 @@ def _tensor_identity(t: Tensor) -> tuple[Any, ...]:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
+def _umask() -> int:
+    # /proc reports the umask without changing it; os.umask() can only read it by setting
+    # it, and another thread creating a file meanwhile would get the temporary mask
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)  # the strictest mask for the moment it is read
+    os.umask(mask)
+    return mask
+
+
+def chmod_as_umask(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open(path, "w")`` would: 0o666 less the umask.
+
+    safetensors creates its files readable by their owner only (0600); without this an
+    output's weights would be private whatever the umask says.
+    """
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -116,6 +140,7 @@ def save_weights(
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
         save_file(tensors, str(partial), metadata=header)
+        chmod_as_umask(partial)
         with open(partial, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(partial, target)

@@ -26,10 +26,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
 import socket
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,8 @@ from tokenizers import Tokenizer
 
 from recipes_lib.errors import DataError
 
+log = logging.getLogger(__name__)
+
 SHARD_FORMAT_VERSION = 1
 TOKENS_FILE = "tokens.bin"
 OFFSETS_FILE = "doc_offsets.npy"
@@ -55,6 +59,11 @@ SPLITS = ("train", "val")
 _BATCH_DOCUMENTS = 256  # documents per encode_batch call
 _BATCH_BYTES = 4 << 20  # ...or fewer, once their text reaches this size
 _META_KEYS = ("format_version", "dtype", "n_tokens", "n_docs", "eos_id")
+# Deleting only a split's folder leaves a pair that cannot be renamed over, so the advice
+# is to prepare again, which moves the damaged pair aside itself (set_aside).
+_REBUILD = (
+    "prepare the data again (recipes-prepare, or the run): the shards are moved aside and rebuilt"
+)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -137,20 +146,18 @@ class TokenShard:
         path = Path(path)
         meta_file = path / META_FILE
         if not meta_file.is_file():
-            raise DataError(f"shard {path} is missing {META_FILE}; delete {path} and prepare again")
+            raise DataError(f"shard {path} is missing {META_FILE}; {_REBUILD}")
         try:
             meta = json.loads(meta_file.read_text())
             missing = [k for k in _META_KEYS if k not in meta]
         except (ValueError, TypeError) as err:
-            raise DataError(
-                f"{meta_file} is corrupt ({err}); delete {path} and prepare again"
-            ) from err
+            raise DataError(f"{meta_file} is corrupt ({err}); {_REBUILD}") from err
         if missing:
-            raise DataError(f"{meta_file} lacks {missing}; delete {path} and prepare again")
+            raise DataError(f"{meta_file} lacks {missing}; {_REBUILD}")
         if meta["format_version"] != SHARD_FORMAT_VERSION:
             raise DataError(
                 f"{meta_file} has format_version {meta['format_version']}, this version of "
-                f"recipes-lib reads {SHARD_FORMAT_VERSION}; delete {path} and prepare again"
+                f"recipes-lib reads {SHARD_FORMAT_VERSION}; {_REBUILD}"
             )
         dtype = np.dtype(meta["dtype"])
         tokens_file = path / TOKENS_FILE
@@ -160,14 +167,13 @@ class TokenShard:
             found = "missing" if actual is None else f"{actual} bytes"
             raise DataError(
                 f"{tokens_file} is {found}, expected {expected} bytes "
-                f"({meta['n_tokens']} {dtype.name} tokens per {META_FILE}); "
-                f"delete {path} and prepare again"
+                f"({meta['n_tokens']} {dtype.name} tokens per {META_FILE}); {_REBUILD}"
             )
         offsets_file = path / OFFSETS_FILE
         try:
             offsets = np.load(offsets_file, allow_pickle=False)
         except (OSError, ValueError, EOFError) as err:
-            raise DataError(f"{offsets_file} is missing or corrupt ({err}); delete {path}") from err
+            raise DataError(f"{offsets_file} is missing or corrupt ({err}); {_REBUILD}") from err
         if (
             offsets.dtype != np.int64
             or offsets.shape != (meta["n_docs"] + 1,)
@@ -178,7 +184,7 @@ class TokenShard:
             raise DataError(
                 f"{offsets_file} does not match {META_FILE} (want int64 of shape "
                 f"({meta['n_docs'] + 1},) from 0 to {meta['n_tokens']}, increasing; got "
-                f"{offsets.dtype} {offsets.shape}); delete {path} and prepare again"
+                f"{offsets.dtype} {offsets.shape}); {_REBUILD}"
             )
         shard = cls(path, meta, offsets)
         if verify:
@@ -198,9 +204,11 @@ class TokenShard:
                 digest.update(block)
         want = self.meta.get("tokens_sha256")
         if want is not None and digest.hexdigest() != want:
-            raise DataError(f"{tokens_file} is corrupt: its sha256 differs from {META_FILE}")
+            raise DataError(
+                f"{tokens_file} is corrupt: its sha256 differs from {META_FILE}; {_REBUILD}"
+            )
         if self.n_docs and np.any(self.tokens[self.doc_offsets[1:] - 1] != self.eos_id):
-            raise DataError(f"{tokens_file} is corrupt: a document does not end in EOS")
+            raise DataError(f"{tokens_file} is corrupt: a document does not end in EOS; {_REBUILD}")
 
 
 class _ShardWriter:
@@ -340,6 +348,20 @@ def open_split_shards(directory: str | Path) -> SplitShards:
     return SplitShards(*(TokenShard.open(directory / split) for split in SPLITS))
 
 
+def set_aside(directory: str | Path) -> Path:
+    """Rename a damaged shard pair to ``<name>.corrupt-<time>`` beside it, so it can be
+    rebuilt without deleting anything; returns the new path."""
+    directory = Path(directory)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = directory.with_name(f"{directory.name}.corrupt-{stamp}")
+    counter = 1
+    while target.exists():
+        counter += 1
+        target = directory.with_name(f"{directory.name}.corrupt-{stamp}-{counter}")
+    directory.rename(target)
+    return target
+
+
 def write_split_shards(
     texts: Iterable[str],
     directory: str | Path,
@@ -358,7 +380,8 @@ def write_split_shards(
     Args:
         texts: the documents, in order. Empty documents are skipped.
         directory: the final shard-pair directory; it appears only once complete. If
-            it is already complete (another process finished first) it is kept.
+            it is already complete (another process finished first) it is kept; if it
+            exists but is incomplete (a split's folder deleted) it is moved aside.
         tokenizer: encodes each document (without special tokens); EOS is appended.
         eos_id: the id appended after every document.
         num_documents: how many ``texts`` there are (``None`` for a stream: documents
@@ -375,6 +398,9 @@ def write_split_shards(
     directory = Path(directory)
     if is_complete(directory):
         return open_split_shards(directory)
+    if directory.exists():  # a finished pair appears whole, so this one was damaged
+        aside = set_aside(directory)
+        log.warning("shards %s are incomplete; moved them aside to %s to rebuild", directory, aside)
     directory.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(directory)
     suffix = f"{_host_tag()}-{os.getpid()}-{secrets.token_hex(4)}"

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig
 from rich.console import Console
 
@@ -115,9 +115,23 @@ class FinalCheckpoint(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.global_step < trainer.max_steps:
             return  # stopped early: the stage is not finished
+        if self._saver_will_write_it(trainer):
+            return
         if self.path.exists() and checkpoint_step(self.path) == trainer.global_step:
             return
         trainer.save_checkpoint(self.path)
+
+    def _saver_will_write_it(self, trainer) -> bool:
+        """Whether a ``ModelCheckpoint(save_last=True)`` writing this path has saved nothing
+        yet: its own ``on_train_end`` (run after this one) then saves the final step here.
+        Writing it first made it keep ours and save its copy beside it as last-v1.ckpt."""
+        for saver in trainer.checkpoint_callbacks:
+            if not isinstance(saver, ModelCheckpoint) or not saver.save_last or not saver.dirpath:
+                continue
+            last = Path(saver.dirpath) / f"{saver.CHECKPOINT_NAME_LAST}{saver.FILE_EXTENSION}"
+            if last.resolve() == self.path.resolve() and not saver._last_checkpoint_saved:
+                return True
+        return False
 
 
 # ------------------------------------------------------------------------- run

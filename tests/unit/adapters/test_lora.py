@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -238,3 +240,14 @@ def test_causal_lm_module_adapts_the_model_after_loading_its_weights(tmp_path):
     batch["labels"][:, :6] = -100
     loss, metrics = module.compute_loss(batch)
     assert torch.isfinite(loss) and metrics["assistant_tokens"] == 2 * 6
+
+
+def test_saved_adapter_weights_follow_the_umask(tmp_path):
+    # safetensors creates its files 0600, whatever the umask
+    model, config = _adapted("llama")
+    previous = os.umask(0o022)
+    try:
+        folder = save_adapter(model, tmp_path / "adapter", config)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((folder / "adapter_model.safetensors").stat().st_mode) == 0o644

@@ -1,9 +1,12 @@
 import json
+import os
+import stat
 from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from recipes_lib.checkpoint.hf import (
     export_hf_checkpoint,
@@ -447,3 +450,60 @@ def test_export_carries_the_template_and_eos_saved_beside_the_tokenizer(tmp_path
     assert load_hf_tokenizer(tmp_path / "hf")[1] == "{{ 'x' }}"
     with pytest.raises(DataError, match="eos_token='<missing>' is not a token"):
         save_tokenizer_folder(tmp_path / "bad", tokenizer_file, eos_token="<missing>")
+
+
+def test_exported_files_follow_the_umask(tmp_path, tokenizer_file):
+    # safetensors and tempfile.mkstemp create files 0600; an export is meant to be shared
+    previous = os.umask(0o022)
+    try:
+        model = native_model()
+        out = export_hf_checkpoint(model, model.config, tmp_path / "hf", tokenizer_file)
+        sharded = export_hf_checkpoint(model, model.config, tmp_path / "sh", max_shard_bytes=40_000)
+    finally:
+        os.umask(previous)
+    files = [*out.iterdir(), *sharded.glob("*.safetensors")]
+    assert {"model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
+        f.name for f in files
+    }
+    assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {
+        f.name: oct(0o644) for f in files
+    }
+
+
+def _tokenizer_with_pad(folder, tokenizer_file, config: dict | None):
+    """A tokenizer folder whose tokenizer has a ``<pad>`` token, as a downloaded one does."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    tokenizer.add_special_tokens(["<pad>"])
+    save_tokenizer(tokenizer, folder)
+    if config is not None:
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_export_keeps_the_pad_token_or_pads_with_eos(tmp_path, tokenizer_file):
+    model = native_model()
+    # the source names one (as an AddedToken dict, the way transformers saves it)
+    source = _tokenizer_with_pad(
+        tmp_path / "src",
+        tokenizer_file,
+        {"eos_token": "<|endoftext|>", "pad_token": {"content": "<pad>", "special": True}},
+    )
+    out = export_hf_checkpoint(model, model.config, tmp_path / "hf", source)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer.pad_token == "<pad>"
+    assert hf_tokenizer.pad_token_id == hf_tokenizer.convert_tokens_to_ids("<pad>")
+    # a run's folder written from it (save_tokenizer_folder) keeps it, and so does its export
+    run_dir = save_tokenizer_folder(tmp_path / "run", source, eos_token="<|endoftext|>")
+    again = export_hf_checkpoint(model, model.config, tmp_path / "hf2", run_dir)
+    assert transformers.AutoTokenizer.from_pretrained(again).pad_token == "<pad>"
+
+    # none named: the EOS token, which the chat and preference data pad with
+    bare = export_hf_checkpoint(model, model.config, tmp_path / "bare", tokenizer_file)
+    assert transformers.AutoTokenizer.from_pretrained(bare).pad_token == "<|endoftext|>"
+    chat_run = save_tokenizer_folder(tmp_path / "chat", tokenizer_file, eos_token="<|endoftext|>")
+    assert json.loads((chat_run / "tokenizer_config.json").read_text())["pad_token"] == (
+        "<|endoftext|>"
+    )
+
+    with pytest.raises(DataError, match=r"pad_token='<nope>' is not a token of"):
+        save_tokenizer_folder(tmp_path / "x", tokenizer_file, eos_token=None, pad_token="<nope>")

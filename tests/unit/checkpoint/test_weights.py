@@ -1,5 +1,7 @@
 import hashlib
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -204,3 +206,14 @@ def test_list_step_checkpoints_orders_by_step_and_skips_last(tmp_path):
     found = list_step_checkpoints(tmp_path)
     assert [s for s, _ in found] == [4, 8, 12]
     assert [p.name for _, p in found] == ["step000004.ckpt", "step000008.ckpt", "step000012.ckpt"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_saved_weights_follow_the_umask(tmp_path, umask):
+    # safetensors creates its file 0600; a renamed-into-place output kept that mode
+    previous = os.umask(umask)
+    try:
+        path = save_weights({"a": torch.zeros(2)}, tmp_path / "model.safetensors")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask

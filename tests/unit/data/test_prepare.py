@@ -1,4 +1,6 @@
 import importlib
+import logging
+import shutil
 
 import pytest
 from data_helpers import data_config, synthetic_documents, write_jsonl
@@ -124,3 +126,38 @@ def test_summary_is_printed(tmp_path, sources, small_tokenizer_path, capsys):
     assert "code" in out and "chat" in out and "written" in out
     prepare(data_config(tmp_path, sources, small_tokenizer_path), progress=False)
     assert "cached" in capsys.readouterr().out
+
+
+def test_truncated_shard_is_moved_aside_and_rebuilt(tmp_path, sources, caplog):
+    config = data_config(tmp_path / "cache", sources)
+    first = prepare(config, progress=False, quiet=True)
+    pair = first.train_shards["chat"].parent
+    tokens = first.train_shards["chat"] / "tokens.bin"
+    size = tokens.stat().st_size
+    with tokens.open("r+b") as f:
+        f.truncate(size - 2)
+    with pytest.raises(DataError, match=r"tokens\.bin is .*; prepare the data again"):
+        TokenShard.open(first.train_shards["chat"])
+    # other ranks wait for rank 0 to rebuild it rather than read it
+    with pytest.raises(DataError, match="timed out.*waiting for rank 0"):
+        prepare(config, progress=False, quiet=True, rank=1, wait_timeout_s=0.2)
+
+    # the advice followed: preparing again sets the pair aside, says so, and rebuilds it
+    with caplog.at_level(logging.WARNING, logger="recipes_lib.data.prepare"):
+        again = prepare(config, progress=False, quiet=True)
+    assert again == first
+    TokenShard.open(again.train_shards["chat"], verify=True)
+    (aside,) = pair.parent.glob(f"{pair.name}.corrupt-*")
+    assert (aside / "train" / "tokens.bin").stat().st_size == size - 2  # kept, not deleted
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "source chat" in warning and str(aside) in warning
+
+
+def test_deleting_one_split_folder_still_rebuilds(tmp_path, sources):
+    # what earlier messages advised: an incomplete pair used to block its own rebuild
+    # (OSError: Directory not empty) when the new pair was renamed onto it
+    config = data_config(tmp_path / "cache", sources)
+    first = prepare(config, progress=False, quiet=True)
+    shutil.rmtree(first.train_shards["code"])
+    assert prepare(config, progress=False, quiet=True) == first
+    TokenShard.open(first.train_shards["code"], verify=True)

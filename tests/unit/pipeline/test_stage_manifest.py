@@ -6,7 +6,7 @@ import json
 import shutil
 
 import pytest
-from pipeline_helpers import fake_manifest
+from pipeline_helpers import complete_without_training, fake_manifest, make_pipeline
 
 from recipes_lib.checkpoint.manifest import (
     MANIFEST_FORMAT_VERSION,
@@ -15,6 +15,7 @@ from recipes_lib.checkpoint.manifest import (
     write_manifest,
 )
 from recipes_lib.errors import CheckpointError
+from recipes_lib.pipeline import plan_pipeline
 
 
 def test_round_trip_and_relative_paths(tmp_path):
@@ -86,3 +87,29 @@ def test_missing_checkpoint_is_refused(tmp_path):
     write_manifest(manifest, tmp_path / "a")
     with pytest.raises(CheckpointError, match=r"checkpoint .*last\.ckpt' is missing"):
         read_manifest(tmp_path / "a")
+
+
+def test_checksum_mismatch_says_how_to_train_the_stage_again_and_that_works(tmp_path):
+    stages = {"pretrain": {"recipe": "pretrain/tiny"}, "anneal": {"recipe": "anneal/tiny"}}
+    spec = make_pipeline(tmp_path, stages)
+    manifests = {}
+    complete_without_training(spec, "pretrain", manifests)
+    complete_without_training(spec, "anneal", manifests)
+    folder = spec.dir / "pretrain"
+    weights = folder / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as info:
+        plan_pipeline(spec)
+    message = str(info.value)
+    assert "stage pretrain" in message and "checksum mismatch" in message
+    assert f"move its folder '{folder}' aside" in message and "on_change=rerun" in message
+    # on_change=rerun alone does not get past the damaged manifest
+    rerun = make_pipeline(tmp_path, stages, on_change="rerun")
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        plan_pipeline(rerun)
+
+    # the advice followed: the stage trains again, and the stage after it with it
+    folder.rename(tmp_path / "pipe" / "pretrain.old")
+    assert [p.action for p in plan_pipeline(rerun)] == ["train", "rerun"]

@@ -1,0 +1,32 @@
+"""FinalCheckpoint and ModelCheckpoint(save_last=True) leave one last.ckpt at the final step."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+
+from recipes_lib.checkpoint.weights import checkpoint_step
+from recipes_lib.pipeline.runner import FinalCheckpoint
+
+
+# 10: no step checkpoint before the end, as sft/tiny and dpo/tiny (interval 200 > their
+# 150 and 100 steps), where both callbacks wrote "last" and Lightning kept last-v1.ckpt;
+# 2: the saver's last.ckpt is a step behind; 3: it is already the final step
+@pytest.mark.parametrize("every", [10, 2, 3])
+def test_one_last_checkpoint_holds_the_final_step(tmp_path, every):
+    folder = tmp_path / "checkpoints"
+    saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_last=True)
+    trainer = L.Trainer(
+        max_steps=3,
+        callbacks=[FinalCheckpoint(folder / "last.ckpt"), saver],
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(BoringModel())
+    assert sorted(p.name for p in folder.glob("last*")) == ["last.ckpt"]
+    assert checkpoint_step(folder / "last.ckpt") == 3
