@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs 2 or more CUDA GPUs"))
         elif "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+@pytest.fixture(scope="session")
+def hf_folder(tmp_path_factory):
+    """A tiny Qwen2 saved by transformers with a tokenizer and chat template of its own
+    (see ``tests/hf_folders.py``); read-only: copy it to change it."""
+    from hf_folders import make_hf_folder
+
+    return make_hf_folder(tmp_path_factory.mktemp("hf") / "tiny-qwen2")

@@ -56,6 +56,9 @@ def _train(cfg: DictConfig) -> float | None:
         _report(err)
         sys.exit(2)
     log.info("finished at step %d; output in %s", result.global_step, result.output_dir)
+    if result.skipped_records:
+        reasons = "; ".join(f"{n} {reason}" for reason, n in result.skipped_records.items())
+        log.info("  data: %d record(s) left out: %s", sum(result.skipped_records.values()), reasons)
     for name, value in sorted(result.metrics.items()):
         log.info("  %s = %.4f", name, value)
     return result.metrics.get("val/loss")  # the value a sweeper optimises

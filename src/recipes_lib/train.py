@@ -18,6 +18,7 @@ The order below matters and reads top to bottom:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,11 @@ from recipes_lib.adapters import (
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.summary import ModelSizeSummary
 from recipes_lib.checkpoint.sharded import is_sharded_checkpoint
+from recipes_lib.checkpoint.source import (
+    fill_model_from_init,
+    init_model_mismatches,
+    read_init_source,
+)
 from recipes_lib.checkpoint.weights import (
     WEIGHTS_NAME,
     average_checkpoints,
@@ -46,10 +52,12 @@ from recipes_lib.checkpoint.weights import (
     save_weights,
 )
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
+from recipes_lib.config.instantiate import check_targets
 from recipes_lib.config.validate import validate_run_config
 from recipes_lib.data import PretrainDataModule
 from recipes_lib.data.chat_module import build_chat_data
 from recipes_lib.data.preference import build_preference_data
+from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.parallel import (
     build_strategy,
@@ -58,7 +66,7 @@ from recipes_lib.parallel import (
     trainer_devices,
 )
 from recipes_lib.parallel.fp8 import fp8_callbacks
-from recipes_lib.parallel.precision import lightning_precision
+from recipes_lib.parallel.precision import lightning_precision, resolve_device_choices
 from recipes_lib.stages.causal_lm import CausalLMModule
 from recipes_lib.stages.dpo import build_dpo_module
 from recipes_lib.stages.sft import SFTModule
@@ -80,6 +88,8 @@ class RunResult:
     # the stage's output weights; None when the run stopped before its last step
     weights_path: Path | None = None
     averaged_from: list[Path] = field(default_factory=list)  # step checkpoints averaged
+    # records the data left out of training, by reason (data.chat.on_bad_record=skip, ...)
+    skipped_records: dict[str, int] = field(default_factory=dict)
 
 
 def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
@@ -131,8 +141,12 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
 
 
 def _pretrain_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDataModule:
+    # continued pretraining from weights reads the text with their tokenizer
+    tokenizer = init_tokenizer_path(cfg.data, cfg.stage.init_from)
     return PretrainDataModule(
-        cfg.data,
+        dataclasses.replace(
+            cfg.data, tokenizer=dataclasses.replace(cfg.data.tokenizer, path=tokenizer)
+        ),
         model_vocab_size=cfg.model.vocab_size,
         model_max_seq_len=cfg.model.max_seq_len,
         total_train_samples=total_train_samples,
@@ -197,9 +211,33 @@ def check_run_config(cfg: RunConfig) -> None:
     Raises:
         ConfigError: the first problem found, naming its keys.
     """
+    # first: an unallowed _target_ anywhere is refused before anything is imported
+    check_targets(dataclasses.asdict(cfg), "", cfg.run.allowed_targets)
+    # then the model against the weights it starts from, every difference at once
+    check_init_source(cfg)
     validate_run_config(cfg, objectives=tuple(OBJECTIVES))
     check_adapter_config(cfg.adapter, accelerator=cfg.trainer.accelerator)
     check_strategy(cfg)
+
+
+def check_init_source(cfg: RunConfig) -> None:
+    """Read what ``stage.init_from`` holds and refuse a model that does not fit it, with
+    every difference named at once (before any data is prepared).
+
+    Raises:
+        ConfigError: the configured model differs from the one the source records.
+        CheckpointError: ``stage.init_from`` is missing or unreadable.
+    """
+    if cfg.stage.init_from is None:
+        return
+    source = read_init_source(cfg.stage.init_from)
+    differences = init_model_mismatches(cfg.model, source)
+    if differences:
+        raise ConfigError(
+            f"stage.init_from={cfg.stage.init_from!r}: the configured model does not fit it "
+            f"({len(differences)} difference(s)): {'; '.join(differences)}; set those model "
+            "keys to its values, or take its whole shape with model=from_init"
+        )
 
 
 def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunResult:
@@ -215,7 +253,9 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     Raises:
         RecipesError: a bad config, data path, tokenizer or checkpoint, before training.
     """
-    cfg = to_run_config(cfg)
+    if isinstance(cfg, DictConfig):
+        cfg = fill_model_from_init(cfg)  # model=from_init: the shape of stage.init_from
+    cfg = resolve_device_choices(to_run_config(cfg))
     check_run_config(cfg)
     ckpt_path = _resolve_ckpt_path(cfg)
     _refuse_to_overwrite(cfg, ckpt_path)
@@ -258,6 +298,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         seconds=seconds,
         weights_path=weights_path,
         averaged_from=averaged_from,
+        skipped_records=datamodule.skipped_records(),
     )
 
 

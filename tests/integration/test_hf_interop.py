@@ -16,7 +16,7 @@ from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.data.chat import ChatRenderer, record_messages
 from recipes_lib.data.instructions import stdlib_instruction_records
 from recipes_lib.data.tokenizer import load_tokenizer, save_tokenizer, train_bpe_tokenizer
-from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
 from recipes_lib.pipeline import parse_pipeline, run_pipeline
 from recipes_lib.train import run
@@ -166,11 +166,11 @@ def test_a_hf_config_that_differs_from_the_model_is_named_before_training(tmp_pa
     folder, _ = hf_folder
     overrides = sft_overrides(tmp_path, folder, "model.ffn_dim=256", "model.norm_eps=1e-6")
     cfg = compose_config(overrides)
-    with pytest.raises(CheckpointError) as err:
+    with pytest.raises(ConfigError) as err:  # in the pre-flight, before any data
         run(cfg)
     message = str(err.value)
     assert f"stage.init_from='{folder}'" in message
-    assert "config.json does not match the configured model (2 difference(s))" in message
+    assert "the configured model does not fit it (2 difference(s))" in message
     assert "model.ffn_dim=256 vs intermediate_size=384" in message
     assert "model.norm_eps=1e-06 vs rms_norm_eps=1e-05" in message
     assert not list((tmp_path / "run").glob("checkpoints/*.ckpt"))
@@ -215,6 +215,6 @@ def test_a_pipeline_stage_starts_from_a_hf_folder(tmp_path, hf_folder):
 
     # a model that does not fit the folder's config.json stops the pipeline before training
     sft["model"] = {"ffn_dim": 256}
-    with pytest.raises(ConfigError, match=r"stage sft: model\.ffn_dim=256 does not match"):
+    with pytest.raises(ConfigError, match=r"stage sft: model\.ffn_dim=256 vs"):
         run_pipeline(parse_pipeline({**pipeline, "dir": str(tmp_path / "other")}))
     assert not (tmp_path / "other" / "sft").exists()

@@ -24,7 +24,7 @@ from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import to_run_config
 from recipes_lib.data.chat import PLAIN_TEMPLATE, record_messages
 from recipes_lib.data.chat_module import ChatDataModule
-from recipes_lib.data.chat_sources import split_records
+from recipes_lib.data.records import split_records
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_MIN_DROP = 0.3  # held-out SFT loss: start (the annealed weights) minus end, at least

@@ -38,7 +38,8 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
+from recipes_lib.checkpoint.weights import chmod_as_umask
+from recipes_lib.config.schema import ModelConfig, RopeScalingConfig, resolved_model_fields
 from recipes_lib.data.tokenizer import (
     load_tokenizer,
     resolve_tokenizer_file,
@@ -459,25 +460,21 @@ _HF_KEY_NAMES = {
     "qkv_bias": "q/k/v biases (model_type qwen2)",
     "tie_embeddings": "tie_word_embeddings",
 }
-
-
-def _computed_fields(config: ModelConfig) -> dict[str, Any]:
-    """The fields that decide what a model computes, defaults spelled out."""
-    values = {name: getattr(config, name) for name in _HF_KEY_NAMES}
-    values["n_kv_heads"] = config.n_kv_heads or config.n_heads
-    values["head_dim"] = config.head_dim or config.dim // config.n_heads
-    return values
+# Everything that decides what the weights compute must match a checkpoint's config;
+# the context length may differ (RoPE tables are built for whatever is configured).
+_FREE_FIELDS = ("max_seq_len",)
 
 
 def hf_config_mismatches(hf: ModelConfig, configured: ModelConfig) -> list[str]:
     """``model.<key>=<ours> vs <config.json key>=<theirs>`` for every field in which a
-    Hugging Face model's config differs from the configured model's (``name``,
-    ``init_std`` and ``max_seq_len`` are free to differ)."""
-    ours, theirs = _computed_fields(configured), _computed_fields(hf)
+    Hugging Face model's config differs from the configured model's (label fields and
+    ``max_seq_len`` are free to differ)."""
+    roles = ("shape", "compute", "context")
+    ours, theirs = resolved_model_fields(configured, *roles), resolved_model_fields(hf, *roles)
     return [
-        f"model.{name}={ours[name]!r} vs {_HF_KEY_NAMES[name]}={theirs[name]!r}"
-        for name in _HF_KEY_NAMES
-        if ours[name] != theirs[name]
+        f"model.{name}={ours[name]!r} vs {_HF_KEY_NAMES.get(name, name)}={theirs[name]!r}"
+        for name in ours
+        if name not in _FREE_FIELDS and ours[name] != theirs[name]
     ]
 
 
@@ -507,13 +504,11 @@ def load_hf_weights_into(model: Transformer, path: str | os.PathLike, label: str
         )
         differences = hf_config_mismatches(hf, configured)
         if differences:
-            more = len(differences) - _MAX_LISTED
             raise CheckpointError(
                 f"its {HF_CONFIG_NAME} does not match the configured model "
                 f"({len(differences)} difference(s)): "
-                + "; ".join(differences[:_MAX_LISTED])
-                + (f"; and {more} more" if more > 0 else "")
-                + "; set model.* to the checkpoint's shape"
+                + "; ".join(differences)
+                + "; leave model= out to take the checkpoint's shape (model=from_init)"
             )
         located = _checked_tensors(folder, model, configured.tie_embeddings, "the configured model")
     except CheckpointError as err:
@@ -595,12 +590,14 @@ def _write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_bytes
         stale.unlink(missing_ok=True)  # an earlier export's shards
     if len(shards) == 1:
         save_file(shards[0], str(folder / HF_WEIGHTS_NAME), metadata={"format": "pt"})
+        chmod_as_umask(folder / HF_WEIGHTS_NAME)
         return
     (folder / HF_WEIGHTS_NAME).unlink(missing_ok=True)
     weight_map = {}
     for i, shard in enumerate(shards, start=1):
         file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         save_file(shard, str(folder / file), metadata={"format": "pt"})
+        chmod_as_umask(folder / file)
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -621,6 +618,7 @@ def export_hf_checkpoint(
     tokenizer_path: str | os.PathLike | None = None,
     *,
     eos_token: str | None = None,
+    pad_token: str | None = None,
     chat_template: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
@@ -630,7 +628,7 @@ def export_hf_checkpoint(
     Writes ``config.json``, the weights (``model.safetensors``, or shards of at most
     ``max_shard_bytes`` each with ``model.safetensors.index.json``; an earlier export's
     weight files in ``out_dir`` are replaced) and, with a tokenizer, ``tokenizer.json``
-    and a ``tokenizer_config.json`` naming the EOS token and the chat template.
+    and a ``tokenizer_config.json`` naming the EOS and padding tokens and the chat template.
 
     Args:
         model: a :class:`~recipes_lib.models.Transformer` or its state dict.
@@ -640,6 +638,9 @@ def export_hf_checkpoint(
             DPO run's output folder carries the tokenizer and chat template it used).
         eos_token: the end-of-sequence token; default the one the tokenizer_config.json
             beside the tokenizer names, else the tokenizer's first special token.
+        pad_token: the padding token; default the one the tokenizer_config.json beside
+            the tokenizer names, else the EOS token (what the chat and preference data
+            pad with).
         chat_template: a Jinja chat template for ``tokenizer.apply_chat_template``;
             default the one saved beside the tokenizer (see :func:`hf_chat_template`).
         max_shard_bytes: the largest shard.
@@ -651,7 +652,7 @@ def export_hf_checkpoint(
     Raises:
         CheckpointError: a tensor without a Hugging Face name, a tokenizer larger than
             the model's vocabulary, or an EOS token that the tokenizer lacks.
-        DataError: ``tokenizer_path`` holds no tokenizer.
+        DataError: ``tokenizer_path`` holds no tokenizer, or a padding token it lacks.
     """
     folder = Path(out_dir).expanduser()
     tensors = {
@@ -687,6 +688,7 @@ def export_hf_checkpoint(
             folder,
             tokenizer_path,
             eos_token=eos_token,
+            pad_token=pad_token,
             chat_template=chat_template,
             model_max_length=config.max_seq_len,
         )

@@ -49,6 +49,7 @@ class StageMetrics:
     tokens: int = 0  # tokens trained on in this stage (all ranks)
     steps: int = 0  # optimizer steps taken in this stage
     seconds: float = 0.0  # wall time of the training run that finished the stage
+    skipped_records: int = 0  # records the data left out (malformed, too long, ...)
 
 
 @dataclass

@@ -8,8 +8,12 @@ composes the config, naming the full key. Each dataclass mirrors the constructor
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 @dataclass
@@ -27,25 +31,60 @@ class RopeScalingConfig:
     original_max_seq_len: int = 8192
 
 
+# The role of each ModelConfig field, read by the checks that compare two models:
+# ``shape`` fields decide the weights' shapes (equal wherever weights are handed on);
+# ``compute`` fields change what the same weights compute; ``context`` fields may change
+# between stages (context extension); ``label`` fields change nothing computed.
+SHAPE = {"role": "shape"}
+COMPUTE = {"role": "compute"}
+CONTEXT = {"role": "context"}
+LABEL = {"role": "label"}
+
+
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-family decoder (see ``recipes_lib.models.llama``)."""
+    """Shape of a Llama-family decoder (see ``recipes_lib.models.llama``).
 
-    name: str = "tiny"
-    vocab_size: int = 8192
-    dim: int = 128
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int | None = None  # None: as many KV heads as query heads (MHA)
-    head_dim: int | None = None  # None: dim // n_heads
-    ffn_dim: int = 384  # hidden size of the SwiGLU MLP
-    max_seq_len: int = 1024
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
-    norm_eps: float = 1e-5
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    Every field declares its role (``metadata``: shape, compute, context or label), so
+    the checks between stages and against a checkpoint's own config follow a new
+    field automatically (:func:`model_fields`).
+    """
+
+    name: str = field(default="tiny", metadata=LABEL)
+    vocab_size: int = field(default=8192, metadata=SHAPE)
+    dim: int = field(default=128, metadata=SHAPE)
+    n_layers: int = field(default=2, metadata=SHAPE)
+    n_heads: int = field(default=4, metadata=SHAPE)
+    # None: as many KV heads as query heads (MHA)
+    n_kv_heads: int | None = field(default=None, metadata=SHAPE)
+    head_dim: int | None = field(default=None, metadata=SHAPE)  # None: dim // n_heads
+    ffn_dim: int = field(default=384, metadata=SHAPE)  # hidden size of the SwiGLU MLP
+    max_seq_len: int = field(default=1024, metadata=CONTEXT)
+    rope_theta: float = field(default=10000.0, metadata=CONTEXT)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig, metadata=CONTEXT)
+    norm_eps: float = field(default=1e-5, metadata=COMPUTE)
+    qkv_bias: bool = field(default=False, metadata=SHAPE)
+    tie_embeddings: bool = field(default=False, metadata=SHAPE)
+    init_std: float = field(default=0.02, metadata=LABEL)
+
+
+def model_fields(*roles: str) -> tuple[str, ...]:
+    """The names of the :class:`ModelConfig` fields of the given roles, in order."""
+    return tuple(f.name for f in fields(ModelConfig) if f.metadata.get("role") in roles)
+
+
+def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -> dict[str, Any]:
+    """``model``'s fields of ``roles`` (a ModelConfig or its dict, e.g. from a manifest),
+    with the defaults spelled out (``n_kv_heads`` and ``head_dim``), so two ways of
+    writing one model compare equal."""
+    values = asdict(model) if isinstance(model, ModelConfig) else dict(model)
+    out = {name: values.get(name) for name in model_fields(*roles)}
+    heads = values.get("n_heads")
+    if "n_kv_heads" in out and out["n_kv_heads"] is None:
+        out["n_kv_heads"] = heads
+    if "head_dim" in out and out["head_dim"] is None and values.get("dim") and heads:
+        out["head_dim"] = values["dim"] // heads
+    return out
 
 
 @dataclass
@@ -58,7 +97,8 @@ class KernelsConfig:
     """
 
     attention: str = "sdpa"
-    compile: bool = False  # torch.compile each transformer block
+    # torch.compile each transformer block; null: on when training on a CUDA GPU
+    compile: bool | None = False
     loss_chunk_size: int | None = None  # fused output + loss, N rows at a time; None: off
     # recompute each block's activations in the backward pass instead of storing them
     activation_checkpointing: bool = False
@@ -114,11 +154,39 @@ class ChatFormatConfig:
     on_bad_record: str = "error"  # error | skip (skips are counted and reported)
 
 
+def _as_source(name: str, value: Any) -> SourceConfig:
+    """One ``data.sources`` entry as a :class:`SourceConfig`, its keys and types checked
+    (a bad one raises ``ValueError`` naming ``data.sources.<name>.<key>``)."""
+    if isinstance(value, SourceConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(
+            f"data.sources.{name} must be a mapping such as {{path: data.jsonl}}, got {value!r}"
+        )
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(SourceConfig), dict(value))
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "?"
+        raise ValueError(f"data.sources.{name}.{key}: {str(err).splitlines()[0]}") from err
+    return OmegaConf.to_object(typed)  # type: ignore[return-value]
+
+
 @dataclass
 class DataConfig:
-    """Where text comes from and how it becomes packed training sequences."""
+    """Where text comes from and how it becomes packed training sequences.
 
-    sources: dict[str, SourceConfig] = field(default_factory=dict)  # empty: builtin stdlib
+    ``path`` is the one-source shorthand: a file or folder of your own data (``.txt``,
+    ``.jsonl``, ``.json``, ``.parquet``: pretraining text, chat records or preference
+    pairs by the objective). It replaces ``sources``; for a mixture name each source
+    under ``sources`` instead (``+data.sources.NAME={path: ...}``). With neither, the
+    objective's built-in data is used.
+    """
+
+    path: str | None = None
+    # name -> SourceConfig. Typed as Any so that a new entry can be added from the
+    # command line (OmegaConf cannot assign a plain mapping to a dict of dataclasses);
+    # each entry is checked and converted to a SourceConfig when the config is built.
+    sources: dict[str, Any] = field(default_factory=dict)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     seq_len: int = 256
     batch_size: int = 8  # micro-batch per device
@@ -129,6 +197,9 @@ class DataConfig:
     num_workers: int = 0  # DataLoader workers
     seed: int = "${run.seed}"  # type: ignore[assignment]
     chat: ChatFormatConfig = field(default_factory=ChatFormatConfig)
+
+    def __post_init__(self) -> None:
+        self.sources = {name: _as_source(name, value) for name, value in self.sources.items()}
 
 
 @dataclass
@@ -233,7 +304,8 @@ class StrategyConfig:
 class PrecisionConfig:
     """Numeric precision of training (config group ``precision``).
 
-    ``name``: ``32-true`` | ``bf16-mixed`` (bf16 compute over fp32 weights) |
+    ``name``: ``auto`` (``bf16-mixed`` on a CUDA GPU that has bf16, else ``32-true``) |
+    ``32-true`` | ``bf16-mixed`` (bf16 compute over fp32 weights) |
     ``bf16-true`` (weights and compute in bf16) | ``fp8`` (bf16-mixed, with the
     Linear layers' matmuls in float8 through torchao; CUDA with compute capability
     8.9 or newer). Under ``strategy=fsdp`` the mixed precisions become FSDP2's

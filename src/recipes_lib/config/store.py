@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
@@ -18,13 +20,81 @@ CONFIG_MODULE = "recipes_lib.conf"
 SCHEMA_NAME = "run_schema"
 
 
+def run_schema_node() -> DictConfig:
+    """:class:`RunConfig` as an OmegaConf node, ready for YAML and overrides to merge onto.
+
+    ``data.sources`` is left open, so that a source named on the command line
+    (``+data.sources.NAME={path: ...}``) and a key of an existing one
+    (``data.sources.web.max_documents=100``) can be added; every entry is checked
+    against :class:`~recipes_lib.config.schema.SourceConfig` when the run config is
+    built (:func:`to_run_config`).
+    """
+    node = OmegaConf.structured(RunConfig)
+    OmegaConf.set_struct(node.data.sources, False)
+    return node
+
+
+# ``model=from_init`` marks each model field ``${from_init:<field>}``: a string that
+# wins over the schema's defaults when merged, loses to any value set after it, and is
+# replaced by the source's value before the config is resolved (fill_from_init).
+FROM_INIT = "from_init"
+_FROM_INIT_MARK = re.compile(r"^\$\{from_init:([\w.]+)\}$")
+
+
+def _unfilled(field: str) -> Any:
+    raise ConfigError(
+        f"model.{field} is ${{from_init:{field}}}: model=from_init is filled from the weights "
+        "a run starts from before the config is resolved (recipes_lib.train.run and the "
+        "pipeline runner do it); choose a model (model=NAME) to resolve it yourself"
+    )
+
+
+def from_init_fields(node: DictConfig) -> dict[str, str]:
+    """``{key path in node: source field}`` of every ``${from_init:...}`` value in ``node``."""
+    marks: dict[str, str] = {}
+
+    def walk(value: Any, prefix: str) -> None:
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{prefix}{key}.")
+        elif isinstance(value, str) and (match := _FROM_INIT_MARK.match(value)):
+            marks[prefix.rstrip(".")] = match[1]
+
+    walk(OmegaConf.to_container(node, resolve=False), "")
+    return marks
+
+
+def fill_from_init(node: DictConfig, source: Mapping[str, Any] | None, label: str) -> None:
+    """Replace, in place, every ``${from_init:...}`` value of the model ``node`` with the
+    field of ``source`` (a ModelConfig as a dict) it names.
+
+    Raises:
+        ConfigError: naming ``label``, when ``source`` is None or lacks a field.
+    """
+    marks = from_init_fields(node)
+    if marks and source is None:
+        raise ConfigError(
+            f"model=from_init: {label} records no model shape (no config.json, manifest, "
+            "config.yaml or checkpoint hyperparameters); choose a model (model=NAME)"
+        )
+    for key, field in marks.items():
+        value: Any = source
+        for part in field.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value is None and field not in ("n_kv_heads", "head_dim"):
+            raise ConfigError(f"model=from_init: {label} does not record model.{field}; set it")
+        OmegaConf.update(node, key, value, merge=False)
+
+
 def register_schema() -> None:
     """Store :class:`RunConfig` as ``run_schema``; ``conf/config.yaml`` lists it first.
 
     Every YAML merged after it is checked against the dataclasses, so an unknown key or
     a wrongly typed value fails at compose time with its full key in the message.
     """
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=RunConfig)
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=run_schema_node())
+    if not OmegaConf.has_resolver(FROM_INIT):
+        OmegaConf.register_new_resolver(FROM_INIT, _unfilled)
 
 
 def conf_dir() -> Path:
@@ -84,7 +154,7 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     data = OmegaConf.to_container(cfg, resolve=False)
     data.pop("hydra", None)
     try:
-        typed = OmegaConf.merge(OmegaConf.structured(RunConfig), data)
+        typed = OmegaConf.merge(run_schema_node(), data)
         return OmegaConf.to_object(typed)  # type: ignore[return-value]
     except (OmegaConfBaseException, ValueError) as err:
         raise ConfigError(f"invalid config: {err}") from err

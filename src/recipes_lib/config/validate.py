@@ -6,10 +6,12 @@ combinations that are wrong together, each with the key(s) named.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+import math
+from collections.abc import Iterator
+from dataclasses import fields, is_dataclass
 from pathlib import Path
+from typing import Any
 
-from recipes_lib.config.instantiate import check_targets
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
 
@@ -17,6 +19,33 @@ from recipes_lib.errors import ConfigError
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
+
+
+def _non_finite(value: Any, key: str) -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` of every nan or infinite float in a config subtree."""
+    if is_dataclass(value):
+        for f in fields(value):
+            yield from _non_finite(getattr(value, f.name), f"{key}.{f.name}")
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            yield from _non_finite(item, f"{key}.{name}")
+    elif isinstance(value, list | tuple):  # of scalars in this schema (optim.betas)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in value):
+            yield key, list(value)
+    elif isinstance(value, float) and not math.isfinite(value):
+        yield key, value
+
+
+def _check_finite(cfg: RunConfig) -> None:
+    """No schema float may be nan or infinite: a nan passes every ``<=`` check and then
+    poisons training silently. Callbacks and loggers take their own arguments, where an
+    infinite threshold can be meant, so they are left to their classes."""
+    for f in fields(cfg):
+        if f.name in ("callbacks", "logger"):
+            continue
+        for key, value in _non_finite(getattr(cfg, f.name), f.name):
+            what = "hold finite numbers" if isinstance(value, list) else "be a finite number"
+            raise ConfigError(f"{key}={value} must {what}")
 
 
 def _check_positive(cfg: RunConfig) -> None:
@@ -68,9 +97,8 @@ def validate_run_config(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain
     from recipes_lib.kernels import get_attention_backend
     from recipes_lib.parallel.precision import check_precision
 
-    # first: an unallowed _target_ anywhere is refused before anything is imported
-    check_targets(asdict(cfg), "", cfg.run.allowed_targets)
     _check_choice("stage.objective", cfg.stage.objective, objectives)
+    _check_finite(cfg)
     _check_positive(cfg)
     check_precision(cfg)
     _check_stage_io(cfg)
@@ -78,7 +106,10 @@ def validate_run_config(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain
         raise ConfigError(
             f"data.seq_len={cfg.data.seq_len} is above model.max_seq_len={cfg.model.max_seq_len}"
         )
-    if cfg.data.tokenizer.path is None and cfg.data.tokenizer.vocab_size > cfg.model.vocab_size:
+    # a stage that starts from weights uses their tokenizer (checked against the model
+    # when it is loaded); vocab_size only sizes a tokenizer trained from scratch
+    trains_tokenizer = cfg.data.tokenizer.path is None and cfg.stage.init_from is None
+    if trains_tokenizer and cfg.data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"data.tokenizer.vocab_size={cfg.data.tokenizer.vocab_size} does not fit "
             f"model.vocab_size={cfg.model.vocab_size}"

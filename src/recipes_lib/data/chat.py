@@ -24,7 +24,8 @@ end-of-document token: ``### {role}\\n{content}{eos_token}\\n`` per turn.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -63,15 +64,29 @@ PLAIN_TEMPLATE = (
 BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE, "plain": PLAIN_TEMPLATE}
 _TEMPLATE_KEY = "data.chat.chat_template"
 
+log = logging.getLogger(__name__)
+
 Message = dict[str, str]
 
 
 # ------------------------------------------------------------------- records
-def _bad(source: str, index: int, field: str, problem: str) -> DataError:
-    return DataError(f"{source}: record {index}, field {field!r}: {problem}")
+# Where a record came from: a source's key (messages say "<key>: record <index>") or a
+# function naming record <index> itself (Records.where: "<key>: <file>:<line>").
+RecordSource = str | Callable[[int], str]
 
 
-def validate_messages(value: Any, index: int, field: str, source: str = "data") -> list[Message]:
+def record_where(source: RecordSource, index: int) -> str:
+    """How messages name record ``index`` of ``source``."""
+    return source(index) if callable(source) else f"{source}: record {index}"
+
+
+def _bad(source: RecordSource, index: int, field: str, problem: str) -> DataError:
+    return DataError(f"{record_where(source, index)}, field {field!r}: {problem}")
+
+
+def validate_messages(
+    value: Any, index: int, field: str, source: RecordSource = "data"
+) -> list[Message]:
     """A ``messages`` list as plain ``{"role", "content"}`` dicts.
 
     Raises:
@@ -101,7 +116,7 @@ def validate_messages(value: Any, index: int, field: str, source: str = "data") 
 
 
 def record_messages(
-    record: Any, index: int, chat: ChatFormatConfig, source: str = "data"
+    record: Any, index: int, chat: ChatFormatConfig, source: RecordSource = "data"
 ) -> list[Message]:
     """The turns of one chat record: its ``messages`` list or its prompt/response pair.
 
@@ -111,7 +126,7 @@ def record_messages(
             content to train on; the message names the record index and field.
     """
     if not isinstance(record, Mapping):
-        raise DataError(f"{source}: record {index} is not a mapping: {record!r:.80}")
+        raise DataError(f"{record_where(source, index)} is not a mapping: {record!r:.80}")
     if record.get(chat.messages_field) is not None:
         messages = validate_messages(
             record[chat.messages_field], index, chat.messages_field, source
@@ -119,10 +134,10 @@ def record_messages(
         if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
             raise _bad(source, index, chat.messages_field, "has no assistant turn with content")
         return messages
-    if chat.prompt_field not in record and chat.response_field not in record:
+    if record.get(chat.prompt_field) is None and record.get(chat.response_field) is None:
         raise DataError(
-            f"{source}: record {index} has neither field {chat.messages_field!r} nor "
-            f"{chat.prompt_field!r}/{chat.response_field!r} (fields: {sorted(record)}); set "
+            f"{record_where(source, index)} has neither field {chat.messages_field!r} nor "
+            f"{chat.prompt_field!r}/{chat.response_field!r} (fields: {_present(record)}); set "
             "data.chat.messages_field or data.chat.prompt_field/response_field"
         )
     for field in (chat.prompt_field, chat.response_field):
@@ -134,6 +149,12 @@ def record_messages(
         {"role": "user", "content": record[chat.prompt_field]},
         {"role": "assistant", "content": record[chat.response_field]},
     ]
+
+
+def _present(record: Mapping) -> list[str]:
+    """The fields a record holds: ``datasets`` gives every record of a file every field
+    any of them has, set to None where it lacks it."""
+    return sorted(k for k, v in record.items() if v is not None)
 
 
 # ----------------------------------------------------------------- templates
@@ -191,9 +212,20 @@ def resolve_template(configured: str | None, tokenizer_template: str | None) -> 
             return "tokenizer", tokenizer_template
         return "chatml", CHATML_TEMPLATE
     if configured in BUILTIN_TEMPLATES:
-        return configured, BUILTIN_TEMPLATES[configured]
-    if "{{" in configured or "{%" in configured:
-        return "configured", configured
+        chosen = configured, BUILTIN_TEMPLATES[configured]
+    elif "{{" in configured or "{%" in configured:
+        chosen = "configured", configured
+    else:
+        chosen = None
+    if chosen is not None:
+        if tokenizer_template is not None and chosen[1] != tokenizer_template:
+            log.info(
+                "%s=%s is used instead of the tokenizer's own chat template (set it to null "
+                "to use the tokenizer's)",
+                _TEMPLATE_KEY,
+                chosen[0] if chosen[0] != "configured" else "<a Jinja template>",
+            )
+        return chosen
     raise ConfigError(
         f"{_TEMPLATE_KEY}={configured!r} is neither a Jinja template nor a built-in one "
         f"({', '.join(BUILTIN_TEMPLATES)})"
@@ -321,7 +353,11 @@ class ChatRenderer:
 
     # ---------------------------------------------------------------- tokens
     def render(
-        self, messages: Sequence[Message], *, index: int | None = None, source: str = "data"
+        self,
+        messages: Sequence[Message],
+        *,
+        index: int | None = None,
+        source: RecordSource = "data",
     ) -> RenderedChat:
         """Token ids of the conversation and the mask of its assistant tokens.
 
@@ -332,9 +368,10 @@ class ChatRenderer:
         try:
             pieces = self.segments(messages)
         except (jinja2.TemplateError, ValueError, TypeError) as err:
-            where = f"record {index}" if index is not None else "a conversation"
+            label = source if isinstance(source, str) else "data"
+            where = record_where(source, index) if index is not None else f"{label}: a conversation"
             raise DataError(
-                f"{source}: {where}, field 'messages': the chat template "
+                f"{where}, field 'messages': the chat template "
                 f"({self.template_name}) failed to render it: {err}"
             ) from err
         encoded = self.tokenizer.encode_batch(

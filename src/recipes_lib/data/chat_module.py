@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from tokenizers import Tokenizer
 from torch.utils.data import ConcatDataset, Dataset
 
@@ -24,6 +24,7 @@ from recipes_lib.config.schema import DataConfig, RunConfig, SourceConfig
 from recipes_lib.data.chat import (
     IGNORE_INDEX,
     ChatRenderer,
+    RecordSource,
     check_chat_format,
     next_token_labels,
     record_messages,
@@ -31,22 +32,22 @@ from recipes_lib.data.chat import (
 )
 from recipes_lib.data.chat_sources import (
     SFT_BUILTINS,
-    RecordBuiltin,
     SavesChatTokenizer,
     chat_data_fingerprint,
-    init_tokenizer_path,
     load_chat_tokenizer,
-    load_source_records,
     record_texts,
     sources_fingerprint,
-    split_records,
 )
 from recipes_lib.data.mixture import MixtureDataset
-from recipes_lib.data.module import (
-    ResumableDataModule,
-    check_batch_shape,
+from recipes_lib.data.module import ResumableDataModule, check_batch_shape, rank_zero_warning
+from recipes_lib.data.raw import configured_sources, source_key
+from recipes_lib.data.records import (
+    RecordBuiltin,
+    Records,
+    load_source_records,
+    split_records,
 )
-from recipes_lib.data.tokenizer import check_vocab_fits, tokenizer_vocab_size
+from recipes_lib.data.tokenizer import check_vocab_fits, init_tokenizer_path, tokenizer_vocab_size
 from recipes_lib.errors import DataError
 
 DEFAULT_SFT_SOURCES = {"stdlib_sft": SourceConfig(builtin="stdlib_sft")}
@@ -83,25 +84,29 @@ def tokenize_records(
     indices: Sequence[int],
     renderer: ChatRenderer,
     config: DataConfig,
-    source_key: str,
+    source: RecordSource,
     stats: ChatSourceStats,
 ) -> list[ChatExample]:
     """The training examples of ``records[i]`` for ``i`` in ``indices``.
 
+    Args:
+        source: the source's key, or a function naming a record by its place in a file
+            (``Records.where``), for messages.
+
     Raises:
         DataError: a malformed record or a template that fails on it (naming the
-            record's index and field), unless ``data.chat.on_bad_record=skip``, which
-            counts it in ``stats`` instead.
+            record's file and line, or index, and the field), unless
+            ``data.chat.on_bad_record=skip``, which counts it in ``stats`` instead.
     """
     chat = config.chat
     examples = []
     for index in indices:
         try:
-            messages = record_messages(records[index], index, chat, source_key)
-            rendered = renderer.render(messages, index=index, source=source_key)
+            messages = record_messages(records[index], index, chat, source)
+            rendered = renderer.render(messages, index=index, source=source)
         except DataError as err:
             if chat.on_bad_record == "error":
-                raise
+                raise DataError(f"{err} (set data.chat.on_bad_record=skip to skip it)") from None
             stats.skipped += 1
             if len(stats.errors) < _ERRORS_SHOWN:
                 stats.errors.append(str(err))
@@ -259,7 +264,7 @@ class ChatDataModule(SavesChatTokenizer, ResumableDataModule):
         self.model_max_seq_len = model_max_seq_len
         self.total_train_samples = total_train_samples
         self.builtins = dict(builtins)
-        self.sources = dict(config.sources) if config.sources else dict(DEFAULT_SFT_SOURCES)
+        self.sources = configured_sources(config, DEFAULT_SFT_SOURCES)
         self.prepare_data_per_node = False
         self.prepared: PreparedChat | None = None
         self.tokenizer: Tokenizer | None = None
@@ -319,12 +324,15 @@ class ChatDataModule(SavesChatTokenizer, ResumableDataModule):
         train: dict[str, Dataset] = {}
         val: list[Dataset] = []
         for name in self.sources:
-            key = f"data.sources.{name}"
+            key = source_key(name)
             records = self._source_records(name)
             stats = self.stats[name] = ChatSourceStats(records=len(records))
             train_idx, val_idx = split_records(records, config.val_fraction, config.seed)
-            train_examples = tokenize_records(records, train_idx, self.renderer, config, key, stats)
-            val_examples = tokenize_records(records, val_idx, self.renderer, config, key, stats)
+            where = records.where if isinstance(records, Records) else key
+            train_examples = tokenize_records(
+                records, train_idx, self.renderer, config, where, stats
+            )
+            val_examples = tokenize_records(records, val_idx, self.renderer, config, where, stats)
             stats.train, stats.val = len(train_examples), len(val_examples)
             self._report(key, stats)
             if not train_examples:
@@ -357,10 +365,19 @@ class ChatDataModule(SavesChatTokenizer, ResumableDataModule):
             f"held-out conversations ({stats.truncated} truncated, {stats.dropped} dropped)"
         )
         if stats.skipped:
-            rank_zero_warn(
+            rank_zero_warning(
                 f"{key}: skipped {stats.skipped} malformed record(s) of {stats.records} "
                 f"(data.chat.on_bad_record=skip); first: " + " | ".join(stats.errors)
             )
+
+    def skipped_records(self) -> dict[str, int]:
+        """Records left out, by reason: malformed ones (``data.chat.on_bad_record=skip``)
+        and conversations too long for ``data.seq_len`` or without an assistant token."""
+        counts = {
+            "malformed (data.chat.on_bad_record=skip)": sum(s.skipped for s in self.stats.values()),
+            "too long or without assistant tokens": sum(s.dropped for s in self.stats.values()),
+        }
+        return {reason: n for reason, n in counts.items() if n}
 
     # ------------------------------------------------------------- loading
     def collate_fn(self) -> Callable | None:

@@ -1,13 +1,9 @@
 """Records of SFT and preference sources, and the tokenizer a chat run uses.
 
-A record source is a local ``.jsonl``/``.json``/``.parquet`` file or directory, a
-``datasets`` hub name, or a built-in generator of records (``stdlib_sft`` here; the
-preference data adds its own). Each source's records are split into training and
-held-out records by a seeded ``data.val_fraction``. The SFT and the preference data
-modules share what is here: loading and splitting records, the texts a tokenizer is
-trained on, the identity of their sources and examples, finding the tokenizer (beside
-the weights a stage starts from) and saving it with its chat template beside a run's
-output weights.
+The SFT and the preference data modules share what is here: the texts a tokenizer is
+trained on, the identity of their sources and examples, the tokenizer of a chat run and
+saving it with its chat template beside a run's output weights. Loading and splitting
+their records is :mod:`recipes_lib.data.records`.
 """
 
 from __future__ import annotations
@@ -20,15 +16,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import datasets
 from tokenizers import Tokenizer
 
 from recipes_lib.config.schema import DataConfig, SourceConfig
 from recipes_lib.data.chat import CHATML_TOKENS
 from recipes_lib.data.instructions import stdlib_instruction_records
 from recipes_lib.data.prepare import resolve_cache_dir
-from recipes_lib.data.raw import local_files, source_fingerprint, source_kind
-from recipes_lib.data.shards import held_out_mask
+from recipes_lib.data.raw import source_fingerprint, source_kind
+from recipes_lib.data.records import RecordBuiltin
 from recipes_lib.data.tokenizer import (
     TOKENIZER_FILE,
     load_tokenizer,
@@ -38,94 +33,9 @@ from recipes_lib.data.tokenizer import (
     tokenizer_sha256,
     train_bpe_tokenizer,
 )
-from recipes_lib.errors import ConfigError, DataError
+from recipes_lib.errors import DataError
 
-# name -> (max_records, seed) -> records
-RecordBuiltin = Callable[[int | None, int], list[dict[str, Any]]]
 SFT_BUILTINS: dict[str, RecordBuiltin] = {"stdlib_sft": stdlib_instruction_records}
-RECORD_FORMATS = ("json", "parquet")
-
-
-def load_records(
-    name: str,
-    source: SourceConfig,
-    builtins: Mapping[str, RecordBuiltin],
-    *,
-    cache_dir: Path | None = None,
-    seed: int = 0,
-) -> list[dict[str, Any]]:
-    """Every record of ``data.sources.<name>`` (at most ``max_documents`` of them).
-
-    Raises:
-        ConfigError: the source names none or several origins, or a bad max_documents.
-        DataError: an unknown built-in, a missing path, a file of plain text, an
-            unreadable dataset, or no records.
-    """
-    key = f"data.sources.{name}"
-    kind = source_kind(name, source)
-    limit = source.max_documents
-    if limit is not None and limit < 1:
-        raise ConfigError(f"{key}.max_documents must be >= 1, got {limit}")
-    if kind == "builtin":
-        if source.builtin not in builtins:
-            raise DataError(
-                f"{key}.builtin={source.builtin!r} is not a built-in record source here; "
-                f"choose one of {sorted(builtins)}"
-            )
-        records = builtins[source.builtin](limit, seed)
-        description = f"builtin {source.builtin}"
-    else:
-        if kind == "path":
-            builder, files = local_files(name, source.path)  # type: ignore[arg-type]
-            if builder not in RECORD_FORMATS:
-                raise DataError(
-                    f"{key}.path: {source.path} holds {builder} files; chat and preference "
-                    "records must be .jsonl, .json or .parquet"
-                )
-            args: dict[str, Any] = {"path": builder, "data_files": [str(f) for f in files]}
-            args["split"] = "train"
-            if cache_dir is not None:
-                args["cache_dir"] = str(cache_dir)
-            description = f"{builder}: {source.path}"
-        else:
-            args = {"path": source.hub, "name": source.subset, "split": source.split}
-            description = f"hub: {source.hub} split={source.split}"
-        try:
-            dataset = datasets.load_dataset(**args, streaming=source.streaming)
-        except Exception as err:  # datasets raises many types
-            raise DataError(
-                f"{key}: could not load {description}: {type(err).__name__}: {err}"
-            ) from err
-        if limit is not None:
-            dataset = (
-                dataset.take(limit)
-                if source.streaming
-                else dataset.select(range(min(limit, len(dataset))))
-            )
-        records = list(dataset)
-    if not records:
-        raise DataError(f"{key}: no records in {description}")
-    return records
-
-
-def load_source_records(
-    config: DataConfig, name: str, source: SourceConfig, builtins: Mapping[str, RecordBuiltin]
-) -> list[dict[str, Any]]:
-    """:func:`load_records` of ``data.sources.<name>`` with the run's cache and seed
-    (``datasets`` files are cached under ``<data.cache_dir>/hf_datasets``)."""
-    cache = resolve_cache_dir(config.cache_dir) / "hf_datasets"
-    return load_records(name, source, builtins, cache_dir=cache, seed=config.seed)
-
-
-def split_records(
-    records: list[dict[str, Any]], val_fraction: float, seed: int
-) -> tuple[list[int], list[int]]:
-    """Indices of the training and the held-out records (a seeded ``val_fraction``)."""
-    if not 0 <= val_fraction < 1:
-        raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
-    held = held_out_mask(len(records), val_fraction, seed).tolist()
-    train = [i for i, is_held in enumerate(held) if not is_held]
-    return train, [i for i, is_held in enumerate(held) if is_held]
 
 
 def records_fingerprint(name: str, source: SourceConfig) -> str:
@@ -177,25 +87,6 @@ def record_texts(records: Iterable[Any], fields: Sequence[str] | None = None) ->
                     for m in value
                     if isinstance(m, Mapping) and isinstance(m.get("content"), str)
                 )
-
-
-def init_tokenizer_path(config: DataConfig, init_from: str | None) -> str | None:
-    """The tokenizer of a chat run: ``data.tokenizer.path`` when set; else, for a stage
-    that starts from weights (``stage.init_from``), the ``tokenizer.json`` beside them;
-    else None (a tokenizer is trained on the records).
-
-    Raises:
-        ConfigError: ``stage.init_from`` is set but has no tokenizer beside it.
-    """
-    if config.tokenizer.path is not None or init_from is None:
-        return config.tokenizer.path
-    found = tokenizer_beside(init_from)
-    if found is None:
-        raise ConfigError(
-            f"stage.init_from={init_from!r} has no tokenizer.json beside it; set "
-            "data.tokenizer.path to the tokenizer its weights were trained with"
-        )
-    return str(found)
 
 
 def load_chat_tokenizer(
@@ -288,16 +179,6 @@ class SavesChatTokenizer:
             chat_template=prepared.chat_template,
             model_max_length=self.model_max_seq_len,  # type: ignore[attr-defined]
         )
-
-
-def tokenizer_beside(weights: str | None) -> Path | None:
-    """The ``tokenizer.json`` in the folder of ``weights`` (a file or a folder), if any:
-    where a pipeline stage leaves the tokenizer its output weights use."""
-    if weights is None:
-        return None
-    path = Path(weights).expanduser()
-    candidate = (path if path.is_dir() else path.parent) / TOKENIZER_FILE
-    return candidate if candidate.is_file() else None
 
 
 def tokenizer_chat_template(folder: Path) -> str | None:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 
 import lightning.pytorch as L
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only
 from tokenizers import Tokenizer
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
 
@@ -23,6 +24,15 @@ from recipes_lib.data.tokenizer import (
     tokenizer_vocab_size,
 )
 from recipes_lib.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@rank_zero_only
+def rank_zero_warning(message: str) -> None:
+    """Log ``message`` as a warning on global rank 0: one line in the run's log, not a
+    Python warning with a source location."""
+    log.warning(message)
 
 
 def check_batch_shape(config: DataConfig, model_max_seq_len: int, *, min_seq_len: int = 1) -> None:
@@ -107,6 +117,10 @@ class ResumableDataModule(L.LightningDataModule):
     def collate_fn(self) -> Callable | None:
         """How samples become a batch (None: torch's default collation)."""
         return None
+
+    def skipped_records(self) -> dict[str, int]:
+        """Records left out of training, by reason (for the run's summary); none here."""
+        return {}
 
     def _loader(
         self, dataset: Dataset, sampler, *, cls: type[DataLoader] = DataLoader, **kwargs
@@ -233,7 +247,7 @@ class PretrainDataModule(ResumableDataModule):
             shard = TokenShard.open(path)
             if shard.n_tokens < seq_len + 1:
                 if self.config.val_fraction > 0:
-                    rank_zero_warn(
+                    rank_zero_warning(
                         f"data.sources.{name}: {shard.n_tokens} held-out tokens are too few "
                         f"for one sequence of data.seq_len={seq_len}; not validating on it"
                     )

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from tokenizers import Tokenizer
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
@@ -40,28 +39,28 @@ from torch.utils.data import DataLoader, Dataset
 from recipes_lib.config.schema import DataConfig, RunConfig, SourceConfig
 from recipes_lib.data.chat import ChatRenderer
 from recipes_lib.data.chat_sources import (
-    RecordBuiltin,
     SavesChatTokenizer,
     chat_data_fingerprint,
-    init_tokenizer_path,
     load_chat_tokenizer,
-    load_source_records,
     record_texts,
     sources_fingerprint,
-    split_records,
 )
-from recipes_lib.data.module import (
-    ResumableDataModule,
-    check_batch_shape,
-)
+from recipes_lib.data.module import ResumableDataModule, check_batch_shape, rank_zero_warning
 from recipes_lib.data.preference_records import (
     EncodedPair,
     PairEncoder,
     check_chat_format,
     encode_records,
 )
+from recipes_lib.data.raw import configured_sources, source_key
+from recipes_lib.data.records import (
+    RecordBuiltin,
+    Records,
+    load_source_records,
+    split_records,
+)
 from recipes_lib.data.stdlib_pairs import stdlib_preference_records
-from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id
+from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id, init_tokenizer_path
 from recipes_lib.errors import ConfigError, DataError
 
 DEFAULT_PREFERENCE_SOURCES = {"stdlib_dpo": SourceConfig(builtin="stdlib_dpo")}
@@ -240,7 +239,7 @@ class PreferenceDataModule(SavesChatTokenizer, ResumableDataModule):
 
     # ------------------------------------------------------------- preparation
     def _sources(self) -> dict[str, SourceConfig]:
-        sources = dict(self.config.sources) or dict(DEFAULT_PREFERENCE_SOURCES)
+        sources = configured_sources(self.config, DEFAULT_PREFERENCE_SOURCES)
         weights = {n: s.weight for n, s in sources.items()}
         if len(sources) > 1 and len(set(weights.values())) > 1:
             raise ConfigError(
@@ -299,18 +298,19 @@ class PreferenceDataModule(SavesChatTokenizer, ResumableDataModule):
         encoder = PairEncoder(renderer, config.seq_len, config.chat)
         splits: dict[str, list[EncodedPair]] = {"train": [], "val": []}
         for name in self._sources():
-            key = f"data.sources.{name}"
+            key = source_key(name)
             skipped: Counter = Counter()
             total = 0
             records = self._records()[name]
             for split, indices in zip(("train", "val"), self._split(name), strict=True):
-                encoded = encode_records([records[i] for i in indices], encoder, key, indices)
+                where = records.where if isinstance(records, Records) else key
+                encoded = encode_records([records[i] for i in indices], encoder, where, indices)
                 splits[split].extend(encoded.pairs)
                 skipped.update(encoded.skipped)
                 total += encoded.total
             if skipped:
                 reasons = ", ".join(f"{n} {reason}" for reason, n in skipped.most_common())
-                rank_zero_warn(
+                rank_zero_warning(
                     f"{key}: skipped {sum(skipped.values())} of {total} records: {reasons}"
                 )
                 self.skipped.update(skipped)
@@ -331,6 +331,11 @@ class PreferenceDataModule(SavesChatTokenizer, ResumableDataModule):
             skipped=dict(self.skipped),
             chat_template=template,
         )
+
+    def skipped_records(self) -> dict[str, int]:
+        """Pairs left out, by reason (malformed ones with ``data.chat.on_bad_record=skip``,
+        and pairs that truncation made empty or identical)."""
+        return dict(self.skipped)
 
     # ------------------------------------------------------------- loaders
     def collate_fn(self) -> PairCollator:

@@ -33,7 +33,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from recipes_lib.config.schema import ChatFormatConfig
-from recipes_lib.data.chat import ROLES, ChatRenderer, check_chat_format
+from recipes_lib.data.chat import (
+    ROLES,
+    ChatRenderer,
+    RecordSource,
+    check_chat_format,
+    record_where,
+)
 from recipes_lib.errors import DataError
 
 Text = str | list[dict]  # plain text, or chat messages
@@ -293,7 +299,7 @@ class EncodedPairs:
 def encode_records(
     records: Iterable[Mapping],
     encoder: PairEncoder,
-    key: str,
+    key: RecordSource,
     indices: Iterable[int] | None = None,
 ) -> EncodedPairs:
     """Validate and encode every record of one source (``key`` names it); ``indices``
@@ -313,7 +319,7 @@ def encode_records(
     for count, raw in enumerate(records):
         index = next(positions) if positions is not None else count
         total += 1
-        where = f"{key}: record {index}"
+        where = record_where(key, index)
         try:
             record = parse_record(raw, chat, where)
         except BadRecord as bad:

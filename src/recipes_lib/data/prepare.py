@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -30,13 +31,20 @@ from tokenizers import Tokenizer
 
 from recipes_lib.config.schema import DataConfig, SourceConfig
 from recipes_lib.data.mixture import check_weights
-from recipes_lib.data.raw import RawSource, iter_texts, load_source, source_fingerprint
+from recipes_lib.data.raw import (
+    RawSource,
+    configured_sources,
+    iter_texts,
+    load_source,
+    source_fingerprint,
+)
 from recipes_lib.data.shards import (
     SHARD_FORMAT_VERSION,
     SplitShards,
     held_out_mask,
     is_complete,
     open_split_shards,
+    set_aside,
     shard_fingerprint,
     write_split_shards,
 )
@@ -51,6 +59,8 @@ from recipes_lib.data.tokenizer import (
     train_bpe_tokenizer,
 )
 from recipes_lib.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SOURCES = {"stdlib": SourceConfig(builtin="stdlib")}
 
@@ -85,8 +95,9 @@ class PreparedData:
 
 
 def resolve_sources(config: DataConfig) -> dict[str, SourceConfig]:
-    """The configured sources, or the built-in standard-library corpus when there are none."""
-    return dict(config.sources) if config.sources else dict(DEFAULT_SOURCES)
+    """The configured sources (``data.path`` or ``data.sources``), or the built-in
+    standard-library corpus when there are none."""
+    return configured_sources(config, DEFAULT_SOURCES)
 
 
 def resolve_cache_dir(value: str) -> Path:
@@ -177,8 +188,11 @@ def prepare(
         if not reused[name] and rank != 0:
             _wait_for(directory, lambda d=directory: is_complete(d), wait_timeout_s)
         if is_complete(directory):
-            shards[name] = open_split_shards(directory)
-            continue
+            opened = _open_or_set_aside(directory, name, rank, wait_timeout_s)
+            if opened is not None:
+                shards[name] = opened
+                continue
+            reused[name] = False
         documents = raw(name)
         shards[name] = write_split_shards(
             iter_texts(documents),
@@ -210,6 +224,32 @@ def prepare(
         tokenizer_sha256=tokenizer_hash,
         eos_id=eos_id,
     )
+
+
+def _open_or_set_aside(
+    directory: Path, name: str, rank: int, wait_timeout_s: float
+) -> SplitShards | None:
+    """The cached shards of source ``name``, or None once rank 0 moved damaged ones aside
+    (to ``<dir>.corrupt-<time>``, never deleted) to be rebuilt; other ranks wait for that."""
+    try:
+        return open_split_shards(directory)
+    except DataError as err:
+        if rank != 0:
+            _wait_for(directory, lambda: _opens(directory), wait_timeout_s)
+            return open_split_shards(directory)
+        aside = set_aside(directory)
+        log.warning(
+            "source %s: moved damaged shards aside to %s to rebuild them (%s)", name, aside, err
+        )
+        return None
+
+
+def _opens(directory: Path) -> bool:
+    try:
+        open_split_shards(directory)
+    except DataError:
+        return False
+    return True
 
 
 def _check_seed(seed: object) -> int:

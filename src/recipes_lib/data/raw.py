@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import datasets
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from recipes_lib.config.schema import SourceConfig
+from recipes_lib.config.schema import DataConfig, SourceConfig
 from recipes_lib.data.corpus import builtin_documents, builtin_fingerprint
 from recipes_lib.errors import ConfigError, DataError
 
@@ -34,6 +35,8 @@ BUILDER_BY_SUFFIX = {
 }
 _BUILDER_PRIORITY = ("json", "parquet", "text")  # tie-break when a directory mixes kinds
 _TEXT_BATCH = 256
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -63,6 +66,31 @@ class RawSource:
         return None
 
 
+# The name under which ``data.path`` joins the data as its only source.
+PATH_SOURCE = "path"
+
+
+def source_key(name: str) -> str:
+    """How messages name a source's config key: ``data.sources.<name>``, or ``data.path``
+    for the source that shorthand makes."""
+    return "data.path" if name == PATH_SOURCE else f"data.sources.{name}"
+
+
+def configured_sources(
+    config: DataConfig, defaults: Mapping[str, SourceConfig]
+) -> dict[str, SourceConfig]:
+    """The sources a run reads: ``data.path`` alone when it is set (it replaces
+    ``data.sources``, which a recipe may have filled; the run says so), else
+    ``data.sources``, else the objective's built-in ``defaults``."""
+    if config.path is not None:
+        if config.sources:
+            log.info(
+                "data.path=%s replaces data.sources (%s)", config.path, ", ".join(config.sources)
+            )
+        return {PATH_SOURCE: SourceConfig(path=config.path)}
+    return dict(config.sources) if config.sources else dict(defaults)
+
+
 def source_kind(name: str, source: SourceConfig) -> str:
     """Which of ``path``, ``hub`` or ``builtin`` names the source.
 
@@ -72,7 +100,7 @@ def source_kind(name: str, source: SourceConfig) -> str:
     given = [k for k in ("path", "hub", "builtin") if getattr(source, k) is not None]
     if len(given) != 1:
         raise ConfigError(
-            f"data.sources.{name} must set exactly one of path, hub or builtin; got "
+            f"{source_key(name)} must set exactly one of path, hub or builtin; got "
             f"{given or 'none'}"
         )
     return given[0]
@@ -87,7 +115,7 @@ def local_files(name: str, path: str) -> tuple[str, list[Path]]:
     Raises:
         DataError: the path does not exist, or holds no file of a supported kind.
     """
-    key = f"data.sources.{name}.path"
+    key = source_key(name) + ("" if name == PATH_SOURCE else ".path")
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(f"{key}: no such file or directory: {root}")
@@ -131,7 +159,7 @@ def load_source(name: str, source: SourceConfig, cache_dir: Path | None = None) 
         DataError: a missing path, an unreadable or empty dataset, or records without
             the text field.
     """
-    key = f"data.sources.{name}"
+    key = source_key(name)
     kind = source_kind(name, source)
     if kind == "builtin":
         docs = builtin_documents(source.builtin, f"{key}.builtin")  # type: ignore[arg-type]

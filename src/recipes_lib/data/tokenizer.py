@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from recipes_lib.config.schema import DataConfig
 from recipes_lib.errors import ConfigError, DataError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -105,13 +106,15 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # a uniquely named open(..., "x") rather than tempfile.mkstemp, which creates the file
+    # 0600: renamed into place, it would keep that mode instead of the umask's
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with open(tmp, "x", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 
@@ -120,19 +123,23 @@ def save_tokenizer_folder(
     tokenizer_path: str | Path,
     *,
     eos_token: str | None,
+    pad_token: str | None = None,
     chat_template: str | None = None,
     model_max_length: int | None = None,
 ) -> Path:
     """Write a tokenizer as ``transformers`` reads one: ``tokenizer.json`` (a copy of
     ``tokenizer_path``) and ``tokenizer_config.json`` naming the fast tokenizer class,
-    the EOS token and the chat template. ``AutoTokenizer.from_pretrained(folder)`` then
-    renders conversations with ``apply_chat_template`` as training did. Each file is
+    the EOS and padding tokens and the chat template. ``AutoTokenizer.from_pretrained(folder)``
+    then renders conversations with ``apply_chat_template`` as training did. Each file is
     written under a temporary name and renamed into place.
 
     Args:
         folder: where to write (created if needed).
         tokenizer_path: a tokenizer.json, or a folder holding one.
         eos_token: the end-of-sequence token (``eos_token`` inside the template).
+        pad_token: the padding token; default the ``pad_token`` of the
+            tokenizer_config.json beside ``tokenizer_path``, else ``eos_token``: what the
+            chat and preference data pad with.
         chat_template: the Jinja chat template; None writes none.
         model_max_length: the longest sequence the model takes.
 
@@ -140,13 +147,17 @@ def save_tokenizer_folder(
         ``folder`` as a path.
 
     Raises:
-        DataError: ``tokenizer_path`` holds no tokenizer, or ``eos_token`` is not a token
-            of it.
+        DataError: ``tokenizer_path`` holds no tokenizer, ``eos_token`` or ``pad_token``
+            is not a token of it, or the tokenizer_config.json beside it is not JSON.
     """
     source = resolve_tokenizer_file(tokenizer_path, key="tokenizer")
     tokenizer = load_tokenizer(source, key="tokenizer")
-    if eos_token is not None and tokenizer.token_to_id(eos_token) is None:
-        raise DataError(f"eos_token={eos_token!r} is not a token of '{source}'")
+    # read before writing: the folder written may be the one the tokenizer comes from
+    pad_token = pad_token or _configured_token(source.parent / TOKENIZER_CONFIG_FILE, "pad_token")
+    pad_token = pad_token or eos_token
+    for name, token in (("eos_token", eos_token), ("pad_token", pad_token)):
+        if token is not None and tokenizer.token_to_id(token) is None:
+            raise DataError(f"{name}={token!r} is not a token of '{source}'")
     out = Path(folder).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     target = out / TOKENIZER_FILE
@@ -156,6 +167,8 @@ def save_tokenizer_folder(
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos_token,
     }
+    if pad_token is not None:
+        config["pad_token"] = pad_token
     if model_max_length is not None:
         config["model_max_length"] = model_max_length
     config["clean_up_tokenization_spaces"] = False
@@ -163,6 +176,20 @@ def save_tokenizer_folder(
         config["chat_template"] = chat_template
     _write_text_atomic(out / TOKENIZER_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _configured_token(config_file: Path, name: str) -> str | None:
+    """A special token a tokenizer_config.json names: text, or ``{"content": ...}``."""
+    if not config_file.is_file():
+        return None
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise DataError(f"{config_file} is not readable JSON: {err}") from err
+    token = config.get(name) if isinstance(config, dict) else None
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
 def resolve_tokenizer_file(path: str | Path, key: str = "data.tokenizer.path") -> Path:
@@ -230,3 +257,32 @@ def check_vocab_fits(tokenizer: Tokenizer, model_vocab_size: int) -> None:
 def tokenizer_sha256(tokenizer: Tokenizer) -> str:
     """A content hash of the tokenizer (its canonical JSON serialisation)."""
     return hashlib.sha256(tokenizer.to_str().encode("utf-8")).hexdigest()
+
+
+def tokenizer_beside(weights: str | None) -> Path | None:
+    """The ``tokenizer.json`` in the folder of ``weights`` (a file or a folder), if any:
+    where a pipeline stage leaves the tokenizer its output weights use."""
+    if weights is None:
+        return None
+    path = Path(weights).expanduser()
+    candidate = (path if path.is_dir() else path.parent) / TOKENIZER_FILE
+    return candidate if candidate.is_file() else None
+
+
+def init_tokenizer_path(config: DataConfig, init_from: str | None) -> str | None:
+    """The tokenizer of a run: ``data.tokenizer.path`` when set; else, for a stage that
+    starts from weights (``stage.init_from``), the ``tokenizer.json`` beside them (a
+    Hugging Face folder's, a stage's); else None (a tokenizer is trained on the data).
+
+    Raises:
+        ConfigError: ``stage.init_from`` is set but has no tokenizer beside it.
+    """
+    if config.tokenizer.path is not None or init_from is None:
+        return config.tokenizer.path
+    found = tokenizer_beside(init_from)
+    if found is None:
+        raise ConfigError(
+            f"stage.init_from={init_from!r} has no tokenizer.json beside it; set "
+            "data.tokenizer.path to the tokenizer its weights were trained with"
+        )
+    return str(found)

@@ -14,6 +14,7 @@ weights, and bf16 on a CPU without native bf16 kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Literal
 
@@ -23,6 +24,7 @@ from recipes_lib.config.schema import PrecisionConfig, RunConfig
 from recipes_lib.errors import ConfigError
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "fp8")
+AUTO = "auto"  # resolved by resolve_device_choices before anything else reads it
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first CUDA cards with float8 tensor cores
 FP8_INSTALL_HINT = "pip install 'recipes-lib[fp8]'"
 
@@ -35,6 +37,30 @@ _LIGHTNING_PRECISION = {
 _GPU_ACCELERATORS = ("gpu", "cuda")
 
 Detect = Literal["detect"]
+
+
+def resolve_device_choices(cfg: RunConfig, *, gpu_visible: bool | None = None) -> RunConfig:
+    """``cfg`` with the choices left to the device made: ``precision=auto`` becomes
+    ``bf16-mixed`` on a CUDA GPU with bf16 support and ``32-true`` elsewhere, and
+    ``kernels.compile=null`` compiles each block on CUDA only (on a CPU compiling costs
+    more than it saves on a tiny model). Other values are returned as they are.
+
+    Args:
+        cfg: the typed run config.
+        gpu_visible: whether a CUDA GPU is visible; detected unless given.
+    """
+    if cfg.precision.name != AUTO and cfg.kernels.compile is not None:
+        return cfg
+    if gpu_visible is None:
+        gpu_visible = torch.cuda.is_available()
+    cuda = device_type(cfg.trainer.accelerator, gpu_visible) == "cuda"
+    precision, kernels = cfg.precision, cfg.kernels
+    if precision.name == AUTO:
+        bf16 = cuda and gpu_visible and torch.cuda.is_bf16_supported()
+        precision = dataclasses.replace(precision, name="bf16-mixed" if bf16 else "32-true")
+    if kernels.compile is None:
+        kernels = dataclasses.replace(kernels, compile=cuda)
+    return dataclasses.replace(cfg, precision=precision, kernels=kernels)
 
 
 def lightning_precision(precision: PrecisionConfig) -> str:
@@ -111,6 +137,11 @@ def check_precision(
 
 
 def _check_name(name: str) -> None:
+    if name == AUTO:
+        raise ConfigError(
+            "precision=auto is resolved by recipes_lib.parallel.precision."
+            "resolve_device_choices before the run is checked or built"
+        )
     if name not in PRECISIONS:
         raise ConfigError(f"precision.name={name!r} is not one of: {', '.join(PRECISIONS)}")
 

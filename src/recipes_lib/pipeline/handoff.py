@@ -42,24 +42,13 @@ from recipes_lib.config import (
     compose_config,
     list_recipes,
 )
+from recipes_lib.config.schema import model_fields, resolved_model_fields
+from recipes_lib.config.store import fill_from_init, run_schema_node
 from recipes_lib.data.prepare import DEFAULT_SOURCES
 from recipes_lib.data.tokenizer import TOKENIZER_FILE, resolve_tokenizer_file
 from recipes_lib.errors import CheckpointError, ConfigError, RecipesError
 from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
 
-# Model fields that fix the shapes of the weights: equal in consecutive stages.
-# rope_theta, rope_scaling and max_seq_len may change (context extension).
-SHAPE_KEYS = (
-    "vocab_size",
-    "dim",
-    "n_layers",
-    "n_heads",
-    "n_kv_heads",
-    "head_dim",
-    "ffn_dim",
-    "qkv_bias",
-    "tie_embeddings",
-)
 # Keys that say where a stage runs or how it reports, not what it computes; left out
 # of the fingerprint (paths to inputs are replaced by the inputs' checksums).
 LOCATION_KEYS = (
@@ -211,8 +200,15 @@ def handoff_from_path(path: str | Path, stage: StageSpec) -> Handoff:
 # --------------------------------------------------------------------- compose
 
 
-def compose_stage(pipeline: PipelineSpec, stage: StageSpec) -> RunConfig:
-    """The stage's RunConfig before any hand-off: recipe + overrides + stage keys.
+def compose_stage(
+    pipeline: PipelineSpec,
+    stage: StageSpec,
+    source_model: Mapping[str, Any] | None = None,
+    source_label: str = "no source",
+) -> RunConfig:
+    """The stage's RunConfig before any hand-off: recipe + overrides + stage keys, with
+    ``model=from_init`` fields taken from ``source_model`` (the model of what the stage
+    starts from, named ``source_label`` in errors).
 
     Raises:
         ConfigError: naming the stage for an unknown recipe, an override that does not
@@ -238,7 +234,7 @@ def compose_stage(pipeline: PipelineSpec, stage: StageSpec) -> RunConfig:
             f"stage {stage.name}: recipe {stage.recipe} with overrides {list(overrides[1:])} "
             f"does not compose: {err}"
         ) from err
-    typed = OmegaConf.structured(RunConfig)
+    typed = run_schema_node()
     try:
         typed = OmegaConf.merge(typed, OmegaConf.to_container(composed, resolve=False))
         typed = OmegaConf.merge(typed, stage.settings)
@@ -247,6 +243,10 @@ def compose_stage(pipeline: PipelineSpec, stage: StageSpec) -> RunConfig:
         reason = str(err).splitlines()[0]
         raise ConfigError(f"{stage.key}.{full_key}: {reason}") from err
     typed.run.dir = str(pipeline.dir / stage.name)
+    try:
+        fill_from_init(typed.model, source_model, f"{stage.key}: {source_label}")
+    except ConfigError as err:
+        raise ConfigError(f"stage {stage.name}: {err}") from err
     try:
         return OmegaConf.to_object(typed)  # type: ignore[return-value]
     except (OmegaConfBaseException, ValueError) as err:
@@ -268,19 +268,11 @@ def sets_key(pipeline: PipelineSpec, stage: StageSpec, key: str) -> bool:
 # --------------------------------------------------------------------- checks
 
 
-def _shape(model: Mapping[str, Any]) -> dict[str, Any]:
-    shape = {k: model.get(k) for k in SHAPE_KEYS}
-    if shape["n_kv_heads"] is None:
-        shape["n_kv_heads"] = shape["n_heads"]
-    if shape["head_dim"] is None and shape["dim"] and shape["n_heads"]:
-        shape["head_dim"] = shape["dim"] // shape["n_heads"]
-    return shape
-
-
 def check_model_compatible(
     stage: StageSpec, model: ModelConfig, source: Handoff | str, source_model: Mapping[str, Any]
 ) -> None:
-    """Raise :class:`ConfigError` when the stage's model cannot take the source's weights.
+    """Raise :class:`ConfigError` when the stage's model cannot take the source's weights:
+    every shape field (``model_fields("shape")`` of the schema) that differs is named.
 
     Args:
         stage: the stage that starts from the source.
@@ -289,14 +281,17 @@ def check_model_compatible(
         source_model: the source's model config fields.
     """
     label = source.label if isinstance(source, Handoff) else source
-    ours, theirs = _shape(asdict(model)), _shape(source_model)
-    for key in SHAPE_KEYS:
-        if ours[key] != theirs[key]:
-            raise ConfigError(
-                f"stage {stage.name}: model.{key}={ours[key]} does not match "
-                f"model.{key}={theirs[key]} of {label}, whose weights it starts from (only "
-                "rope_theta, rope_scaling and max_seq_len may change between stages)"
-            )
+    ours = resolved_model_fields(model, "shape")
+    theirs = resolved_model_fields(source_model, "shape")
+    differences = [
+        f"model.{key}={ours[key]} vs {theirs[key]}" for key in ours if ours[key] != theirs[key]
+    ]
+    if differences:
+        free = ", ".join(model_fields("context"))
+        raise ConfigError(
+            f"stage {stage.name}: {'; '.join(differences)}: its model does not fit the "
+            f"weights of {label} it starts from (only {free} may change between stages)"
+        )
 
 
 def check_weights_fit(stage: StageSpec, model: ModelConfig, weights: Path) -> None:

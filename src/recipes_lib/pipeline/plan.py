@@ -317,11 +317,18 @@ def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
     """
     plans: dict[str, StagePlan] = {}
     for index, stage in enumerate(pipeline.stages):
-        config = compose_stage(pipeline, stage)
-        # an unallowed _target_ in any stage stops the pipeline before anything runs
-        check_targets(asdict(config), stage.key, config.run.allowed_targets)
         source_stage, source_path = _source_of(pipeline, index)
         source_file = handoff_from_path(source_path, stage) if source_path is not None else None
+        if source_stage is not None:
+            source_model = asdict(plans[source_stage].config.model)
+            source_label = f"stage {source_stage}"
+        else:
+            source_model = source_file.model if source_file is not None else None
+            source_label = source_file.label if source_file is not None else "no source"
+        # model=from_init: the stage takes the model of what it starts from
+        config = compose_stage(pipeline, stage, source_model, source_label)
+        # an unallowed _target_ in any stage stops the pipeline before anything runs
+        check_targets(asdict(config), stage.key, config.run.allowed_targets)
         plan = StagePlan(stage, config, source_stage, source_file)
         _check_stage(pipeline, plans, plan)
         plans[stage.name] = plan

@@ -207,6 +207,7 @@ def _finish_stage(
         tokens=result.tokens_seen - (handoff.tokens_seen if continues else 0),
         steps=result.global_step - start_step,
         seconds=result.seconds,
+        skipped_records=sum(result.skipped_records.values()),
     )
     manifest = StageManifest(
         pipeline=pipeline.name,

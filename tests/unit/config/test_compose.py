@@ -6,6 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
+from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import (
     RunConfig,
     compose_config,
@@ -14,6 +15,7 @@ from recipes_lib.config import (
     list_recipes,
     to_run_config,
 )
+from recipes_lib.config.store import from_init_fields
 from recipes_lib.errors import ConfigError
 
 GROUPS = [
@@ -42,25 +44,46 @@ def test_shipped_recipes_are_listed():
         assert name in recipes
 
 
+def _typed(overrides: list[str], hf_folder) -> RunConfig:
+    """The typed config of ``overrides``; a ``model=from_init`` config takes its shape from
+    a tiny Hugging Face folder, as a run given ``stage.init_from`` does."""
+    cfg = compose_config(overrides)
+    if from_init_fields(cfg.model):
+        cfg = fill_model_from_init(compose_config([*overrides, f"stage.init_from={hf_folder}"]))
+    return to_run_config(cfg)
+
+
 @pytest.mark.parametrize("recipe", list_recipes())
-def test_every_recipe_composes_to_a_typed_config(recipe):
-    cfg = to_run_config(compose_config([f"recipe={recipe}"]))
+def test_every_recipe_composes_to_a_typed_config(recipe, hf_folder):
+    cfg = _typed([f"recipe={recipe}"], hf_folder)
     assert isinstance(cfg, RunConfig)
     assert cfg.data.seq_len <= cfg.model.max_seq_len
     assert cfg.data.tokenizer.vocab_size <= cfg.model.vocab_size
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in list_group_options(g)])
-def test_every_group_option_composes(group, option):
+def test_every_group_option_composes(group, option, hf_folder):
     overrides = [f"{group}={option}"]
     if (group, option) in NEEDS_A_VALUE:
         overrides.append(NEEDS_A_VALUE[(group, option)])
-    cfg = to_run_config(compose_config(overrides))
+    cfg = _typed(overrides, hf_folder)
     assert isinstance(cfg, RunConfig)
 
 
+def test_from_init_takes_the_folders_shape_and_keeps_what_is_set(hf_folder):
+    cfg = _typed(["recipe=sft/full", "model.max_seq_len=256"], hf_folder)
+    assert (cfg.model.dim, cfg.model.n_kv_heads, cfg.model.vocab_size) == (64, 2, 512)
+    assert cfg.model.qkv_bias and cfg.model.tie_embeddings  # a qwen2 folder
+    assert cfg.model.max_seq_len == 256  # set on the command line: kept
+    with pytest.raises(ConfigError, match="stage.init_from is not set"):
+        fill_model_from_init(compose_config(["recipe=sft/full"]))
+    with pytest.raises(ConfigError, match=r"model\.name is \$\{from_init:name\}"):
+        to_run_config(compose_config(["recipe=sft/full"]))
+
+
 def test_groups_on_disk_are_all_tested():
-    # pipeline/ is a group of conf/pipeline_root.yaml, tested in tests/unit/pipeline
+    # pipeline/ is a group of conf/pipeline_root.yaml, tested in tests/unit/pipeline;
+    # hydra/ holds Hydra's own settings (the job logging), no part of the run config
     on_disk = {
         p.name
         for p in conf_dir().iterdir()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -266,18 +268,20 @@ def chat_tokenizer_file(tmp_path, chat_tokenizer):
     return save_tokenizer(chat_tokenizer, tmp_path / "tok")
 
 
-def test_bad_records_fail_or_are_counted_and_skipped(tmp_path, chat_tokenizer_file):
+def test_bad_records_fail_or_are_counted_and_skipped(tmp_path, chat_tokenizer_file, caplog):
     good = {"prompt": "What does the model read?", "response": "Tokens."}
     records = [good, good, {"prompt": "x"}, good, {"messages": [{"role": "robot", "content": "y"}]}]
     _write_jsonl(tmp_path / "chat.jsonl", records)
     module = ChatDataModule(_chat_config(tmp_path, chat_tokenizer_file), 512, 128)
-    with pytest.raises(DataError, match="data.sources.chat: record 2, field 'response': missing"):
+    bad = r"data.sources.chat: .*chat\.jsonl:3, field 'response': missing"
+    with pytest.raises(DataError, match=bad):
         module.setup()
     module = ChatDataModule(
         _chat_config(tmp_path, chat_tokenizer_file, on_bad_record="skip"), 512, 128
     )
-    with pytest.warns(UserWarning, match="skipped 2 malformed record.*record 2.*record 4"):
+    with caplog.at_level(logging.WARNING, logger="recipes_lib"):
         module.setup()
+    assert re.search(r"skipped 2 malformed record.*chat\.jsonl:3.*chat\.jsonl:5", caplog.text)
     stats = module.stats["chat"]
     assert (stats.records, stats.skipped, stats.train) == (5, 2, 3)
     with pytest.raises(ConfigError, match="data.chat.on_bad_record='ignore'"):

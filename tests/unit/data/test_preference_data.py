@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 from collections import Counter
 from itertools import islice
 
@@ -273,7 +274,9 @@ def pairs_config(tmp_path, tokenizer_path, sources, **overrides):
     return config
 
 
-def test_data_module_reads_jsonl_holds_out_pairs_and_resumes(tmp_path, small_tokenizer_path):
+def test_data_module_reads_jsonl_holds_out_pairs_and_resumes(
+    tmp_path, small_tokenizer_path, caplog
+):
     path = tmp_path / "pairs.jsonl"
     rows = [
         {"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": f"No {i}."}
@@ -283,13 +286,14 @@ def test_data_module_reads_jsonl_holds_out_pairs_and_resumes(tmp_path, small_tok
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     sources = {"pairs": SourceConfig(path=str(path))}
     config = pairs_config(tmp_path, small_tokenizer_path, sources)
-    with pytest.raises(DataError, match=r"data.sources.pairs: record 5: field 'rejected'"):
+    with pytest.raises(DataError, match=r"data.sources.pairs: .*pairs\.jsonl:6: field 'rejected'"):
         PreferenceDataModule(config, 512, 1024).setup()
 
     config.chat.on_bad_record = "skip"
     module = PreferenceDataModule(config, 512, 1024, total_train_samples=12)
-    with pytest.warns(UserWarning, match="skipped 1 of 20 records: 1 missing field 'rejected'"):
+    with caplog.at_level(logging.WARNING, logger="recipes_lib"):
         module.setup()
+    assert "skipped 1 of 20 records: 1 missing field 'rejected'" in caplog.text
     assert module.skipped == Counter({"missing field 'rejected'": 1})
     assert (module.prepared.num_train, module.prepared.num_val) == (14, 5)
     stream = [b["pair_index"].tolist() for b in islice(module.train_dataloader(), 6)]

@@ -79,7 +79,7 @@ def test_first_stage_with_init_needs_a_source(tmp_path):
 def test_model_shapes_must_match_between_stages(tmp_path, key, value):
     spec = _two_stage(tmp_path, {**ANNEAL, "model": {key: value}})
     _fails_before_training(
-        spec, ConfigError, rf"stage anneal: model\.{key}={value} does not match .*stage pretrain"
+        spec, ConfigError, rf"stage anneal: model\.{key}={value} vs .*stage pretrain"
     )
 
 

@@ -1,0 +1,167 @@
+"""What a path that starts a stage holds, and the model it fits.
+
+``stage.init_from`` and a pipeline stage's ``from`` take the same kinds of path:
+
+=================  ===============================================================
+``hf``             a Hugging Face model folder (``config.json`` and safetensors)
+``manifest``       a stage's ``manifest.json``, or the stage folder holding it
+``run``            a run's folder or its ``model.safetensors`` (``config.yaml`` beside)
+``checkpoint``     a Lightning ``.ckpt`` (its hyperparameters name the model)
+``sharded``        an FSDP checkpoint folder (``meta.pt`` names the model)
+``weights``        a bare ``.safetensors`` file: weights, no recorded model
+=================  ===============================================================
+
+:func:`read_init_source` tells which, and the model shape the source records when it
+records one. With ``model=from_init`` (every model field ``???``) a run takes its
+shape from there (:func:`fill_model_from_init`); with a model chosen by name, the
+pre-flight compares the two and names every difference (:func:`init_model_mismatches`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from recipes_lib.checkpoint.hf import (
+    hf_config_mismatches,
+    is_hf_folder,
+    model_config_from_hf,
+    read_hf_config,
+)
+from recipes_lib.checkpoint.manifest import MANIFEST_NAME, StageManifest, read_manifest
+from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME, is_sharded_checkpoint
+from recipes_lib.checkpoint.weights import WEIGHTS_NAME, read_checkpoint
+from recipes_lib.config.schema import ModelConfig, resolved_model_fields
+from recipes_lib.config.store import fill_from_init, from_init_fields
+from recipes_lib.errors import CheckpointError, ConfigError
+
+RUN_CONFIG_NAME = "config.yaml"  # the resolved config a run writes into its folder
+
+
+@dataclass(frozen=True)
+class InitSource:
+    """A path that starts a stage, read without loading its weights.
+
+    Attributes:
+        path: the path as given (``~`` expanded).
+        kind: ``hf`` | ``manifest`` | ``run`` | ``checkpoint`` | ``sharded`` | ``weights``.
+        weights: the file or folder that holds the weights.
+        model: the ModelConfig fields the source records, or None.
+        manifest: the stage manifest, for ``manifest`` sources.
+        checkpoint: the loaded Lightning checkpoint dict (tensors memory-mapped), for
+            ``checkpoint`` sources.
+    """
+
+    path: Path
+    kind: str
+    weights: Path
+    model: dict[str, Any] | None = None
+    manifest: StageManifest | None = None
+    checkpoint: dict[str, Any] | None = None
+
+
+def _run_config_model(folder: Path) -> dict[str, Any] | None:
+    """The model node of the ``config.yaml`` a run left in ``folder``, if any."""
+    file = folder / RUN_CONFIG_NAME
+    if not file.is_file():
+        return None
+    try:
+        model = OmegaConf.to_container(OmegaConf.load(file), resolve=False).get("model")
+    except Exception:  # noqa: BLE001 - an unreadable config.yaml only means "not known"
+        return None
+    return dict(model) if isinstance(model, dict) else None
+
+
+def _hyperparameter_model(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    model = (checkpoint.get("hyper_parameters") or {}).get("model")
+    return dict(model) if isinstance(model, dict) else None
+
+
+def read_init_source(path: str | os.PathLike, key: str = "stage.init_from") -> InitSource:
+    """Tell what ``path`` holds (see the module docstring).
+
+    Raises:
+        CheckpointError: naming ``key`` and the path, when it is none of those kinds or
+            cannot be read.
+    """
+    source = Path(path).expanduser()
+    where = f"{key}={str(path)!r}"
+    try:
+        if source.is_dir() and (source / MANIFEST_NAME).is_file():
+            source = source / MANIFEST_NAME
+        if source.is_file() and source.suffix == ".json":
+            manifest = read_manifest(source, verify=False)
+            return InitSource(source, "manifest", manifest.weights_path, manifest.model, manifest)
+        if is_hf_folder(source):
+            model = model_config_from_hf(read_hf_config(source), name=source.name)
+            return InitSource(source, "hf", source, asdict(model))
+        if is_sharded_checkpoint(source):
+            meta = read_checkpoint(source / SHARDED_METADATA_NAME)
+            return InitSource(source, "sharded", source, _hyperparameter_model(meta))
+        if source.is_dir() and (source / WEIGHTS_NAME).is_file():
+            return InitSource(source, "run", source / WEIGHTS_NAME, _run_config_model(source))
+        if source.is_file() and source.suffix == ".safetensors":
+            model = _run_config_model(source.parent)
+            return InitSource(source, "run" if model else "weights", source, model)
+        if source.is_file() and source.suffix == ".ckpt":
+            checkpoint = read_checkpoint(source)
+            model = _hyperparameter_model(checkpoint)
+            return InitSource(source, "checkpoint", source, model, checkpoint=checkpoint)
+    except CheckpointError as err:
+        raise CheckpointError(f"{where}: {err}") from err
+    if not source.exists():
+        raise CheckpointError(f"{where}: no such file or folder")
+    raise CheckpointError(
+        f"{where} is not a stage manifest (or a stage folder holding {MANIFEST_NAME}), a "
+        f"Hugging Face model folder, a .ckpt, a sharded checkpoint folder, a .safetensors "
+        f"file or a folder holding {WEIGHTS_NAME}"
+    )
+
+
+def fill_model_from_init(cfg: DictConfig) -> DictConfig:
+    """A copy of a composed config whose ``${from_init:...}`` model fields (the
+    ``model=from_init`` preset) are taken from ``stage.init_from``; fields set on the
+    command line or in a recipe are kept. A config without such fields is returned as
+    it is.
+
+    Raises:
+        ConfigError: a ``from_init`` field and no ``stage.init_from``, or a source that
+            records no model shape.
+        CheckpointError: ``stage.init_from`` cannot be read.
+    """
+    if not from_init_fields(cfg.model):
+        return cfg
+    init_from = OmegaConf.select(cfg, "stage.init_from")
+    if init_from is None:
+        raise ConfigError(
+            "model=from_init takes the model's shape from the weights the run starts from, "
+            "but stage.init_from is not set: set stage.init_from=DIR, or choose a model "
+            "(model=NAME)"
+        )
+    source = read_init_source(init_from)
+    cfg = cfg.copy()
+    fill_from_init(cfg.model, source.model, f"stage.init_from={init_from!r} ({source.kind})")
+    return cfg
+
+
+def init_model_mismatches(model: ModelConfig, source: InitSource) -> list[str]:
+    """Every way ``model`` differs from the model ``source`` records (empty when the
+    source records none): against a Hugging Face config, all that decides what the
+    weights compute; against one of this library's own sources, the weight shapes (the
+    RoPE settings and context may change between stages)."""
+    if source.model is None:
+        return []
+    if source.kind == "hf":
+        return hf_config_mismatches(_as_model(source.model), model)
+    ours = resolved_model_fields(model, "shape")
+    theirs = resolved_model_fields(source.model, "shape")
+    return [f"model.{k}={ours[k]!r} vs {theirs[k]!r}" for k in ours if ours[k] != theirs[k]]
+
+
+def _as_model(model: dict[str, Any]) -> ModelConfig:
+    """A recorded model dict as a typed ModelConfig."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))  # type: ignore[return-value]
