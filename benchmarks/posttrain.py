@@ -73,8 +73,9 @@ from recipes_lib.config import (
     list_group_options,
 )
 from recipes_lib.config.schema import AdapterConfig, ChatFormatConfig, PreferenceConfig
-from recipes_lib.data.chat_module import ChatDataModule, pad_collate
-from recipes_lib.data.preference import PreferenceDataModule
+from recipes_lib.data.chat.module import ChatDataModule
+from recipes_lib.data.chat.packing import pad_collate
+from recipes_lib.data.preference.module import PreferenceDataModule
 from recipes_lib.errors import ConfigError
 from recipes_lib.stages.dpo import DPOModule
 from recipes_lib.stages.sft import SFTModule
@@ -402,8 +403,9 @@ def adapter_memory(args, device, tokenizer: str) -> dict:
         result: dict[str, Any] = {}
         for name, adapter in ADAPTERS.items():
             try:
-                accelerator = "gpu" if device.type == "cuda" else "cpu"
-                check_adapter_config(adapter, accelerator=accelerator)
+                check_adapter_config(adapter)
+                if adapter.kind == "qlora" and device.type != "cuda":
+                    raise ConfigError("adapter.kind=qlora needs a CUDA GPU")
             except ConfigError as err:
                 result[name] = {"skipped": str(err)}
                 continue

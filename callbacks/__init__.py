@@ -9,6 +9,7 @@ from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.gc import GarbageCollection
 from recipes_lib.callbacks.monitors import GradNormMonitor, total_grad_norm
 from recipes_lib.callbacks.progress import TokenProgressBar
+from recipes_lib.callbacks.step import OptimizerStepCallback
 from recipes_lib.callbacks.summary import ModelSizeSummary
 from recipes_lib.callbacks.throughput import (
     PEAK_TFLOPS,
@@ -23,6 +24,7 @@ __all__ = [
     "PEAK_TFLOPS",
     "GradNormMonitor",
     "ModelSizeSummary",
+    "OptimizerStepCallback",
     "ThroughputMonitor",
     "TokenProgressBar",
     "ValidateAtStart",

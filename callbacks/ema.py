@@ -13,11 +13,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+from recipes_lib.callbacks.step import OptimizerStepCallback
 
 
-class WeightEMA(Callback):
+class WeightEMA(OptimizerStepCallback):
     """Keeps an exponential moving average of the LightningModule's trainable weights.
 
     Args:
@@ -32,14 +34,15 @@ class WeightEMA(Callback):
     def __init__(self, decay: float):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"decay={decay} must lie strictly between 0 and 1")
+        super().__init__()
         self.decay = float(decay)
         self.updates = 0  # optimizer steps folded into the average
-        self._last_step: int | None = None  # global step of the latest update
         self._averages: dict[str, Tensor] | None = None  # parameter name -> fp32 average
         self._name_of: dict[int, str] = {}  # id(parameter) -> its name in _averages
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         params = dict(pl_module.named_parameters())
         self._name_of = {id(params[name]): name for name in params if params[name].requires_grad}
         if self._averages is None:
@@ -48,7 +51,6 @@ class WeightEMA(Callback):
                 for name, p in params.items()
                 if p.requires_grad
             }
-            self._last_step = trainer.global_step
             return
         # restored from a checkpoint: check it fits, then move it next to the weights
         missing = sorted(
@@ -66,21 +68,17 @@ class WeightEMA(Callback):
         }
 
     @torch.no_grad()
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+    def on_optimizer_step_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int
     ) -> None:
-        if self._averages is None or trainer.global_step == self._last_step:
-            return  # no optimizer step since the last update (accumulating gradients)
+        if self._averages is None:
+            return
         params = dict(pl_module.named_parameters())
         averages = list(self._averages.values())
         weights = [params[name].detach().to(torch.float32) for name in self._averages]
-        torch._foreach_lerp_(averages, weights, 1.0 - self.decay)
-        self._last_step = trainer.global_step
+        # torch's own EMA step: one fused lerp over all tensors (built here, not kept: a
+        # closure would make the callback unpicklable)
+        get_ema_multi_avg_fn(self.decay)(averages, weights, self.updates)
         self.updates += 1
 
     # ------------------------------------------------------------ the average
@@ -105,15 +103,17 @@ class WeightEMA(Callback):
         averages = None
         if self._averages is not None:
             averages = {name: t.detach().cpu().clone() for name, t in self._averages.items()}
+        # "last_step" stays in the format that checkpoints have always had
         return {
             "decay": self.decay,
             "updates": self.updates,
-            "last_step": self._last_step,
+            "last_step": self.last_step,
             "averages": averages,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # The average carries over; from here on it decays at this callback's own rate.
+        # "last_step" is not read back: the saving run had folded in every step up to the
+        # checkpoint's, which is where the step count restarts (OptimizerStepCallback).
         self.updates = int(state_dict["updates"])
-        self._last_step = state_dict["last_step"]
         self._averages = state_dict["averages"]

@@ -15,13 +15,13 @@ back on when the fit ends or fails.
 from __future__ import annotations
 
 import gc
-from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
+
+from recipes_lib.callbacks.step import OptimizerStepCallback
 
 
-class GarbageCollection(Callback):
+class GarbageCollection(OptimizerStepCallback):
     """Collects garbage every ``every_n_steps`` optimizer steps, on every rank at once.
 
     Args:
@@ -39,11 +39,11 @@ class GarbageCollection(Callback):
             raise ValueError(f"every_n_steps={every_n_steps} must be at least 1")
         if generation not in (0, 1, 2):
             raise ValueError(f"generation={generation} must be 0, 1 or 2")
+        super().__init__()
         self.every_n_steps = int(every_n_steps)
         self.generation = int(generation)
         self.collected_at: list[int] = []  # the optimizer steps it collected at
         self._was_enabled: bool | None = None
-        self._last_step: int | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._was_enabled = gc.isenabled()
@@ -51,21 +51,14 @@ class GarbageCollection(Callback):
         self.collected_at = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
         gc.collect()  # what building the model and optimizer (or restoring) left behind
-        self._last_step = trainer.global_step  # a resumed fit counts on from its step
 
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+    def on_optimizer_step_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int
     ) -> None:
-        step = trainer.global_step  # counts optimizer steps, not micro-batches
-        if step == self._last_step or step % self.every_n_steps != 0:
+        if step % self.every_n_steps != 0:
             return
-        self._last_step = step
         gc.collect(self.generation)
         self.collected_at.append(step)
 

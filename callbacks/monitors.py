@@ -29,10 +29,18 @@ def total_grad_norm(parameters, norm_type: float = 2.0) -> Tensor | None:
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
 
-def is_logging_step(trainer: L.Trainer) -> bool:
-    """Whether the trainer writes logs for the current step (``log_every_n_steps``)."""
-    connector = getattr(trainer, "_logger_connector", None)
-    return bool(getattr(connector, "should_update_logs", True))
+def is_logging_step(trainer: L.Trainer, step: int) -> bool:
+    """Whether the trainer writes its logs for optimizer step ``step`` (counted from 1).
+
+    ``step`` is the step the current training batch works toward:
+    ``trainer.global_step + 1`` until the optimizer has stepped in this batch. The rule is
+    Lightning's own (its logger connector's ``should_update_logs``, which is not public):
+    every ``log_every_n_steps`` steps, and whenever the fit is about to stop.
+    """
+    every = trainer.log_every_n_steps
+    if every == 0:
+        return False
+    return step % every == 0 or trainer.should_stop
 
 
 class GradNormMonitor(L.Callback):
@@ -57,8 +65,9 @@ class GradNormMonitor(L.Callback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        if not is_logging_step(trainer):  # the norm costs a pass over all gradients
-            return
+        # the optimizer is about to take step global_step + 1
+        if not is_logging_step(trainer, trainer.global_step + 1):
+            return  # the norm costs a pass over all gradients
         params = [p for group in optimizer.param_groups for p in group["params"]]
         norm = total_grad_norm(params, self.norm_type)
         if norm is not None:

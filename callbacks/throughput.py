@@ -9,6 +9,7 @@ import lightning as L
 import torch
 
 from recipes_lib.callbacks.monitors import is_logging_step
+from recipes_lib.callbacks.step import OptimizerStepCallback
 
 # Dense (no structured sparsity) tensor-core peaks per device in TFLOP/s, by the
 # arithmetic the run computes in. Matched against torch.cuda.get_device_name(), first
@@ -59,7 +60,7 @@ def peak_tflops_for(device_name: str, arithmetic: str | None) -> float | None:
     return None
 
 
-class ThroughputMonitor(L.Callback):
+class ThroughputMonitor(OptimizerStepCallback):
     """Logs ``perf/tokens_per_sec``, ``perf/tflops`` and ``perf/mfu`` while training.
 
     Wall time is measured over windows of ``window`` optimizer steps with
@@ -95,6 +96,7 @@ class ThroughputMonitor(L.Callback):
         self._start_tokens = 0
         self._tokens = 0  # fallback count when the module keeps none
         self._seq_len: int | None = None
+        self._batch_step = 0  # the optimizer step the current batch works toward
         self.latest: dict[str, float] = {}
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -120,6 +122,7 @@ class ThroughputMonitor(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._batch_step = trainer.global_step + 1
         if self._start_time is None:
             self._restart_window(trainer, pl_module)
 
@@ -130,22 +133,28 @@ class ThroughputMonitor(L.Callback):
         outputs: Any,
         batch: Any,
         batch_idx: int,
-        dataloader_idx: int = 0,
     ) -> None:
         input_ids = batch.get("input_ids") if isinstance(batch, dict) else None
         if isinstance(input_ids, torch.Tensor):
             self._seq_len = input_ids.shape[-1]
             self._tokens += input_ids.numel() * trainer.world_size
-        if self._start_time is not None and trainer.global_step - self._start_step >= self.window:
-            self._synchronize(pl_module)
-            elapsed = time.perf_counter() - self._start_time
-            tokens = self._tokens_seen(pl_module) - self._start_tokens
-            self.latest = self._figures(pl_module, tokens / elapsed if elapsed > 0 else 0.0)
-            self._restart_window(trainer, pl_module)
-        if not is_logging_step(trainer):  # logging a float copies it to the device: a sync
-            return
+        # the batch's tokens are counted first: a window that closes now includes them
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if not is_logging_step(trainer, self._batch_step):
+            return  # logging a float copies it to the device: a sync
         for name, value in self.latest.items():
             pl_module.log(name, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def on_optimizer_step_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int
+    ) -> None:
+        if self._start_time is None or step - self._start_step < self.window:
+            return
+        self._synchronize(pl_module)
+        elapsed = time.perf_counter() - self._start_time
+        tokens = self._tokens_seen(pl_module) - self._start_tokens
+        self.latest = self._figures(pl_module, tokens / elapsed if elapsed > 0 else 0.0)
+        self._restart_window(trainer, pl_module)
 
     def _figures(self, pl_module: L.LightningModule, tokens_per_sec: float) -> dict[str, float]:
         figures = {"perf/tokens_per_sec": tokens_per_sec}

@@ -21,14 +21,13 @@ class ValidateAtStart(Callback):
             return
         if not trainer.limit_val_batches:
             return
-        val_loop = trainer.fit_loop.epoch_loop.val_loop
-        # the order of the training loop's own mid-epoch validation: the active loop is
-        # picked from the trainer's state, and the logger's first-iteration flag is kept
-        connector = trainer._logger_connector
-        first_loop_iter = connector._first_loop_iter
+        # Lightning has no public "validate now" inside fit, so this runs the loop the fit
+        # runs mid-epoch (public attributes only), as the training loop does: the trainer's
+        # state picks the active loop. The training loop also saves and restores its
+        # logger's first-batch flag around it; that flag is unset (None) until the first
+        # training batch, and the validation loop leaves it unset, so nothing needs keeping.
         trainer.validating = True
         try:
-            val_loop.run()
+            trainer.fit_loop.epoch_loop.val_loop.run()
         finally:
             trainer.training = True
-            connector._first_loop_iter = first_loop_iter

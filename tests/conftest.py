@@ -1,4 +1,8 @@
-"""Shared fixtures: a clean default dtype and process-group state around every test."""
+"""Shared fixtures: a clean default dtype and process-group state around every test, and
+a session's tiny Hugging Face folder. The builders the tests share sit beside this file
+(``tests/`` is on ``sys.path``): ``tiny.py`` (a quiet CPU Trainer, a tiny model config, the
+small-vocabulary and quiet overrides), ``hf_folders.py`` (tiny transformers models, their
+folders and records) and ``run_helpers.py`` (a run's metrics, ``torchrun`` jobs)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,17 @@
-"""Tiny Hugging Face model folders made by transformers, as a user downloads them: the
+"""Tiny Hugging Face models and folders made by transformers, as a user downloads them: the
 model's config.json and safetensors weights, a tokenizer.json with its
 tokenizer_config.json (EOS and pad tokens, a chat template of its own), and chat and
-preference records in JSON lines."""
+preference records in JSON lines. transformers is imported only where a model is made."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from recipes_lib.data.instructions import stdlib_instruction_records
+from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 
 VOCAB = 512
@@ -23,45 +24,61 @@ TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# transformers' config and model classes of each model_type made here
+HF_FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+}
+# the shape every tiny transformers model starts from; a test sets what it needs on top
+TINY_HF = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
-def write_tokenizer(folder: Path, records: list[dict]) -> None:
-    """A byte-level BPE trained on ``records`` with the chat tokens, and its config."""
+
+def tiny_hf_model(model_type: str = "qwen2", **config: Any):
+    """A transformers model of ``model_type`` initialised from seed 0, in eval mode:
+    :data:`TINY_HF` with ``config`` (any field of its transformers config) on top."""
+    import transformers
+
+    config_name, model_name = HF_FAMILIES[model_type]
+    config_cls, model_cls = getattr(transformers, config_name), getattr(transformers, model_name)
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**TINY_HF, **config})).eval()
+
+
+def write_tokenizer(
+    folder: Path,
+    records: list[dict],
+    *,
+    template: str = TEMPLATE,
+    chat_tokens: tuple[str, ...] = CHAT_TOKENS,
+    pad_token: str | None = EOS,
+) -> None:
+    """A byte-level BPE of :data:`VOCAB` tokens trained on ``records`` (``chat_tokens``
+    among them), and its config: the EOS token, ``pad_token`` unless None, ``template``."""
     texts = [r["prompt"] + r["response"] for r in records]
-    tokenizer = train_bpe_tokenizer(texts, VOCAB - len(CHAT_TOKENS), EOS)
-    tokenizer.add_special_tokens(list(CHAT_TOKENS))
+    tokenizer = train_bpe_tokenizer(texts, VOCAB - len(chat_tokens), EOS)
+    if chat_tokens:
+        tokenizer.add_special_tokens(list(chat_tokens))
     save_tokenizer(tokenizer, folder / "tokenizer.json")
-    settings = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "chat_template": TEMPLATE,
-    }
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS}
+    if pad_token is not None:
+        settings["pad_token"] = pad_token
+    settings["chat_template"] = template
     (folder / "tokenizer_config.json").write_text(json.dumps(settings))
 
 
-def make_hf_folder(folder: Path, model_type: str = "qwen2", **config) -> Path:
+def make_hf_folder(folder: Path, model_type: str = "qwen2", **config: Any) -> Path:
     """A tiny model of ``model_type`` saved by transformers into ``folder``, with a
     tokenizer and a chat template; ``config`` overrides the transformers config."""
-    import transformers
-
-    classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }
-    config_cls, model_cls = classes[model_type]
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-    settings.update(config)
-    torch.manual_seed(0)
-    model_cls(config_cls(**settings)).eval().save_pretrained(folder)
+    settings = {"max_position_embeddings": 4096, "tie_word_embeddings": True, **config}
+    tiny_hf_model(model_type, **settings).save_pretrained(folder)
     write_tokenizer(folder, stdlib_instruction_records(300))
     return folder
 

@@ -13,7 +13,6 @@ Each job's console shows one line per log record and hides library warnings
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 import hydra
@@ -23,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipes_lib.config import register_schema
 from recipes_lib.console import configure_console
 from recipes_lib.errors import RecipesError
+from recipes_lib.files import global_rank
 from recipes_lib.pipeline.spec import register_pipeline_schema
 
 log = logging.getLogger("recipes_lib")
@@ -97,19 +97,10 @@ def _pipeline(cfg: DictConfig) -> float | None:
     return result.stages[-1].manifest.metrics.val_loss  # the value a sweeper optimises
 
 
-def launcher_rank() -> int:
-    """This process's global rank as ``torchrun`` or SLURM's ``srun`` set it (0 alone)."""
-    for name in ("RANK", "SLURM_PROCID"):
-        value = os.environ.get(name)
-        if value is not None and value.strip().isdigit():
-            return int(value)
-    return 0
-
-
 def _quiet_other_ranks() -> None:
     """Under a multi-process launcher only rank 0 writes Hydra's config copy and log file;
     the other ranks still print errors (:func:`_report`)."""
-    if launcher_rank() > 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
+    if global_rank() != 0 and not any(a.startswith("hydra.output_subdir") for a in sys.argv):
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled"]
 
 

@@ -12,10 +12,9 @@ beside it (for a ``.ckpt``: in its folder or the run folder above) unless
 
 from __future__ import annotations
 
-import json
 import sys
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,28 +22,25 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from recipes_lib.checkpoint.hf import (
-    HF_CONFIG_NAME,
-    empty_model,
-    hf_eos_token_ids,
-    load_hf_checkpoint,
-    load_hf_tokenizer,
+from recipes_lib.checkpoint.hf import empty_model, load_hf_checkpoint
+from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME
+from recipes_lib.checkpoint.hf_tokenizer import hf_eos_token_ids, load_hf_tokenizer, read_json
+from recipes_lib.checkpoint.layout import (
+    CHECKPOINTS_DIR,
+    CONFIG_NAME,
+    MANIFEST_NAME,
+    RunDir,
 )
+from recipes_lib.checkpoint.source import read_init_source
 from recipes_lib.checkpoint.weights import (
-    WEIGHTS_NAME,
     load_state_into,
     load_weights,
-    model_state_of,
-    read_checkpoint,
 )
-from recipes_lib.config.schema import ModelConfig, RopeScalingConfig, TokenizerConfig
+from recipes_lib.config.schema import ModelConfig, TokenizerConfig
+from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
 from recipes_lib.errors import CheckpointError, ConfigError, DataError, RecipesError
-from recipes_lib.models import Transformer
-from recipes_lib.models.llama import KVCache
-
-RUN_CONFIG_NAME = "config.yaml"  # the resolved config recipes-train writes into run.dir
-MANIFEST_NAME = "manifest.json"  # a pipeline stage's hand-off manifest
+from recipes_lib.models import KVCache, Transformer
 
 
 # -------------------------------------------------------------------- sampling
@@ -176,23 +172,9 @@ class GenerationModel:
     kind: str
 
 
-def _model_config(values: Any, where: str) -> ModelConfig:
-    """A :class:`ModelConfig` from its saved fields (``asdict`` form)."""
-    if not isinstance(values, Mapping):
-        raise CheckpointError(f"{where}: no model config (got {type(values).__name__})")
-    names = {f.name for f in fields(ModelConfig)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        raise CheckpointError(f"{where}: unknown model config keys {unknown}")
-    values = dict(values)
-    if isinstance(values.get("rope_scaling"), Mapping):
-        values["rope_scaling"] = RopeScalingConfig(**values["rope_scaling"])
-    return ModelConfig(**values)
-
-
 def _read_run_config(folder: Path) -> dict[str, Any]:
     """The run's resolved ``config.yaml`` in ``folder`` as plain data ({} if none)."""
-    file = folder / RUN_CONFIG_NAME
+    file = RunDir(folder).config
     if not file.is_file():
         return {}
     from omegaconf import OmegaConf
@@ -201,17 +183,6 @@ def _read_run_config(folder: Path) -> dict[str, Any]:
         data = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
     except Exception as err:  # omegaconf and yaml raise several error types
         raise CheckpointError(f"'{file}' is not a readable run config: {err}") from err
-    return data if isinstance(data, dict) else {}
-
-
-def _read_manifest(folder: Path) -> dict[str, Any]:
-    file = folder / MANIFEST_NAME
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
     return data if isinstance(data, dict) else {}
 
 
@@ -225,7 +196,7 @@ def _tokenizer_candidates(folders: Sequence[Path]) -> list[Path]:
     candidates = []
     for folder in folders:
         candidates.append(folder / TOKENIZER_FILE)
-        manifest_tokenizer = (_read_manifest(folder).get("tokenizer") or {}).get("path")
+        manifest_tokenizer = (read_json(RunDir(folder).manifest).get("tokenizer") or {}).get("path")
         if manifest_tokenizer:
             candidates.append(folder / manifest_tokenizer)  # absolute stays absolute
         configured = _tokenizer_config(folder).get("path")
@@ -299,28 +270,19 @@ def load_for_generation(
         eos_ids = hf_eos_token_ids(path, hf_tokenizer)
         return GenerationModel(model, config, hf_tokenizer, eos_ids, template, path, "hf")
 
-    if path.is_file() and path.suffix != ".safetensors":  # a Lightning checkpoint
-        checkpoint = read_checkpoint(path)
-        hyper = checkpoint.get("hyper_parameters") or {}
-        config = _model_config(hyper.get("model"), f"'{path}' hyper_parameters")
-        state, kind, folders = model_state_of(checkpoint), "lightning", [path.parent]
-        if path.parent.name == "checkpoints":
-            folders.append(path.parent.parent)  # the run folder
-    else:
-        folder = path if path.is_dir() else path.parent
-        if path.is_dir() and not (path / WEIGHTS_NAME).is_file():
-            raise CheckpointError(
-                f"'{path}' is not a checkpoint: no {HF_CONFIG_NAME} (Hugging Face) and no "
-                f"{WEIGHTS_NAME} (native weights)"
-            )
-        model_fields = _read_manifest(folder).get("model") or _read_run_config(folder).get("model")
-        if model_fields is None:
-            raise CheckpointError(
-                f"'{path}': no {MANIFEST_NAME} or {RUN_CONFIG_NAME} beside the weights "
-                "says the model's shape"
-            )
-        config = _model_config(model_fields, f"'{folder}' model config")
-        state, kind, folders = load_weights(path), "native", [folder]
+    found = read_init_source(path, "checkpoint")
+    if found.model is None:
+        raise CheckpointError(
+            f"'{path}': no {MANIFEST_NAME} or {CONFIG_NAME} beside the weights says the "
+            "model's shape"
+        )
+    config = as_config(ModelConfig, found.model, f"checkpoint={str(source)!r} model")
+    folder = path if path.is_dir() else path.parent
+    folders = [folder]
+    if folder.name == CHECKPOINTS_DIR:
+        folders.append(folder.parent)  # the run folder
+    kind = "lightning" if found.kind in ("checkpoint", "sharded") else "native"
+    state = load_weights(path)
     model = _build(config, state, f"checkpoint='{path}'", device, dtype, attention)
     del state
     native_tokenizer, template, eos_ids = _native_tokenizer(path, folders, tokenizer)
@@ -407,10 +369,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def cli_main() -> None:
     """Entry point of ``recipes-generate``."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli_main()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,42 +31,35 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary,
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.adapters import (
-    ADAPTER_DIR,
-    check_adapter_config,
     has_adapter,
     merge_adapter,
     save_adapter,
 )
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.summary import ModelSizeSummary
+from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.sharded import is_sharded_checkpoint
-from recipes_lib.checkpoint.source import (
-    fill_model_from_init,
-    init_model_mismatches,
-    read_init_source,
-)
+from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.checkpoint.weights import (
-    WEIGHTS_NAME,
     average_checkpoints,
     list_step_checkpoints,
     save_weights,
 )
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
-from recipes_lib.config.instantiate import check_targets
-from recipes_lib.config.validate import validate_run_config
 from recipes_lib.data import PretrainDataModule
-from recipes_lib.data.chat_module import build_chat_data
-from recipes_lib.data.preference import build_preference_data
+from recipes_lib.data.chat.module import build_chat_data
+from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.files import write_text_atomic
 from recipes_lib.parallel import (
     build_strategy,
-    check_strategy,
-    gather_full_state_dict,
+    get_strategy,
     trainer_devices,
 )
 from recipes_lib.parallel.fp8 import fp8_callbacks
 from recipes_lib.parallel.precision import lightning_precision, resolve_device_choices
+from recipes_lib.preflight import check_run
 from recipes_lib.stages.causal_lm import CausalLMModule
 from recipes_lib.stages.dpo import build_dpo_module
 from recipes_lib.stages.sft import SFTModule
@@ -117,7 +110,9 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     allowed = cfg.run.allowed_targets
     callbacks = instantiate_dict(cfg.callbacks, "callbacks", allowed) + list(extra_callbacks)
     # float8 all-gather under FSDP: every weight's scale refreshed after each step
-    callbacks += fp8_callbacks(cfg.precision, fsdp=cfg.strategy.name == "fsdp")
+    callbacks += fp8_callbacks(
+        cfg.precision, fsdp=get_strategy(cfg.strategy.name).float8_all_gather
+    )
     if not cfg.trainer.enable_progress_bar:  # a progress bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     # Our summary line replaces Lightning's table (whose FLOPs need an example input:
@@ -190,7 +185,7 @@ def _resolve_ckpt_path(cfg: RunConfig) -> str | None:
 
 
 def _refuse_to_overwrite(cfg: RunConfig, ckpt_path: str | None) -> None:
-    ckpt_dir = Path(cfg.run.dir) / "checkpoints"
+    ckpt_dir = RunDir(cfg.run.dir).checkpoints
     if ckpt_path is None and cfg.stage.init_from is None and ckpt_dir.is_dir():
         if any(ckpt_dir.iterdir()):
             raise CheckpointError(
@@ -201,43 +196,18 @@ def _refuse_to_overwrite(cfg: RunConfig, ckpt_path: str | None) -> None:
 
 def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), out / "config.yaml")
+    yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    write_text_atomic(RunDir(out).config, yaml)
 
 
 def check_run_config(cfg: RunConfig) -> None:
-    """Every check :func:`run` makes before touching data or weights: values and their
-    combinations, the adapter, and the strategy on this machine.
+    """Every check :func:`run` makes before touching data or weights (the pre-flight,
+    :func:`recipes_lib.preflight.check_run`).
 
     Raises:
         ConfigError: the first problem found, naming its keys.
     """
-    # first: an unallowed _target_ anywhere is refused before anything is imported
-    check_targets(dataclasses.asdict(cfg), "", cfg.run.allowed_targets)
-    # then the model against the weights it starts from, every difference at once
-    check_init_source(cfg)
-    validate_run_config(cfg, objectives=tuple(OBJECTIVES))
-    check_adapter_config(cfg.adapter, accelerator=cfg.trainer.accelerator)
-    check_strategy(cfg)
-
-
-def check_init_source(cfg: RunConfig) -> None:
-    """Read what ``stage.init_from`` holds and refuse a model that does not fit it, with
-    every difference named at once (before any data is prepared).
-
-    Raises:
-        ConfigError: the configured model differs from the one the source records.
-        CheckpointError: ``stage.init_from`` is missing or unreadable.
-    """
-    if cfg.stage.init_from is None:
-        return
-    source = read_init_source(cfg.stage.init_from)
-    differences = init_model_mismatches(cfg.model, source)
-    if differences:
-        raise ConfigError(
-            f"stage.init_from={cfg.stage.init_from!r}: the configured model does not fit it "
-            f"({len(differences)} difference(s)): {'; '.join(differences)}; set those model "
-            "keys to its values, or take its whole shape with model=from_init"
-        )
+    check_run(cfg, objectives=tuple(OBJECTIVES))
 
 
 def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunResult:
@@ -284,7 +254,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         weights_path, averaged_from = _export_weights(cfg, trainer, module, out, saver, ema)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-    last = out / "checkpoints" / "last.ckpt"
+    last = RunDir(out).last_checkpoint
     prepared = datamodule.prepared
     return RunResult(
         output_dir=out,
@@ -302,12 +272,25 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     )
 
 
-def _step_saver(trainer: L.Trainer) -> ModelCheckpoint | None:
-    """The checkpoint callback that saves every N optimizer steps, if there is one."""
-    for callback in trainer.checkpoint_callbacks:
-        if isinstance(callback, ModelCheckpoint) and callback._every_n_train_steps > 0:
-            return callback
-    return None
+def _step_saver(cfg: RunConfig, trainer: L.Trainer) -> tuple[ModelCheckpoint, int] | None:
+    """The checkpoint callback that saves every N optimizer steps and its N, if there is one.
+
+    ModelCheckpoint keeps N to itself, so N is read from the ``callbacks`` entry the
+    callback was built from: its ``every_n_train_steps``, which the shipped callback
+    groups set to ``run.checkpoint_every_n_steps``.
+    """
+    every = next(
+        (
+            int(node["every_n_train_steps"])
+            for node in cfg.callbacks.values()
+            if isinstance(node, Mapping) and (node.get("every_n_train_steps") or 0) > 0
+        ),
+        None,
+    )
+    savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    if every is None or not savers:
+        return None
+    return savers[0], every
 
 
 def _prepare_averaging(
@@ -322,13 +305,13 @@ def _prepare_averaging(
     k = cfg.stage.average_last_k
     if k is None:
         return None
-    saver = _step_saver(trainer)
-    if saver is None:
+    found = _step_saver(cfg, trainer)
+    if found is None:
         raise ConfigError(
             f"stage.average_last_k={k} averages step checkpoints, but no ModelCheckpoint "
             "callback saves every N train steps (callbacks.checkpoint)"
         )
-    every = saver._every_n_train_steps
+    saver, every = found
     if steps % every != 0:
         raise ConfigError(
             f"stage.average_last_k={k}: the run ends at step {steps}, which is not a multiple "
@@ -370,9 +353,9 @@ def _export_weights(
                 f"{step} in {saver.dirpath}; found: {found}"
             )
         chosen = [p for _, p in saved[-k:]]
-    path = out / WEIGHTS_NAME
+    path = RunDir(out).weights
     # sharded weights are gathered by every rank together, onto rank 0
-    final = gather_full_state_dict(module.model, trainer.strategy)
+    final = get_strategy(cfg.strategy.name).gather_full_state_dict(module.model, trainer.strategy)
     if trainer.is_global_zero:
         if chosen:
             state, source = average_checkpoints(chosen), f"mean of {len(chosen)} checkpoints"
@@ -381,7 +364,7 @@ def _export_weights(
         else:
             state, source = final, "final"
         if has_adapter(module.model):
-            save_adapter(module.model, out / ADAPTER_DIR, cfg.adapter, state=state)
+            save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
             state, source = (
                 merge_adapter(module.model, state),
                 f"{source}, {cfg.adapter.kind} merged",
@@ -396,5 +379,6 @@ def _last_lr(trainer: L.Trainer) -> float | None:
     if not trainer.lr_scheduler_configs:
         return None
     scheduler = trainer.lr_scheduler_configs[0].scheduler
-    history = getattr(scheduler, "_last_lr", None)
+    get_last_lr = getattr(scheduler, "get_last_lr", None)  # torch's schedulers have it
+    history = get_last_lr() if callable(get_last_lr) else None
     return float(history[0]) if history else None

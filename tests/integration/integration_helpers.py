@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from run_helpers import metric_series, read_metrics
+from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 __all__ = ["metric_series", "read_metrics", "tiny_overrides"]
 
@@ -19,14 +20,12 @@ def tiny_overrides(tmp_path: Path, cache_dir: Path, *extra: str) -> list[str]:
         *([] if other_data else ["data.sources.stdlib.max_documents=120"]),
         "data.seq_len=64",
         "data.batch_size=4",
-        "model.vocab_size=512",
-        "data.tokenizer.vocab_size=512",
+        *SMALL_VOCAB_OVERRIDES,
         "trainer.max_steps=16",
         "trainer.val_check_interval=8",
         "trainer.limit_val_batches=2",
         "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
+        *QUIET_OVERRIDES,
         "scheduler.warmup=4",
         "run.checkpoint_every_n_steps=8",
         "callbacks=minimal",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 from integration_helpers import tiny_overrides
+from tiny import SMALL_VOCAB_OVERRIDES
 
 
 def _script(name: str) -> str:
@@ -104,8 +105,7 @@ def test_prepare_command_writes_shards(tmp_path):
             f"data.cache_dir={cache}",
             f"run.dir={tmp_path / 'run'}",
             "data.sources.stdlib.max_documents=40",
-            "model.vocab_size=512",
-            "data.tokenizer.vocab_size=512",
+            *SMALL_VOCAB_OVERRIDES,
         ],
         cwd=tmp_path,
         capture_output=True,

@@ -15,13 +15,18 @@ import pytest
 import torch
 from integration_helpers import read_metrics, tiny_overrides
 from run_helpers import torchrun
+from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.sharded import (
-    consolidate_sharded_checkpoint,
     is_sharded_checkpoint,
     read_sharded_checkpoint,
 )
-from recipes_lib.checkpoint.weights import MODEL_PREFIX, list_step_checkpoints, load_weights
+from recipes_lib.checkpoint.weights import (
+    MODEL_PREFIX,
+    consolidate_sharded_checkpoint,
+    list_step_checkpoints,
+    load_weights,
+)
 from recipes_lib.config import compose_config
 from recipes_lib.train import run
 
@@ -134,16 +139,14 @@ def _dpo_overrides(run_dir: Path, runs: dict, *extra: str) -> list[str]:
         f"data.cache_dir={runs['cache']}",
         f"stage.init_from={runs['single'] / 'model.safetensors'}",
         f"data.tokenizer.path={runs['tokenizer']}",
-        "model.vocab_size=512",
-        "data.tokenizer.vocab_size=512",
+        *SMALL_VOCAB_OVERRIDES,
         "data.seq_len=128",
         "data.sources.stdlib_dpo.max_documents=200",
         "scheduler.warmup=1",
         "trainer.max_steps=3",
         "trainer.val_check_interval=3",
         "trainer.limit_val_batches=2",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
+        *QUIET_OVERRIDES,
         "callbacks=minimal",
         *extra,
     ]

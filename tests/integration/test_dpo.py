@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from integration_helpers import metric_series, read_metrics, tiny_overrides
+from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config
@@ -28,8 +29,7 @@ def dpo_overrides(run_dir, cache_dir, pretrained, *extra: str, recipe="dpo/tiny"
         f"data.cache_dir={cache_dir}",
         f"stage.init_from={pretrained.weights_path}",
         f"data.tokenizer.path={pretrained.tokenizer_path}",
-        "model.vocab_size=512",
-        "data.tokenizer.vocab_size=512",
+        *SMALL_VOCAB_OVERRIDES,
         "data.seq_len=128",
         "data.batch_size=4",
         "data.sources.stdlib_dpo.max_documents=400",
@@ -39,8 +39,7 @@ def dpo_overrides(run_dir, cache_dir, pretrained, *extra: str, recipe="dpo/tiny"
         "trainer.val_check_interval=4",
         "trainer.limit_val_batches=4",
         "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
+        *QUIET_OVERRIDES,
         "callbacks=minimal",
         *extra,
     ]

@@ -8,14 +8,17 @@ import json
 
 import pytest
 import torch
+from hf_folders import EOS, VOCAB, tiny_hf_model, write_tokenizer
 from lightning.pytorch.callbacks import Callback
+from tiny import QUIET_OVERRIDES
 
 from recipes_lib.checkpoint.hf import export_hf_checkpoint
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config, to_run_config
-from recipes_lib.data.chat import ChatRenderer, record_messages
-from recipes_lib.data.instructions import stdlib_instruction_records
-from recipes_lib.data.tokenizer import load_tokenizer, save_tokenizer, train_bpe_tokenizer
+from recipes_lib.data.chat.instructions import stdlib_instruction_records
+from recipes_lib.data.chat.messages import record_messages
+from recipes_lib.data.chat.template import ChatRenderer
+from recipes_lib.data.tokenizer import load_tokenizer
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
 from recipes_lib.pipeline import parse_pipeline, run_pipeline
@@ -23,8 +26,6 @@ from recipes_lib.train import run
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 512
-EOS = "<|endoftext|>"
 # a template of the folder's own (not a built-in one): role tags, EOS after each turn
 TEMPLATE = (
     "{% for m in messages %}{{ '<' + m['role'] + '>\n' + m['content'] + eos_token + '\n' }}"
@@ -33,31 +34,23 @@ TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory):
+def llama_folder(tmp_path_factory):
     """A tiny Llama of the `tiny` model's shape saved by transformers, with a byte-level
-    BPE tokenizer trained on the instruction records and a chat template."""
+    BPE tokenizer trained on the instruction records (no chat tokens, no pad token) and a
+    chat template; unlike the session's ``hf_folder`` (a Qwen2 with ChatML tokens)."""
     folder = tmp_path_factory.mktemp("hf") / "tiny-llama"
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
+    model = tiny_hf_model(
+        "llama",
         hidden_size=128,
         intermediate_size=384,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=1024,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         eos_token_id=0,
     )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder)
-    texts = [r["prompt"] + r["response"] for r in stdlib_instruction_records(200)]
-    save_tokenizer(train_bpe_tokenizer(texts, VOCAB, EOS), folder / "tokenizer.json")
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS}
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({**settings, "chat_template": TEMPLATE})
-    )
+    records = stdlib_instruction_records(200)
+    write_tokenizer(folder, records, template=TEMPLATE, chat_tokens=(), pad_token=None)
     return folder, model
 
 
@@ -77,8 +70,7 @@ def sft_overrides(tmp_path, init_from, *extra: str) -> list[str]:
         "trainer.max_steps=4",
         "trainer.val_check_interval=4",
         "trainer.limit_val_batches=1",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
+        *QUIET_OVERRIDES,
         "scheduler.warmup=1",
         "callbacks=minimal",
         *extra,
@@ -99,8 +91,10 @@ class FirstLogits(Callback):
                 self.logits = pl_module(batch["input_ids"]).clone()
 
 
-def test_sft_from_a_hf_folder_starts_from_its_logits_and_exports_its_template(tmp_path, hf_folder):
-    folder, hf_model = hf_folder
+def test_sft_from_a_hf_folder_starts_from_its_logits_and_exports_its_template(
+    tmp_path, llama_folder
+):
+    folder, hf_model = llama_folder
     first = FirstLogits()
     result = run(compose_config(sft_overrides(tmp_path, folder)), callbacks=[first])
     assert result.global_step == 4
@@ -136,8 +130,8 @@ def test_sft_from_a_hf_folder_starts_from_its_logits_and_exports_its_template(tm
         torch.testing.assert_close(reloaded(input_ids=x).logits, trained(x), atol=1e-4, rtol=1e-4)
 
 
-def test_dpo_from_a_hf_folder_uses_it_as_policy_and_reference(tmp_path, hf_folder):
-    folder, _ = hf_folder
+def test_dpo_from_a_hf_folder_uses_it_as_policy_and_reference(tmp_path, llama_folder):
+    folder, _ = llama_folder
     overrides = [
         "recipe=dpo/tiny",
         f"run.dir={tmp_path / 'run'}",
@@ -152,8 +146,7 @@ def test_dpo_from_a_hf_folder_uses_it_as_policy_and_reference(tmp_path, hf_folde
         "scheduler.warmup=1",
         "trainer.val_check_interval=2",
         "trainer.limit_val_batches=1",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
+        *QUIET_OVERRIDES,
         "callbacks=minimal",
     ]
     result = run(compose_config(overrides))
@@ -162,8 +155,8 @@ def test_dpo_from_a_hf_folder_uses_it_as_policy_and_reference(tmp_path, hf_folde
     assert (result.output_dir / "tokenizer_config.json").is_file()
 
 
-def test_a_hf_config_that_differs_from_the_model_is_named_before_training(tmp_path, hf_folder):
-    folder, _ = hf_folder
+def test_a_hf_config_that_differs_from_the_model_is_named_before_training(tmp_path, llama_folder):
+    folder, _ = llama_folder
     overrides = sft_overrides(tmp_path, folder, "model.ffn_dim=256", "model.norm_eps=1e-6")
     cfg = compose_config(overrides)
     with pytest.raises(ConfigError) as err:  # in the pre-flight, before any data
@@ -176,8 +169,8 @@ def test_a_hf_config_that_differs_from_the_model_is_named_before_training(tmp_pa
     assert not list((tmp_path / "run").glob("checkpoints/*.ckpt"))
 
 
-def test_a_pipeline_stage_starts_from_a_hf_folder(tmp_path, hf_folder):
-    folder, hf_model = hf_folder
+def test_a_pipeline_stage_starts_from_a_hf_folder(tmp_path, llama_folder):
+    folder, hf_model = llama_folder
     first = FirstLogits()
     sft = {
         "recipe": "sft/tiny",

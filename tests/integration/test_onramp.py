@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_folders import TEMPLATE, write_chat_records, write_preference_records
+from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.config import compose_config
 from recipes_lib.errors import ConfigError, DataError
@@ -42,8 +43,9 @@ def records(tmp_path_factory) -> dict[str, Path]:
 
 
 def _run(tmp_path, *overrides: str):
-    quiet = ["trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
-    return run(compose_config([*overrides, *SHORT, *quiet, f"run.dir={tmp_path / 'run'}"]))
+    return run(
+        compose_config([*overrides, *SHORT, *QUIET_OVERRIDES, f"run.dir={tmp_path / 'run'}"])
+    )
 
 
 @pytest.mark.parametrize(
@@ -90,7 +92,7 @@ def test_the_readme_commands_run_as_written(tmp_path, hf_folder, records):
         if "recipe=sft/qlora" in args:  # CUDA only: it composes, and is refused here
             continue
         if "recipe=pretrain/tiny" in args:
-            args += ["model.vocab_size=512", "data.tokenizer.vocab_size=512", "data.seq_len=64"]
+            args += [*SMALL_VOCAB_OVERRIDES, "data.seq_len=64"]
             args.append(f"data.cache_dir={tmp_path / 'cache'}")
         if number not in (0, len(commands) - 1) and "recipe=dpo/lora" not in args:
             continue  # sft/full, dpo/lora and pretraining run here; the rest run in-process above
@@ -167,8 +169,7 @@ def test_pretraining_reads_a_folder_of_text_files(tmp_path):
         "recipe=pretrain/tiny",
         f"data.path={corpus}",
         f"data.cache_dir={tmp_path / 'cache'}",
-        "model.vocab_size=512",
-        "data.tokenizer.vocab_size=512",
+        *SMALL_VOCAB_OVERRIDES,
         "data.seq_len=64",
     )
     assert result.weights_path.is_file()

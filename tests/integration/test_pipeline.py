@@ -17,6 +17,7 @@ import pytest
 import torch
 from integration_helpers import metric_series, read_metrics
 from lightning.pytorch.callbacks import Callback
+from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.manifest import read_manifest
 from recipes_lib.checkpoint.weights import load_weights, read_checkpoint
@@ -24,7 +25,6 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.pipeline import compose_pipeline, parse_pipeline, plan_pipeline, run_pipeline
 
 PIPELINE = str(Path(sys.executable).parent / "recipes-pipeline")
-SMALL = ["model.vocab_size=512", "data.tokenizer.vocab_size=512"]
 
 
 class RecordStart(Callback):
@@ -161,14 +161,13 @@ def test_full_init_continues_the_step_count(tmp_path, shared_cache, monkeypatch)
             "name": "full",
             "dir": str(tmp_path / "full"),
             "overrides": [
-                *SMALL,
+                *SMALL_VOCAB_OVERRIDES,
                 "data.sources.stdlib.max_documents=120",
                 "data.seq_len=64",
                 "data.batch_size=4",
                 "trainer.limit_val_batches=1",
                 "trainer.log_every_n_steps=1",
-                "trainer.enable_progress_bar=false",
-                "trainer.enable_model_summary=false",
+                *QUIET_OVERRIDES,
                 "callbacks=minimal",
             ],
             "stages": {

@@ -22,8 +22,9 @@ from omegaconf import OmegaConf
 from recipes_lib.checkpoint.hf import export_hf_checkpoint
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import to_run_config
-from recipes_lib.data.chat import PLAIN_TEMPLATE, record_messages
-from recipes_lib.data.chat_module import ChatDataModule
+from recipes_lib.data.chat.messages import record_messages
+from recipes_lib.data.chat.module import ChatDataModule
+from recipes_lib.data.chat.template import PLAIN_TEMPLATE
 from recipes_lib.data.records import split_records
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,10 +8,11 @@ import shutil
 import pytest
 import torch
 from integration_helpers import metric_series, read_metrics, tiny_overrides
+from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config, to_run_config
-from recipes_lib.data.chat_module import build_chat_data
+from recipes_lib.data.chat.module import build_chat_data
 from recipes_lib.errors import ConfigError
 from recipes_lib.train import run
 
@@ -35,14 +36,12 @@ def sft_overrides(tmp_path, pretrained, recipe: str, *extra: str) -> list[str]:
         "data.seq_len=128",
         "data.batch_size=4",
         "data.val_fraction=0.1",
-        "model.vocab_size=512",
-        "data.tokenizer.vocab_size=512",
+        *SMALL_VOCAB_OVERRIDES,
         "trainer.max_steps=30",
         "trainer.val_check_interval=10",
         "trainer.limit_val_batches=4",
         "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "trainer.enable_model_summary=false",
+        *QUIET_OVERRIDES,
         "scheduler.warmup=3",
         "run.checkpoint_every_n_steps=30",
         "callbacks=minimal",

@@ -1,11 +1,11 @@
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import OmegaConf
+from tiny import quiet_trainer, tiny_model_config
 from torch.utils.data import DataLoader
 
 from recipes_lib.checkpoint.hf import export_hf_checkpoint
@@ -21,24 +21,16 @@ from recipes_lib.config.schema import (
 from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import CheckpointError, ConfigError, DataError
 from recipes_lib.generate import generate, load_for_generation, main, sample_token
-from recipes_lib.models import Transformer
-from recipes_lib.models.llama import KVCache
+from recipes_lib.models import KVCache, Transformer
 
 VOCAB = 300  # holds a byte-level BPE tokenizer (256 bytes + EOS + merges)
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
 def tiny(**overrides) -> ModelConfig:
-    base = ModelConfig(
-        vocab_size=VOCAB,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=96,
-        max_seq_len=96,
+    return tiny_model_config(
+        **{"vocab_size": VOCAB, "dim": 64, "ffn_dim": 96, "max_seq_len": 96, **overrides}
     )
-    return replace(base, **overrides)
 
 
 def build(config: ModelConfig | None = None, attention="sdpa", seed=0) -> Transformer:
@@ -52,7 +44,7 @@ def build(config: ModelConfig | None = None, attention="sdpa", seed=0) -> Transf
 
 VARIANTS = {
     "gqa": {},
-    "mha-bias": {"n_kv_heads": None, "qkv_bias": True},
+    "mha-bias": {"n_kv_heads": None, "qkv_bias": True, "family": "qwen2"},
     "mqa-tied": {"n_kv_heads": 1, "tie_embeddings": True},
     "llama3-rope": {
         "rope_scaling": RopeScalingConfig(type="llama3", factor=4.0, original_max_seq_len=16)
@@ -194,7 +186,7 @@ def test_longest_generation_fits_exactly():
 
 def test_greedy_matches_transformers_generate(tmp_path):
     transformers = pytest.importorskip("transformers")
-    model = build(tiny(qkv_bias=True))
+    model = build(tiny(qkv_bias=True, family="qwen2"))
     export_hf_checkpoint(model, model.config, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     expected = hf.generate(
@@ -236,15 +228,8 @@ def train_lightning_run(run_dir):
     batches = [
         {"input_ids": tokens[i : i + 2, :-1], "labels": tokens[i : i + 2, 1:]} for i in (0, 2)
     ]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True)],
-        default_root_dir=run_dir,
-    )
+    saver = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True)
+    trainer = quiet_trainer(2, [saver], default_root_dir=run_dir)
     trainer.fit(module, DataLoader(batches, batch_size=None))
     return module.model, run_dir / "checkpoints" / "last.ckpt"
 
@@ -295,7 +280,7 @@ def test_load_native_export_with_a_stage_manifest(tmp_path, tokenizer_file):
 
 
 def test_load_hugging_face_folder(tmp_path, tokenizer_file):
-    model = build(tiny(qkv_bias=True))
+    model = build(tiny(qkv_bias=True, family="qwen2"))
     template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     export_hf_checkpoint(model, model.config, tmp_path, tokenizer_file, chat_template=template)
     loaded = load_for_generation(tmp_path)

@@ -18,10 +18,9 @@ from recipes_lib.adapters.lora import (
     lora_layers,
     merge_adapter,
 )
-from recipes_lib.adapters.peft_format import ADAPTER_DIR, hf_target_modules, save_adapter
+from recipes_lib.adapters.peft_format import hf_target_modules, save_adapter
 
 __all__ = [
-    "ADAPTER_DIR",
     "ADAPTER_KINDS",
     "NATIVE_TARGETS",
     "adapters_disabled",

@@ -58,16 +58,13 @@ def native_targets(config: AdapterConfig) -> list[str]:
     return targets
 
 
-def check_adapter_config(config: AdapterConfig, accelerator: str = "auto") -> None:
-    """Fail before training on an adapter that cannot run here.
-
-    Args:
-        config: the ``adapter`` config.
-        accelerator: ``trainer.accelerator`` (QLoRA needs a CUDA one).
+def check_adapter_config(config: AdapterConfig) -> None:
+    """Fail before training on adapter settings that cannot work (QLoRA's CUDA GPU is
+    the pre-flight's: :func:`recipes_lib.preflight.check_adapter`).
 
     Raises:
         ConfigError: an unknown kind or bad rank, alpha, dropout or target, or QLoRA
-            without ``bitsandbytes`` or without a CUDA GPU (naming what is missing).
+            without ``bitsandbytes``.
     """
     if config.kind not in ADAPTER_KINDS:
         raise ConfigError(f"adapter.kind={config.kind!r} is not one of {list(ADAPTER_KINDS)}")
@@ -90,15 +87,6 @@ def check_adapter_config(config: AdapterConfig, accelerator: str = "auto") -> No
         raise ConfigError(
             "adapter.kind=qlora needs the bitsandbytes package, which is not installed "
             "(pip install 'recipes-lib[qlora]'); use adapter=lora instead"
-        )
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "adapter.kind=qlora needs a CUDA GPU (bitsandbytes 4-bit kernels), and none is "
-            "available; use adapter=lora on this machine"
-        )
-    if accelerator not in ("auto", "cuda", "gpu"):
-        raise ConfigError(
-            f"adapter.kind=qlora needs a CUDA GPU, but trainer.accelerator={accelerator}"
         )
 
 

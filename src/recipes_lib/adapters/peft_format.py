@@ -27,12 +27,12 @@ from recipes_lib.adapters.lora import (
     lora_layers,
     native_targets,
 )
-from recipes_lib.checkpoint.hf import native_to_hf_name
-from recipes_lib.checkpoint.weights import chmod_as_umask
 from recipes_lib.config.schema import AdapterConfig
 from recipes_lib.errors import CheckpointError
+from recipes_lib.files import chmod_as_umask
+from recipes_lib.models import Transformer
+from recipes_lib.models.families import get_family
 
-ADAPTER_DIR = "adapter"  # <run.dir>/adapter/
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -49,9 +49,11 @@ def peft_state_dict(
 ) -> dict[str, Tensor]:
     """The LoRA factors of ``model`` (or of ``state``) under PEFT's Hugging Face keys."""
     source = state if state is not None else {}
+    decoder = next(m for m in model.modules() if isinstance(m, Transformer))
+    names = get_family(decoder.config.family).names
     out: dict[str, Tensor] = {}
     for layer_name, layer in lora_layers(model).items():
-        hf_name = native_to_hf_name(f"{layer_name}.weight")
+        hf_name = names.to_hf(f"{layer_name}.weight")
         if hf_name is None:
             raise CheckpointError(f"adapter on {layer_name!r}, which has no Hugging Face name")
         hf_layer = hf_name.removesuffix(".weight")

@@ -1,45 +1,47 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2 and Mistral folders.
+"""Hugging Face checkpoints in and out, for every supported model family.
 
 A Hugging Face model folder holds ``config.json`` and its weights as ``model.safetensors``
-or as shards listed by ``model.safetensors.index.json``. The native
-:class:`~recipes_lib.models.Transformer` uses Meta's parameter names and the same
-rotate-half RoPE as ``transformers``, so converting is a rename, with no permutation:
-
-    model.embed_tokens              <-> tok_embeddings
-    model.layers.N.self_attn.q_proj <-> layers.N.attention.wq   (k_proj, v_proj, o_proj alike)
-    model.layers.N.mlp.gate_proj    <-> layers.N.feed_forward.w1
-    model.layers.N.mlp.up_proj      <-> layers.N.feed_forward.w3
-    model.layers.N.mlp.down_proj    <-> layers.N.feed_forward.w2
-    model.layers.N.input_layernorm  <-> layers.N.attention_norm
-    model.layers.N.post_attention_layernorm <-> layers.N.ffn_norm
-    model.norm                      <-> norm
-    lm_head                         <-> output   (absent when the embeddings are tied)
+or as shards listed by ``model.safetensors.index.json``. Its ``model_type`` picks the
+family (:mod:`recipes_lib.models.families`), whose adapter maps the config and renames
+the tensors; the files themselves are :mod:`recipes_lib.checkpoint.hf_files`'s and the
+tokenizer :mod:`recipes_lib.checkpoint.hf_tokenizer`'s.
 
 :func:`load_hf_checkpoint` reads a downloaded folder into a model; :func:`load_hf_weights_into`
-fills a model built from a run's config (``stage.init_from=<folder>``) after checking that the
-folder's ``config.json`` describes it; :func:`export_hf_checkpoint` writes one that
-``transformers.AutoModelForCausalLM.from_pretrained`` loads (as ``llama``, or ``qwen2`` when
-the model has q/k/v biases), with the tokenizer and chat template a run saved beside it.
+fills a model built from a run's config (``stage.init_from=<folder>``) after checking that
+the folder's ``config.json`` describes it; :func:`export_hf_checkpoint` writes one that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads, with the tokenizer and chat
+template a run saved beside it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-from tokenizers import Tokenizer
 from torch import Tensor, nn
 
-from recipes_lib.checkpoint.weights import chmod_as_umask
-from recipes_lib.config.schema import ModelConfig, RopeScalingConfig, resolved_model_fields
+from recipes_lib.checkpoint.hf_files import (
+    DEFAULT_MAX_SHARD_BYTES,
+    DTYPES,
+    HF_CONFIG_NAME,
+    checked_tensors,
+    copy_tensors,
+    is_hf_folder,
+    read_hf_config,
+    write_safetensors,
+)
+from recipes_lib.checkpoint.hf_tokenizer import (
+    HF_TOKENIZER_CONFIG_NAME,
+    first_special_token,
+    hf_chat_template,
+    read_json,
+    token_text,
+)
+from recipes_lib.config.schema import ModelConfig, resolved_model_fields
 from recipes_lib.data.tokenizer import (
     load_tokenizer,
     resolve_tokenizer_file,
@@ -47,130 +49,39 @@ from recipes_lib.data.tokenizer import (
     tokenizer_vocab_size,
 )
 from recipes_lib.errors import CheckpointError
+from recipes_lib.files import write_json_atomic
 from recipes_lib.models import Transformer
-from recipes_lib.models.llama import rope_cos_sin
+from recipes_lib.models.families import family_of_hf, get_family
+from recipes_lib.models.families.base import common_hf_fields
+from recipes_lib.models.rope import rope_cos_sin
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
-HF_CONFIG_NAME = "config.json"
-HF_WEIGHTS_NAME = "model.safetensors"
-HF_INDEX_NAME = "model.safetensors.index.json"
-HF_TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-_MAX_LISTED = 5  # mismatches named in an error message
-
-_LAYER_NAMES = {  # Hugging Face name inside a layer -> native name
-    "self_attn.q_proj": "attention.wq",
-    "self_attn.k_proj": "attention.wk",
-    "self_attn.v_proj": "attention.wv",
-    "self_attn.o_proj": "attention.wo",
-    "mlp.gate_proj": "feed_forward.w1",
-    "mlp.up_proj": "feed_forward.w3",
-    "mlp.down_proj": "feed_forward.w2",
-    "input_layernorm": "attention_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-_NATIVE_LAYER_NAMES = {native: hf for hf, native in _LAYER_NAMES.items()}
-_TOP_NAMES = {
-    "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.norm.weight": "norm.weight",
-    "lm_head.weight": "output.weight",
-}
-_NATIVE_TOP_NAMES = {native: hf for hf, native in _TOP_NAMES.items()}
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
-_NATIVE_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
-_IGNORED_HF_NAMES = re.compile(r".*rotary_emb\.inv_freq")  # RoPE tables some old exports kept
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-# ------------------------------------------------------------------- tensor names
-def hf_to_native_name(name: str) -> str | None:
-    """The native parameter name of a Hugging Face tensor name, or None if it has none."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
-    match = _HF_LAYER.fullmatch(name)
-    if match and match[2] in _LAYER_NAMES:
-        return f"layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
-    return None
-
-
-def native_to_hf_name(name: str) -> str | None:
-    """The Hugging Face tensor name of a native parameter name, or None if it has none."""
-    if name in _NATIVE_TOP_NAMES:
-        return _NATIVE_TOP_NAMES[name]
-    match = _NATIVE_LAYER.fullmatch(name)
-    if match and match[2] in _NATIVE_LAYER_NAMES:
-        return f"model.layers.{match[1]}.{_NATIVE_LAYER_NAMES[match[2]]}.{match[3]}"
-    return None
-
-
-# ------------------------------------------------------------------------ config
-def _required(config: Mapping[str, Any], key: str) -> Any:
-    value = config.get(key)
-    if value is None:
-        raise CheckpointError(f"the Hugging Face config has no {key!r}")
-    return value
-
-
-def _rope_from_hf(config: Mapping[str, Any]) -> tuple[float, RopeScalingConfig]:
-    """RoPE theta and scaling from ``rope_parameters`` (transformers 5) or the older
-    ``rope_theta`` + ``rope_scaling`` keys."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if "rope_type" not in params and any(isinstance(v, Mapping) for v in params.values()):
-        raise CheckpointError(
-            f"per-layer-type rope_parameters ({sorted(params)}) are not supported"
-        )
-    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
-    if float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1:
-        raise CheckpointError("partial_rotary_factor != 1 (partial RoPE) is not supported")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
-        return theta, RopeScalingConfig()
-    if rope_type == "linear":
-        return theta, RopeScalingConfig(type="linear", factor=float(params["factor"]))
-    if rope_type == "llama3":
-        return theta, RopeScalingConfig(
-            type="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_seq_len=int(params["original_max_position_embeddings"]),
-        )
-    raise CheckpointError(
-        f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
-    )
-
-
-def _sliding_window(config: Mapping[str, Any], model_type: str) -> int | None:
-    """The attention window some layers use, or None when every layer attends fully."""
-    window = config.get("sliding_window")
-    if window is None or model_type == "llama":
-        return None
-    if model_type == "qwen2":
-        layer_types = config.get("layer_types")
-        if layer_types is not None:
-            return window if "sliding_attention" in layer_types else None
-        uses = config.get("use_sliding_window", False)
-        if not uses or config.get("max_window_layers", 0) >= config["num_hidden_layers"]:
-            return None
-    return int(window)
+_MAX_LISTED = 5  # tensors named in an error message
+__all__ = [
+    "export_hf_checkpoint",
+    "hf_config_from_model",
+    "hf_config_mismatches",
+    "is_hf_folder",
+    "load_hf_checkpoint",
+    "load_hf_weights_into",
+    "model_config_from_hf",
+    "read_hf_config",
+]
 
 
 def model_config_from_hf(
     config: Mapping[str, Any], *, name: str | None = None, max_seq_len: int | None = None
 ) -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face ``config.json`` (llama, qwen2, mistral).
-
-    Qwen2 has biases on q/k/v (``qkv_bias``); a Llama config with ``attention_bias``
-    also puts one on ``o_proj``, which the native model lacks, and is refused.
+    """The :class:`ModelConfig` of a Hugging Face ``config.json``, read by the family its
+    ``model_type`` names.
 
     Sliding-window attention (Mistral v0.1, Qwen2 with ``use_sliding_window``) over a
     window of ``W`` tokens equals full causal attention on sequences of at most ``W``
-    tokens, so the model is built with full attention and a context of at most ``W``:
-    ``max_seq_len`` defaults to ``min(max_position_embeddings, W)``, and a longer one
-    is an error rather than a silently different model.
+    tokens, so such a model is built with full attention and a context of at most
+    ``W``: ``max_seq_len`` defaults to ``min(max_position_embeddings, W)``, and a longer
+    one is an error rather than a silently different model.
 
     Args:
         config: the parsed ``config.json``.
@@ -179,31 +90,17 @@ def model_config_from_hf(
             RoPE tables of that length are allocated, so a smaller value saves memory.
 
     Raises:
-        CheckpointError: an unsupported model type, activation, bias, RoPE scaling or a
-            context longer than the sliding window; or a missing key.
+        CheckpointError: an unsupported model type (the supported ones are listed), an
+            option the family does not support, a context longer than the sliding
+            window, or a missing key.
     """
     model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise CheckpointError(
-            f"model_type={model_type!r} is not supported; supported: "
-            + ", ".join(SUPPORTED_MODEL_TYPES)
-        )
-    activation = config.get("hidden_act", "silu")
-    if activation != "silu":
-        raise CheckpointError(f"{model_type}: hidden_act={activation!r}; only silu is supported")
-    if config.get("mlp_bias"):
-        raise CheckpointError(f"{model_type}: mlp_bias=true is not supported")
-    if model_type == "llama" and config.get("attention_bias"):
-        raise CheckpointError(
-            "llama: attention_bias=true also adds a bias to o_proj, which is not supported "
-            "(q/k/v biases alone are: model_type qwen2)"
-        )
-    dim = int(_required(config, "hidden_size"))
-    n_heads = int(_required(config, "num_attention_heads"))
-    head_dim = config.get("head_dim") or dim // n_heads
-    theta, scaling = _rope_from_hf(config)
-    max_positions = int(_required(config, "max_position_embeddings"))
-    window = _sliding_window(config, model_type)
+    family = family_of_hf(model_type)
+    fields = family.from_hf(config)
+    max_positions = int(config.get("max_position_embeddings") or 0)
+    if not max_positions:
+        raise CheckpointError("the Hugging Face config has no 'max_position_embeddings'")
+    window = family.sliding_window(config)
     if max_seq_len is None:
         max_seq_len = max_positions
         if window is not None and window < max_seq_len:
@@ -222,231 +119,33 @@ def model_config_from_hf(
             "sliding-window attention is not supported, so the context must stay within "
             f"the window (max_seq_len <= {window})"
         )
-    return ModelConfig(
-        name=name or config.get("_name_or_path") or model_type,
-        vocab_size=int(_required(config, "vocab_size")),
-        dim=dim,
-        n_layers=int(_required(config, "num_hidden_layers")),
-        n_heads=n_heads,
-        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
-        head_dim=None if head_dim * n_heads == dim else int(head_dim),
-        ffn_dim=int(_required(config, "intermediate_size")),
-        max_seq_len=int(max_seq_len),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        qkv_bias=model_type == "qwen2",
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        init_std=float(config.get("initializer_range", 0.02)),
-    )
+    name = name or config.get("_name_or_path") or model_type
+    return ModelConfig(name=name, max_seq_len=int(max_seq_len), **fields)
 
 
 def hf_config_from_model(
     config: ModelConfig, dtype: torch.dtype = torch.float32, eos_token_id: int | None = None
 ) -> dict[str, Any]:
-    """A ``config.json`` for ``transformers``: ``qwen2`` when the model has q/k/v biases,
-    ``llama`` otherwise. RoPE is written in the ``rope_theta``/``rope_scaling`` form that
-    transformers 4 reads and transformers 5 converts."""
-    scaling = config.rope_scaling
-    rope_scaling: dict[str, Any] | None = None
-    if scaling.type == "linear":
-        rope_scaling = {"rope_type": "linear", "type": "linear", "factor": scaling.factor}
-    elif scaling.type == "llama3":
-        rope_scaling = {
-            "rope_type": "llama3",
-            "factor": scaling.factor,
-            "low_freq_factor": scaling.low_freq_factor,
-            "high_freq_factor": scaling.high_freq_factor,
-            "original_max_position_embeddings": scaling.original_max_seq_len,
-        }
-    qwen2 = config.qkv_bias
-    out: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen2 else "llama",
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.dim,
-        "intermediate_size": config.ffn_dim,
-        "num_hidden_layers": config.n_layers,
-        "num_attention_heads": config.n_heads,
-        "num_key_value_heads": config.n_kv_heads or config.n_heads,
-        "head_dim": config.head_dim or config.dim // config.n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": config.max_seq_len,
-        "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": rope_scaling,
-        "tie_word_embeddings": config.tie_embeddings,
-        "initializer_range": config.init_std,
-        "attention_dropout": 0.0,
+    """A ``config.json`` for ``transformers``, of the model's family. RoPE is written in
+    the ``rope_theta``/``rope_scaling`` form that transformers 4 reads and transformers 5
+    converts."""
+    family = get_family(config.family)
+    family.check(config)
+    return {
+        "architectures": [family.hf_architecture],
+        "model_type": family.hf_model_types[0],
+        **common_hf_fields(config),
+        **family.to_hf(config),
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
-        "use_cache": True,
         "torch_dtype": _DTYPE_NAMES[dtype],  # transformers 4
         "dtype": _DTYPE_NAMES[dtype],  # transformers 5
     }
-    if qwen2:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.n_layers)
-    else:
-        out.update(attention_bias=False, mlp_bias=False)
-    return out
-
-
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of a Hugging Face model folder.
-
-    Raises:
-        CheckpointError: the folder or its config.json is missing or not JSON.
-    """
-    folder = Path(path).expanduser()
-    file = folder / HF_CONFIG_NAME
-    if not folder.is_dir():
-        raise CheckpointError(f"no Hugging Face model folder at '{folder}'")
-    if not file.is_file():
-        raise CheckpointError(f"'{folder}' has no {HF_CONFIG_NAME}; not a Hugging Face model")
-    try:
-        return json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
-
-
-# ----------------------------------------------------------------------- loading
-def hf_weight_files(path: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a Hugging Face model folder (shards in index order).
-
-    Raises:
-        CheckpointError: no safetensors weights, or an index naming a missing shard.
-    """
-    folder = Path(path).expanduser()
-    index = folder / HF_INDEX_NAME
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-            raise CheckpointError(f"'{index}' is not a safetensors index: {err}") from err
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise CheckpointError(f"'{index}' names missing shards: {', '.join(missing[:5])}")
-        return files
-    single = folder / HF_WEIGHTS_NAME
-    if single.is_file():
-        return [single]
-    if any(folder.glob("*.bin")):
-        raise CheckpointError(
-            f"'{folder}' holds only PyTorch .bin weights; save it with safetensors "
-            "(save_pretrained(..., safe_serialization=True))"
-        )
-    raise CheckpointError(f"'{folder}' has neither {HF_WEIGHTS_NAME} nor {HF_INDEX_NAME}")
-
-
-def _locate_tensors(
-    files: list[Path], tied: bool
-) -> tuple[dict[str, tuple[Path, str, tuple[int, ...], str]], list[str]]:
-    """native name -> (file, Hugging Face name, shape, dtype), and unmapped names."""
-    located: dict[str, tuple[Path, str, tuple[int, ...], str]] = {}
-    unexpected: list[str] = []
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for hf_name in f.keys():
-                    native = hf_to_native_name(hf_name)
-                    if native is None:
-                        if not _IGNORED_HF_NAMES.fullmatch(hf_name):
-                            unexpected.append(hf_name)
-                        continue
-                    if tied and native == "output.weight":
-                        continue  # a tied head stored anyway: the embeddings are the head
-                    piece = f.get_slice(hf_name)
-                    located[native] = (file, hf_name, tuple(piece.get_shape()), piece.get_dtype())
-        except Exception as err:  # safetensors raises its own error types for corrupt files
-            raise CheckpointError(f"'{file}' is not a readable safetensors file: {err}") from err
-    return located, unexpected
-
-
-def _mismatches(
-    expected: Mapping[str, tuple[int, ...]],
-    located: Mapping[str, tuple[Path, str, tuple[int, ...], str]],
-    unexpected: list[str],
-) -> list[str]:
-    shapes = [
-        f"{located[name][1]}: checkpoint {located[name][2]} vs model {shape}"
-        for name, shape in expected.items()
-        if name in located and located[name][2] != shape
-    ]
-    missing = [native_to_hf_name(name) or name for name in expected if name not in located]
-    unexpected = unexpected + [located[name][1] for name in located if name not in expected]
-    lines = []
-    if shapes:
-        lines.append(f"{len(shapes)} shape mismatch(es): " + "; ".join(shapes[:_MAX_LISTED]))
-    if missing:
-        lines.append(f"{len(missing)} missing: " + ", ".join(missing[:_MAX_LISTED]))
-    if unexpected:
-        lines.append(f"{len(unexpected)} unexpected: " + ", ".join(unexpected[:_MAX_LISTED]))
-    return lines
-
-
-def empty_model(
-    config: ModelConfig,
-    attention: str = "sdpa",
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-) -> Transformer:
-    """A model with uninitialised weights on ``device``, to load a checkpoint into.
-
-    Built on the meta device, so no random initialisation runs; the RoPE tables are
-    computed (in float32, whatever ``dtype``).
-    """
-    with torch.device("meta"):
-        model = Transformer(config, attention)
-    model.to(dtype).to_empty(device=device)
-    cos, sin = rope_cos_sin(
-        config.max_seq_len, model.head_dim, config.rope_theta, config.rope_scaling, device
-    )
-    model.rope_cos, model.rope_sin = cos, sin
-    return model
-
-
-def _checked_tensors(
-    folder: Path, model: nn.Module, tied: bool, what: str
-) -> dict[str, tuple[Path, str, tuple[int, ...], str]]:
-    """The folder's tensors located by native name, after checking that every tensor of
-    ``model`` (a tied output head aside) is there with its shape and nothing else is."""
-    located, unexpected = _locate_tensors(hf_weight_files(folder), tied)
-    expected = {
-        name: tuple(t.shape)
-        for name, t in model.state_dict().items()
-        if not (tied and name == "output.weight")
-    }
-    problems = _mismatches(expected, located, unexpected)
-    if problems:
-        raise CheckpointError(f"'{folder}' does not fit {what}: " + " | ".join(problems))
-    return located
-
-
-def _copy_tensors(
-    params: Mapping[str, Tensor], located: Mapping[str, tuple[Path, str, tuple[int, ...], str]]
-) -> None:
-    """Copy each located tensor into ``params[name]`` (in place, cast to its dtype),
-    opening every file once."""
-    by_file: dict[Path, list[str]] = {}
-    for name, (file, _, _, _) in located.items():
-        by_file.setdefault(file, []).append(name)
-    with torch.no_grad():
-        for file, names in by_file.items():
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    params[name].copy_(f.get_tensor(located[name][1]))
-
-
-def is_hf_folder(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a Hugging Face model folder (a folder holding config.json)."""
-    folder = Path(path).expanduser()
-    return folder.is_dir() and (folder / HF_CONFIG_NAME).is_file()
 
 
 # ModelConfig field -> how config.json says it, for messages
 _HF_KEY_NAMES = {
+    "family": "model_type's family",
     "vocab_size": "vocab_size",
     "dim": "hidden_size",
     "n_layers": "num_hidden_layers",
@@ -510,10 +209,35 @@ def load_hf_weights_into(model: Transformer, path: str | os.PathLike, label: str
                 + "; ".join(differences)
                 + "; leave model= out to take the checkpoint's shape (model=from_init)"
             )
-        located = _checked_tensors(folder, model, configured.tie_embeddings, "the configured model")
+        names = get_family(configured.family).names
+        located = checked_tensors(
+            folder, model, names, configured.tie_embeddings, "the configured model"
+        )
     except CheckpointError as err:
         raise CheckpointError(f"{label}: {err}") from err
-    _copy_tensors(model.state_dict(), located)
+    copy_tensors(model.state_dict(), located)
+
+
+def empty_model(
+    config: ModelConfig,
+    attention: str = "sdpa",
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """A model with uninitialised weights on ``device``, to load a checkpoint into.
+
+    Built on the meta device, so no random initialisation runs; the RoPE tables are
+    computed (in float32, whatever ``dtype``).
+    """
+    with torch.device("meta"):
+        model = Transformer(config, attention)
+    model.to(dtype).to_empty(device=device)
+    cos, sin = rope_cos_sin(
+        config.max_seq_len, model.head_dim, config.rope_theta, config.rope_scaling, device
+    )
+    model.rope_cos, model.rope_sin = cos, sin
+    return model
 
 
 def load_hf_checkpoint(
@@ -524,7 +248,7 @@ def load_hf_checkpoint(
     device: torch.device | str = "cpu",
     max_seq_len: int | None = None,
 ) -> tuple[Transformer, ModelConfig]:
-    """Load a downloaded Hugging Face model folder (llama, qwen2, mistral) for inference.
+    """Load a downloaded Hugging Face model folder of a supported family for inference.
 
     The model is built on the meta device and each tensor is copied into place as it is
     read, so no random initialisation runs and one copy of the weights is held.
@@ -547,23 +271,25 @@ def load_hf_checkpoint(
     config = model_config_from_hf(read_hf_config(folder), name=folder.name, max_seq_len=max_seq_len)
     with torch.device("meta"):  # only its names and shapes
         shapes = Transformer(config, attention)
-    located = _checked_tensors(folder, shapes, config.tie_embeddings, f"its {HF_CONFIG_NAME}")
+    names = get_family(config.family).names
+    located = checked_tensors(folder, shapes, names, config.tie_embeddings, f"its {HF_CONFIG_NAME}")
     if dtype is None:
-        dtype = _DTYPES.get(located["tok_embeddings.weight"][3], torch.float32)
+        dtype = DTYPES.get(located["tok_embeddings.weight"][3], torch.float32)
     model = empty_model(config, attention, dtype=dtype, device=device)
-    _copy_tensors(model.state_dict(), located)
+    copy_tensors(model.state_dict(), located)
     return model.eval(), config
 
 
 # ----------------------------------------------------------------------- export
 def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> dict[str, Tensor]:
     state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
+    names = get_family(config.family).names
     out: dict[str, Tensor] = {}
     unknown = []
     for name, tensor in state.items():
         if config.tie_embeddings and name == "output.weight":
             continue  # transformers ties lm_head to the embeddings itself
-        hf_name = native_to_hf_name(name)
+        hf_name = names.to_hf(name)
         if hf_name is None:
             unknown.append(name)
         else:
@@ -574,41 +300,6 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
             + ", ".join(unknown[:_MAX_LISTED])
         )
     return out
-
-
-def _write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_bytes: int) -> None:
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    for stale in [*folder.glob("model-*-of-*.safetensors"), folder / HF_INDEX_NAME]:
-        stale.unlink(missing_ok=True)  # an earlier export's shards
-    if len(shards) == 1:
-        save_file(shards[0], str(folder / HF_WEIGHTS_NAME), metadata={"format": "pt"})
-        chmod_as_umask(folder / HF_WEIGHTS_NAME)
-        return
-    (folder / HF_WEIGHTS_NAME).unlink(missing_ok=True)
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
-        chmod_as_umask(folder / file)
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / HF_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _first_special_token(tokenizer: Tokenizer) -> str | None:
-    specials = [
-        (i, t.content) for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
-    ]
-    return min(specials)[1] if specials else None
 
 
 def export_hf_checkpoint(
@@ -672,17 +363,17 @@ def export_hf_checkpoint(
         beside = resolve_tokenizer_file(tokenizer_path, key="tokenizer_path").parent
         if chat_template is None:
             chat_template = hf_chat_template(beside)
-        eos_token = eos_token or _token_text(
-            _read_json(beside / HF_TOKENIZER_CONFIG_NAME).get("eos_token")
+        eos_token = eos_token or token_text(
+            read_json(beside / HF_TOKENIZER_CONFIG_NAME).get("eos_token")
         )
-        eos_token = eos_token or _first_special_token(tokenizer)
+        eos_token = eos_token or first_special_token(tokenizer)
         eos_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
         if eos_token is not None and eos_id is None:
             raise CheckpointError(f"eos_token={eos_token!r} is not a token of '{tokenizer_path}'")
     folder.mkdir(parents=True, exist_ok=True)
-    _write_safetensors(tensors, folder, max_shard_bytes)
+    write_safetensors(tensors, folder, max_shard_bytes)
     hf_config = hf_config_from_model(config, stored_dtype, eos_id)
-    (folder / HF_CONFIG_NAME).write_text(json.dumps(hf_config, indent=2) + "\n")
+    write_json_atomic(folder / HF_CONFIG_NAME, hf_config)
     if tokenizer_path is not None:
         save_tokenizer_folder(
             folder,
@@ -693,78 +384,3 @@ def export_hf_checkpoint(
             model_max_length=config.max_seq_len,
         )
     return folder
-
-
-# --------------------------------------------------------------------- tokenizer
-def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
-    return data if isinstance(data, dict) else {}
-
-
-def _token_text(token: Any) -> str | None:
-    """A special token as tokenizer_config.json stores it: text, or ``{"content": ...}``."""
-    if isinstance(token, dict):
-        token = token.get("content")
-    return token if isinstance(token, str) else None
-
-
-def _template_text(template: Any) -> str | None:
-    """A chat template as stored: a string, or a list of named ones (``default`` wins)."""
-    if isinstance(template, str):
-        return template
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        return named.get("default") or next(iter(named.values()), None)
-    return None
-
-
-def load_hf_tokenizer(path: str | os.PathLike) -> tuple[Tokenizer, str | None]:
-    """The tokenizer of a Hugging Face folder and its chat template, if it has one.
-
-    The template is read from ``tokenizer_config.json``, or from ``chat_template.jinja``
-    or ``chat_template.json`` (where transformers 5 saves it).
-
-    Raises:
-        DataError: the folder holds no valid tokenizer.json.
-    """
-    folder = Path(path).expanduser()
-    tokenizer = load_tokenizer(folder, key="tokenizer")
-    return tokenizer, hf_chat_template(folder if folder.is_dir() else folder.parent)
-
-
-def hf_chat_template(folder: str | os.PathLike) -> str | None:
-    """The chat template saved in a tokenizer folder, if any: ``chat_template`` of
-    ``tokenizer_config.json``, else ``chat_template.jinja`` or ``chat_template.json``
-    (where transformers 5 saves it).
-
-    Raises:
-        CheckpointError: one of those files is not readable JSON.
-    """
-    folder = Path(folder).expanduser()
-    template = _template_text(_read_json(folder / HF_TOKENIZER_CONFIG_NAME).get("chat_template"))
-    if template is None and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
-    if template is None:
-        template = _template_text(_read_json(folder / "chat_template.json").get("chat_template"))
-    return template
-
-
-def hf_eos_token_ids(path: str | os.PathLike, tokenizer: Tokenizer) -> list[int]:
-    """The end-of-sequence ids of a Hugging Face folder (possibly several, as Llama 3's).
-
-    Looked up in ``generation_config.json``, then ``config.json``, then the
-    ``eos_token`` of ``tokenizer_config.json``; empty when none names one.
-    """
-    folder = Path(path).expanduser()
-    for file in ("generation_config.json", HF_CONFIG_NAME):
-        ids = _read_json(folder / file).get("eos_token_id")
-        if ids is not None:
-            return [int(i) for i in (ids if isinstance(ids, list) else [ids])]
-    token = _token_text(_read_json(folder / HF_TOKENIZER_CONFIG_NAME).get("eos_token"))
-    token_id = tokenizer.token_to_id(token) if token is not None else None
-    return [] if token_id is None else [token_id]

@@ -22,10 +22,11 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from recipes_lib.checkpoint.layout import MANIFEST_NAME, RunDir
 from recipes_lib.checkpoint.weights import sha256_file
 from recipes_lib.errors import CheckpointError
+from recipes_lib.files import write_json_atomic
 
-MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT_VERSION = 1
 
 
@@ -192,18 +193,10 @@ def write_manifest(manifest: StageManifest, directory: str | os.PathLike) -> Pat
     Call it on global rank 0 only. Returns the file's path.
     """
     folder = Path(directory)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / MANIFEST_NAME
-    partial = folder / f".{MANIFEST_NAME}.{os.getpid()}.partial"
-    text = json.dumps(manifest.to_json(), indent=2, sort_keys=False, allow_nan=False)
+    target = RunDir(folder).manifest
     try:
-        with open(partial, "w") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, target)
+        write_json_atomic(target, manifest.to_json(), allow_nan=False)
     except OSError as err:
-        partial.unlink(missing_ok=True)
         raise CheckpointError(
             f"stage {manifest.stage}: cannot write manifest '{target}': {err}"
         ) from err

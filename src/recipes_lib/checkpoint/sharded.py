@@ -1,6 +1,7 @@
 """Sharded checkpoints: the folders FSDP2 runs write with ``torch.distributed.checkpoint``
 (one file per rank plus ``.metadata``), read back as one whole state dict on the CPU, so
-they can start another stage, be exported, or be converted to a single file.
+they can start another stage, be exported, or be converted to a single file
+(:func:`recipes_lib.checkpoint.weights.consolidate_sharded_checkpoint`).
 """
 
 from __future__ import annotations
@@ -49,23 +50,3 @@ def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
     if not isinstance(weights, dict) or not weights:
         raise CheckpointError(f"sharded checkpoint '{folder}' holds no model state_dict")
     return {k: v for k, v in weights.items() if isinstance(v, Tensor)}
-
-
-def consolidate_sharded_checkpoint(
-    path: str | os.PathLike, out: str | os.PathLike | None = None
-) -> Path:
-    """Write the model weights of a sharded checkpoint folder as one ``model.safetensors``
-    (default: beside the folder, named ``<folder>.safetensors``), keys as in the native
-    model; returns the file written.
-
-    Raises:
-        CheckpointError: the folder cannot be read.
-    """
-    from recipes_lib.checkpoint.weights import MODEL_PREFIX, save_weights
-
-    folder = Path(path)
-    state = read_sharded_checkpoint(folder)
-    weights = {k.removeprefix(MODEL_PREFIX): v for k, v in state.items()}
-    target = Path(out) if out is not None else folder.with_suffix(".safetensors")
-    save_weights(weights, target, metadata={"source": str(folder)})
-    return target

@@ -19,27 +19,32 @@ pre-flight compares the two and names every difference (:func:`init_model_mismat
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
 from recipes_lib.checkpoint.hf import (
     hf_config_mismatches,
-    is_hf_folder,
+    load_hf_weights_into,
     model_config_from_hf,
-    read_hf_config,
 )
-from recipes_lib.checkpoint.manifest import MANIFEST_NAME, StageManifest, read_manifest
+from recipes_lib.checkpoint.hf_files import is_hf_folder, read_hf_config
+from recipes_lib.checkpoint.layout import MANIFEST_NAME, WEIGHTS_NAME, RunDir
+from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
 from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME, is_sharded_checkpoint
-from recipes_lib.checkpoint.weights import WEIGHTS_NAME, read_checkpoint
+from recipes_lib.checkpoint.weights import (
+    load_state_into,
+    load_weights,
+    read_checkpoint,
+)
 from recipes_lib.config.schema import ModelConfig, resolved_model_fields
 from recipes_lib.config.store import fill_from_init, from_init_fields
 from recipes_lib.errors import CheckpointError, ConfigError
-
-RUN_CONFIG_NAME = "config.yaml"  # the resolved config a run writes into its folder
 
 
 @dataclass(frozen=True)
@@ -64,21 +69,39 @@ class InitSource:
     checkpoint: dict[str, Any] | None = None
 
 
-def _run_config_model(folder: Path) -> dict[str, Any] | None:
-    """The model node of the ``config.yaml`` a run left in ``folder``, if any."""
-    file = folder / RUN_CONFIG_NAME
-    if not file.is_file():
-        return None
+def _model_beside(folder: Path) -> dict[str, Any] | None:
+    """The model recorded beside weights in ``folder``: a stage's ``manifest.json``, else a
+    run's ``config.yaml`` (the manifest read for its model only, without checksums)."""
+    run_dir = RunDir(folder)
     try:
-        model = OmegaConf.to_container(OmegaConf.load(file), resolve=False).get("model")
-    except Exception:  # noqa: BLE001 - an unreadable config.yaml only means "not known"
+        if run_dir.manifest.is_file():
+            return recorded_model(json.loads(run_dir.manifest.read_text()).get("model"))
+        if run_dir.config.is_file():
+            config = OmegaConf.to_container(OmegaConf.load(run_dir.config), resolve=False)
+            return recorded_model(config.get("model"))
+    except Exception:  # noqa: BLE001 - an unreadable record only means "not known"
         return None
-    return dict(model) if isinstance(model, dict) else None
+    return None
 
 
 def _hyperparameter_model(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     model = (checkpoint.get("hyper_parameters") or {}).get("model")
-    return dict(model) if isinstance(model, dict) else None
+    return recorded_model(model)
+
+
+def recorded_model(model: Any) -> dict[str, Any] | None:
+    """A model as a manifest, run config or checkpoint recorded it (ModelConfig fields).
+
+    Records written before ``model.family`` existed named no family; the two layouts of
+    that time were told apart by the q/k/v biases (Qwen2's), which is how such a record
+    is read. Every record written since names its family.
+    """
+    if not isinstance(model, dict):
+        return None
+    model = dict(model)
+    if "family" not in model:
+        model["family"] = "qwen2" if model.get("qkv_bias") else "llama"
+    return model
 
 
 def read_init_source(path: str | os.PathLike, key: str = "stage.init_from") -> InitSource:
@@ -95,7 +118,8 @@ def read_init_source(path: str | os.PathLike, key: str = "stage.init_from") -> I
             source = source / MANIFEST_NAME
         if source.is_file() and source.suffix == ".json":
             manifest = read_manifest(source, verify=False)
-            return InitSource(source, "manifest", manifest.weights_path, manifest.model, manifest)
+            model = recorded_model(manifest.model)
+            return InitSource(source, "manifest", manifest.weights_path, model, manifest)
         if is_hf_folder(source):
             model = model_config_from_hf(read_hf_config(source), name=source.name)
             return InitSource(source, "hf", source, asdict(model))
@@ -103,9 +127,9 @@ def read_init_source(path: str | os.PathLike, key: str = "stage.init_from") -> I
             meta = read_checkpoint(source / SHARDED_METADATA_NAME)
             return InitSource(source, "sharded", source, _hyperparameter_model(meta))
         if source.is_dir() and (source / WEIGHTS_NAME).is_file():
-            return InitSource(source, "run", source / WEIGHTS_NAME, _run_config_model(source))
+            return InitSource(source, "run", source / WEIGHTS_NAME, _model_beside(source))
         if source.is_file() and source.suffix == ".safetensors":
-            model = _run_config_model(source.parent)
+            model = _model_beside(source.parent)
             return InitSource(source, "run" if model else "weights", source, model)
         if source.is_file() and source.suffix == ".ckpt":
             checkpoint = read_checkpoint(source)
@@ -165,3 +189,26 @@ def init_model_mismatches(model: ModelConfig, source: InitSource) -> list[str]:
 def _as_model(model: dict[str, Any]) -> ModelConfig:
     """A recorded model dict as a typed ModelConfig."""
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))  # type: ignore[return-value]
+
+
+def load_model_weights(model: nn.Module, path: str | os.PathLike, label: str | None = None) -> None:
+    """Load the weights ``path`` holds into ``model`` (any kind of :func:`read_init_source`).
+
+    A Lightning checkpoint's ``model.`` prefix is stripped; a Hugging Face folder's
+    config must describe ``model`` and its tensors are renamed and checked as they are
+    read. ``label`` names the source in errors (default ``stage.init_from='<path>'``).
+
+    Raises:
+        CheckpointError: the path is missing or unreadable, a Hugging Face config
+            differs from the model's, or its tensors do not fit the model (the first
+            mismatches are listed).
+    """
+    label = label or f"stage.init_from={str(path)!r}"
+    if is_hf_folder(path):
+        load_hf_weights_into(model, path, label)  # type: ignore[arg-type]
+        return
+    try:
+        state = load_weights(path)
+    except CheckpointError as err:
+        raise CheckpointError(f"{label}: {err}") from err
+    load_state_into(model, state, label)

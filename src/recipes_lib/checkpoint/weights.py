@@ -22,14 +22,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from recipes_lib.checkpoint.layout import WEIGHTS_NAME
 from recipes_lib.checkpoint.sharded import (
     SHARDED_METADATA_NAME,
     is_sharded_checkpoint,
     read_sharded_checkpoint,
 )
 from recipes_lib.errors import CheckpointError
+from recipes_lib.files import write_atomic
 
-WEIGHTS_NAME = "model.safetensors"
 TIED_METADATA_KEY = "recipes_lib.tied"  # JSON {alias: stored name} of shared tensors
 MODEL_PREFIX = "model."  # CausalLMModule keeps the decoder under ``self.model``
 _MAX_LISTED = 5  # mismatches named in an error message
@@ -50,41 +51,6 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
 def _tensor_identity(t: Tensor) -> tuple[Any, ...]:
     """Equal for two names of one tensor (same memory, offset, shape and strides)."""
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-
-
-def _umask() -> int:
-    # /proc reports the umask without changing it; os.umask() can only read it by setting
-    # it, and another thread creating a file meanwhile would get the temporary mask
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o077)  # the strictest mask for the moment it is read
-    os.umask(mask)
-    return mask
-
-
-def chmod_as_umask(path: str | os.PathLike) -> None:
-    """Give ``path`` the mode a plain ``open(path, "w")`` would: 0o666 less the umask.
-
-    safetensors creates its files readable by their owner only (0600); without this an
-    output's weights would be private whatever the umask says.
-    """
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # not possible on every platform; the rename is still atomic
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def save_weights(
@@ -136,20 +102,10 @@ def save_weights(
     header = {"format": "pt", **(metadata or {})}  # "format" as transformers expects it
     if tied:
         header[TIED_METADATA_KEY] = json.dumps(tied, sort_keys=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
-        save_file(tensors, str(partial), metadata=header)
-        chmod_as_umask(partial)
-        with open(partial, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(partial, target)
+        write_atomic(target, lambda tmp: save_file(tensors, str(tmp), metadata=header))
     except Exception as err:
-        partial.unlink(missing_ok=True)
-        if isinstance(err, CheckpointError):
-            raise
         raise CheckpointError(f"cannot write weights to '{target}': {err}") from err
-    _fsync_dir(target.parent)
     return target
 
 
@@ -222,22 +178,29 @@ def load_weights(path: str | os.PathLike) -> dict[str, Tensor]:
     return model_state_of(read_checkpoint(source))
 
 
+def mismatch_lines(shapes: list[str], missing: list[str], unexpected: list[str]) -> list[str]:
+    """How a checkpoint does not fit a model, one phrase per kind of problem, each with
+    its count and the first few names (``3 missing: a, b, c``)."""
+    lines = []
+    for what, items, sep in (
+        ("shape mismatch(es)", shapes, "; "),
+        ("missing", missing, ", "),
+        ("unexpected", unexpected, ", "),
+    ):
+        if items:
+            lines.append(f"{len(items)} {what}: " + sep.join(items[:_MAX_LISTED]))
+    return lines
+
+
 def _mismatches(expected: Mapping[str, Tensor], found: Mapping[str, Tensor]) -> list[str]:
-    problems = [
+    shapes = [
         f"{name}: checkpoint {tuple(found[name].shape)} vs model {tuple(t.shape)}"
         for name, t in expected.items()
         if name in found and tuple(found[name].shape) != tuple(t.shape)
     ]
     missing = [name for name in expected if name not in found]
     unexpected = [name for name in found if name not in expected]
-    lines = []
-    if problems:
-        lines.append(f"{len(problems)} shape mismatch(es): " + "; ".join(problems[:_MAX_LISTED]))
-    if missing:
-        lines.append(f"{len(missing)} missing: " + ", ".join(missing[:_MAX_LISTED]))
-    if unexpected:
-        lines.append(f"{len(unexpected)} unexpected: " + ", ".join(unexpected[:_MAX_LISTED]))
-    return lines
+    return mismatch_lines(shapes, missing, unexpected)
 
 
 def load_state_into(model: nn.Module, state: Mapping[str, Tensor], source: str) -> None:
@@ -341,3 +304,21 @@ def list_step_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]
         if step is not None:
             by_step[step] = path
     return sorted(by_step.items())
+
+
+def consolidate_sharded_checkpoint(
+    path: str | os.PathLike, out: str | os.PathLike | None = None
+) -> Path:
+    """Write the model weights of a sharded checkpoint folder as one ``model.safetensors``
+    (default: beside the folder, named ``<folder>.safetensors``), keys as in the native
+    model; returns the file written.
+
+    Raises:
+        CheckpointError: the folder cannot be read.
+    """
+    folder = Path(path)
+    state = read_sharded_checkpoint(folder)
+    weights = {k.removeprefix(MODEL_PREFIX): v for k, v in state.items()}
+    target = Path(out) if out is not None else folder.with_suffix(".safetensors")
+    save_weights(weights, target, metadata={"source": str(folder)})
+    return target

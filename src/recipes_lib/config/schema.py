@@ -43,7 +43,7 @@ LABEL = {"role": "label"}
 
 @dataclass
 class ModelConfig:
-    """Shape of a Llama-family decoder (see ``recipes_lib.models.llama``).
+    """Shape of a decoder (see ``recipes_lib.models.transformer``) and its family.
 
     Every field declares its role (``metadata``: shape, compute, context or label), so
     the checks between stages and against a checkpoint's own config follow a new
@@ -51,6 +51,8 @@ class ModelConfig:
     """
 
     name: str = field(default="tiny", metadata=LABEL)
+    # the architecture (recipes_lib.models.families): its options and Hugging Face adapter
+    family: str = field(default="llama", metadata=SHAPE)
     vocab_size: int = field(default=8192, metadata=SHAPE)
     dim: int = field(default=128, metadata=SHAPE)
     n_layers: int = field(default=2, metadata=SHAPE)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
@@ -158,3 +159,25 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         return OmegaConf.to_object(typed)  # type: ignore[return-value]
     except (OmegaConfBaseException, ValueError) as err:
         raise ConfigError(f"invalid config: {err}") from err
+
+
+def as_config(cls: type, value: Any, key: str) -> Any:
+    """``value`` as a ``cls`` dataclass; mappings (saved hyperparameters) are converted."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{key} must be a {cls.__name__} or a mapping, got {type(value).__name__}"
+        )
+    hints = get_type_hints(cls)
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ConfigError(f"{key} has unknown keys {unknown}; {cls.__name__} takes {sorted(names)}")
+    kwargs = {}
+    for name, item in value.items():
+        hint = hints.get(name)
+        if isinstance(hint, type) and is_dataclass(hint) and isinstance(item, Mapping):
+            item = as_config(hint, item, f"{key}.{name}")
+        kwargs[name] = item
+    return cls(**kwargs)

@@ -2,8 +2,9 @@
 
 Every machine that runs recipes-lib has a Python installation, so its standard library
 is a text corpus that needs no download: about 800 modules and 12 MB of English
-comments, docstrings and code. It is what a run trains on when ``data.sources`` is
-empty, and what a source with ``builtin: stdlib`` names.
+comments, docstrings and code. It is what a pretraining run reads when
+``data.sources`` is empty, and what a source with ``builtin: stdlib`` names; the
+built-in SFT instructions and preference pairs are made from the same files.
 """
 
 from __future__ import annotations

@@ -1,4 +1,9 @@
-"""The pretraining LightningDataModule: packed sequences from cached shards, resumable."""
+"""The data-module base of every pipeline: a training position that every checkpoint keeps.
+
+:class:`ResumableDataModule` builds the loaders of pretraining, SFT and preference data
+alike: a seeded, resumable shuffle for training (:class:`ResumableDataLoader`), and for
+validation each rank's strided share in order (:class:`StridedSampler`).
+"""
 
 from __future__ import annotations
 
@@ -9,20 +14,11 @@ import lightning.pytorch as L
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 from tokenizers import Tokenizer
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from recipes_lib.config.schema import DataConfig
-from recipes_lib.data.mixture import MixtureDataset
-from recipes_lib.data.packing import PackedSequenceDataset
-from recipes_lib.data.prepare import PreparedData, prepare
 from recipes_lib.data.sampler import ResumableSampler
-from recipes_lib.data.shards import TokenShard
-from recipes_lib.data.tokenizer import (
-    check_vocab_fits,
-    eos_token_id,
-    load_tokenizer,
-    tokenizer_vocab_size,
-)
+from recipes_lib.data.tokenizer import tokenizer_vocab_size
 from recipes_lib.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -55,17 +51,44 @@ class ResumableDataModule(L.LightningDataModule):
     The position is the number of training samples this rank has consumed, counted
     from optimizer steps (``global_step * accumulate_grad_batches * data.batch_size``),
     not from what the loader prefetched, so it is exact at every checkpoint. Subclasses
-    keep ``self.config`` (a :class:`DataConfig`), ``self.train_dataset``,
-    ``self.val_dataset`` and ``self.total_train_samples``, build them in an idempotent
-    ``setup``, and override :meth:`collate_fn` where samples need their own collation;
-    the loaders are built here.
+    build ``self.tokenizer``, ``self.train_dataset`` and ``self.val_dataset`` in an
+    idempotent ``setup``, and override :meth:`collate_fn` where samples need their own
+    collation; the loaders are built here.
+
+    Args:
+        config: the data configuration.
+        model_vocab_size: ``model.vocab_size``; the tokenizer must fit in it.
+        model_max_seq_len: ``model.max_seq_len``; ``data.seq_len`` must not exceed it.
+        total_train_samples: the samples each rank draws over the run (the training
+            loader's length); ``None``: one pass over the training data.
     """
 
-    config: DataConfig
-    train_dataset: Dataset | None = None
-    val_dataset: Dataset | None = None
-    total_train_samples: int | None = None
-    _consumed_samples: int = 0
+    def __init__(
+        self,
+        config: DataConfig,
+        model_vocab_size: int,
+        model_max_seq_len: int,
+        total_train_samples: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.model_vocab_size = model_vocab_size
+        self.model_max_seq_len = model_max_seq_len
+        self.total_train_samples = total_train_samples
+        # Only global rank 0 prepares (tokenizes, trains a tokenizer), so data.cache_dir
+        # must be shared by all nodes.
+        self.prepare_data_per_node = False
+        self.tokenizer: Tokenizer | None = None
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self._consumed_samples = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """The embedding rows the tokenizer needs (its largest id plus one)."""
+        if self.tokenizer is None:
+            raise RuntimeError("call setup() before reading vocab_size")
+        return tokenizer_vocab_size(self.tokenizer)
 
     @property
     def consumed_samples(self) -> int:
@@ -84,20 +107,14 @@ class ResumableDataModule(L.LightningDataModule):
     def _rank_and_world(self) -> tuple[int, int]:
         """This rank and the world size its samplers shard over (0, 1 without a Trainer).
 
-        Raises:
-            ConfigError: the Trainer would also shard the loaders (a distributed
-                sampler), so each rank would see a share of its share.
+        The Trainer must not shard the loaders a second time: it is built with
+        ``use_distributed_sampler=False`` (as :func:`recipes_lib.train.build_trainer`
+        builds every Trainer of a run). That is not checked here: Lightning keeps the
+        flag in a private attribute and offers no public way to read it back.
         """
         trainer = self.trainer
         if trainer is None:
             return 0, 1
-        if trainer.world_size > 1 and getattr(
-            getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", False
-        ):
-            raise ConfigError(
-                f"{type(self).__name__} shards batches across ranks itself; build the Trainer "
-                "with use_distributed_sampler=False"
-            )
         return trainer.global_rank, trainer.world_size
 
     def train_sampler(self) -> ResumableSampler:
@@ -161,107 +178,12 @@ class ResumableDataModule(L.LightningDataModule):
         return self._loader(self.val_dataset, sampler)
 
 
-class PretrainDataModule(ResumableDataModule):
-    """Packed next-token batches over a weighted mixture of tokenized sources.
-
-    Batches are ``{"input_ids": (B, T) int64, "labels": (B, T) int64, "doc_ids": (B, T)
-    int32}`` with ``T = data.seq_len``. The training stream is an endless seeded shuffle
-    that each rank reads a disjoint share of, and that resumes after the samples a
-    checkpoint had consumed (see :meth:`state_dict`). Validation reads every source's
-    held-out documents in a fixed order.
-
-    The sampler shards across ranks itself, so a distributed Trainer must be built with
-    ``use_distributed_sampler=False``.
-
-    Args:
-        config: the data configuration.
-        model_vocab_size: ``model.vocab_size``; the tokenizer must fit in it.
-        model_max_seq_len: ``model.max_seq_len``; ``data.seq_len`` must not exceed it.
-        total_train_samples: the samples each rank draws over the run
-            (``max_steps * accumulate_grad_batches * batch_size``); the length Lightning
-            sees for the training loader. ``None``: one pass over the training data.
-
-    Raises:
-        ConfigError: ``data.seq_len`` longer than ``model.max_seq_len``, or a tokenizer
-            vocabulary larger than ``model.vocab_size``.
-    """
-
-    def __init__(
-        self,
-        config: DataConfig,
-        model_vocab_size: int,
-        model_max_seq_len: int,
-        total_train_samples: int | None = None,
-    ) -> None:
-        super().__init__()
-        check_batch_shape(config, model_max_seq_len)
-        if config.tokenizer.path is None and config.tokenizer.vocab_size > model_vocab_size:
-            raise ConfigError(
-                f"data.tokenizer.vocab_size={config.tokenizer.vocab_size} exceeds "
-                f"model.vocab_size={model_vocab_size}"
-            )
-        self.config = config
-        self.model_vocab_size = model_vocab_size
-        self.model_max_seq_len = model_max_seq_len
-        self.total_train_samples = total_train_samples
-        # Only global rank 0 prepares; cache_dir must be shared by all nodes.
-        self.prepare_data_per_node = False
-        self.prepared: PreparedData | None = None
-        self.tokenizer: Tokenizer | None = None
-        self.eos_id: int | None = None
-        self.train_dataset: Dataset | None = None
-        self.val_dataset: Dataset | None = None
-        self._consumed_samples = 0
-
-    @property
-    def vocab_size(self) -> int:
-        """The embedding rows the tokenizer needs (its largest id plus one)."""
-        if self.tokenizer is None:
-            raise RuntimeError("call setup() before reading vocab_size")
-        return tokenizer_vocab_size(self.tokenizer)
-
-    def prepare_data(self) -> None:
-        self.prepared = prepare(self.config, model_vocab_size=self.model_vocab_size)
-
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is not None:
-            return
-        if self.prepared is None:
-            # Ranks other than 0 find rank 0's files in the cache (or wait for them).
-            self.prepared = prepare(self.config, progress=False, quiet=True)
-        prepared = self.prepared
-        self.tokenizer = load_tokenizer(prepared.tokenizer_path)
-        check_vocab_fits(self.tokenizer, self.model_vocab_size)
-        self.eos_id = eos_token_id(self.tokenizer, self.config.tokenizer.eos_token)
-        seq_len = self.config.seq_len
-        train = {
-            name: PackedSequenceDataset(TokenShard.open(path), seq_len)
-            for name, path in prepared.train_shards.items()
-        }
-        if len(train) == 1:
-            self.train_dataset = next(iter(train.values()))
-        else:
-            self.train_dataset = MixtureDataset(train, prepared.weights)
-        val = []
-        for name, path in prepared.val_shards.items():
-            shard = TokenShard.open(path)
-            if shard.n_tokens < seq_len + 1:
-                if self.config.val_fraction > 0:
-                    rank_zero_warning(
-                        f"data.sources.{name}: {shard.n_tokens} held-out tokens are too few "
-                        f"for one sequence of data.seq_len={seq_len}; not validating on it"
-                    )
-                continue
-            val.append(PackedSequenceDataset(shard, seq_len))
-        self.val_dataset = ConcatDataset(val) if val else None
-
-
 class ResumableDataLoader(DataLoader):
     """A DataLoader over a :class:`ResumableSampler` that Lightning treats as resumable.
 
     Its state is the samples this rank has consumed; loading it moves the sampler there.
     (The position is exact because it is counted from optimizer steps, not from what the
-    loader prefetched.) ``PretrainDataModule.load_state_dict`` restores the same position;
+    loader prefetched.) ``ResumableDataModule.load_state_dict`` restores the same position;
     this makes the loader itself resumable, so Lightning restores it mid-epoch too.
     """
 

@@ -23,15 +23,29 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from recipes_lib.config.schema import DataConfig, SourceConfig
-from recipes_lib.data.prepare import resolve_cache_dir
-from recipes_lib.data.raw import local_files, source_key, source_kind
-from recipes_lib.data.shards import held_out_mask
+from recipes_lib.data.sources import (
+    check_val_fraction,
+    held_out_mask,
+    local_files,
+    resolve_cache_dir,
+    source_key,
+    source_kind,
+)
 from recipes_lib.errors import ConfigError, DataError
 
 # name -> (max_records, seed) -> records
 RecordBuiltin = Callable[[int | None, int], list[dict[str, Any]]]
 RECORD_FORMATS = ("json", "parquet")
 JSON_LINES_SUFFIXES = (".jsonl",)
+
+# Where a record came from: a source's key (messages say "<key>: record <index>") or a
+# function naming record <index> itself (Records.where: "<key>: <file>:<line>").
+RecordSource = str | Callable[[int], str]
+
+
+def record_where(source: RecordSource, index: int) -> str:
+    """How messages name record ``index`` of ``source``."""
+    return source(index) if callable(source) else f"{source}: record {index}"
 
 
 def _is_json_lines(file: Path) -> bool:
@@ -214,8 +228,7 @@ def split_records(
     records: list[dict[str, Any]], val_fraction: float, seed: int
 ) -> tuple[list[int], list[int]]:
     """Indices of the training and the held-out records (a seeded ``val_fraction``)."""
-    if not 0 <= val_fraction < 1:
-        raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+    check_val_fraction(val_fraction)
     held = held_out_mask(len(records), val_fraction, seed).tolist()
     train = [i for i, is_held in enumerate(held) if not is_held]
     return train, [i for i, is_held in enumerate(held) if is_held]

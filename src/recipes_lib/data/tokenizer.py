@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import secrets
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -18,9 +16,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from recipes_lib.config.schema import DataConfig
 from recipes_lib.errors import ConfigError, DataError
+from recipes_lib.files import write_text_atomic
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # transformers' tokenizer settings
+# The turn delimiters of the built-in ``chatml`` template: a tokenizer trained for a chat
+# run gets them as special tokens, so each is one token that masks cleanly.
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHATML_TOKENS = (IM_START, IM_END)
 
 
 def train_bpe_tokenizer(
@@ -101,21 +104,8 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
     if path.suffix != ".json":
         path = path / TOKENIZER_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_text_atomic(path, tokenizer.to_str())
+    write_text_atomic(path, tokenizer.to_str())
     return path
-
-
-def _write_text_atomic(path: Path, text: str) -> None:
-    # a uniquely named open(..., "x") rather than tempfile.mkstemp, which creates the file
-    # 0600: renamed into place, it would keep that mode instead of the umask's
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def save_tokenizer_folder(
@@ -162,7 +152,7 @@ def save_tokenizer_folder(
     out.mkdir(parents=True, exist_ok=True)
     target = out / TOKENIZER_FILE
     if not (target.exists() and target.resolve() == source.resolve()):
-        _write_text_atomic(target, source.read_text(encoding="utf-8"))
+        write_text_atomic(target, source.read_text(encoding="utf-8"))
     config: dict[str, object] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": eos_token,
@@ -174,7 +164,7 @@ def save_tokenizer_folder(
     config["clean_up_tokenization_spaces"] = False
     if chat_template is not None:
         config["chat_template"] = chat_template
-    _write_text_atomic(out / TOKENIZER_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
+    write_text_atomic(out / TOKENIZER_CONFIG_FILE, json.dumps(config, indent=2) + "\n")
     return out
 
 

@@ -1,29 +1,27 @@
 """How a run spreads over devices and which number formats it computes in.
 
-``strategy`` builds the Lightning strategy of the ``strategy`` config group and checks
-it; ``fsdp`` shards the decoder block by block (FSDP2); ``precision`` maps the
-``precision`` group onto Lightning and checks it; ``fp8`` converts Linear layers to
-float8 training through torchao.
+``strategy`` declares each strategy once (:class:`StrategySpec`: what it shards and
+supports, how it builds the Lightning strategy and shards a model); ``fsdp`` shards the
+decoder block by block (FSDP2); ``precision`` maps the ``precision`` group onto
+Lightning; ``fp8`` converts Linear layers to float8 training through torchao.
 """
 
 from recipes_lib.parallel.strategy import (
-    SHARDED,
     STRATEGIES,
     FSDP2Strategy,
+    StrategySpec,
     ZeroStrategy,
     build_strategy,
-    check_strategy,
-    gather_full_state_dict,
+    get_strategy,
     trainer_devices,
 )
 
 __all__ = [
-    "SHARDED",
     "STRATEGIES",
     "FSDP2Strategy",
+    "StrategySpec",
     "ZeroStrategy",
     "build_strategy",
-    "check_strategy",
-    "gather_full_state_dict",
+    "get_strategy",
     "trainer_devices",
 ]

@@ -24,7 +24,7 @@ all-reduce, after each optimizer step: :class:`Float8ScaleSync` does it, and
 LoRA over float8 base layers works (peft wraps ``Float8Linear`` as it wraps any
 ``nn.Linear``), but torchao computes the weight gradient of the frozen base layers all
 the same, so the speed-up is smaller than in full training. QLoRA's 4-bit base layers
-cannot be converted (:func:`recipes_lib.parallel.precision.check_precision` refuses it).
+cannot be converted (:func:`recipes_lib.preflight.check_precision` refuses it).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any
 import lightning as L
 from torch import nn
 
+from recipes_lib.callbacks.step import OptimizerStepCallback
 from recipes_lib.config.schema import PrecisionConfig
 from recipes_lib.errors import ConfigError
 
@@ -125,6 +126,24 @@ def check_fp8_recipe(precision: PrecisionConfig) -> None:
         raise ConfigError(f"precision.fp8_recipe={precision.fp8_recipe!r} is not one of: {recipes}")
 
 
+def check_fp8_settings(precision: PrecisionConfig) -> None:
+    """Refuse float8 settings that make no sense on their own: an unknown recipe, a
+    minimum layer size below the float8 kernels' alignment, an empty skip pattern."""
+    check_fp8_recipe(precision)
+    if precision.fp8_min_features < FP8_ALIGNMENT:
+        raise ConfigError(
+            f"precision.fp8_min_features={precision.fp8_min_features} must be at least "
+            f"{FP8_ALIGNMENT}: float8 matmuls need both dimensions to be multiples of "
+            f"{FP8_ALIGNMENT}, and smaller layers gain nothing from float8"
+        )
+    for pattern in precision.fp8_skip:
+        if not isinstance(pattern, str) or not pattern:
+            raise ConfigError(
+                f"precision.fp8_skip holds {pattern!r}; each entry is a module-name pattern "
+                "such as 'output' or 'layers.0.*'"
+            )
+
+
 def _torchao_float8() -> Any:
     try:
         return importlib.import_module("torchao.float8")
@@ -202,7 +221,7 @@ def float8_layers(model: nn.Module) -> list[str]:
     return names
 
 
-class Float8ScaleSync(L.Callback):
+class Float8ScaleSync(OptimizerStepCallback):
     """Precompute the float8 scales of FSDP2-sharded weights after each optimizer step.
 
     With float8 all-gather each shard is cast to float8 before the all-gather, so all
@@ -213,23 +232,9 @@ class Float8ScaleSync(L.Callback):
     runs once per optimizer step, not once per accumulated micro-batch.
     """
 
-    def __init__(self) -> None:
-        self._synced_step: int | None = None
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._synced_step = None
-
-    def on_train_batch_end(
-        self,
-        trainer: L.Trainer,
-        pl_module: L.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+    def on_optimizer_step_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, step: int
     ) -> None:
-        if trainer.global_step == self._synced_step:
-            return  # a micro-batch of gradient accumulation: the weights did not change
-        self._synced_step = trainer.global_step
         _torchao_float8().precompute_float8_dynamic_scale_for_fsdp(pl_module)
 
 

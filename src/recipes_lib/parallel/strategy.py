@@ -1,13 +1,20 @@
-"""The ``strategy`` config group: one Lightning strategy per name, checked before training.
+"""The ``strategy`` config group: each strategy declared once, with what it supports.
 
 =================  ==========================================================
 ``single``         one device; Lightning's own choice of plain strategy
 ``ddp``            weights replicated, gradients all-reduced (``DDPStrategy``)
 ``fsdp``           FSDP2 through :class:`FSDP2Strategy`; the module shards each
-                   block with ``fully_shard`` in ``configure_model``
+                   block with ``fully_shard`` when it is built
                    (:func:`recipes_lib.parallel.fsdp.shard_model`)
 ``deepspeed_*``    ZeRO stage 2 or 3 through :class:`ZeroStrategy`
 =================  ==========================================================
+
+A :class:`StrategySpec` says what its strategy shards, what it composes with (CPU
+offload, float8 and its all-gather, 4-bit weights), what it needs (a package, CUDA),
+how it builds the Lightning strategy and how it shards a built model. The pre-flight
+(:mod:`recipes_lib.preflight`) reads those declarations; nothing else compares
+strategy names. Adding a strategy is one spec in :data:`STRATEGIES` and one
+``conf/strategy/<name>.yaml``.
 
 Multi-GPU runs are started once per process by ``torchrun`` (or SLURM's ``srun``);
 Lightning reads the launcher's environment, and ``trainer.devices`` is the number of
@@ -16,23 +23,21 @@ processes per node.
 
 from __future__ import annotations
 
-import importlib.util
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from torch import Tensor, nn
 
 from recipes_lib.config.schema import RunConfig, StrategyConfig
 from recipes_lib.errors import ConfigError
-from recipes_lib.parallel.fsdp import full_state_dict
-from recipes_lib.parallel.precision import device_type
+from recipes_lib.parallel.fsdp import full_state_dict, shard_model
 
-STRATEGIES = ("single", "ddp", "fsdp", "deepspeed_zero2", "deepspeed_zero3")
-SHARDED = ("fsdp", "deepspeed_zero2", "deepspeed_zero3")
+BuildStrategy = Callable[[StrategyConfig, int | None], "str | Strategy"]
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -43,8 +48,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     ``torch.distributed.checkpoint``, one shard per rank.
 
     Args:
-        config: the ``strategy`` group (offload and resharding are read by the module
-            when it shards itself, see :func:`recipes_lib.parallel.fsdp.shard_model`).
+        config: the ``strategy`` group (offload and resharding are read when the model
+            is sharded, see :func:`recipes_lib.parallel.fsdp.shard_model`).
     """
 
     def __init__(self, config: StrategyConfig):
@@ -80,115 +85,157 @@ class ZeroStrategy(DeepSpeedStrategy):
         return nullcontext()
 
 
-def build_strategy(config: StrategyConfig, micro_batch_size: int | None = None) -> str | Strategy:
-    """The Lightning strategy (object, or ``"auto"``) of ``strategy.name``.
+def _timeout(config: StrategyConfig) -> timedelta:
+    return timedelta(minutes=config.timeout_minutes)
 
-    ``micro_batch_size`` (sequences per device per step) is what DeepSpeed's config
-    records as its micro-batch; without it Lightning reads it off the data loader."""
-    name = config.name
-    timeout = timedelta(minutes=config.timeout_minutes)
-    if name == "single":
-        return "auto"
-    if name == "ddp":
-        return DDPStrategy(
-            find_unused_parameters=config.find_unused_parameters,
-            gradient_as_bucket_view=True,
-            timeout=timeout,
-        )
-    if name == "fsdp":
-        return FSDP2Strategy(config)
-    if name in ("deepspeed_zero2", "deepspeed_zero3"):
-        stage = 2 if name == "deepspeed_zero2" else 3
+
+def _single(config: StrategyConfig, micro_batch_size: int | None) -> str:
+    return "auto"
+
+
+def _ddp(config: StrategyConfig, micro_batch_size: int | None) -> Strategy:
+    return DDPStrategy(
+        find_unused_parameters=config.find_unused_parameters,
+        gradient_as_bucket_view=True,
+        timeout=_timeout(config),
+    )
+
+
+def _fsdp(config: StrategyConfig, micro_batch_size: int | None) -> Strategy:
+    return FSDP2Strategy(config)
+
+
+def _zero(stage: int) -> BuildStrategy:
+    def build(config: StrategyConfig, micro_batch_size: int | None) -> Strategy:
         strategy = ZeroStrategy(
             stage=stage,
             offload_optimizer=config.cpu_offload,
             offload_parameters=config.cpu_offload and stage == 3,
             logging_batch_size_per_gpu=micro_batch_size or "auto",
-            timeout=timeout,
+            timeout=_timeout(config),
         )
         if config.cpu_offload:
             # the module's own AdamW steps on the CPU copy; DeepSpeed otherwise insists
             # on its compiled CPU Adam
             strategy.config["zero_force_ds_cpu_optimizer"] = False
         return strategy
-    raise ConfigError(f"strategy.name={name!r} is not one of: {', '.join(STRATEGIES)}")
+
+    return build
 
 
-def gather_full_state_dict(model: nn.Module, strategy: Strategy) -> dict[str, Tensor]:
-    """The whole state dict of ``model`` on global rank 0 (others may get an empty or
-    partial dict). A collective under sharded strategies: every rank must call it."""
-    if isinstance(strategy, DeepSpeedStrategy) and strategy.zero_stage_3:
-        import deepspeed
+def _gather_zero3(model: nn.Module, strategy: Strategy) -> dict[str, Tensor]:
+    import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-            if not strategy.is_global_zero:
-                return {}
-            return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return full_state_dict(model)
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        if not strategy.is_global_zero:
+            return {}
+        return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """One strategy of the ``strategy`` group and what it supports.
+
+    Attributes:
+        name: ``strategy.name``.
+        shards: parameters, gradients and optimizer state are split over ranks, so
+            whole-weight operations (the chunked loss reading the head outside the
+            forward, checkpoint averaging, EMA) cannot run on one process.
+        multi_device: it may run on several devices.
+        cpu_offload: ``strategy.cpu_offload`` means something to it.
+        float8: ``precision=fp8`` composes with it (torchao's float8 layers).
+        float8_all_gather: it all-gathers float8 weights (FSDP2, tensorwise scaling).
+        quantized_weights: QLoRA's 4-bit base weights work under it.
+        needs_package: the package it imports, with its install hint.
+        needs_cuda: it runs on CUDA GPUs only.
+        build: the Lightning strategy (or ``"auto"``) for a ``strategy`` config and
+            the micro-batch size.
+        shard: shards a built model over the data-parallel mesh (None: the Lightning
+            strategy shards, or nothing is sharded).
+        gather: the whole state dict onto global rank 0 (None: ``full_state_dict``).
+    """
+
+    name: str
+    shards: bool
+    multi_device: bool
+    cpu_offload: bool
+    float8: bool
+    float8_all_gather: bool
+    quantized_weights: bool
+    build: BuildStrategy
+    needs_package: tuple[str, str] | None = None
+    needs_cuda: bool = False
+    shard: Callable[..., nn.Module] | None = None
+    gather: Callable[[nn.Module, Strategy], dict[str, Tensor]] | None = None
+
+    def gather_full_state_dict(self, model: nn.Module, strategy: Strategy) -> dict[str, Tensor]:
+        """The whole state dict of ``model`` on global rank 0 (others may get an empty or
+        partial dict). A collective under sharded strategies: every rank must call it."""
+        if self.gather is not None:
+            return self.gather(model, strategy)
+        return full_state_dict(model)
+
+
+_DEEPSPEED = ("deepspeed", "pip install 'recipes-lib[deepspeed]'")
+_ZERO = dict(
+    shards=True,
+    multi_device=True,
+    cpu_offload=True,
+    # torchao's float8 layers compose with FSDP2, not with DeepSpeed's partitioned
+    # parameters and its own bf16 mode; DeepSpeed cannot partition 4-bit weights
+    float8=False,
+    float8_all_gather=False,
+    quantized_weights=False,
+    needs_package=_DEEPSPEED,
+    needs_cuda=True,
+)
+_REPLICATED = dict(
+    shards=False, cpu_offload=False, float8=True, float8_all_gather=False, quantized_weights=True
+)
+STRATEGIES: dict[str, StrategySpec] = {
+    spec.name: spec
+    for spec in (
+        StrategySpec(name="single", multi_device=False, build=_single, **_REPLICATED),
+        StrategySpec(name="ddp", multi_device=True, build=_ddp, **_REPLICATED),
+        StrategySpec(
+            name="fsdp",
+            shards=True,
+            multi_device=True,
+            cpu_offload=True,
+            float8=True,
+            float8_all_gather=True,  # with tensorwise scaling
+            quantized_weights=True,  # 4-bit weights stay whole on every rank
+            build=_fsdp,
+            shard=shard_model,
+        ),
+        StrategySpec(name="deepspeed_zero2", build=_zero(2), **_ZERO),
+        StrategySpec(name="deepspeed_zero3", build=_zero(3), gather=_gather_zero3, **_ZERO),
+    )
+}
+
+
+def get_strategy(name: str) -> StrategySpec:
+    """The spec of ``strategy.name``.
+
+    Raises:
+        ConfigError: ``name`` is not one of :data:`STRATEGIES`.
+    """
+    if name not in STRATEGIES:
+        raise ConfigError(f"strategy.name={name!r} is not one of: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def build_strategy(config: StrategyConfig, micro_batch_size: int | None = None) -> str | Strategy:
+    """The Lightning strategy (object, or ``"auto"``) of ``strategy.name``.
+
+    ``micro_batch_size`` (sequences per device per step) is what DeepSpeed's config
+    records as its micro-batch; without it Lightning reads it off the data loader."""
+    return get_strategy(config.name).build(config, micro_batch_size)
 
 
 def trainer_devices(cfg: RunConfig) -> Any:
-    """``trainer.devices`` as the strategy needs it: ``single`` runs on one device."""
-    if cfg.strategy.name == "single" and cfg.trainer.devices in ("auto", -1, "-1"):
+    """``trainer.devices`` as the strategy needs it: one device where it has no others."""
+    spec = get_strategy(cfg.strategy.name)
+    if not spec.multi_device and cfg.trainer.devices in ("auto", -1, "-1"):
         return 1
     return cfg.trainer.devices
-
-
-def _device_count(devices: Any) -> int | None:
-    """How many devices ``trainer.devices`` names, when that is known without hardware."""
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    if isinstance(devices, (list, tuple)):
-        return len(devices)
-    if isinstance(devices, str) and devices.strip().isdigit():
-        return int(devices)
-    if isinstance(devices, str) and "," in devices:
-        return len([d for d in devices.split(",") if d.strip()])
-    return None
-
-
-def check_strategy(cfg: RunConfig) -> None:
-    """Raise :class:`ConfigError` naming the keys of a strategy that cannot run as set."""
-    strategy = cfg.strategy
-    name = strategy.name
-    if name not in STRATEGIES:
-        raise ConfigError(f"strategy.name={name!r} is not one of: {', '.join(STRATEGIES)}")
-    count = _device_count(cfg.trainer.devices)
-    if name == "single" and (count is not None and count > 1 or cfg.trainer.num_nodes > 1):
-        raise ConfigError(
-            f"strategy=single runs on one device, but trainer.devices={cfg.trainer.devices} "
-            f"and trainer.num_nodes={cfg.trainer.num_nodes}; use strategy=ddp or strategy=fsdp"
-        )
-    if strategy.cpu_offload and name not in SHARDED:
-        raise ConfigError(
-            f"strategy.cpu_offload=true needs a sharded strategy (fsdp, deepspeed_zero2, "
-            f"deepspeed_zero3); strategy={name} keeps everything on the device"
-        )
-    if name.startswith("deepspeed"):
-        if importlib.util.find_spec("deepspeed") is None:
-            raise ConfigError(
-                f"strategy={name} needs DeepSpeed, which is not installed: "
-                "pip install 'recipes-lib[deepspeed]'"
-            )
-        if device_type(cfg.trainer.accelerator, torch.cuda.is_available()) == "cpu":
-            raise ConfigError(f"strategy={name} needs CUDA GPUs (trainer.accelerator=gpu)")
-        if cfg.adapter.kind == "qlora":
-            raise ConfigError(
-                f"adapter.kind=qlora with strategy={name}: DeepSpeed cannot partition 4-bit "
-                "weights; use strategy=single, ddp or fsdp"
-            )
-    if name in SHARDED:
-        if cfg.kernels.loss_chunk_size is not None:
-            raise ConfigError(
-                f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size} reads the output weight "
-                f"outside the model's forward, which strategy={name} shards; set it to null"
-            )
-        for key, value in (
-            ("stage.average_last_k", cfg.stage.average_last_k),
-            ("stage.ema_decay", cfg.stage.ema_decay),
-        ):
-            if value is not None:
-                raise ConfigError(
-                    f"{key}={value} averages whole weights on one process; with strategy={name} "
-                    "they are sharded: run the averaging stage with strategy=single or ddp"
-                )

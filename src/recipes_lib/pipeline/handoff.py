@@ -1,69 +1,41 @@
-"""From a stage spec to the stage's RunConfig, and from one stage to the next.
+"""From one stage to the next: what a stage starts from and how it starts.
 
 Set-up order for one stage:
 
-1. compose the recipe with the pipeline's and the stage's Hydra overrides
-   (``compose_config``), then merge the stage's other keys (a partial RunConfig) and
-   place the run in ``<pipeline dir>/<stage>``: :func:`compose_stage`;
+1. compose its config (:func:`recipes_lib.pipeline.spec.compose_stage`);
 2. read what it starts from (a manifest of an earlier stage, or an outside file):
    :func:`handoff_from_manifest` / :func:`handoff_from_path`;
-3. apply the hand-off: initial weights / optimizer / resume point by ``init``, the
+3. check the two fit (:func:`check_model_compatible`, :func:`check_weights_fit`);
+4. apply the hand-off: initial weights / optimizer / resume point by ``init``, the
    source's tokenizer, its last learning rate, replayed data: :func:`apply_handoff`;
-4. fingerprint the result (:func:`stage_fingerprint`); a completed stage whose
-   fingerprint still matches is not trained again.
+5. fingerprint the result (:mod:`recipes_lib.pipeline.fingerprint`); a completed stage
+   whose fingerprint still matches is not trained again.
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import json
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-
-from recipes_lib.checkpoint.hf import (
-    HF_CONFIG_NAME,
-    hf_weight_files,
-    is_hf_folder,
-    model_config_from_hf,
-    read_hf_config,
-)
-from recipes_lib.checkpoint.manifest import MANIFEST_NAME, StageManifest, read_manifest
-from recipes_lib.checkpoint.weights import WEIGHTS_NAME, read_checkpoint, sha256_file
+from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, hf_weight_files
+from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
+from recipes_lib.checkpoint.source import read_init_source, recorded_model
+from recipes_lib.checkpoint.weights import sha256_file
 from recipes_lib.config import (
     ModelConfig,
     RunConfig,
     SourceConfig,
-    compose_config,
-    list_recipes,
 )
 from recipes_lib.config.schema import model_fields, resolved_model_fields
-from recipes_lib.config.store import fill_from_init, run_schema_node
-from recipes_lib.data.prepare import DEFAULT_SOURCES
+from recipes_lib.data.text.prepare import DEFAULT_SOURCES
 from recipes_lib.data.tokenizer import TOKENIZER_FILE, resolve_tokenizer_file
 from recipes_lib.errors import CheckpointError, ConfigError, RecipesError
-from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
+from recipes_lib.pipeline.spec import PipelineSpec, StageSpec, sets_key
 
-# Keys that say where a stage runs or how it reports, not what it computes; left out
-# of the fingerprint (paths to inputs are replaced by the inputs' checksums).
-LOCATION_KEYS = (
-    "run.dir",
-    "run.ckpt_path",
-    "stage.init_from",
-    "data.tokenizer.path",
-    "data.cache_dir",
-    "data.num_proc",
-    "data.num_workers",
-    "trainer.enable_progress_bar",
-    "trainer.enable_model_summary",
-)
-# Keys the runner sets from the stage's ``init`` and ``from``.
-RUNNER_KEYS = ("run.dir", "run.ckpt_path", "stage.init_from", "stage.init_optimizer")
 REPLAY_PREFIX = "replay_"
 
 
@@ -110,7 +82,7 @@ def handoff_from_manifest(manifest: StageManifest, label: str) -> Handoff:
         checkpoint=manifest.checkpoint_path,
         tokenizer=manifest.tokenizer_path,
         tokenizer_sha256=manifest.tokenizer.sha256,
-        model=dict(manifest.model),
+        model=recorded_model(manifest.model),
         global_step=manifest.global_step,
         tokens_seen=manifest.tokens_seen,
         last_lr=manifest.last_lr,
@@ -118,151 +90,71 @@ def handoff_from_manifest(manifest: StageManifest, label: str) -> Handoff:
     )
 
 
-def handoff_from_hf_folder(folder: Path, where: str) -> Handoff:
-    """The hand-off of a Hugging Face model folder: its weights (``stage.init_from`` loads
-    the folder itself), its tokenizer and chat template when it has a ``tokenizer.json``,
-    and the model shape its ``config.json`` describes. Its checksum covers config.json
-    and every weight file.
-
-    Raises:
-        CheckpointError: naming ``where``, for an unsupported or incomplete folder.
-    """
-    try:
-        model = model_config_from_hf(read_hf_config(folder), name=folder.name)
-        files = [folder / HF_CONFIG_NAME, *hf_weight_files(folder)]
-    except CheckpointError as err:
-        raise CheckpointError(f"{where}: {err}") from err
-    digest = hashlib.sha256(" ".join(sha256_file(f) for f in files).encode()).hexdigest()
-    tokenizer = folder / TOKENIZER_FILE
-    return Handoff(
-        label=str(folder),
-        stage=None,
-        manifest=None,
-        weights=folder,
-        weights_sha256=digest,
-        tokenizer=tokenizer if tokenizer.is_file() else None,
-        tokenizer_sha256=sha256_file(tokenizer) if tokenizer.is_file() else None,
-        model=asdict(model),
-    )
+def checkpoint_last_lr(checkpoint: Mapping[str, Any]) -> float | None:
+    """The learning rate a Lightning checkpoint's run had reached."""
+    if checkpoint.get("last_lr") is not None:
+        return float(checkpoint["last_lr"])
+    # checkpoints written before the module recorded it: the scheduler's own record
+    schedulers = checkpoint.get("lr_schedulers") or [{}]
+    last_lrs = schedulers[0].get("_last_lr") or [None]
+    return float(last_lrs[0]) if last_lrs[0] is not None else None
 
 
 def handoff_from_path(path: str | Path, stage: StageSpec) -> Handoff:
     """The hand-off of an outside ``from`` path: a manifest (or a folder holding one), a
     Hugging Face model folder (``config.json`` and safetensors weights), a Lightning
-    ``.ckpt``, a ``.safetensors`` file or a folder holding ``model.safetensors``.
+    ``.ckpt``, a ``.safetensors`` file or a folder holding ``model.safetensors`` (see
+    :func:`recipes_lib.checkpoint.source.read_init_source`).
 
     Raises:
         CheckpointError: naming the stage and the path, when it is none of those or
             cannot be read.
     """
-    source = Path(path).expanduser()
-    where = f"{stage.key}.from={str(path)!r}"
-    if source.is_dir() and (source / MANIFEST_NAME).is_file():
-        source = source / MANIFEST_NAME
-    if source.is_file() and source.suffix == ".json":
-        manifest = read_manifest(source, stage=f"{stage.name} (from {source})")
-        return handoff_from_manifest(manifest, str(source))
-    if is_hf_folder(source):
-        return handoff_from_hf_folder(source, where)
-    if source.is_dir() and (source / WEIGHTS_NAME).is_file():
-        source = source / WEIGHTS_NAME
-    if source.is_file() and source.suffix == ".safetensors":
-        return Handoff(str(source), None, None, source, sha256_file(source))
-    if source.is_file() and source.suffix == ".ckpt":
+    where = f"{stage.key}.from"
+    source = read_init_source(path, where)
+    if source.kind == "manifest":
+        manifest = read_manifest(source.path, stage=f"{stage.name} (from {source.path})")
+        return handoff_from_manifest(manifest, str(source.path))
+    if source.kind == "hf":
+        # the checksum covers config.json and every weight file
         try:
-            checkpoint = read_checkpoint(source)
+            files = [source.path / HF_CONFIG_NAME, *hf_weight_files(source.path)]
         except CheckpointError as err:
-            raise CheckpointError(f"{where}: {err}") from err
-        model = (checkpoint.get("hyper_parameters") or {}).get("model")
-        schedulers = checkpoint.get("lr_schedulers") or [{}]
-        last_lrs = schedulers[0].get("_last_lr") or [None]
+            raise CheckpointError(f"{where}={str(path)!r}: {err}") from err
+        digest = hashlib.sha256(" ".join(sha256_file(f) for f in files).encode()).hexdigest()
+        tokenizer = source.path / TOKENIZER_FILE
         return Handoff(
-            label=str(source),
+            label=str(source.path),
             stage=None,
             manifest=None,
-            weights=source,
-            weights_sha256=sha256_file(source),
-            checkpoint=source,
-            model=dict(model) if isinstance(model, Mapping) else None,
+            weights=source.path,
+            weights_sha256=digest,
+            tokenizer=tokenizer if tokenizer.is_file() else None,
+            tokenizer_sha256=sha256_file(tokenizer) if tokenizer.is_file() else None,
+            model=source.model,
+        )
+    if source.kind == "checkpoint":
+        checkpoint = source.checkpoint or {}
+        return Handoff(
+            label=str(source.path),
+            stage=None,
+            manifest=None,
+            weights=source.path,
+            weights_sha256=sha256_file(source.path),
+            checkpoint=source.path,
+            model=source.model,
             global_step=int(checkpoint.get("global_step", 0)),
             tokens_seen=int(checkpoint.get("tokens_seen", 0)),
-            last_lr=float(last_lrs[0]) if last_lrs[0] is not None else None,
+            last_lr=checkpoint_last_lr(checkpoint),
         )
-    if not source.exists():
-        raise CheckpointError(f"{where}: no such stage or file")
-    raise CheckpointError(
-        f"{where} is not a manifest (.json or a stage folder holding {MANIFEST_NAME}), a "
-        f"Hugging Face model folder, a .ckpt, a .safetensors file or a folder holding "
-        f"{WEIGHTS_NAME}"
-    )
-
-
-# --------------------------------------------------------------------- compose
-
-
-def compose_stage(
-    pipeline: PipelineSpec,
-    stage: StageSpec,
-    source_model: Mapping[str, Any] | None = None,
-    source_label: str = "no source",
-) -> RunConfig:
-    """The stage's RunConfig before any hand-off: recipe + overrides + stage keys, with
-    ``model=from_init`` fields taken from ``source_model`` (the model of what the stage
-    starts from, named ``source_label`` in errors).
-
-    Raises:
-        ConfigError: naming the stage for an unknown recipe, an override that does not
-            compose, or a stage key the schema does not have (``stages.<s>.<key>``).
-    """
-    recipes = list_recipes()
-    if stage.recipe not in recipes:
-        raise ConfigError(
-            f"{stage.key}.recipe={stage.recipe!r}: no such recipe; choose one of: "
-            + ", ".join(recipes)
+    if source.kind == "sharded":
+        raise CheckpointError(
+            f"{where}={str(path)!r} is a sharded checkpoint folder; start the stage from the "
+            "stage folder it belongs to, or consolidate it to one file first "
+            "(recipes_lib.checkpoint.sharded.consolidate_sharded_checkpoint)"
         )
-    for key in RUNNER_KEYS:
-        if sets_key(pipeline, stage, key):
-            raise ConfigError(
-                f"{stage.key}.{key} is set by the pipeline (from the stage's init and from "
-                "keys and its folder); do not set it"
-            )
-    overrides = [f"recipe={stage.recipe}", *pipeline.overrides, *stage.overrides]
-    try:
-        composed = compose_config(overrides)
-    except Exception as err:  # Hydra's composition errors carry the key at fault
-        raise ConfigError(
-            f"stage {stage.name}: recipe {stage.recipe} with overrides {list(overrides[1:])} "
-            f"does not compose: {err}"
-        ) from err
-    typed = run_schema_node()
-    try:
-        typed = OmegaConf.merge(typed, OmegaConf.to_container(composed, resolve=False))
-        typed = OmegaConf.merge(typed, stage.settings)
-    except OmegaConfBaseException as err:
-        full_key = getattr(err, "full_key", None) or ""
-        reason = str(err).splitlines()[0]
-        raise ConfigError(f"{stage.key}.{full_key}: {reason}") from err
-    typed.run.dir = str(pipeline.dir / stage.name)
-    try:
-        fill_from_init(typed.model, source_model, f"{stage.key}: {source_label}")
-    except ConfigError as err:
-        raise ConfigError(f"stage {stage.name}: {err}") from err
-    try:
-        return OmegaConf.to_object(typed)  # type: ignore[return-value]
-    except (OmegaConfBaseException, ValueError) as err:
-        full_key = getattr(err, "full_key", None) or ""
-        raise ConfigError(f"{stage.key}.{full_key}: {str(err).splitlines()[0]}") from err
-
-
-def sets_key(pipeline: PipelineSpec, stage: StageSpec, key: str) -> bool:
-    """Whether the stage itself (its keys or overrides, or the pipeline's) sets ``key``."""
-    node: Any = stage.settings
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    if node is not None:
-        return True
-    overrides = (*pipeline.overrides, *stage.overrides)
-    return any(o.lstrip("+").split("=")[0] == key for o in overrides)
+    # a .safetensors file (or a folder holding model.safetensors)
+    return Handoff(str(source.weights), None, None, source.weights, sha256_file(source.weights))
 
 
 # --------------------------------------------------------------------- checks
@@ -438,92 +330,3 @@ def apply_handoff(
             stage, cfg.data.sources, handoff.data_sources or {}, stage.replay_fraction
         )
     return cfg
-
-
-# ------------------------------------------------------------------ fingerprint
-
-
-def _drop(data: dict[str, Any], dotted: str) -> None:
-    *parents, last = dotted.split(".")
-    node: Any = data
-    for part in parents:
-        node = node.get(part) if isinstance(node, dict) else None
-        if node is None:
-            return
-    if isinstance(node, dict):
-        node.pop(last, None)
-
-
-def _replace_text(value: Any, old: str, new: str) -> Any:
-    if isinstance(value, str):
-        return value.replace(old, new)
-    if isinstance(value, dict):
-        return {k: _replace_text(v, old, new) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_replace_text(v, old, new) for v in value]
-    return value
-
-
-def stage_fingerprint(
-    stage: StageSpec, cfg: RunConfig, handoff: Handoff | None
-) -> tuple[dict[str, Any], str]:
-    """The identity of what a stage computes, and its SHA-256.
-
-    It is the resolved config less :data:`LOCATION_KEYS` (the stage's own folder
-    written as ``${run.dir}`` wherever it appears), plus ``inputs``: the ``init``
-    mode, the source, and the checksums of what those paths named (the source's
-    weights and the tokenizer file).
-    """
-    config = asdict(cfg)
-    config = _replace_text(config, str(cfg.run.dir), "${run.dir}")
-    for key in LOCATION_KEYS:
-        _drop(config, key)
-    tokenizer_sha = None
-    if cfg.data.tokenizer.path is not None:
-        if handoff is not None and cfg.data.tokenizer.path == str(handoff.tokenizer):
-            tokenizer_sha = handoff.tokenizer_sha256
-        else:
-            tokenizer_sha = tokenizer_file_sha256(
-                cfg.data.tokenizer.path, f"{stage.key}.data.tokenizer.path"
-            )
-    payload = {
-        **config,
-        "inputs": {
-            "init": stage.init,
-            "from": (handoff.stage or handoff.label) if handoff is not None else None,
-            "weights_sha256": handoff.weights_sha256 if handoff is not None else None,
-            "tokenizer_sha256": tokenizer_sha,
-        },
-    }
-    blob = json.dumps(payload, sort_keys=True, default=str).encode()
-    return payload, hashlib.sha256(blob).hexdigest()
-
-
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, dict):
-        out: dict[str, Any] = {}
-        for k, v in value.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out or {prefix.rstrip("."): {}}
-    return {prefix.rstrip("."): value}
-
-
-def describe_changes(old: Mapping[str, Any], new: Mapping[str, Any], limit: int = 8) -> list[str]:
-    """``key: old -> new`` for each differing key of two fingerprint payloads."""
-    flat_old, flat_new = _flatten(dict(old)), _flatten(dict(new))
-    names = {
-        "inputs.weights_sha256": "the weights it starts from",
-        "inputs.tokenizer_sha256": "the tokenizer",
-    }
-    changes = []
-    for key in sorted(set(flat_old) | set(flat_new)):
-        a, b = flat_old.get(key, "<unset>"), flat_new.get(key, "<unset>")
-        if a == b:
-            continue
-        if key in names:
-            changes.append(f"{names[key]} changed")
-        else:
-            changes.append(f"{key}: {a!r} -> {b!r}")
-    if len(changes) > limit:
-        changes = [*changes[:limit], f"... and {len(changes) - limit} more"]
-    return changes

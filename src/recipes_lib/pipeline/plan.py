@@ -25,26 +25,23 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from recipes_lib.checkpoint.manifest import MANIFEST_NAME, StageManifest, read_manifest
+from recipes_lib.checkpoint.layout import RunDir
+from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
 from recipes_lib.config import RunConfig
 from recipes_lib.config.instantiate import check_targets
 from recipes_lib.errors import ConfigError
+from recipes_lib.pipeline.fingerprint import describe_changes, stage_fingerprint
 from recipes_lib.pipeline.handoff import (
     Handoff,
     apply_handoff,
     check_model_compatible,
     check_weights_fit,
-    compose_stage,
-    describe_changes,
     handoff_from_manifest,
     handoff_from_path,
-    sets_key,
-    stage_fingerprint,
     tokenizer_file_sha256,
 )
-from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
+from recipes_lib.pipeline.spec import PipelineSpec, StageSpec, compose_stage, sets_key
 
-FINGERPRINT_NAME = "stage_fingerprint.json"  # written when a stage starts training
 TRAINING_ACTIONS = ("train", "resume", "rerun")
 
 
@@ -200,7 +197,7 @@ def _tokenizer_of(
         if path is not None:
             key = f"{source.spec.key}.data.tokenizer.path"
             return tokenizer_file_sha256(path, key), f"stage {source.spec.name}"
-        manifest_file = pipeline.dir / source.spec.name / MANIFEST_NAME
+        manifest_file = RunDir(pipeline.dir / source.spec.name).manifest
         if source.source_stage is None and source.source_file is None:
             if manifest_file.is_file():
                 manifest = read_manifest(manifest_file, stage=source.spec.name)
@@ -211,10 +208,6 @@ def _tokenizer_of(
 
 def stage_dir_of(pipeline: PipelineSpec, stage: StageSpec) -> Path:
     return pipeline.dir / stage.name
-
-
-def _has_checkpoints(stage_dir: Path) -> bool:
-    return any((stage_dir / "checkpoints").glob("*.ckpt"))
 
 
 def source_handoff(plan: StagePlan, manifests: Mapping[str, StageManifest]) -> Handoff | None:
@@ -236,7 +229,8 @@ def _changes_against(
     payload, sha = stage_fingerprint(plan.spec, cfg, source_handoff(plan, manifests))
     if sha == recorded_sha:
         return []
-    return describe_changes(recorded, payload) or ["its fingerprint differs"]
+    # empty when the payloads differ only by keys the schema gained, at their defaults
+    return describe_changes(recorded, payload)
 
 
 def _read_marker(path: Path) -> dict[str, Any] | None:
@@ -259,7 +253,7 @@ def _decide(
     source_trains = (
         plan.source_stage is not None and plans[plan.source_stage].action in TRAINING_ACTIONS
     )
-    manifest_file = stage_dir / MANIFEST_NAME
+    manifest_file = RunDir(stage_dir).manifest
     if manifest_file.is_file():
         manifest = read_manifest(manifest_file, stage=stage.name)
         if source_trains:
@@ -273,8 +267,8 @@ def _decide(
             manifests[stage.name] = manifest
             return
         done = "completed"
-    elif _has_checkpoints(stage_dir):
-        marker = stage_dir / FINGERPRINT_NAME
+    elif RunDir(stage_dir).has_checkpoints():
+        marker = RunDir(stage_dir).fingerprint
         changes = []
         if source_trains:
             changes = [f"its source stage {plan.source_stage} will be trained again"]

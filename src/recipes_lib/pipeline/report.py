@@ -17,9 +17,7 @@ first and at its last validation (:func:`held_out_changes`).
 from __future__ import annotations
 
 import csv
-import json
 import math
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,9 +27,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest
+from recipes_lib.files import write_atomic, write_json_atomic
 
-REPORT_DIR = "report"
 # held-out metrics compared at a stage's first and last validation, by short name
 HELD_OUT_METRICS = {
     "val/loss": "loss",
@@ -98,7 +97,7 @@ def _version(path: Path) -> int:
 def read_stage_logs(stage_dir: Path, stage: str, start_step: int = 0) -> StageSeries:
     """Every metric a stage logged to CSV, later log versions overriding earlier ones."""
     by_metric: dict[str, dict[int, float]] = {}
-    files = sorted((stage_dir / "logs").glob("version_*/metrics.csv"), key=_version)
+    files = sorted(RunDir(stage_dir).logs.glob("version_*/metrics.csv"), key=_version)
     for path in files:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
@@ -175,10 +174,9 @@ def _draw_panel(
 
 
 def _save(fig: Any, path: Path) -> Path:
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial.png")
-    fig.savefig(partial, dpi=100, bbox_inches="tight")
-    os.replace(partial, path)
-    return path
+    return write_atomic(
+        path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight")
+    )
 
 
 def _pyplot() -> Any:
@@ -288,11 +286,7 @@ def write_summary(
         "stages": stages,
         "plots": [p.name for p in plots],
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps(data, indent=2, default=_json_number) + "\n")
-    os.replace(partial, path)
-    return path
+    return write_json_atomic(path, data, default=_json_number)
 
 
 def _json_number(value: Any) -> Any:

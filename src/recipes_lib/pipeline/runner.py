@@ -16,10 +16,7 @@ wait for the manifest a stage's successor reads.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -30,8 +27,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig
 from rich.console import Console
 
+from recipes_lib.checkpoint.layout import RunDir
+from recipes_lib.checkpoint.layout import report_dir as pipeline_report_dir
 from recipes_lib.checkpoint.manifest import (
-    MANIFEST_NAME,
     FileRef,
     StageManifest,
     StageMetrics,
@@ -43,11 +41,12 @@ from recipes_lib.checkpoint.manifest import (
 )
 from recipes_lib.checkpoint.weights import checkpoint_step, list_step_checkpoints, sha256_file
 from recipes_lib.config import RunConfig
-from recipes_lib.data.prepare import global_rank, resolve_sources
+from recipes_lib.data.text.prepare import resolve_sources
 from recipes_lib.errors import CheckpointError, ConfigError
-from recipes_lib.pipeline.handoff import Handoff, apply_handoff, stage_fingerprint
+from recipes_lib.files import copy_atomic, global_rank, move_aside, write_json_atomic
+from recipes_lib.pipeline.fingerprint import stage_fingerprint
+from recipes_lib.pipeline.handoff import Handoff, apply_handoff
 from recipes_lib.pipeline.plan import (
-    FINGERPRINT_NAME,
     StagePlan,
     plan_pipeline,
     print_plan,
@@ -55,7 +54,6 @@ from recipes_lib.pipeline.plan import (
     stage_dir_of,
 )
 from recipes_lib.pipeline.report import (
-    REPORT_DIR,
     StageSeries,
     held_out_changes,
     print_summary_table,
@@ -68,8 +66,6 @@ from recipes_lib.pipeline.spec import PipelineSpec, parse_pipeline
 from recipes_lib.train import RunResult, run
 
 log = logging.getLogger("recipes_lib")
-
-TOKENIZER_NAME = "tokenizer.json"
 
 
 @dataclass
@@ -137,32 +133,14 @@ class FinalCheckpoint(Callback):
 # ------------------------------------------------------------------------- run
 
 
-def _move_aside(stage_dir: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = stage_dir.with_name(f"{stage_dir.name}.old-{stamp}")
-    counter = 1
-    while target.exists():
-        counter += 1
-        target = stage_dir.with_name(f"{stage_dir.name}.old-{stamp}-{counter}")
-    stage_dir.rename(target)
-    log.info("moved %s aside to %s", stage_dir, target)
-    return target
-
-
 def _resume_checkpoint(stage_dir: Path) -> Path:
-    last = stage_dir / "checkpoints" / "last.ckpt"
-    if last.exists():  # a folder when sharded
-        return last
-    saved = list_step_checkpoints(stage_dir / "checkpoints")
+    run_dir = RunDir(stage_dir)
+    if run_dir.last_checkpoint.exists():  # a folder when sharded
+        return run_dir.last_checkpoint
+    saved = list_step_checkpoints(run_dir.checkpoints)
     if not saved:
-        raise CheckpointError(f"no checkpoint to resume in {stage_dir / 'checkpoints'}")
+        raise CheckpointError(f"no checkpoint to resume in {run_dir.checkpoints}")
     return saved[-1][1]
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(partial, path)
 
 
 def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
@@ -190,15 +168,14 @@ def _finish_stage(
             f"stage {stage.name} stopped at step {result.global_step} before its last step; "
             "rerun the pipeline to resume it"
         )
-    tokenizer = stage_dir / TOKENIZER_NAME
+    run_dir = RunDir(stage_dir)
+    tokenizer = run_dir.tokenizer
     if Path(result.tokenizer_path).resolve() != tokenizer.resolve():
-        partial = tokenizer.with_name(f".{TOKENIZER_NAME}.{os.getpid()}.partial")
-        shutil.copyfile(result.tokenizer_path, partial)
-        os.replace(partial, tokenizer)
+        copy_atomic(result.tokenizer_path, tokenizer)
     continues = stage.init == "full" and handoff is not None
     start_step = handoff.global_step if continues else 0
     logs = read_stage_logs(stage_dir, stage.name, start_step)
-    checkpoint = stage_dir / "checkpoints" / "last.ckpt"
+    checkpoint = run_dir.last_checkpoint
     metrics = StageMetrics(
         train_loss_start=logs.first("train/loss"),
         train_loss_end=logs.last("train/loss"),
@@ -216,7 +193,7 @@ def _finish_stage(
         weights=FileRef(
             relative_to(result.weights_path, stage_dir), sha256_file(result.weights_path)
         ),
-        tokenizer=FileRef(TOKENIZER_NAME, sha256_file(tokenizer)),
+        tokenizer=FileRef(tokenizer.name, sha256_file(tokenizer)),
         model=asdict(cfg.model),
         global_step=result.global_step,
         tokens_seen=result.tokens_seen,
@@ -253,7 +230,7 @@ def _train_stage(
     stage_dir = stage_dir_of(pipeline, stage)
     rank_zero = global_rank() == 0
     if plan.action == "rerun" and stage_dir.exists() and rank_zero:
-        _move_aside(stage_dir)
+        log.info("moved %s aside to %s", stage_dir, move_aside(stage_dir))
     handoff = source_handoff(plan, manifests)
     cfg = apply_handoff(pipeline, stage, plan.config, handoff)
     if stage.init == "full" and handoff is not None and cfg.stage.max_tokens is None:
@@ -270,8 +247,8 @@ def _train_stage(
         cfg.run.ckpt_path = str(_resume_checkpoint(stage_dir))
     if rank_zero:
         stage_dir.mkdir(parents=True, exist_ok=True)
-        _write_json_atomic(
-            stage_dir / FINGERPRINT_NAME,
+        write_json_atomic(
+            RunDir(stage_dir).fingerprint,
             {
                 "pipeline": pipeline.name,
                 "stage": stage.name,
@@ -280,9 +257,9 @@ def _train_stage(
             },
         )
     log.info("stage %s: %s (recipe %s, init %s)", stage.name, plan.reason, stage.recipe, stage.init)
-    final = FinalCheckpoint(stage_dir / "checkpoints" / "last.ckpt")
+    final = FinalCheckpoint(RunDir(stage_dir).last_checkpoint)
     result = run(cfg, callbacks=[final, *callbacks])
-    manifest_file = stage_dir / MANIFEST_NAME
+    manifest_file = RunDir(stage_dir).manifest
     if rank_zero:
         manifest = _finish_stage(pipeline, plan, cfg, result, handoff, payload, sha)
     else:
@@ -348,7 +325,7 @@ def run_pipeline(
                 stage.name,
                 STATUS[plan.action],
                 manifest,
-                stage_dir_of(pipeline, stage) / MANIFEST_NAME,
+                RunDir(stage_dir_of(pipeline, stage)).manifest,
                 run_result,
             )
         )
@@ -378,7 +355,7 @@ def _write_report(
     series: list[StageSeries],
     console: Console | None,
 ) -> Path:
-    report_dir = pipeline.dir / REPORT_DIR
+    report_dir = pipeline_report_dir(pipeline.dir)
     plots = write_plots(series, report_dir)
     write_summary(report_dir / "summary.json", pipeline.name, pipeline.dir, result.summary, plots)
     print_summary_table(pipeline.name, result.summary, console)

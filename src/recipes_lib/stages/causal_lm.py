@@ -13,20 +13,16 @@ supports the device, dtype and document masking before the first step.
 
 from __future__ import annotations
 
-import os
-import random
 from collections.abc import Mapping
-from dataclasses import asdict, fields, is_dataclass
-from typing import Any, get_type_hints
+from dataclasses import asdict
+from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 from torch import Tensor
 
-from recipes_lib.adapters import apply_adapter, check_adapter_config
-from recipes_lib.checkpoint.hf import is_hf_folder, load_hf_weights_into
-from recipes_lib.checkpoint.weights import load_state_into, load_weights, read_checkpoint
+from recipes_lib.checkpoint.rng import collect_rng_states, restore_rng_states
+from recipes_lib.checkpoint.weights import read_checkpoint
 from recipes_lib.config.schema import (
     AdapterConfig,
     KernelsConfig,
@@ -37,164 +33,16 @@ from recipes_lib.config.schema import (
     SchedulerConfig,
     StrategyConfig,
 )
+from recipes_lib.config.store import as_config
 from recipes_lib.errors import CheckpointError, ConfigError
-from recipes_lib.kernels import get_attention_backend
 from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
 from recipes_lib.models import Transformer
 from recipes_lib.optim import build_lr_lambda, build_optimizer, build_scheduler
+from recipes_lib.optim.moments import load_optimizer_moments
+from recipes_lib.parallel.precision import compute_dtype
+from recipes_lib.stages.build import ModelBuild, build_model
 
 Batch = Mapping[str, Tensor]
-
-
-def _as_config(cls: type, value: Any, key: str) -> Any:
-    """``value`` as a ``cls`` dataclass; mappings (saved hyperparameters) are converted."""
-    if isinstance(value, cls):
-        return value
-    if not isinstance(value, Mapping):
-        raise ConfigError(
-            f"{key} must be a {cls.__name__} or a mapping, got {type(value).__name__}"
-        )
-    hints = get_type_hints(cls)
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(value) - names)
-    if unknown:
-        raise ConfigError(f"{key} has unknown keys {unknown}; {cls.__name__} takes {sorted(names)}")
-    kwargs = {}
-    for name, item in value.items():
-        hint = hints.get(name)
-        if isinstance(hint, type) and is_dataclass(hint) and isinstance(item, Mapping):
-            item = _as_config(hint, item, f"{key}.{name}")
-        kwargs[name] = item
-    return cls(**kwargs)
-
-
-def compute_dtype(precision: str | int | None) -> torch.dtype:
-    """The dtype matmuls run in under a Lightning ``precision`` setting."""
-    text = str(precision)
-    if "bf16" in text:
-        return torch.bfloat16
-    if text.startswith("16"):
-        return torch.float16
-    if text.startswith("64"):
-        return torch.float64
-    return torch.float32
-
-
-def collect_rng_states(device: torch.device) -> dict[str, Any]:
-    """Python, NumPy, torch CPU and (on a CUDA device) CUDA generator states.
-
-    Stored as tensors and plain Python values so a checkpoint loads with
-    ``torch.load(weights_only=True)``.
-    """
-    algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    states: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {
-            "algorithm": str(algorithm),
-            "keys": torch.from_numpy(keys.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "cached_gaussian": float(cached_gaussian),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
-
-
-def restore_rng_states(states: Mapping[str, Any], device: torch.device) -> None:
-    """Inverse of :func:`collect_rng_states`; a missing entry is left alone."""
-    if "python" in states:
-        version, internal, gauss_next = states["python"]
-        random.setstate((version, tuple(internal), gauss_next))
-    if "numpy" in states:
-        n = states["numpy"]
-        keys = np.asarray(n["keys"].numpy() if isinstance(n["keys"], Tensor) else n["keys"])
-        np.random.set_state(
-            (n["algorithm"], keys.astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"])
-        )
-    if "torch" in states:
-        torch.set_rng_state(states["torch"].cpu())
-    if "cuda" in states and device.type == "cuda":
-        torch.cuda.set_rng_state(states["cuda"].cpu(), device)
-
-
-def load_model_weights(
-    model: torch.nn.Module, path: str | os.PathLike, label: str | None = None
-) -> None:
-    """Load weights into ``model`` from ``path``.
-
-    ``path`` is a ``.safetensors`` file, a directory holding ``model.safetensors``, a
-    torch file (a Lightning checkpoint of this module, whose ``model.`` prefix is
-    stripped, or a plain state dict), or a Hugging Face model folder (``config.json``
-    with ``model.safetensors`` or its shards), whose config must match the model's.
-    ``label`` names the source in errors (default ``stage.init_from='<path>'``).
-
-    Raises:
-        CheckpointError: the path is missing or unreadable, a Hugging Face config
-            differs from the model's, or its tensors do not fit the model (the first
-            mismatches are listed).
-    """
-    label = label or f"stage.init_from={str(path)!r}"
-    if is_hf_folder(path):
-        load_hf_weights_into(model, path, label)  # type: ignore[arg-type]
-        return
-    try:
-        state = load_weights(path)
-    except CheckpointError as err:
-        raise CheckpointError(f"{label}: {err}") from err
-    load_state_into(model, state, label)
-
-
-def load_optimizer_moments(
-    optimizer: torch.optim.Optimizer, path: str | os.PathLike
-) -> torch.optim.Optimizer:
-    """Load the per-parameter state (AdamW moments and step counts) of a Lightning
-    checkpoint into ``optimizer``, keeping ``optimizer``'s own hyperparameters.
-
-    Every group's ``lr``, ``initial_lr``, betas, epsilon and weight decay stay as the
-    new run configured them, so a schedule built afterwards starts from the new peak
-    learning rate instead of where the earlier run left off.
-
-    Raises:
-        CheckpointError: the checkpoint holds no optimizer state, or its groups or
-            moment shapes do not match ``optimizer``.
-    """
-    label = f"stage.init_from={str(path)!r}"
-    try:
-        checkpoint = read_checkpoint(path, mmap=False)  # the moments outlive the file
-    except CheckpointError as err:
-        raise CheckpointError(f"{label}: {err}") from err
-    saved_states = checkpoint.get("optimizer_states") or []
-    if len(saved_states) != 1:
-        raise CheckpointError(
-            f"{label} holds {len(saved_states)} optimizer states; stage.init_optimizer=true "
-            "needs a Lightning checkpoint of a run with one optimizer"
-        )
-    saved = saved_states[0]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    saved_sizes = [len(g["params"]) for g in saved["param_groups"]]
-    sizes = [len(g["params"]) for g in optimizer.param_groups]
-    if saved_sizes != sizes:
-        raise CheckpointError(
-            f"{label}: its optimizer has parameter groups of sizes {saved_sizes}, this run's "
-            f"has {sizes} (a different model or optim.decay_embeddings)"
-        )
-    index_order = [i for g in saved["param_groups"] for i in g["params"]]
-    for position, (index, param) in enumerate(zip(index_order, params, strict=True)):
-        moment = saved["state"].get(index, {}).get("exp_avg")
-        if moment is not None and tuple(moment.shape) != tuple(param.shape):
-            raise CheckpointError(
-                f"{label}: optimizer state of parameter {position} has shape "
-                f"{tuple(moment.shape)}, the parameter {tuple(param.shape)}"
-            )
-    configured = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
-    for group, settings in zip(optimizer.param_groups, configured, strict=True):
-        group.update(settings)
-        group["initial_lr"] = settings["lr"]
-    return optimizer
 
 
 class CausalLMModule(L.LightningModule):
@@ -243,18 +91,17 @@ class CausalLMModule(L.LightningModule):
         strategy: StrategyConfig | None = None,
     ):
         super().__init__()
-        self.model_config: ModelConfig = _as_config(ModelConfig, model, "model")
-        self.kernels_config: KernelsConfig = _as_config(KernelsConfig, kernels, "kernels")
-        self.optim_config: OptimConfig = _as_config(OptimConfig, optim, "optim")
-        self.scheduler_config: SchedulerConfig = _as_config(SchedulerConfig, scheduler, "scheduler")
-        self.adapter_config: AdapterConfig = _as_config(
+        self.model_config: ModelConfig = as_config(ModelConfig, model, "model")
+        self.kernels_config: KernelsConfig = as_config(KernelsConfig, kernels, "kernels")
+        self.optim_config: OptimConfig = as_config(OptimConfig, optim, "optim")
+        self.scheduler_config: SchedulerConfig = as_config(SchedulerConfig, scheduler, "scheduler")
+        self.adapter_config: AdapterConfig = as_config(
             AdapterConfig, adapter if adapter is not None else AdapterConfig(), "adapter"
         )
-        check_adapter_config(self.adapter_config)
-        self.precision_config: PrecisionConfig = _as_config(
+        self.precision_config: PrecisionConfig = as_config(
             PrecisionConfig, precision if precision is not None else PrecisionConfig(), "precision"
         )
-        self.strategy_config: StrategyConfig = _as_config(
+        self.strategy_config: StrategyConfig = as_config(
             StrategyConfig, strategy if strategy is not None else StrategyConfig(), "strategy"
         )
         self.total_steps = int(total_steps)
@@ -262,8 +109,6 @@ class CausalLMModule(L.LightningModule):
         self.document_mask = document_mask
         self.init_from = init_from
         self.init_optimizer = init_optimizer
-        if init_optimizer and init_from is None:
-            raise ConfigError("stage.init_optimizer=true needs stage.init_from (a .ckpt)")
         chunk = self.kernels_config.loss_chunk_size
         if chunk is not None and chunk < 1:
             raise ConfigError(f"kernels.loss_chunk_size={chunk} must be positive or null")
@@ -315,32 +160,36 @@ class CausalLMModule(L.LightningModule):
 
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
-        """Build the model once; later calls (e.g. a second ``fit``) keep it.
+        """Build the model once (:func:`recipes_lib.stages.build.build_model`: seeded
+        decoder, ``init_from`` weights, adapter, float8, activation checkpointing,
+        per-block compilation, sharding); later calls (e.g. a second ``fit``) keep it.
 
-        The model is built on the default device of the surrounding context (a Trainer
-        makes that its root device; under FSDP, the root device, or the CPU when
-        offloading) and initialised under the run's seed (``PL_GLOBAL_SEED``, set by
-        ``lightning.seed_everything``), in a forked RNG so the global streams are left
-        as they were; every strategy starts from the same weights. Then, in this order:
-        ``init_from`` weights, adapter, float8, activation checkpointing, per-block
-        compilation, and FSDP sharding.
+        The model is built on the strategy's root device (the context's default device
+        when unsharded; the CPU when FSDP offloads it).
         """
         if self.model is not None:
             return
         mesh = self._data_parallel_mesh()
-        with torch.device(self._build_device(sharded=mesh is not None)):
-            model = self._build_model()
-        self._apply_transforms(model, sharded=mesh is not None)
-        if mesh is not None:
-            from recipes_lib.parallel.fsdp import shard_model
+        self.model = build_model(self.policy_build(), device=self._build_device(mesh), mesh=mesh)
+        if self.kernels_config.compile:
+            # fuses the fp32 upcast with log-softmax: the fp32 logits are never stored
+            self._loss_fn = torch.compile(causal_lm_loss)
 
-            shard_model(model, mesh, self.strategy_config, self.precision_config)
-        self.model = model
+    def policy_build(self) -> ModelBuild:
+        """How the trained model is built (see :mod:`recipes_lib.stages.build`)."""
+        return ModelBuild(
+            model=self.model_config,
+            kernels=self.kernels_config,
+            precision=self.precision_config,
+            strategy=self.strategy_config,
+            init_from=self.init_from,
+            adapter=self.adapter_config,
+        )
 
-    def _build_device(self, *, sharded: bool) -> torch.device:
+    def _build_device(self, mesh) -> torch.device:
         """Where a model is built: the context's default device; when it will be sharded,
         the strategy's root device, or the CPU when offloading."""
-        if not sharded:
+        if mesh is None:
             return torch.get_default_device()
         if self.strategy_config.cpu_offload:
             return torch.device("cpu")
@@ -354,44 +203,6 @@ class CausalLMModule(L.LightningModule):
         except (AttributeError, RuntimeError):
             return None
         return mesh["data_parallel"] if mesh is not None else None
-
-    def _build_model(self) -> Transformer:
-        """The decoder with its initial weights (seeded init, then ``init_from``) and its
-        adapter."""
-        backend = get_attention_backend(self.kernels_config.attention)
-        seed = os.environ.get("PL_GLOBAL_SEED")
-        device = torch.get_default_device()
-        cuda_devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda_devices, enabled=seed is not None):
-            if seed is not None:
-                torch.manual_seed(int(seed))
-            model = Transformer(self.model_config, attention=backend)
-        if self.init_from is not None:
-            if any(p.is_meta for p in model.parameters()):
-                raise CheckpointError(
-                    f"stage.init_from={self.init_from!r} cannot load into a model built on the "
-                    "meta device (deferred sharded init); use a strategy that builds it on device"
-                )
-            load_model_weights(model, self.init_from)
-        # after the base weights are in place; before compilation, which must see the
-        # adapted modules
-        return apply_adapter(model, self.adapter_config)
-
-    def _apply_transforms(self, model: Transformer, *, sharded: bool) -> None:
-        """float8 Linear layers (``sharded``: ready for FSDP's float8 all-gather),
-        activation checkpointing and per-block compilation, in that order (compilation
-        must see the final modules)."""
-        if self.precision_config.name == "fp8":
-            from recipes_lib.parallel.fp8 import convert_to_fp8
-
-            convert_to_fp8(model, self.precision_config, fsdp=sharded)
-        if self.kernels_config.activation_checkpointing:
-            model.set_activation_checkpointing(True)
-        if self.kernels_config.compile:
-            for block in model.layers:
-                block.compile()  # in place: parameter names stay as they are
-            # fuses the fp32 upcast with log-softmax: the fp32 logits are never stored
-            self._loss_fn = torch.compile(causal_lm_loss)
 
     def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Next-token logits ``(B, T, V)``."""
@@ -416,18 +227,11 @@ class CausalLMModule(L.LightningModule):
         return self.model
 
     def on_fit_start(self) -> None:
-        precision = self.trainer.precision
         self._built_model().attention_backend.check(
-            device=self.device, dtype=compute_dtype(precision), document_mask=self.document_mask
+            device=self.device,
+            dtype=compute_dtype(self.trainer.precision),
+            document_mask=self.document_mask,
         )
-        strategy = type(self.trainer.strategy).__name__
-        if self.kernels_config.loss_chunk_size is not None and (
-            "FSDP" in strategy or "ModelParallel" in strategy
-        ):
-            raise ConfigError(
-                f"kernels.loss_chunk_size={self.kernels_config.loss_chunk_size} reads the output "
-                f"weight outside the model's forward, which {strategy} shards; set it to null"
-            )
 
     # ------------------------------------------------------------------ loss
     def model_inputs(self, batch: Batch) -> tuple[Tensor, Tensor | None]:
@@ -534,8 +338,13 @@ class CausalLMModule(L.LightningModule):
             target = self
         optimizer = build_optimizer(target, self.optim_config)
         if self.init_optimizer and self.init_from is not None:
+            label = f"stage.init_from={self.init_from!r}"
+            try:
+                checkpoint = read_checkpoint(self.init_from, mmap=False)  # moments outlive it
+            except CheckpointError as err:
+                raise CheckpointError(f"{label}: {err}") from err
             # before the scheduler: it reads each group's initial_lr when it is built
-            load_optimizer_moments(optimizer, self.init_from)
+            load_optimizer_moments(optimizer, checkpoint, label)
         scheduler = build_scheduler(
             optimizer, self.scheduler_config, self.total_steps, self.tokens_per_step
         )
@@ -548,6 +357,9 @@ class CausalLMModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["rng_states"] = collect_rng_states(self.device)
+        schedulers = self.trainer.lr_scheduler_configs
+        if schedulers:  # where the schedule stands: what a next stage may start at
+            checkpoint["last_lr"] = float(schedulers[0].scheduler.get_last_lr()[0])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))

@@ -2,7 +2,7 @@
 
 :class:`DPOModule` is a :class:`~recipes_lib.stages.causal_lm.CausalLMModule` whose loss
 compares the policy with a frozen reference on preference pairs (batches of
-:mod:`recipes_lib.data.preference`). One forward pass of the policy covers the chosen
+:mod:`recipes_lib.data.preference.collate`). One forward pass of the policy covers the chosen
 and the rejected sequences of every pair (they are rows of one batch, or documents of
 packed rows); summed response log-probs per sequence feed the configured loss
 (:mod:`recipes_lib.losses.preference`).
@@ -29,8 +29,8 @@ higher) and the policy's ``logps/chosen`` and ``logps/rejected``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
-import os
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -40,11 +40,13 @@ import torch
 from torch import Tensor, nn
 
 from recipes_lib.adapters import adapters_disabled, has_adapter
+from recipes_lib.checkpoint.source import load_model_weights
 from recipes_lib.config.schema import PreferenceConfig, RunConfig
+from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import PREFERENCE_LOSSES, token_logprobs
-from recipes_lib.models import Transformer
-from recipes_lib.stages.causal_lm import Batch, CausalLMModule, _as_config, load_model_weights
+from recipes_lib.stages.build import build_model
+from recipes_lib.stages.causal_lm import Batch, CausalLMModule
 from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
 
 SPLITS = ("train", "val")
@@ -123,9 +125,7 @@ class DPOModule(CausalLMModule):
     def __init__(self, *args: Any, preference: PreferenceConfig | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         config = preference if preference is not None else PreferenceConfig()
-        self.preference_config: PreferenceConfig = _as_config(
-            PreferenceConfig, config, "preference"
-        )
+        self.preference_config: PreferenceConfig = as_config(PreferenceConfig, config, "preference")
         if self.preference_config.loss not in PREFERENCE_LOSSES:
             raise ConfigError(
                 f"preference.loss={self.preference_config.loss!r} is not one of "
@@ -152,42 +152,34 @@ class DPOModule(CausalLMModule):
         self.reference = self._build_reference()
 
     def _build_reference(self) -> FrozenReference:
+        """The frozen reference: the adapted policy with its adapters bypassed, or a
+        model of its own built as the policy is (same seed, kernels, compilation and
+        sharding; no adapter, float8 or activation checkpointing: it does not train).
+        Without a source of its own it starts from the policy's initial weights, which
+        the shared seed already gives it."""
         policy = self._built_model()
         settings = self.preference_config
         source = settings.reference_from or self.init_from
         same_base = settings.reference_from is None or settings.reference_from == self.init_from
         if has_adapter(policy) and same_base:
             return FrozenReference(adapted_policy=policy)
-        if any(p.is_meta for p in policy.parameters()):
-            raise ConfigError(
-                "objective dpo builds a separate reference model on the policy's device; a "
-                "deferred (meta-device) initialisation is not supported"
-            )
+        key = "preference.reference_from" if settings.reference_from else "stage.init_from"
+        plan = dataclasses.replace(
+            self.policy_build(),
+            init_from=source,
+            init_label=f"{key}={source!r}" if source is not None else None,
+            adapter=None,
+            trains=False,
+        )
         mesh = self._data_parallel_mesh()
-        device = self._build_device(sharded=mesh is not None)
-        seed = os.environ.get("PL_GLOBAL_SEED")
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            if seed is not None:
-                torch.manual_seed(int(seed))
-            with torch.device(device):
-                reference = Transformer(self.model_config, attention=policy.attention_backend)
-        if source is None:
-            # the policy's initial weights (no adapter here: it would have been handled);
-            # a sharded policy was built under the same seed, so the reference already
-            # holds them
-            if mesh is None:
-                reference.load_state_dict(policy.state_dict())
-        else:
-            key = "preference.reference_from" if settings.reference_from else "stage.init_from"
-            _load_reference(reference, source, f"{key}={source!r}")
+        reference = build_model(
+            plan,
+            device=self._build_device(mesh),
+            mesh=mesh,
+            attention=policy.attention_backend,
+        )
+        if source is not None:
             self.reference_source = str(Path(source).expanduser().resolve())
-        if self.kernels_config.compile:
-            for block in reference.layers:
-                block.compile()
-        if mesh is not None:
-            from recipes_lib.parallel.fsdp import shard_model
-
-            shard_model(reference, mesh, self.strategy_config, self.precision_config)
         return FrozenReference(model=reference)
 
     # ----------------------------------------------------------- checkpoints

@@ -1,6 +1,6 @@
 """Supervised fine-tuning: next-token loss on the assistant's tokens only.
 
-Batch contract (from :class:`~recipes_lib.data.chat_module.ChatDataModule`):
+Batch contract (from :class:`~recipes_lib.data.chat.module.ChatDataModule`):
 ``input_ids`` ``(B, T)``; ``labels`` ``(B, T)``, the next token where that token is
 assistant output (its content and end-of-turn token) and ``-100`` on system and user
 turns, role headers, padding and each conversation's last position; ``doc_ids``

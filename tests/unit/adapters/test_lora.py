@@ -8,6 +8,7 @@ import stat
 
 import pytest
 import torch
+from tiny import tiny_model_config
 
 from recipes_lib.adapters import (
     adapters_disabled,
@@ -19,26 +20,14 @@ from recipes_lib.adapters import (
     save_adapter,
 )
 from recipes_lib.checkpoint.hf import export_hf_checkpoint
-from recipes_lib.config.schema import AdapterConfig, ModelConfig, OptimConfig
+from recipes_lib.config.schema import AdapterConfig, OptimConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
 from recipes_lib.optim import build_optimizer
 
 SHAPES = {
-    "llama": ModelConfig(
-        vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32
-    ),
-    "qwen2": ModelConfig(
-        vocab_size=96,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=64,
-        max_seq_len=32,
-        qkv_bias=True,
-        tie_embeddings=True,
-    ),
+    "llama": tiny_model_config(vocab_size=96),
+    "qwen2": tiny_model_config(vocab_size=96, qkv_bias=True, family="qwen2", tie_embeddings=True),
 }
 
 

@@ -3,21 +3,20 @@
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from tiny import quiet_trainer, step_checkpoints, tiny_model_config
 from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import WeightEMA
-from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
+from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
 from recipes_lib.stages import CausalLMModule
 
 VOCAB, SEQ_LEN = 64, 16
 
 
 def make_module(**model_overrides) -> CausalLMModule:
-    values = dict(vocab_size=VOCAB, dim=32, n_layers=1, n_heads=4, ffn_dim=64, max_seq_len=32)
-    values.update(model_overrides)
+    model = {"vocab_size": VOCAB, "n_layers": 1, "n_kv_heads": None, **model_overrides}
     return CausalLMModule(
-        ModelConfig(**values),
+        tiny_model_config(**model),
         KernelsConfig(),
         OptimConfig(lr=1e-2),
         SchedulerConfig(name="constant"),
@@ -33,20 +32,6 @@ def loader(n: int):
         tokens = torch.randint(0, VOCAB, (4, SEQ_LEN + 1), generator=gen)
         rows.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
     return DataLoader(rows, batch_size=None, shuffle=False, generator=torch.Generator())
-
-
-def trainer(max_steps: int, callbacks, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
-        callbacks=callbacks,
-        **kwargs,
-    )
 
 
 class WeightsAfterEachStep(L.Callback):
@@ -67,7 +52,7 @@ def test_average_follows_the_recurrence_once_per_optimizer_step():
     L.seed_everything(0)
     module = make_module()
     ema, record = WeightEMA(decay), WeightsAfterEachStep()
-    trainer(5, [record, ema], accumulate_grad_batches=2).fit(module, loader(10))
+    quiet_trainer(5, [record, ema], accumulate_grad_batches=2).fit(module, loader(10))
     assert ema.updates == 5 and len(record.weights) == 6  # initial + one per step
 
     expected = dict(record.weights[0])
@@ -86,7 +71,7 @@ def test_tied_weights_share_one_average():
     L.seed_everything(0)
     module = make_module(tie_embeddings=True)
     ema = WeightEMA(0.5)
-    trainer(2, [ema]).fit(module, loader(2))
+    quiet_trainer(2, [ema]).fit(module, loader(2))
     averaged = ema.averaged_state_dict(module.model)
     assert averaged["output.weight"] is averaged["tok_embeddings.weight"]
     full = ema.averaged_state_dict(module)  # the LightningModule itself: prefixed names
@@ -96,19 +81,13 @@ def test_tied_weights_share_one_average():
 def test_resumed_average_matches_an_uninterrupted_one(tmp_path):
     L.seed_everything(0)
     straight, straight_ema = make_module(), WeightEMA(0.7)
-    saver = ModelCheckpoint(
-        dirpath=tmp_path,
-        filename="step{step}",
-        every_n_train_steps=4,
-        save_top_k=-1,
-        auto_insert_metric_name=False,
-    )
-    trainer(8, [straight_ema, saver]).fit(straight, loader(4))  # checkpoint at an epoch end
+    saver = step_checkpoints(tmp_path, every=4)
+    quiet_trainer(8, [straight_ema, saver]).fit(straight, loader(4))  # checkpoint at an epoch end
     assert (tmp_path / "step4.ckpt").is_file()
 
     L.seed_everything(5)
     resumed, resumed_ema = make_module(), WeightEMA(0.7)
-    trainer(8, [resumed_ema]).fit(resumed, loader(4), ckpt_path=str(tmp_path / "step4.ckpt"))
+    quiet_trainer(8, [resumed_ema]).fit(resumed, loader(4), ckpt_path=str(tmp_path / "step4.ckpt"))
     assert resumed_ema.updates == straight_ema.updates == 8
     a = straight_ema.averaged_state_dict(straight.model)
     b = resumed_ema.averaged_state_dict(resumed.model)

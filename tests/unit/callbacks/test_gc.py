@@ -2,14 +2,14 @@ import gc
 
 import lightning as L
 import pytest
-import torch
+from callback_helpers import random_batches, tiny_causal_lm
+from tiny import quiet_trainer
 from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import GarbageCollection
-from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.config.schema import SchedulerConfig
 
-STEPS, VOCAB = 6, 32
+STEPS = 6
 
 
 class CollectorProbe(L.Callback):
@@ -26,31 +26,9 @@ class CollectorProbe(L.Callback):
 
 
 def run(callbacks, accumulate: int = 1) -> None:
-    model = ModelConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, ffn_dim=32, max_seq_len=16)
-    module = CausalLMModule(
-        model,
-        KernelsConfig(),
-        OptimConfig(lr=1e-2),
-        SchedulerConfig(name="constant"),
-        total_steps=STEPS,
-        tokens_per_step=16,
-    )
-    gen = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(STEPS * accumulate):
-        tokens = torch.randint(0, VOCAB, (2, 9), generator=gen)
-        data.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        accumulate_grad_batches=accumulate,
-        logger=False,
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=False,
-    )
+    module = tiny_causal_lm(STEPS, SchedulerConfig(name="constant"))
+    data = random_batches(STEPS * accumulate)
+    trainer = quiet_trainer(STEPS, callbacks, accumulate_grad_batches=accumulate)
     trainer.fit(module, DataLoader(data, batch_size=None))
 
 

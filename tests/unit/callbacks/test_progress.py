@@ -5,45 +5,27 @@ import re
 
 import lightning as L
 import pytest
-import torch
+from callback_helpers import random_batches, tiny_causal_lm
 from lightning.pytorch.loggers import CSVLogger
+from tiny import quiet_trainer
 from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import ThroughputMonitor, TokenProgressBar
 from recipes_lib.callbacks.progress import fit_fields
-from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.config.schema import SchedulerConfig
 
-BATCH, SEQ_LEN, VOCAB, STEPS = 2, 8, 32, 8
+STEPS = 8
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def fit(bar: TokenProgressBar, **kwargs) -> L.Trainer:
     L.seed_everything(0)
-    model = ModelConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, ffn_dim=32, max_seq_len=16)
-    module = CausalLMModule(
-        model,
-        KernelsConfig(),
-        OptimConfig(lr=1e-2),
-        SchedulerConfig(name="constant", warmup=0),
-        total_steps=STEPS,
-        tokens_per_step=BATCH * SEQ_LEN,
-    )
-    gen = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(4):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1), generator=gen)
-        data.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
-    loader = DataLoader(data, batch_size=None)
-    kwargs.setdefault("logger", False)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
+    module = tiny_causal_lm(STEPS, SchedulerConfig(name="constant", warmup=0))
+    loader = DataLoader(random_batches(4), batch_size=None)
+    trainer = quiet_trainer(
+        STEPS,
+        [ThroughputMonitor(window=2), bar],
         log_every_n_steps=1,
-        callbacks=[ThroughputMonitor(window=2), bar],
-        enable_checkpointing=False,
-        enable_model_summary=False,
         val_check_interval=4,
         limit_val_batches=2,
         num_sanity_val_steps=1,

@@ -4,7 +4,9 @@ import math
 import lightning as L
 import pytest
 import torch
+from callback_helpers import BATCH, SEQ_LEN, random_batches, tiny_causal_lm
 from lightning.pytorch.loggers import CSVLogger
+from tiny import quiet_trainer
 from torch.utils.data import DataLoader
 
 import recipes_lib.callbacks.throughput as throughput_module
@@ -16,52 +18,25 @@ from recipes_lib.callbacks import (
     precision_arithmetic,
 )
 from recipes_lib.callbacks.progress import format_count, format_duration
-from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
+from recipes_lib.config.schema import SchedulerConfig
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.stages import CausalLMModule
 
-BATCH, SEQ_LEN, VOCAB, STEPS = 2, 8, 32, 8
+STEPS = 8
 SCHEDULE = SchedulerConfig(name="linear", warmup=2, min_lr_ratio=0.0)
-
-
-def tiny_module() -> CausalLMModule:
-    model = ModelConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, ffn_dim=32, max_seq_len=16)
-    return CausalLMModule(
-        model,
-        KernelsConfig(),
-        OptimConfig(lr=1e-2),
-        SCHEDULE,
-        total_steps=STEPS,
-        tokens_per_step=BATCH * SEQ_LEN,
-    )
-
-
-def batches(n: int = 4):
-    gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(n):
-        tokens = torch.randint(0, VOCAB, (BATCH, SEQ_LEN + 1), generator=gen)
-        out.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
-    return DataLoader(out, batch_size=None)
 
 
 def fit(tmp_path, callbacks, **kwargs) -> tuple[CausalLMModule, list[dict[str, str]]]:
     L.seed_everything(0)
-    module = tiny_module()
-    progress = [c for c in callbacks if isinstance(c, TokenProgressBar)]
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
+    module = tiny_causal_lm(STEPS, SCHEDULE)
+    trainer = quiet_trainer(
+        STEPS,
+        callbacks,
         log_every_n_steps=1,
         logger=CSVLogger(tmp_path, name="run", version=0),
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=bool(progress),
         **kwargs,
     )
-    trainer.fit(module, batches())
+    trainer.fit(module, DataLoader(random_batches(4), batch_size=None))
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     return module, rows

@@ -4,27 +4,21 @@ import csv
 
 import lightning as L
 import torch
+from callback_helpers import BATCH, SEQ_LEN, VOCAB, tiny_causal_lm
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from tiny import quiet_trainer
 from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import TokenProgressBar, ValidateAtStart
-from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
+from recipes_lib.config.schema import SchedulerConfig
 from recipes_lib.stages import CausalLMModule
 
-BATCH, SEQ_LEN, VOCAB, STEPS = 2, 8, 32, 6
+STEPS = 6
 
 
 def tiny_module() -> CausalLMModule:
-    model = ModelConfig(vocab_size=VOCAB, dim=16, n_layers=1, n_heads=2, ffn_dim=32, max_seq_len=16)
-    return CausalLMModule(
-        model,
-        KernelsConfig(),
-        OptimConfig(lr=3e-2),
-        SchedulerConfig(name="constant", warmup=0),
-        total_steps=STEPS,
-        tokens_per_step=BATCH * SEQ_LEN,
-    )
+    return tiny_causal_lm(STEPS, SchedulerConfig(name="constant", warmup=0), lr=3e-2)
 
 
 def loader(seed: int, n: int = 3) -> DataLoader:
@@ -37,19 +31,16 @@ def loader(seed: int, n: int = 3) -> DataLoader:
 def fit(tmp_path, version: int, max_steps: int, ckpt_path=None, **trainer_args):
     L.seed_everything(0)
     module = tiny_module()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        val_check_interval=3,
-        log_every_n_steps=1,
-        logger=CSVLogger(tmp_path, name="run", version=version),
-        callbacks=[
+    trainer = quiet_trainer(
+        max_steps,
+        [
             ValidateAtStart(),
             TokenProgressBar(plain=False),
             ModelCheckpoint(tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1),
         ],
-        enable_model_summary=False,
+        val_check_interval=3,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path, name="run", version=version),
         num_sanity_val_steps=0,
         **trainer_args,
     )
@@ -82,3 +73,22 @@ def test_a_resumed_run_is_not_validated_again_at_its_start(tmp_path):
 def test_nothing_runs_without_validation(tmp_path):
     trainer, val = fit(tmp_path, version=0, max_steps=3, limit_val_batches=0)
     assert trainer.global_step == 3 and val == []
+
+
+class FirstBatchFlag(L.Callback):
+    """Reads the logger connector's first-batch flag (Lightning-private) at train start."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def on_train_start(self, trainer, pl_module):
+        self.seen.append(trainer._logger_connector._first_loop_iter)
+
+
+def test_the_loggers_first_batch_flag_is_unset_before_and_after_it(tmp_path):
+    # ValidateAtStart runs the validation loop without keeping this flag, as the training
+    # loop does around its own validation; that is sound only while it is unset here
+    seen = []
+    callbacks = [FirstBatchFlag(seen), ValidateAtStart(), FirstBatchFlag(seen)]
+    quiet_trainer(1, callbacks).fit(tiny_module(), loader(0), loader(0))
+    assert seen == [None, None]

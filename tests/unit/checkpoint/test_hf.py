@@ -5,33 +5,28 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hf_folders import TINY_HF, tiny_hf_model
 from safetensors.torch import load_file, save_file
+from tiny import tiny_model_config
 from tokenizers import Tokenizer
 
 from recipes_lib.checkpoint.hf import (
     export_hf_checkpoint,
-    hf_eos_token_ids,
-    hf_to_native_name,
     is_hf_folder,
     load_hf_checkpoint,
-    load_hf_tokenizer,
     load_hf_weights_into,
     model_config_from_hf,
-    native_to_hf_name,
 )
-from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
+from recipes_lib.checkpoint.hf_tokenizer import hf_eos_token_ids, load_hf_tokenizer
+from recipes_lib.config.schema import RopeScalingConfig
 from recipes_lib.data.tokenizer import save_tokenizer, save_tokenizer_folder, train_bpe_tokenizer
 from recipes_lib.errors import CheckpointError, ConfigError, DataError
 from recipes_lib.models import Transformer
+from recipes_lib.models.families.llama import LLAMA_NAMES
 
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 300  # holds a byte-level BPE tokenizer (256 bytes + EOS + merges)
-FAMILIES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-}
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 
 
@@ -40,19 +35,16 @@ def tokens(B, T, seed=0):
 
 
 def hf_kwargs(**overrides) -> dict:
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        attn_implementation="eager",
-    )
-    kwargs.update(overrides)
-    return kwargs
+    """The transformers config of the models here: :data:`TINY_HF` with their own numbers."""
+    return {
+        **TINY_HF,
+        "vocab_size": VOCAB,
+        "intermediate_size": 96,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "attn_implementation": "eager",
+        **overrides,
+    }
 
 
 def perturb(module: torch.nn.Module, seed: int = 0) -> None:
@@ -64,9 +56,7 @@ def perturb(module: torch.nn.Module, seed: int = 0) -> None:
 
 
 def save_hf(path, family, max_shard_size="50GB", **overrides):
-    config_cls, model_cls = FAMILIES[family]
-    torch.manual_seed(0)
-    hf = model_cls(config_cls(**hf_kwargs(**overrides))).eval()
+    hf = tiny_hf_model(family, **hf_kwargs(**overrides))
     perturb(hf)
     hf.save_pretrained(path, max_shard_size=max_shard_size)
     return hf
@@ -162,18 +152,11 @@ def tokenizer_file(tmp_path_factory):
 
 
 def native_model(**overrides) -> Transformer:
-    base = ModelConfig(
-        name="tiny",
-        vocab_size=VOCAB,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=96,
-        max_seq_len=128,
-    )
+    """Our model of the shape :func:`hf_kwargs` gives transformers."""
+    shape = {"name": "tiny", "vocab_size": VOCAB, "dim": 64, "ffn_dim": 96, "max_seq_len": 128}
+    config = tiny_model_config(**{**shape, **overrides})
     torch.manual_seed(0)
-    model = Transformer(replace(base, **overrides)).eval()
+    model = Transformer(config).eval()
     perturb(model, seed=1)
     return model
 
@@ -183,7 +166,7 @@ def native_model(**overrides) -> Transformer:
     [
         ({}, "llama"),
         ({"tie_embeddings": True, "head_dim": 32, "norm_eps": 1e-6}, "llama"),
-        ({"qkv_bias": True, "rope_theta": 1e6}, "qwen2"),
+        ({"qkv_bias": True, "family": "qwen2", "rope_theta": 1e6}, "qwen2"),
         (
             {
                 "rope_scaling": RopeScalingConfig(
@@ -239,7 +222,7 @@ def test_exported_tokenizer_loads_in_transformers(tmp_path, tokenizer_file):
 
 
 def test_sharded_export_loads_both_ways(tmp_path):
-    model = native_model(qkv_bias=True)
+    model = native_model(qkv_bias=True, family="qwen2")
     out = export_hf_checkpoint(model, model.config, tmp_path, max_shard_bytes=40_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = set(index["weight_map"].values())
@@ -301,7 +284,10 @@ def test_mismatched_checkpoint_lists_the_first_mismatches(tmp_path):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"model_type": "gpt2"}, "model_type='gpt2' is not supported; supported: llama"),
+        (
+            {"model_type": "gpt2"},
+            "model_type='gpt2' is not supported; supported: llama",
+        ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"attention_bias": True}, "attention_bias=true also adds a bias to o_proj"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
@@ -369,18 +355,18 @@ def test_missing_pieces_name_the_folder(tmp_path, name):
 
 
 def test_name_mapping_round_trips():
-    model = native_model(qkv_bias=True)
+    model = native_model(qkv_bias=True, family="qwen2")
     for name in model.state_dict():
-        hf_name = native_to_hf_name(name)
-        assert hf_name is not None and hf_to_native_name(hf_name) == name
+        hf_name = LLAMA_NAMES.to_hf(name)
+        assert hf_name is not None and LLAMA_NAMES.to_native(hf_name) == name
     assert (
-        native_to_hf_name("layers.0.feed_forward.w1.weight")
+        LLAMA_NAMES.to_hf("layers.0.feed_forward.w1.weight")
         == "model.layers.0.mlp.gate_proj.weight"
     )
     assert (
-        native_to_hf_name("layers.3.feed_forward.w3.weight") == "model.layers.3.mlp.up_proj.weight"
+        LLAMA_NAMES.to_hf("layers.3.feed_forward.w3.weight") == "model.layers.3.mlp.up_proj.weight"
     )
-    assert hf_to_native_name("model.layers.0.self_attn.rotary_emb.inv_freq") is None
+    assert LLAMA_NAMES.to_native("model.layers.0.self_attn.rotary_emb.inv_freq") is None
 
 
 def test_tokenizer_template_from_transformers_files(tmp_path, tokenizer_file):
@@ -410,13 +396,14 @@ def test_hf_weights_load_into_a_model_of_the_same_config(tmp_path):
 def test_hf_config_differences_are_listed_before_any_weight_is_read(tmp_path):
     save_hf(tmp_path, "llama")
     _, config = load_hf_checkpoint(tmp_path)
-    model = Transformer(replace(config, ffn_dim=128, norm_eps=1e-5, qkv_bias=True))
+    model = Transformer(replace(config, ffn_dim=128, norm_eps=1e-5, qkv_bias=True, family="qwen2"))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(CheckpointError) as err:
         load_hf_weights_into(model, tmp_path, "stage.init_from='hf'")
     message = str(err.value)
     assert message.startswith("stage.init_from='hf': its config.json does not match")
-    assert "(3 difference(s))" in message
+    assert "(4 difference(s))" in message
+    assert "model.family='qwen2' vs model_type's family='llama'" in message
     assert "model.ffn_dim=128 vs intermediate_size=96" in message
     assert "model.norm_eps=1e-05 vs rms_norm_eps=1e-06" in message
     assert "model.qkv_bias=True vs q/k/v biases (model_type qwen2)=False" in message

@@ -6,6 +6,7 @@ import stat
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import tiny_model_config
 
 from recipes_lib.checkpoint import weights
 from recipes_lib.checkpoint.weights import (
@@ -17,16 +18,14 @@ from recipes_lib.checkpoint.weights import (
     save_weights,
     sha256_file,
 )
-from recipes_lib.config.schema import ModelConfig
 from recipes_lib.errors import CheckpointError
 from recipes_lib.models import Transformer
 
 
 def tiny_transformer(seed: int = 0, **overrides) -> Transformer:
-    values = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=32)
-    values.update(overrides)
+    config = tiny_model_config(**{"n_kv_heads": None, **overrides})
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(**values))
+    return Transformer(config)
 
 
 def lightning_checkpoint(path, state: dict[str, torch.Tensor], step: int):

@@ -5,6 +5,7 @@ imported from outside it or built: nested arguments, list items, ``_args_``,
 from __future__ import annotations
 
 import pytest
+from tiny import SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.config import compose_config
 from recipes_lib.config.instantiate import check_targets, instantiate, instantiate_dict
@@ -17,9 +18,9 @@ LAMBDA = "lightning.pytorch.callbacks.LambdaCallback"
 
 
 def _pipeline(tmp_path, stages: dict):
-    small = ["model.vocab_size=512", "data.tokenizer.vocab_size=512"]
+    overrides = list(SMALL_VOCAB_OVERRIDES)
     return parse_pipeline(
-        {"name": "p", "dir": str(tmp_path / "pipe"), "overrides": small, "stages": stages}
+        {"name": "p", "dir": str(tmp_path / "pipe"), "overrides": overrides, "stages": stages}
     )
 
 

@@ -12,25 +12,18 @@ import torch
 from data_helpers import synthetic_documents
 
 from recipes_lib.config.schema import ChatFormatConfig, DataConfig, SourceConfig, TokenizerConfig
-from recipes_lib.data.chat import (
-    CHATML_TOKENS,
+from recipes_lib.data.chat.examples import (
     IGNORE_INDEX,
-    ChatRenderer,
-    RenderedChat,
+    ChatExample,
     next_token_labels,
-    record_messages,
-    render_chat,
     truncate,
 )
-from recipes_lib.data.chat_module import (
-    ChatDataModule,
-    ChatExample,
-    PackedChatDataset,
-    pack_examples,
-    pad_collate,
-)
-from recipes_lib.data.instructions import stdlib_instruction_records
-from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
+from recipes_lib.data.chat.instructions import stdlib_instruction_records
+from recipes_lib.data.chat.messages import record_messages
+from recipes_lib.data.chat.module import ChatDataModule
+from recipes_lib.data.chat.packing import PackedChatDataset, pack_examples, pad_collate
+from recipes_lib.data.chat.template import ChatRenderer, RenderedChat, render_chat
+from recipes_lib.data.tokenizer import CHATML_TOKENS, save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import ConfigError, DataError
 
 CONVERSATION = [

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recipes_lib.config.schema import SourceConfig
-from recipes_lib.data.raw import iter_texts, load_source
+from recipes_lib.data.text.raw import iter_texts, load_source
 from recipes_lib.errors import DataError
 
 

@@ -3,8 +3,9 @@ import pytest
 import torch
 from data_helpers import synthetic_documents
 
-from recipes_lib.data.packing import PackedSequenceDataset
-from recipes_lib.data.shards import TokenShard, write_split_shards
+from recipes_lib.data.text.packing import PackedSequenceDataset
+from recipes_lib.data.text.shard_writer import write_split_shards
+from recipes_lib.data.text.shards import TokenShard
 from recipes_lib.data.tokenizer import load_tokenizer
 from recipes_lib.errors import DataError
 

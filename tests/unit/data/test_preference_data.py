@@ -13,11 +13,12 @@ import torch
 from data_helpers import data_config
 
 from recipes_lib.config.schema import ChatFormatConfig, SourceConfig
-from recipes_lib.data.chat import ChatRenderer
-from recipes_lib.data.instructions import stdlib_instruction_records
-from recipes_lib.data.preference import PreferenceDataModule, collate_pairs
-from recipes_lib.data.preference_records import PairEncoder, encode_records, parse_record
-from recipes_lib.data.stdlib_pairs import corrupt_function, stdlib_preference_records
+from recipes_lib.data.chat.instructions import stdlib_instruction_records
+from recipes_lib.data.chat.template import ChatRenderer
+from recipes_lib.data.preference.collate import collate_pairs
+from recipes_lib.data.preference.module import PreferenceDataModule
+from recipes_lib.data.preference.pairs import PairEncoder, encode_records, parse_record
+from recipes_lib.data.preference.stdlib_pairs import corrupt_function, stdlib_preference_records
 from recipes_lib.data.tokenizer import load_tokenizer
 from recipes_lib.errors import ConfigError, DataError
 

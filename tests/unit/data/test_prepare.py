@@ -1,4 +1,3 @@
-import importlib
 import logging
 import shutil
 
@@ -6,13 +5,12 @@ import pytest
 from data_helpers import data_config, synthetic_documents, write_jsonl
 
 from recipes_lib.config.schema import DataConfig, SourceConfig
-from recipes_lib.data.prepare import prepare, resolve_cache_dir, resolve_sources
-from recipes_lib.data.shards import TokenShard
+from recipes_lib.data.sources import resolve_cache_dir
+from recipes_lib.data.text import prepare as prepare_module
+from recipes_lib.data.text.prepare import prepare, resolve_sources
+from recipes_lib.data.text.shards import TokenShard
 from recipes_lib.data.tokenizer import load_tokenizer
 from recipes_lib.errors import ConfigError, DataError
-
-# The package re-exports the function ``prepare``, which shadows the module's name.
-prepare_module = importlib.import_module("recipes_lib.data.prepare")
 
 
 @pytest.fixture()
@@ -143,7 +141,7 @@ def test_truncated_shard_is_moved_aside_and_rebuilt(tmp_path, sources, caplog):
         prepare(config, progress=False, quiet=True, rank=1, wait_timeout_s=0.2)
 
     # the advice followed: preparing again sets the pair aside, says so, and rebuilds it
-    with caplog.at_level(logging.WARNING, logger="recipes_lib.data.prepare"):
+    with caplog.at_level(logging.WARNING, logger="recipes_lib.data.text.prepare"):
         again = prepare(config, progress=False, quiet=True)
     assert again == first
     TokenShard.open(again.train_shards["chat"], verify=True)

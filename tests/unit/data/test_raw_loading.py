@@ -4,7 +4,8 @@ import pytest
 from data_helpers import synthetic_documents, write_jsonl
 
 from recipes_lib.config.schema import SourceConfig
-from recipes_lib.data.raw import iter_texts, load_source, source_fingerprint
+from recipes_lib.data.sources import source_fingerprint
+from recipes_lib.data.text.raw import iter_texts, load_source
 from recipes_lib.errors import ConfigError, DataError
 
 

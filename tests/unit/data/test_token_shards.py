@@ -5,14 +5,9 @@ import numpy as np
 import pytest
 from data_helpers import synthetic_documents
 
-from recipes_lib.data.shards import (
-    SplitShards,
-    TokenShard,
-    _split_stream,
-    held_out_mask,
-    token_dtype,
-    write_split_shards,
-)
+from recipes_lib.data.sources import held_out_mask
+from recipes_lib.data.text.shard_writer import _split_stream, write_split_shards
+from recipes_lib.data.text.shards import SplitShards, TokenShard, token_dtype
 from recipes_lib.data.tokenizer import load_tokenizer
 from recipes_lib.errors import DataError
 
@@ -100,7 +95,7 @@ def test_failure_mid_write_leaves_no_shard_and_keeps_earlier_ones(tmp_path, toke
 
 
 def test_stale_temporary_of_a_dead_process_is_removed(tmp_path, tokenizer):
-    from recipes_lib.data.shards import _host_tag
+    from recipes_lib.data.text.shard_writer import _host_tag
 
     stale = tmp_path / f".target.tmp-{_host_tag()}-999999999-abcd"
     (stale / "train").mkdir(parents=True)

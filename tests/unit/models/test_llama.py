@@ -1,21 +1,22 @@
 import copy
 import math
-from dataclasses import replace
 
 import pytest
 import torch
+from hf_folders import tiny_hf_model
+from tiny import tiny_model_config
 
 from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
-from recipes_lib.models.llama import rope_inv_freq
+from recipes_lib.models.rope import rope_inv_freq
 
 VOCAB = 101
 
 
 def tiny(**overrides) -> ModelConfig:
-    base = ModelConfig(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, ffn_dim=96, max_seq_len=64)
-    return replace(base, **overrides)
+    shape = {"vocab_size": VOCAB, "dim": 64, "n_kv_heads": None, "ffn_dim": 96, "max_seq_len": 64}
+    return tiny_model_config(**{**shape, **overrides})
 
 
 def build(config: ModelConfig, attention="sdpa", seed=0) -> Transformer:
@@ -51,7 +52,7 @@ def test_later_tokens_do_not_change_earlier_logits():
     "overrides",
     [
         {"n_kv_heads": 2},
-        {"n_kv_heads": 1, "qkv_bias": True},
+        {"n_kv_heads": 1, "qkv_bias": True, "family": "qwen2"},
         {"tie_embeddings": True},
         {"head_dim": 32},  # n_heads * head_dim != dim
     ],
@@ -97,7 +98,7 @@ def test_sdpa_model_refuses_doc_ids():
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_meta_build_then_init_weights_is_deterministic(tie):
-    config = tiny(n_kv_heads=2, qkv_bias=True, tie_embeddings=tie)
+    config = tiny(n_kv_heads=2, qkv_bias=True, family="qwen2", tie_embeddings=tie)
     reference = build(config, seed=0)
     torch.manual_seed(7)
     reference.init_weights()
@@ -118,7 +119,7 @@ def test_meta_build_then_init_weights_is_deterministic(tie):
 
 
 def test_init_weights_distribution():
-    config = tiny(n_layers=8, dim=128, ffn_dim=512, qkv_bias=True, init_std=0.02)
+    config = tiny(n_layers=8, dim=128, ffn_dim=512, qkv_bias=True, family="qwen2", init_std=0.02)
     model = build(config)
     layer = model.layers[3]
     assert layer.attention.wq.weight.std().item() == pytest.approx(0.02, rel=0.05)
@@ -254,12 +255,12 @@ _LLAMA3_SCALING = RopeScalingConfig(
         ("llama", {}),
         ("llama", {"tie_embeddings": True, "head_dim": 32, "rope_theta": 500000.0}),
         ("llama", {"rope_scaling": _LLAMA3_SCALING}),
-        ("qwen2", {"qkv_bias": True, "norm_eps": 1e-6, "rope_theta": 1000000.0}),
+        ("qwen2", {"qkv_bias": True, "family": "qwen2", "norm_eps": 1e-6, "rope_theta": 1e6}),
     ],
     ids=["llama", "llama-tied-headdim", "llama3-rope", "qwen2"],
 )
 def test_matches_hugging_face(family, overrides):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     config = tiny(n_kv_heads=2, max_seq_len=128, **overrides)
     scaling = config.rope_scaling
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -285,12 +286,7 @@ def test_matches_hugging_face(family, overrides):
         tie_word_embeddings=config.tie_embeddings,
         attn_implementation="eager",
     )
-    torch.manual_seed(0)
-    if family == "llama":
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
-    else:
-        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))
-    hf = hf.eval()
+    hf = tiny_hf_model(family, **kwargs)
     with torch.no_grad():  # HF inits biases to zero; make them count
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.02)

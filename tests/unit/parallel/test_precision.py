@@ -17,15 +17,14 @@ from recipes_lib.config.schema import (
     StrategyConfig,
     TrainerConfig,
 )
-from recipes_lib.config.validate import validate_run_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.parallel.precision import (
     PRECISIONS,
-    check_precision,
     detect_cpu_bf16,
     detect_cuda_capability,
     lightning_precision,
 )
+from recipes_lib.preflight import check_precision, check_run
 
 H100 = (9, 0)
 # every Linear but the head has both dimensions >= 1024 and a multiple of 16
@@ -210,8 +209,11 @@ def test_composed_fp8_config_resolves_and_validation_checks_it():
     assert cfg.precision.fp8_min_features == 1024
     assert lightning_precision(cfg.precision) == "bf16-mixed"
     with pytest.raises(ConfigError, match="precision=fp8 needs a CUDA GPU"):
-        validate_run_config(cfg)
+        check_run(cfg, objectives=("pretrain",))
 
 
 def test_validation_accepts_the_default_precision():
-    validate_run_config(to_run_config(compose_config(["recipe=pretrain/tiny", "trainer=cpu"])))
+    check_run(
+        to_run_config(compose_config(["recipe=pretrain/tiny", "trainer=cpu"])),
+        objectives=("pretrain",),
+    )

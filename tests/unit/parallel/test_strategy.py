@@ -13,12 +13,8 @@ from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.config.schema import ModelConfig, StrategyConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
-from recipes_lib.parallel import (
-    FSDP2Strategy,
-    build_strategy,
-    check_strategy,
-    trainer_devices,
-)
+from recipes_lib.parallel import FSDP2Strategy, build_strategy, trainer_devices
+from recipes_lib.preflight import check_strategy
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 

@@ -8,30 +8,33 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tiny import SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.manifest import FileRef, StageManifest, write_manifest
 from recipes_lib.checkpoint.weights import save_weights, sha256_file
 from recipes_lib.config import ModelConfig, SourceConfig
 from recipes_lib.models import Transformer
+from recipes_lib.pipeline.fingerprint import stage_fingerprint
 from recipes_lib.pipeline.handoff import (
     apply_handoff,
-    compose_stage,
     handoff_from_manifest,
-    stage_fingerprint,
 )
-from recipes_lib.pipeline.spec import PipelineSpec, parse_pipeline
-
-SMALL = ["model.vocab_size=512", "data.tokenizer.vocab_size=512"]
+from recipes_lib.pipeline.spec import PipelineSpec, compose_stage, parse_pipeline
 
 
 def tiny_model(**changes: Any) -> ModelConfig:
-    """The ``model=tiny`` shape with the 512-token vocabulary of :data:`SMALL`."""
+    """The ``model=tiny`` shape with the 512-token vocabulary of ``SMALL_VOCAB_OVERRIDES``."""
     return ModelConfig(**{"vocab_size": 512, "n_kv_heads": 2, "tie_embeddings": True, **changes})
 
 
 def make_pipeline(tmp_path: Path, stages: dict[str, Any], **top: Any) -> PipelineSpec:
     """A pipeline in ``tmp_path / 'pipe'`` with a 512-token vocabulary everywhere."""
-    data = {"name": "p", "dir": str(tmp_path / "pipe"), "overrides": list(SMALL), **top}
+    data = {
+        "name": "p",
+        "dir": str(tmp_path / "pipe"),
+        "overrides": list(SMALL_VOCAB_OVERRIDES),
+        **top,
+    }
     data["stages"] = stages
     return parse_pipeline(data)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.demos.boring_classes import BoringModel
+from tiny import quiet_trainer
 
 from recipes_lib.checkpoint.weights import checkpoint_step
 from recipes_lib.pipeline.runner import FinalCheckpoint
@@ -18,15 +18,7 @@ from recipes_lib.pipeline.runner import FinalCheckpoint
 def test_one_last_checkpoint_holds_the_final_step(tmp_path, every):
     folder = tmp_path / "checkpoints"
     saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=every, save_last=True)
-    trainer = L.Trainer(
-        max_steps=3,
-        callbacks=[FinalCheckpoint(folder / "last.ckpt"), saver],
-        accelerator="cpu",
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(3, [FinalCheckpoint(folder / "last.ckpt"), saver], limit_val_batches=0)
     trainer.fit(BoringModel())
     assert sorted(p.name for p in folder.glob("last*")) == ["last.ckpt"]
     assert checkpoint_step(folder / "last.ckpt") == 3

@@ -4,10 +4,10 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from tiny import quiet_trainer, step_checkpoints, tiny_model_config
 from torch.utils.data import DataLoader
 
-from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
+from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
 from recipes_lib.errors import CheckpointError, ConfigError, UnsupportedKernelError
 from recipes_lib.stages import CausalLMModule
 
@@ -15,17 +15,9 @@ VOCAB = 64
 SEQ_LEN = 16
 
 
-def tiny_model_config(**overrides) -> ModelConfig:
-    values = dict(
-        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32
-    )
-    values.update(overrides)
-    return ModelConfig(**values)
-
-
 def make_module(total_steps=60, lr=1e-2, warmup=5, kernels=None, cls=CausalLMModule, **kwargs):
     return cls(
-        tiny_model_config(),
+        tiny_model_config(vocab_size=VOCAB),
         kernels or KernelsConfig(),
         OptimConfig(lr=lr, weight_decay=0.01),
         SchedulerConfig(name="cosine", warmup=warmup, min_lr_ratio=0.1),
@@ -56,18 +48,7 @@ def loader(batches):
 
 
 def trainer(max_steps: int, **kwargs) -> L.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)
+    return quiet_trainer(max_steps, **{"num_sanity_val_steps": 0, **kwargs})
 
 
 class LossRecorder(L.Callback):
@@ -197,7 +178,7 @@ def test_init_from_loads_weights_and_reports_mismatch(tmp_path):
         assert torch.equal(a, b)
     with pytest.raises(CheckpointError, match="does not fit the configured model"):
         bigger = CausalLMModule(
-            tiny_model_config(dim=64),
+            tiny_model_config(vocab_size=VOCAB, dim=64),
             KernelsConfig(),
             OptimConfig(),
             SchedulerConfig(),
@@ -223,14 +204,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     batches = pattern_batches(5)  # an epoch is 5 steps
     L.seed_everything(3)
     straight = make_module(total_steps=20, cls=NoisyCausalLM)
-    checkpoints = ModelCheckpoint(
-        dirpath=tmp_path,
-        filename="step{step}",
-        every_n_train_steps=10,
-        save_top_k=-1,
-        auto_insert_metric_name=False,
-    )
-    straight_trainer = trainer(20, callbacks=[checkpoints], enable_checkpointing=True)
+    checkpoints = step_checkpoints(tmp_path, every=10)
+    straight_trainer = trainer(20, callbacks=[checkpoints])
     straight_trainer.fit(straight, loader(batches))
     ckpt = tmp_path / "step10.ckpt"
     assert ckpt.is_file()
@@ -249,6 +224,7 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert resumed_lrs == pytest.approx(straight_lrs)
     saved = torch.load(ckpt, weights_only=True)
     assert saved["tokens_seen"] == 10 * 4 * SEQ_LEN
+    assert saved["last_lr"] == saved["lr_schedulers"][0]["_last_lr"][0]  # torch's own record
     assert saved["hyper_parameters"]["model"]["dim"] == 32
 
 

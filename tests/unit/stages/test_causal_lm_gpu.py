@@ -7,8 +7,8 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from tiny import quiet_trainer, step_checkpoints
 from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import ThroughputMonitor
@@ -54,17 +54,10 @@ def pattern_loader(n_batches=8, period=11, seed=0):
 def gpu_trainer(max_steps, **kwargs):
     defaults = dict(
         accelerator="gpu",
-        devices=1,
         precision="bf16-mixed",
-        max_steps=max_steps,
         gradient_clip_val=1.0,  # with the fused AdamW used on CUDA
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
     )
-    defaults.update(kwargs)
-    return L.Trainer(**defaults)
+    return quiet_trainer(max_steps, **{**defaults, **kwargs})
 
 
 class LossRecorder(L.Callback):
@@ -140,17 +133,9 @@ class NoisyCausalLM(CausalLMModule):
 def test_resume_on_gpu_reproduces_uninterrupted_run(tmp_path):
     L.seed_everything(3)
     straight = make_module(total_steps=16, cls=NoisyCausalLM)
-    checkpoints = ModelCheckpoint(
-        dirpath=tmp_path,
-        filename="step{step}",
-        every_n_train_steps=8,
-        save_top_k=-1,
-        auto_insert_metric_name=False,
-    )
+    checkpoints = step_checkpoints(tmp_path, every=8)
     kwargs = dict(precision="32-true")
-    gpu_trainer(16, callbacks=[checkpoints], enable_checkpointing=True, **kwargs).fit(
-        straight, pattern_loader()
-    )
+    gpu_trainer(16, callbacks=[checkpoints], **kwargs).fit(straight, pattern_loader())
     L.seed_everything(99)
     resumed = make_module(total_steps=16, cls=NoisyCausalLM)
     gpu_trainer(16, **kwargs).fit(resumed, pattern_loader(), ckpt_path=str(tmp_path / "step8.ckpt"))

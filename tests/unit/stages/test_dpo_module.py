@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from tiny import quiet_trainer, tiny_model_config
 
 from recipes_lib.adapters import has_adapter
 from recipes_lib.checkpoint.weights import read_checkpoint, save_weights
@@ -16,21 +17,21 @@ from recipes_lib.config.schema import (
     ChatFormatConfig,
     DataConfig,
     KernelsConfig,
-    ModelConfig,
     OptimConfig,
     PreferenceConfig,
     SchedulerConfig,
     SourceConfig,
     TokenizerConfig,
 )
-from recipes_lib.data.preference import PreferenceDataModule, collate_pairs
+from recipes_lib.data.preference.collate import collate_pairs
+from recipes_lib.data.preference.module import PreferenceDataModule
 from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
 from recipes_lib.stages.dpo import DPOModule, pair_logprobs
 
 VOCAB = 320
-MODEL = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=64)
+MODEL = tiny_model_config(vocab_size=VOCAB, n_kv_heads=None, max_seq_len=64)
 
 
 def make_module(**kwargs) -> DPOModule:
@@ -245,20 +246,14 @@ class RecordReferenceUse(Callback):
 
 
 def fit(module, datamodule, tmp_path, steps, callbacks=(), ckpt_path=None) -> L.Trainer:
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
+    trainer = quiet_trainer(
+        steps,
+        callbacks,
         num_sanity_val_steps=0,
         limit_val_batches=1,
         val_check_interval=steps,
         default_root_dir=tmp_path,
         use_distributed_sampler=False,
-        callbacks=list(callbacks),
     )
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     return trainer

@@ -4,29 +4,28 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from tiny import quiet_trainer, tiny_model_config
 from torch.utils.data import DataLoader
 
 from recipes_lib.checkpoint.weights import save_weights
 from recipes_lib.config.schema import (
     KernelsConfig,
-    ModelConfig,
     OptimConfig,
     RunConfig,
     SchedulerConfig,
     StageConfig,
 )
-from recipes_lib.config.validate import validate_run_config
+from recipes_lib.config.validate import check_values
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.optim import build_lr_lambda
+from recipes_lib.preflight import check_stage_io
 from recipes_lib.stages import CausalLMModule
 
 VOCAB, SEQ_LEN = 64, 16
 
 
 def make_module(lr=1e-2, weight_decay=0.01, dim=32, decay_embeddings=False, **kwargs):
-    model = ModelConfig(
-        vocab_size=VOCAB, dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32
-    )
+    model = tiny_model_config(vocab_size=VOCAB, dim=dim)
     optim = OptimConfig(lr=lr, weight_decay=weight_decay, decay_embeddings=decay_embeddings)
     return CausalLMModule(
         model,
@@ -49,16 +48,7 @@ def batches(n: int, seed: int = 0):
 
 
 def trainer(max_steps: int, **kwargs) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+    return quiet_trainer(max_steps, num_sanity_val_steps=0, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -99,9 +89,7 @@ def test_weights_init_gives_the_source_weights_from_every_format(source, tmp_pat
             assert torch.equal(a, b), (init_from, name)
     # weights only: the optimizer starts empty
     record = OptimizerAtStart()
-    trainer(1, callbacks=[record], enable_checkpointing=False).fit(
-        make_module(init_from=str(ckpt)), batches(1)
-    )
+    trainer(1, callbacks=[record]).fit(make_module(init_from=str(ckpt)), batches(1))
     assert all(not state for state in record.state)
 
 
@@ -113,7 +101,7 @@ def test_weights_and_optimizer_init_carries_moments_with_the_new_lr(source):
     new_lr = 2e-3
     target = make_module(lr=new_lr, weight_decay=0.05, init_from=str(ckpt), init_optimizer=True)
     record = OptimizerAtStart()
-    trainer(1, callbacks=[record], enable_checkpointing=False).fit(target, batches(1))
+    trainer(1, callbacks=[record]).fit(target, batches(1))
 
     saved_order = [i for g in saved["param_groups"] for i in g["params"]]
     assert len(record.state) == len(saved_order)
@@ -155,8 +143,12 @@ def test_optimizer_init_refuses_other_parameter_groups_and_weight_files(source, 
     module.configure_model()
     with pytest.raises(CheckpointError, match="holds 0 optimizer states"):
         module.configure_optimizers()
-    with pytest.raises(ConfigError, match="needs stage.init_from"):
-        make_module(init_optimizer=True)
+    # init_optimizer without init_from is refused by the pre-flight (below)
+
+
+def _check(cfg: RunConfig) -> None:
+    check_values(cfg)  # each value on its own
+    check_stage_io(cfg)  # the stage's keys together (the pre-flight)
 
 
 @pytest.mark.parametrize(
@@ -171,11 +163,11 @@ def test_optimizer_init_refuses_other_parameter_groups_and_weight_files(source, 
 )
 def test_stage_io_settings_are_validated(stage, message):
     with pytest.raises(ConfigError, match=message):
-        validate_run_config(RunConfig(stage=stage))
+        _check(RunConfig(stage=stage))
 
 
 def test_optimizer_init_needs_a_checkpoint_not_a_folder(tmp_path):
     stage = StageConfig(init_optimizer=True, init_from=str(tmp_path))
     with pytest.raises(ConfigError, match="holds weights only"):
-        validate_run_config(RunConfig(stage=stage))
-    validate_run_config(RunConfig(stage=StageConfig(init_optimizer=True, init_from="a.ckpt")))
+        _check(RunConfig(stage=stage))
+    _check(RunConfig(stage=StageConfig(init_optimizer=True, init_from="a.ckpt")))

@@ -7,7 +7,7 @@ and a record with only ``chosen``/``rejected`` conversations takes their common
 leading turns as its prompt. Plain text is read as one user turn (the prompt) and one
 assistant turn (a response), as supervised fine-tuning reads prompt/response records,
 and every pair is rendered with the run's chat template
-(:class:`recipes_lib.data.chat.ChatRenderer`). Only response tokens are trained on:
+(:class:`recipes_lib.data.chat.template.ChatRenderer`). Only response tokens are trained on:
 the rendered prompt, and the template's headers, get label ``-100``.
 
 A malformed record stops loading with a :class:`~recipes_lib.errors.DataError` that
@@ -33,13 +33,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from recipes_lib.config.schema import ChatFormatConfig
-from recipes_lib.data.chat import (
-    ROLES,
-    ChatRenderer,
-    RecordSource,
-    check_chat_format,
-    record_where,
-)
+from recipes_lib.data.chat.messages import ROLES
+from recipes_lib.data.chat.template import ChatRenderer
+from recipes_lib.data.chat_records import bad_record_error, check_chat_format
+from recipes_lib.data.records import RecordSource, record_where
 from recipes_lib.errors import DataError
 
 Text = str | list[dict]  # plain text, or chat messages
@@ -324,7 +321,7 @@ def encode_records(
             record = parse_record(raw, chat, where)
         except BadRecord as bad:
             if chat.on_bad_record == "error":
-                raise DataError(f"{bad} (set data.chat.on_bad_record=skip to skip it)") from None
+                raise bad_record_error(bad) from None
             skipped[bad.reason] += 1
             continue
         try:
@@ -332,6 +329,6 @@ def encode_records(
         except BadRecord as bad:
             truncation = "data.chat.truncation" in bad.reason
             if chat.on_bad_record == "error" and not truncation:
-                raise DataError(f"{bad} (set data.chat.on_bad_record=skip to skip it)") from None
+                raise bad_record_error(bad) from None
             skipped[bad.reason] += 1
     return EncodedPairs(pairs=pairs, total=total, skipped=skipped)

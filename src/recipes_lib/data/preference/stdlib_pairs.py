@@ -1,7 +1,7 @@
 """Built-in preference pairs made from the Python standard library (``builtin: stdlib_dpo``).
 
 The pairs extend the built-in instruction records (``builtin: stdlib_sft``,
-:func:`recipes_lib.data.instructions.stdlib_instruction_records`): the prompt is the
+:func:`recipes_lib.data.chat.instructions.stdlib_instruction_records`): the prompt is the
 same request for a documented function (its module, signature and docstring), the
 chosen response is the function's real source, as supervised fine-tuning saw it, and
 the rejected response is that source with one deterministic corruption of its body,
@@ -25,7 +25,7 @@ import io
 import random
 import tokenize
 
-from recipes_lib.data.instructions import stdlib_instruction_records
+from recipes_lib.data.chat.instructions import stdlib_instruction_records
 
 CORRUPTIONS = ("shuffle", "drop", "operator", "return_none")
 _FLIPPED_OPS = {"==": "!=", "!=": "==", "<": ">=", ">": "<=", "<=": ">", ">=": "<", "+": "-"}

@@ -17,36 +17,34 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 from tokenizers import Tokenizer
 
 from recipes_lib.config.schema import DataConfig, SourceConfig
 from recipes_lib.data.mixture import check_weights
-from recipes_lib.data.raw import (
-    RawSource,
+from recipes_lib.data.sources import (
+    check_val_fraction,
     configured_sources,
-    iter_texts,
-    load_source,
+    held_out_mask,
+    resolve_cache_dir,
     source_fingerprint,
 )
-from recipes_lib.data.shards import (
+from recipes_lib.data.text.raw import RawSource, iter_texts, load_source
+from recipes_lib.data.text.shard_writer import write_split_shards
+from recipes_lib.data.text.shards import (
     SHARD_FORMAT_VERSION,
     SplitShards,
-    held_out_mask,
     is_complete,
     open_split_shards,
     set_aside,
     shard_fingerprint,
-    write_split_shards,
 )
 from recipes_lib.data.tokenizer import (
     TOKENIZER_FILE,
@@ -59,6 +57,7 @@ from recipes_lib.data.tokenizer import (
     train_bpe_tokenizer,
 )
 from recipes_lib.errors import ConfigError, DataError
+from recipes_lib.files import global_rank
 
 log = logging.getLogger(__name__)
 
@@ -100,34 +99,6 @@ def resolve_sources(config: DataConfig) -> dict[str, SourceConfig]:
     return configured_sources(config, DEFAULT_SOURCES)
 
 
-def resolve_cache_dir(value: str) -> Path:
-    """``data.cache_dir`` as a path: ``~`` expanded, ``${oc.env:...}`` resolved if still there.
-
-    Raises:
-        ConfigError: an interpolation that cannot be resolved outside a full run config.
-    """
-    if "${" in value:
-        try:
-            value = OmegaConf.create({"cache_dir": value}).cache_dir
-        except Exception as err:
-            raise ConfigError(f"data.cache_dir={value!r} cannot be resolved: {err}") from err
-    return Path(value).expanduser()
-
-
-def global_rank() -> int:
-    """This process's global rank (0 when not distributed)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    for variable in ("RANK", "SLURM_PROCID"):
-        if variable in os.environ:
-            return int(os.environ[variable])
-    if os.environ.get("NODE_RANK", "0") == "0":
-        return int(os.environ.get("LOCAL_RANK", "0"))
-    return -1  # a non-zero node of a launcher that does not export RANK
-
-
 def prepare(
     config: DataConfig,
     *,
@@ -159,8 +130,7 @@ def prepare(
     sources = resolve_sources(config)
     weights = check_weights({name: source.weight for name, source in sources.items()})
     seed = _check_seed(config.seed)
-    if not 0 <= config.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction must be in [0, 1), got {config.val_fraction}")
+    check_val_fraction(config.val_fraction)
     source_fps = {name: source_fingerprint(name, source) for name, source in sources.items()}
     raw_cache: dict[str, RawSource] = {}
 

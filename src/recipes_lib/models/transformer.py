@@ -1,18 +1,17 @@
-"""A Llama-family decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+"""The decoder: RMSNorm, RoPE, SwiGLU and grouped-query attention, in pre-norm blocks.
 
-Covers Llama 2/3 and Qwen2-style models (``qkv_bias``). Parameter names follow Meta's
+Its options are what the model families turn on (:mod:`recipes_lib.models.families`):
+the Llama layout, Qwen2's q/k/v biases, tied embeddings. Parameter names follow Meta's
 Llama code (``tok_embeddings``, ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...),
-so converting a Hugging Face checkpoint is a rename table. RoPE uses the rotate-half
-convention of Hugging Face / GPT-NeoX on real tensors, so Hugging Face q/k weights load
-as they are, without permuting rows.
+so a family's Hugging Face adapter is a rename table. RoPE uses the rotate-half
+convention of Hugging Face / GPT-NeoX (:mod:`recipes_lib.models.rope`).
 
-Incremental decoding passes a :class:`KVCache` to :meth:`Transformer.forward`: new
-tokens take RoPE positions after the cached ones and attend over every cached key, so
-each generated token costs one position's forward pass. Without a cache the forward
-pass is the training path, unchanged.
+The forward pass is one path for training and decoding: given a
+:class:`~recipes_lib.models.kv_cache.KVCache`, each layer attends over the cached
+positions instead of through the training kernel.
 
 Shapes: B batch, T sequence length, C model dim, nh query heads, nkv key/value heads,
-hs head dim, V vocabulary, S positions held by a cache.
+hs head dim, V vocabulary.
 """
 
 from __future__ import annotations
@@ -28,57 +27,12 @@ from torch.utils.checkpoint import checkpoint
 
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
+from recipes_lib.models.families import get_family
+from recipes_lib.models.kv_cache import KVCache, LayerCache, causal_offset_mask
+from recipes_lib.models.rope import ROPE_SCALING_TYPES, apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
-    from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
-
-ROPE_SCALING_TYPES = ("none", "linear", "llama3")
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig) -> Tensor:
-    """Inverse frequencies of RoPE, ``(hs // 2,)`` float32, with optional scaling.
-
-    ``linear`` divides every frequency by ``factor`` (positions interpolated).
-    ``llama3`` (Llama 3.1) leaves wavelengths shorter than
-    ``original_max_seq_len / high_freq_factor`` alone, divides frequencies whose
-    wavelength exceeds ``original_max_seq_len / low_freq_factor`` by ``factor``, and
-    interpolates smoothly between the two bands.
-    """
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if scaling.type == "none":
-        return inv_freq
-    if scaling.type == "linear":
-        return inv_freq / scaling.factor
-    # llama3
-    old_len, factor = scaling.original_max_seq_len, scaling.factor
-    low_freq_wavelen = old_len / scaling.low_freq_factor
-    high_freq_wavelen = old_len / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
-    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, scaling: RopeScalingConfig, device=None
-) -> tuple[Tensor, Tensor]:
-    """cos and sin tables, each ``(T, hs)`` float32, in the rotate-half layout."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
-    positions = torch.arange(seq_len, dtype=torch.float32, device=device)
-    angles = torch.outer(positions, inv_freq)  # (T, hs/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves share a frequency
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` (B, heads, T, hs) by position; computed in the tables' dtype."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)  # rotate_half
-    return (x * cos + rotated * sin).to(x.dtype)
+    from recipes_lib.config.schema import ModelConfig
 
 
 class Attention(nn.Module):
@@ -96,45 +50,25 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * head_dim, config.dim, bias=False)
         self.backend = backend  # a plain object, not a submodule: it holds no weights
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None) -> Tensor:
-        B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = self.backend(q, k, v, mask)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
-        return self.wo(y)  # (B, T, C)
-
-    def forward_cached(
+    def forward(
         self,
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        cache_k: Tensor,
-        cache_v: Tensor,
-        start_pos: int,
-        mask: Tensor | None,
+        mask: object | None,
+        cache: LayerCache | None = None,
     ) -> Tensor:
-        """Attention of ``T`` new tokens at positions ``start_pos..`` over the cache.
-
-        The new keys and values are written into ``cache_k``/``cache_v`` (``(B, nkv, S,
-        hs)``) at ``start_pos``; the queries attend over positions ``0..start_pos + T``
-        under ``mask`` (``(T, start_pos + T)`` bool, None for a single token, which sees
-        every cached position). Always SDPA, whatever the training backend.
-        """
+        """Attention of ``x`` (``(B, T, C)``); with ``cache``, the tokens continue the
+        cached ones and attend over them (see :mod:`recipes_lib.models.kv_cache`)."""
         B, T, _ = x.shape
-        end = start_pos + T
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache_k[:B, :, start_pos:end] = k
-        cache_v[:B, :, start_pos:end] = v
-        keys, values = cache_k[:B, :, :end], cache_v[:B, :, :end]  # (B, nkv, end, hs)
-        y = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.n_kv_heads != self.n_heads
-        )  # (B, nh, T, hs)
+        if cache is None:
+            y = self.backend(q, k, v, mask)  # (B, nh, T, hs)
+        else:
+            y = cache.attend(q, k, v, mask)  # (B, nh, T, hs), over every cached position
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
         return self.wo(y)  # (B, T, C)
 
@@ -164,37 +98,29 @@ class TransformerBlock(nn.Module):
         # recompute this block's activations in the backward pass instead of keeping them
         self.checkpoint_activations = False
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None) -> Tensor:
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            # inside forward, so hooks on the block (FSDP's all-gather) run once per call
-            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
-        return self._forward(x, cos, sin, mask)
-
-    def _forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)  # (B, T, C)
-        return x + self.feed_forward(self.ffn_norm(x))  # (B, T, C)
-
-    def forward_cached(
+    def forward(
         self,
         x: Tensor,
         cos: Tensor,
         sin: Tensor,
-        cache_k: Tensor,
-        cache_v: Tensor,
-        start_pos: int,
-        mask: Tensor | None,
+        mask: object | None,
+        cache: LayerCache | None = None,
     ) -> Tensor:
-        """:meth:`forward` for new tokens after ``start_pos`` cached ones (see
-        :meth:`Attention.forward_cached`)."""
-        h = self.attention.forward_cached(
-            self.attention_norm(x), cos, sin, cache_k, cache_v, start_pos, mask
-        )
-        x = x + h  # (B, T, C)
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            # inside forward, so hooks on the block (FSDP's all-gather) run once per call
+            return checkpoint(self._forward, x, cos, sin, mask, cache, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, cache)
+
+    def _forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None, cache: LayerCache | None
+    ) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)  # (B, T, C)
         return x + self.feed_forward(self.ffn_norm(x))  # (B, T, C)
 
 
 def _validate(config: ModelConfig) -> int:
-    """Check the shape of ``config``; return the head dimension."""
+    """Check the shape of ``config`` and its family's options; return the head dimension."""
+    get_family(config.family).check(config)
     if config.head_dim is None and config.dim % config.n_heads != 0:
         raise ConfigError(
             f"model.dim={config.dim} is not divisible by model.n_heads={config.n_heads}; "
@@ -225,88 +151,8 @@ def _validate(config: ModelConfig) -> int:
     return head_dim
 
 
-class KVCache:
-    """Keys and values of past positions for every layer, preallocated for decoding.
-
-    ``keys[i]`` and ``values[i]`` are ``(B, nkv, S, hs)`` buffers of layer ``i``;
-    ``length`` counts the positions filled so far, where the next forward pass with
-    this cache writes by default. Build one with :meth:`for_model`.
-    """
-
-    def __init__(
-        self,
-        n_layers: int,
-        batch_size: int,
-        n_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str | None = None,
-    ):
-        shape = (batch_size, n_kv_heads, max_len, head_dim)  # (B, nkv, S, hs)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.length = 0
-
-    @classmethod
-    def for_model(
-        cls, model: Transformer, batch_size: int = 1, max_len: int | None = None
-    ) -> KVCache:
-        """A cache for ``model`` in its dtype and on its device.
-
-        Args:
-            model: the decoder it caches for.
-            batch_size: rows decoded together.
-            max_len: positions to hold (prompt plus new tokens); default
-                ``model.max_seq_len``.
-
-        Raises:
-            ConfigError: ``max_len`` exceeds ``model.max_seq_len``.
-        """
-        c = model.config
-        max_len = c.max_seq_len if max_len is None else max_len
-        if not 0 < max_len <= c.max_seq_len:
-            raise ConfigError(
-                f"a KV cache of {max_len} positions does not fit model.max_seq_len={c.max_seq_len}"
-            )
-        weight = model.tok_embeddings.weight
-        return cls(
-            c.n_layers,
-            batch_size,
-            c.n_kv_heads or c.n_heads,
-            max_len,
-            model.head_dim,
-            dtype=weight.dtype,
-            device=weight.device,
-        )
-
-    @property
-    def batch_size(self) -> int:
-        return self.keys[0].shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.keys[0].shape[2]
-
-    def reset(self) -> None:
-        """Forget every cached position (the buffers are reused)."""
-        self.length = 0
-
-
-def causal_offset_mask(n_new: int, start_pos: int, device=None) -> Tensor:
-    """Which keys each new token sees, ``(T, start_pos + T)`` bool.
-
-    New token ``i`` sits at position ``start_pos + i`` and sees every key ``j`` with
-    ``j <= start_pos + i``.
-    """
-    key_pos = torch.arange(start_pos + n_new, device=device)  # (start_pos + T,)
-    query_pos = torch.arange(start_pos, start_pos + n_new, device=device)  # (T,)
-    return key_pos[None, :] <= query_pos[:, None]
-
-
 class Transformer(nn.Module):
-    """Decoder-only Llama-family language model.
+    """A decoder-only language model; ``config.family`` names its architecture.
 
     Args:
         config: the model's shape.
@@ -406,74 +252,63 @@ class Transformer(nn.Module):
         Args:
             input_ids: ``(B, T)`` token ids, ``T <= model.max_seq_len``.
             doc_ids: ``(B, T)`` document ids of packed rows, or None for causal
-                attention across each whole row.
-            cache: for incremental decoding: the tokens continue the cached ones (see
-                :meth:`forward_hidden_cached`). None: the training path.
-            start_pos: with ``cache``, the position of the first token.
-        """
-        if cache is not None:
-            if doc_ids is not None:
-                raise ValueError("doc_ids cannot be combined with a KV cache")
-            return self.forward_hidden_cached(input_ids, cache, start_pos)
-        if start_pos:
-            raise ValueError(f"start_pos={start_pos} needs a KV cache holding the earlier tokens")
-        B, T = input_ids.shape
-        if T > self.config.max_seq_len:
-            raise ConfigError(
-                f"input of length {T} is longer than model.max_seq_len={self.config.max_seq_len}"
-            )
-        if doc_ids is not None and doc_ids.shape != input_ids.shape:
-            raise ValueError(
-                f"doc_ids {tuple(doc_ids.shape)} must have the shape of input_ids {(B, T)}"
-            )
-        # One mask per batch, shared by every layer.
-        mask = self.attention_backend.build_mask(doc_ids, T, device=input_ids.device)
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hs)
-        h = self.tok_embeddings(input_ids)  # (B, T, C)
-        for layer in self.layers:
-            h = layer(h, cos, sin, mask)  # (B, T, C)
-        return self.norm(h)  # (B, T, C)
-
-    def forward_hidden_cached(
-        self, input_ids: Tensor, cache: KVCache, start_pos: int | None = None
-    ) -> Tensor:
-        """Hidden states of tokens that continue the ones in ``cache``, ``(B, T, C)``.
-
-        The tokens take RoPE positions ``start_pos .. start_pos + T - 1``; their keys and
-        values are written into ``cache`` there and they attend causally over every
-        position before them. Afterwards ``cache.length`` is ``start_pos + T``.
-
-        Args:
-            input_ids: ``(B, T)`` token ids, ``B <= cache.batch_size``.
-            cache: the keys and values of positions ``0 .. start_pos - 1``.
-            start_pos: where the tokens start; default ``cache.length`` (append).
-                Smaller values rewind the cache.
+                attention across each whole row (training only).
+            cache: for incremental decoding: the tokens continue the ones the cache
+                holds, at RoPE positions ``start_pos ..``; their keys and values are
+                written there and they attend over every position before them;
+                afterwards ``cache.length`` is ``start_pos + T``. None: training.
+            start_pos: with ``cache``, where the tokens start; default ``cache.length``
+                (append); smaller values rewind the cache.
 
         Raises:
-            ConfigError: the positions run past the cache or ``model.max_seq_len``.
+            ConfigError: the input, or the cached positions, run past
+                ``model.max_seq_len`` or the cache.
         """
         B, T = input_ids.shape
-        start = cache.length if start_pos is None else start_pos
+        if cache is None:
+            if start_pos:
+                raise ValueError(
+                    f"start_pos={start_pos} needs a KV cache holding the earlier tokens"
+                )
+            if T > self.config.max_seq_len:
+                limit = self.config.max_seq_len
+                raise ConfigError(f"input of length {T} is longer than model.max_seq_len={limit}")
+            if doc_ids is not None and doc_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"doc_ids {tuple(doc_ids.shape)} must have the shape of input_ids {(B, T)}"
+                )
+            start = 0
+            # One mask per batch, shared by every layer.
+            mask = self.attention_backend.build_mask(doc_ids, T, device=input_ids.device)
+        else:
+            if doc_ids is not None:
+                raise ValueError("doc_ids cannot be combined with a KV cache")
+            start = cache.length if start_pos is None else start_pos
+            self._check_cached(B, T, start, cache)
+            # A single new token sees every cached position: no mask needed.
+            mask = None if T == 1 else causal_offset_mask(T, start, device=input_ids.device)
         end = start + T
+        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # (T, hs)
+        h = self.tok_embeddings(input_ids)  # (B, T, C)
+        for index, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache.layer(index, start)
+            h = layer(h, cos, sin, mask, layer_cache)  # (B, T, C)
+        if cache is not None:
+            cache.length = end
+        return self.norm(h)  # (B, T, C)
+
+    def _check_cached(self, B: int, T: int, start: int, cache: KVCache) -> None:
         if T < 1 or not 0 <= start <= cache.length:
             raise ValueError(
                 f"start_pos={start} with {T} tokens: the cache holds {cache.length} positions"
             )
-        if end > min(cache.max_len, self.config.max_seq_len):
+        if start + T > min(cache.max_len, self.config.max_seq_len):
             raise ConfigError(
-                f"positions up to {end} do not fit the KV cache of {cache.max_len} positions "
-                f"and model.max_seq_len={self.config.max_seq_len}"
+                f"positions up to {start + T} do not fit the KV cache of {cache.max_len} "
+                f"positions and model.max_seq_len={self.config.max_seq_len}"
             )
         if B > cache.batch_size:
             raise ValueError(f"a batch of {B} rows does not fit a cache of {cache.batch_size}")
-        # A single new token sees every cached position: no mask needed.
-        mask = None if T == 1 else causal_offset_mask(T, start, device=input_ids.device)
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # (T, hs)
-        h = self.tok_embeddings(input_ids)  # (B, T, C)
-        for layer, keys, values in zip(self.layers, cache.keys, cache.values, strict=True):
-            h = layer.forward_cached(h, cos, sin, keys, values, start, mask)  # (B, T, C)
-        cache.length = end
-        return self.norm(h)  # (B, T, C)
 
     def forward(
         self,

@@ -1,9 +1,4 @@
-"""Chat records: validation, rendering with a chat template, and the assistant-token mask.
-
-A chat record is either a ``messages`` list of ``{"role", "content"}`` turns (roles
-``system``, ``user``, ``assistant``) or a ``prompt``/``response`` pair, read as one user
-turn and one assistant turn. Field names come from ``data.chat``
-(:class:`~recipes_lib.config.schema.ChatFormatConfig`).
+"""Chat templates: rendering a conversation to token ids and its assistant-token mask.
 
 A conversation is rendered with a Jinja chat template, one turn at a time: the text a
 turn adds is the difference between rendering the turns up to it and the turns before
@@ -25,10 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
 
 import jinja2
 from jinja2 import nodes
@@ -36,18 +30,11 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from recipes_lib.config.schema import ChatFormatConfig
-from recipes_lib.data.instructions import (  # the built-in source's records, re-exported
-    stdlib_instruction_records as stdlib_instruction_records,
-)
+from recipes_lib.config.schema import DataConfig
+from recipes_lib.data.chat.messages import Message
+from recipes_lib.data.records import RecordSource, record_where
+from recipes_lib.data.tokenizer import CHATML_TOKENS
 from recipes_lib.errors import ConfigError, DataError
-
-ROLES = ("system", "user", "assistant")
-IGNORE_INDEX = -100
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-CHATML_TOKENS = (IM_START, IM_END)
-TRUNCATION_POLICIES = ("right", "left", "drop")
-BAD_RECORD_POLICIES = ("error", "skip")
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -66,98 +53,7 @@ _TEMPLATE_KEY = "data.chat.chat_template"
 
 log = logging.getLogger(__name__)
 
-Message = dict[str, str]
 
-
-# ------------------------------------------------------------------- records
-# Where a record came from: a source's key (messages say "<key>: record <index>") or a
-# function naming record <index> itself (Records.where: "<key>: <file>:<line>").
-RecordSource = str | Callable[[int], str]
-
-
-def record_where(source: RecordSource, index: int) -> str:
-    """How messages name record ``index`` of ``source``."""
-    return source(index) if callable(source) else f"{source}: record {index}"
-
-
-def _bad(source: RecordSource, index: int, field: str, problem: str) -> DataError:
-    return DataError(f"{record_where(source, index)}, field {field!r}: {problem}")
-
-
-def validate_messages(
-    value: Any, index: int, field: str, source: RecordSource = "data"
-) -> list[Message]:
-    """A ``messages`` list as plain ``{"role", "content"}`` dicts.
-
-    Raises:
-        DataError: not a non-empty list, a turn that is not a mapping, an unknown role
-            or a content that is not text; the message names ``source``, the record
-            ``index`` and the field (``messages[2].role``).
-    """
-    if not isinstance(value, Sequence) or isinstance(value, str) or len(value) == 0:
-        raise _bad(source, index, field, f"must be a non-empty list of turns, got {value!r:.80}")
-    turns = []
-    for j, turn in enumerate(value):
-        where = f"{field}[{j}]"
-        if not isinstance(turn, Mapping):
-            raise _bad(
-                source, index, where, f"must be a mapping with role and content, got {turn!r:.80}"
-            )
-        role, content = turn.get("role"), turn.get("content")
-        if role not in ROLES:
-            raise _bad(
-                source, index, f"{where}.role", f"unknown role {role!r}; roles: {list(ROLES)}"
-            )
-        if not isinstance(content, str):
-            got = "missing" if content is None else f"{type(content).__name__}, not text"
-            raise _bad(source, index, f"{where}.content", got)
-        turns.append({"role": role, "content": content})
-    return turns
-
-
-def record_messages(
-    record: Any, index: int, chat: ChatFormatConfig, source: RecordSource = "data"
-) -> list[Message]:
-    """The turns of one chat record: its ``messages`` list or its prompt/response pair.
-
-    Raises:
-        DataError: a malformed record (see :func:`validate_messages`), a missing or
-            empty prompt or response, or a conversation with no assistant turn with
-            content to train on; the message names the record index and field.
-    """
-    if not isinstance(record, Mapping):
-        raise DataError(f"{record_where(source, index)} is not a mapping: {record!r:.80}")
-    if record.get(chat.messages_field) is not None:
-        messages = validate_messages(
-            record[chat.messages_field], index, chat.messages_field, source
-        )
-        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-            raise _bad(source, index, chat.messages_field, "has no assistant turn with content")
-        return messages
-    if record.get(chat.prompt_field) is None and record.get(chat.response_field) is None:
-        raise DataError(
-            f"{record_where(source, index)} has neither field {chat.messages_field!r} nor "
-            f"{chat.prompt_field!r}/{chat.response_field!r} (fields: {_present(record)}); set "
-            "data.chat.messages_field or data.chat.prompt_field/response_field"
-        )
-    for field in (chat.prompt_field, chat.response_field):
-        value = record.get(field)
-        if not isinstance(value, str) or not value.strip():
-            got = "missing" if value is None else f"empty or not text: {value!r:.80}"
-            raise _bad(source, index, field, got)
-    return [
-        {"role": "user", "content": record[chat.prompt_field]},
-        {"role": "assistant", "content": record[chat.response_field]},
-    ]
-
-
-def _present(record: Mapping) -> list[str]:
-    """The fields a record holds: ``datasets`` gives every record of a file every field
-    any of them has, set to None where it lacks it."""
-    return sorted(k for k, v in record.items() if v is not None)
-
-
-# ----------------------------------------------------------------- templates
 class _GenerationTag(Extension):
     """Accepts ``{% generation %}...{% endgeneration %}`` (used by some Hugging Face
     templates to mark assistant text) and renders its body unchanged."""
@@ -278,6 +174,19 @@ class ChatRenderer:
         self.bos_token = bos_token or ""
         self._check_tokens()
         self._specials = sorted(_special_tokens(tokenizer), key=len, reverse=True)
+
+    @classmethod
+    def from_config(
+        cls, tokenizer: Tokenizer, config: DataConfig, tokenizer_template: str | None
+    ) -> ChatRenderer:
+        """The renderer of a run: ``data.chat.chat_template`` (else ``tokenizer_template``,
+        the tokenizer's own) with ``data.tokenizer.eos_token``."""
+        return cls(
+            tokenizer,
+            config.chat.chat_template,
+            tokenizer_template=tokenizer_template,
+            eos_token=config.tokenizer.eos_token,
+        )
 
     def _check_tokens(self) -> None:
         needed: tuple[str, ...] = ()
@@ -412,42 +321,3 @@ def render_chat(
     )
     rendered = renderer.render(messages)
     return rendered.input_ids, rendered.assistant_mask
-
-
-# -------------------------------------------------------- training examples
-def check_chat_format(chat: ChatFormatConfig) -> None:
-    """Raise :class:`ConfigError` on an unknown truncation or bad-record policy."""
-    if chat.truncation not in TRUNCATION_POLICIES:
-        raise ConfigError(
-            f"data.chat.truncation={chat.truncation!r} is not one of {list(TRUNCATION_POLICIES)}"
-        )
-    if chat.on_bad_record not in BAD_RECORD_POLICIES:
-        raise ConfigError(
-            f"data.chat.on_bad_record={chat.on_bad_record!r} is not one of "
-            f"{list(BAD_RECORD_POLICIES)}"
-        )
-
-
-def truncate(rendered: RenderedChat, max_len: int, policy: str) -> RenderedChat | None:
-    """``rendered`` cut to at most ``max_len`` tokens.
-
-    ``right`` keeps the first ``max_len`` tokens, ``left`` the last ``max_len`` (the
-    end of the conversation), ``drop`` returns None for an over-long conversation.
-    """
-    if len(rendered) <= max_len:
-        return rendered
-    if policy == "drop":
-        return None
-    if policy == "right":
-        return RenderedChat(rendered.input_ids[:max_len], rendered.assistant_mask[:max_len])
-    if policy == "left":
-        return RenderedChat(rendered.input_ids[-max_len:], rendered.assistant_mask[-max_len:])
-    raise ConfigError(f"data.chat.truncation={policy!r} is not one of {list(TRUNCATION_POLICIES)}")
-
-
-def next_token_labels(rendered: RenderedChat) -> list[int]:
-    """Labels aligned with the inputs: ``labels[t]`` is the token after ``t`` when that
-    token is assistant output, else ``-100``; the last position has no next token."""
-    ids, mask = rendered.input_ids, rendered.assistant_mask
-    labels = [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
-    return labels + [IGNORE_INDEX] if ids else []

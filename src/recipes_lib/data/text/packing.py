@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from recipes_lib.data.shards import TokenShard
+from recipes_lib.data.text.shards import TokenShard
 from recipes_lib.errors import DataError
 
 

@@ -1,0 +1,178 @@
+"""The files of a Hugging Face model folder: ``config.json`` and the safetensors weights
+(``model.safetensors``, or shards listed by ``model.safetensors.index.json``), read
+tensor by tensor under a family's names, and written in shards."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from recipes_lib.checkpoint.weights import mismatch_lines
+from recipes_lib.errors import CheckpointError
+from recipes_lib.files import chmod_as_umask
+from recipes_lib.models.families import TensorNames
+
+HF_CONFIG_NAME = "config.json"
+HF_WEIGHTS_NAME = "model.safetensors"
+HF_INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+# native name -> (file, Hugging Face name, shape, dtype) of each tensor found
+Located = dict[str, tuple[Path, str, tuple[int, ...], str]]
+
+
+def is_hf_folder(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a Hugging Face model folder (a folder holding config.json)."""
+    folder = Path(path).expanduser()
+    return folder.is_dir() and (folder / HF_CONFIG_NAME).is_file()
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` of a Hugging Face model folder.
+
+    Raises:
+        CheckpointError: the folder or its config.json is missing or not JSON.
+    """
+    folder = Path(path).expanduser()
+    file = folder / HF_CONFIG_NAME
+    if not folder.is_dir():
+        raise CheckpointError(f"no Hugging Face model folder at '{folder}'")
+    if not file.is_file():
+        raise CheckpointError(f"'{folder}' has no {HF_CONFIG_NAME}; not a Hugging Face model")
+    try:
+        return json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
+
+
+def hf_weight_files(path: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a Hugging Face model folder (shards in index order).
+
+    Raises:
+        CheckpointError: no safetensors weights, or an index naming a missing shard.
+    """
+    folder = Path(path).expanduser()
+    index = folder / HF_INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"'{index}' is not a safetensors index: {err}") from err
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"'{index}' names missing shards: {', '.join(missing[:5])}")
+        return files
+    single = folder / HF_WEIGHTS_NAME
+    if single.is_file():
+        return [single]
+    if any(folder.glob("*.bin")):
+        raise CheckpointError(
+            f"'{folder}' holds only PyTorch .bin weights; save it with safetensors "
+            "(save_pretrained(..., safe_serialization=True))"
+        )
+    raise CheckpointError(f"'{folder}' has neither {HF_WEIGHTS_NAME} nor {HF_INDEX_NAME}")
+
+
+def _locate_tensors(files: list[Path], names: TensorNames, tied: bool) -> tuple[Located, list[str]]:
+    """native name -> (file, Hugging Face name, shape, dtype), and unmapped names."""
+    located: Located = {}
+    unexpected: list[str] = []
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for hf_name in f.keys():
+                    native = names.to_native(hf_name)
+                    if native is None:
+                        if not names.ignored.fullmatch(hf_name):
+                            unexpected.append(hf_name)
+                        continue
+                    if tied and native == "output.weight":
+                        continue  # a tied head stored anyway: the embeddings are the head
+                    piece = f.get_slice(hf_name)
+                    located[native] = (file, hf_name, tuple(piece.get_shape()), piece.get_dtype())
+        except Exception as err:  # safetensors raises its own error types for corrupt files
+            raise CheckpointError(f"'{file}' is not a readable safetensors file: {err}") from err
+    return located, unexpected
+
+
+def _mismatches(
+    expected: Mapping[str, tuple[int, ...]],
+    located: Located,
+    unexpected: list[str],
+    names: TensorNames,
+) -> list[str]:
+    shapes = [
+        f"{located[name][1]}: checkpoint {located[name][2]} vs model {shape}"
+        for name, shape in expected.items()
+        if name in located and located[name][2] != shape
+    ]
+    missing = [names.to_hf(name) or name for name in expected if name not in located]
+    unexpected = unexpected + [located[name][1] for name in located if name not in expected]
+    return mismatch_lines(shapes, missing, unexpected)
+
+
+def checked_tensors(
+    folder: Path, model: nn.Module, names: TensorNames, tied: bool, what: str
+) -> Located:
+    """The folder's tensors located by native name, after checking that every tensor of
+    ``model`` (a tied output head aside) is there with its shape and nothing else is."""
+    located, unexpected = _locate_tensors(hf_weight_files(folder), names, tied)
+    expected = {
+        name: tuple(t.shape)
+        for name, t in model.state_dict().items()
+        if not (tied and name == "output.weight")
+    }
+    problems = _mismatches(expected, located, unexpected, names)
+    if problems:
+        raise CheckpointError(f"'{folder}' does not fit {what}: " + " | ".join(problems))
+    return located
+
+
+def copy_tensors(params: Mapping[str, Tensor], located: Located) -> None:
+    """Copy each located tensor into ``params[name]`` (in place, cast to its dtype),
+    opening every file once."""
+    by_file: dict[Path, list[str]] = {}
+    for name, (file, _, _, _) in located.items():
+        by_file.setdefault(file, []).append(name)
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in names:
+                    params[name].copy_(f.get_tensor(located[name][1]))
+
+
+def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    for stale in [*folder.glob("model-*-of-*.safetensors"), folder / HF_INDEX_NAME]:
+        stale.unlink(missing_ok=True)  # an earlier export's shards
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / HF_WEIGHTS_NAME), metadata={"format": "pt"})
+        chmod_as_umask(folder / HF_WEIGHTS_NAME)
+        return
+    (folder / HF_WEIGHTS_NAME).unlink(missing_ok=True)
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        chmod_as_umask(folder / file)
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / HF_INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,119 @@
+"""SFT records become training examples: rendered, truncated, labelled where the
+assistant speaks.
+
+Every record becomes one example: its conversation's token ids as inputs and, as
+labels, the next token wherever that token is assistant output (``-100`` elsewhere,
+and at the example's last position).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from recipes_lib.config.schema import DataConfig
+from recipes_lib.data.chat.messages import record_messages
+from recipes_lib.data.chat.template import ChatRenderer, RenderedChat
+from recipes_lib.data.chat_records import TRUNCATION_POLICIES, bad_record_error
+from recipes_lib.data.records import RecordSource
+from recipes_lib.errors import ConfigError, DataError
+
+IGNORE_INDEX = -100
+_ERRORS_SHOWN = 3
+
+
+@dataclass
+class ChatExample:
+    """One conversation: ``input_ids`` and next-token ``labels``, both ``(L,)`` int64."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class ChatSourceStats:
+    """What became of one source's records."""
+
+    records: int = 0
+    train: int = 0
+    val: int = 0
+    skipped: int = 0  # malformed records, with data.chat.on_bad_record=skip
+    truncated: int = 0
+    dropped: int = 0  # over-long with truncation=drop, or no assistant token left
+    errors: list[str] = field(default_factory=list)  # the first skipped records' errors
+
+
+def tokenize_records(
+    records: Sequence[Mapping[str, Any]],
+    indices: Sequence[int],
+    renderer: ChatRenderer,
+    config: DataConfig,
+    source: RecordSource,
+    stats: ChatSourceStats,
+) -> list[ChatExample]:
+    """The training examples of ``records[i]`` for ``i`` in ``indices``.
+
+    Args:
+        source: the source's key, or a function naming a record by its place in a file
+            (``Records.where``), for messages.
+
+    Raises:
+        DataError: a malformed record or a template that fails on it (naming the
+            record's file and line, or index, and the field), unless
+            ``data.chat.on_bad_record=skip``, which counts it in ``stats`` instead.
+    """
+    chat = config.chat
+    examples = []
+    for index in indices:
+        try:
+            messages = record_messages(records[index], index, chat, source)
+            rendered = renderer.render(messages, index=index, source=source)
+        except DataError as err:
+            if chat.on_bad_record == "error":
+                raise bad_record_error(err) from None
+            stats.skipped += 1
+            if len(stats.errors) < _ERRORS_SHOWN:
+                stats.errors.append(str(err))
+            continue
+        kept = truncate(rendered, config.seq_len, chat.truncation)
+        if kept is not None and len(kept) < len(rendered):
+            stats.truncated += 1
+        labels = next_token_labels(kept) if kept is not None else []
+        if kept is None or all(label == IGNORE_INDEX for label in labels):
+            stats.dropped += 1
+            continue
+        examples.append(
+            ChatExample(np.asarray(kept.input_ids, np.int64), np.asarray(labels, np.int64))
+        )
+    return examples
+
+
+def truncate(rendered: RenderedChat, max_len: int, policy: str) -> RenderedChat | None:
+    """``rendered`` cut to at most ``max_len`` tokens.
+
+    ``right`` keeps the first ``max_len`` tokens, ``left`` the last ``max_len`` (the
+    end of the conversation), ``drop`` returns None for an over-long conversation.
+    """
+    if len(rendered) <= max_len:
+        return rendered
+    if policy == "drop":
+        return None
+    if policy == "right":
+        return RenderedChat(rendered.input_ids[:max_len], rendered.assistant_mask[:max_len])
+    if policy == "left":
+        return RenderedChat(rendered.input_ids[-max_len:], rendered.assistant_mask[-max_len:])
+    raise ConfigError(f"data.chat.truncation={policy!r} is not one of {list(TRUNCATION_POLICIES)}")
+
+
+def next_token_labels(rendered: RenderedChat) -> list[int]:
+    """Labels aligned with the inputs: ``labels[t]`` is the token after ``t`` when that
+    token is assistant output, else ``-100``; the last position has no next token."""
+    ids, mask = rendered.input_ids, rendered.assistant_mask
+    labels = [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
+    return labels + [IGNORE_INDEX] if ids else []

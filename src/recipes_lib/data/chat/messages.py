@@ -1,0 +1,97 @@
+"""Chat records as conversations: validating a record's turns.
+
+A chat record is either a ``messages`` list of ``{"role", "content"}`` turns (roles
+``system``, ``user``, ``assistant``) or a ``prompt``/``response`` pair, read as one user
+turn and one assistant turn. Field names come from ``data.chat``
+(:class:`~recipes_lib.config.schema.ChatFormatConfig`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from recipes_lib.config.schema import ChatFormatConfig
+from recipes_lib.data.records import RecordSource, record_where
+from recipes_lib.errors import DataError
+
+ROLES = ("system", "user", "assistant")
+
+Message = dict[str, str]
+
+
+def _bad(source: RecordSource, index: int, field: str, problem: str) -> DataError:
+    return DataError(f"{record_where(source, index)}, field {field!r}: {problem}")
+
+
+def validate_messages(
+    value: Any, index: int, field: str, source: RecordSource = "data"
+) -> list[Message]:
+    """A ``messages`` list as plain ``{"role", "content"}`` dicts.
+
+    Raises:
+        DataError: not a non-empty list, a turn that is not a mapping, an unknown role
+            or a content that is not text; the message names ``source``, the record
+            ``index`` and the field (``messages[2].role``).
+    """
+    if not isinstance(value, Sequence) or isinstance(value, str) or len(value) == 0:
+        raise _bad(source, index, field, f"must be a non-empty list of turns, got {value!r:.80}")
+    turns = []
+    for j, turn in enumerate(value):
+        where = f"{field}[{j}]"
+        if not isinstance(turn, Mapping):
+            raise _bad(
+                source, index, where, f"must be a mapping with role and content, got {turn!r:.80}"
+            )
+        role, content = turn.get("role"), turn.get("content")
+        if role not in ROLES:
+            raise _bad(
+                source, index, f"{where}.role", f"unknown role {role!r}; roles: {list(ROLES)}"
+            )
+        if not isinstance(content, str):
+            got = "missing" if content is None else f"{type(content).__name__}, not text"
+            raise _bad(source, index, f"{where}.content", got)
+        turns.append({"role": role, "content": content})
+    return turns
+
+
+def record_messages(
+    record: Any, index: int, chat: ChatFormatConfig, source: RecordSource = "data"
+) -> list[Message]:
+    """The turns of one chat record: its ``messages`` list or its prompt/response pair.
+
+    Raises:
+        DataError: a malformed record (see :func:`validate_messages`), a missing or
+            empty prompt or response, or a conversation with no assistant turn with
+            content to train on; the message names the record index and field.
+    """
+    if not isinstance(record, Mapping):
+        raise DataError(f"{record_where(source, index)} is not a mapping: {record!r:.80}")
+    if record.get(chat.messages_field) is not None:
+        messages = validate_messages(
+            record[chat.messages_field], index, chat.messages_field, source
+        )
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            raise _bad(source, index, chat.messages_field, "has no assistant turn with content")
+        return messages
+    if record.get(chat.prompt_field) is None and record.get(chat.response_field) is None:
+        raise DataError(
+            f"{record_where(source, index)} has neither field {chat.messages_field!r} nor "
+            f"{chat.prompt_field!r}/{chat.response_field!r} (fields: {_present(record)}); set "
+            "data.chat.messages_field or data.chat.prompt_field/response_field"
+        )
+    for field in (chat.prompt_field, chat.response_field):
+        value = record.get(field)
+        if not isinstance(value, str) or not value.strip():
+            got = "missing" if value is None else f"empty or not text: {value!r:.80}"
+            raise _bad(source, index, field, got)
+    return [
+        {"role": "user", "content": record[chat.prompt_field]},
+        {"role": "assistant", "content": record[chat.response_field]},
+    ]
+
+
+def _present(record: Mapping) -> list[str]:
+    """The fields a record holds: ``datasets`` gives every record of a file every field
+    any of them has, set to None where it lacks it."""
+    return sorted(k for k, v in record.items() if v is not None)

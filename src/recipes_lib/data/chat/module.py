@@ -1,0 +1,168 @@
+"""The SFT LightningDataModule: rendered conversations, packed or padded, resumable.
+
+Records become examples as :mod:`recipes_lib.data.chat.examples` says, and rows of
+examples as :mod:`recipes_lib.data.chat.packing` says; sources, their split and the
+tokenizer are the chat base's (:class:`~recipes_lib.data.chat_records.ChatRecordsDataModule`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import ConcatDataset, Dataset
+
+from recipes_lib.config.schema import DataConfig, RunConfig, SourceConfig
+from recipes_lib.data.chat.examples import ChatExample, ChatSourceStats, tokenize_records
+from recipes_lib.data.chat.instructions import stdlib_instruction_records
+from recipes_lib.data.chat.packing import ChatExampleDataset, PackedChatDataset, pad_collate
+from recipes_lib.data.chat.template import ChatRenderer
+from recipes_lib.data.chat_records import (
+    ChatRecordsDataModule,
+    PreparedChat,
+    check_chat_format,
+)
+from recipes_lib.data.mixture import MixtureDataset
+from recipes_lib.data.module import check_batch_shape, rank_zero_warning
+from recipes_lib.data.records import RecordBuiltin
+from recipes_lib.data.sources import source_key
+from recipes_lib.data.tokenizer import check_vocab_fits, init_tokenizer_path
+from recipes_lib.errors import DataError
+
+DEFAULT_SFT_SOURCES = {"stdlib_sft": SourceConfig(builtin="stdlib_sft")}
+SFT_BUILTINS: dict[str, RecordBuiltin] = {"stdlib_sft": stdlib_instruction_records}
+
+
+class ChatDataModule(ChatRecordsDataModule):
+    """SFT batches ``{"input_ids", "labels", "doc_ids"}`` of rendered conversations.
+
+    The training stream is the same endless seeded shuffle as pretraining's
+    (:class:`~recipes_lib.data.sampler.ResumableSampler`), resumed from
+    ``state_dict()["consumed_samples"]``; several sources mix by their weights.
+
+    Args:
+        config: the data configuration (``data.chat`` says how records are read).
+        model_vocab_size: ``model.vocab_size``; the tokenizer must fit in it.
+        model_max_seq_len: ``model.max_seq_len``; ``data.seq_len`` must not exceed it.
+        total_train_samples: rows each rank draws over the run (the loader's length).
+        builtins: built-in record sources by name (``stdlib_sft``).
+
+    Raises:
+        ConfigError: a bad ``data.chat`` policy or ``data.seq_len``.
+    """
+
+    default_sources = DEFAULT_SFT_SOURCES
+
+    def __init__(
+        self,
+        config: DataConfig,
+        model_vocab_size: int,
+        model_max_seq_len: int,
+        total_train_samples: int | None = None,
+        builtins: Mapping[str, RecordBuiltin] = SFT_BUILTINS,
+    ) -> None:
+        check_chat_format(config.chat)
+        check_batch_shape(config, model_max_seq_len)
+        super().__init__(
+            config,
+            model_vocab_size,
+            model_max_seq_len,
+            total_train_samples,
+            builtins=builtins,
+        )
+        self.renderer: ChatRenderer | None = None
+        self.pad_id = 0
+        self.stats: dict[str, ChatSourceStats] = {}
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_dataset is not None:
+            return
+        config = self.config
+        tokenizer, template, tokenizer_path = self._load_tokenizer()
+        check_vocab_fits(tokenizer, self.model_vocab_size)
+        self.tokenizer = tokenizer
+        self.renderer = ChatRenderer.from_config(tokenizer, config, template)
+        eos = tokenizer.token_to_id(config.tokenizer.eos_token)
+        self.pad_id = eos if eos is not None else 0
+        train: dict[str, Dataset] = {}
+        val: list[Dataset] = []
+        for name in self.sources:
+            key = source_key(name)
+            records = self._source_records(name)
+            stats = self.stats[name] = ChatSourceStats(records=len(records))
+            train_idx, val_idx = self._split(name)
+            where = self._record_source(name)
+            train_examples = tokenize_records(
+                records, train_idx, self.renderer, config, where, stats
+            )
+            val_examples = tokenize_records(records, val_idx, self.renderer, config, where, stats)
+            stats.train, stats.val = len(train_examples), len(val_examples)
+            self._report(key, stats)
+            if not train_examples:
+                raise DataError(
+                    f"{key}: no training conversation is left of {len(records)} records "
+                    f"({stats.skipped} skipped as malformed, {stats.dropped} dropped as too "
+                    f"long or without assistant tokens at data.seq_len={config.seq_len})"
+                )
+            train[name] = self._dataset(train_examples, config.seed)
+            if val_examples:
+                val.append(self._dataset(val_examples, config.seed + 1))
+        weights = {name: s.weight for name, s in self.sources.items()}
+        self.train_dataset = (
+            next(iter(train.values())) if len(train) == 1 else MixtureDataset(train, weights)
+        )
+        self.val_dataset = ConcatDataset(val) if val else None
+        template = self.renderer.template_text
+        fingerprint = self._data_fingerprint(tokenizer, template)
+        self.prepared = PreparedChat(tokenizer_path, fingerprint, template)
+
+    def _dataset(self, examples: list[ChatExample], seed: int) -> Dataset:
+        if self.config.chat.packing:
+            return PackedChatDataset(examples, self.config.seq_len, self.pad_id, seed)
+        return ChatExampleDataset(examples)
+
+    @staticmethod
+    def _report(key: str, stats: ChatSourceStats) -> None:
+        rank_zero_info(
+            f"{key}: {stats.records} records -> {stats.train} training and {stats.val} "
+            f"held-out conversations ({stats.truncated} truncated, {stats.dropped} dropped)"
+        )
+        if stats.skipped:
+            rank_zero_warning(
+                f"{key}: skipped {stats.skipped} malformed record(s) of {stats.records} "
+                f"(data.chat.on_bad_record=skip); first: " + " | ".join(stats.errors)
+            )
+
+    def skipped_records(self) -> dict[str, int]:
+        """Records left out, by reason: malformed ones (``data.chat.on_bad_record=skip``)
+        and conversations too long for ``data.seq_len`` or without an assistant token."""
+        counts = {
+            "malformed (data.chat.on_bad_record=skip)": sum(s.skipped for s in self.stats.values()),
+            "too long or without assistant tokens": sum(s.dropped for s in self.stats.values()),
+        }
+        return {reason: n for reason, n in counts.items() if n}
+
+    def collate_fn(self) -> Callable | None:
+        """Padding to the longest row, unless samples are already packed rows."""
+        return None if self.config.chat.packing else pad_collate(self.pad_id)
+
+
+def build_chat_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModule:
+    """The data module of the ``sft`` objective.
+
+    Without ``data.tokenizer.path``, a stage that starts from weights
+    (``stage.init_from``) uses the ``tokenizer.json`` beside them; one that starts from
+    scratch trains a tokenizer on its records.
+
+    Raises:
+        ConfigError: ``stage.init_from`` is set but no tokenizer for its weights is known.
+    """
+    tokenizer = init_tokenizer_path(cfg.data, cfg.stage.init_from)
+    data = replace(cfg.data, tokenizer=replace(cfg.data.tokenizer, path=tokenizer))
+    return ChatDataModule(
+        data,
+        model_vocab_size=cfg.model.vocab_size,
+        model_max_seq_len=cfg.model.max_seq_len,
+        total_train_samples=total_train_samples,
+    )

@@ -1,0 +1,133 @@
+"""Batches of preference pairs: the pair dataset and its collation, packed or padded.
+
+A batch of ``P`` pairs (``collate_pairs``) is::
+
+    input_ids     (R, T) int64   token ids; padding is the EOS id
+    labels        (R, T) int64   next token, -100 on prompt tokens and padding
+    doc_ids       (R, T) int32   which sequence of its row each token belongs to
+    sequence_ids  (R, T) int64   j for a token of pair j's chosen sequence, P + j for its
+                                 rejected one, -1 on padding
+    pair_index    (P,)   int64   the pairs' indices in their dataset
+    num_tokens    int            real (non-padding) input tokens of the batch
+    reference_logps (P, 2) fp32  precomputed reference log-probs (chosen, rejected),
+                                 when the dataset holds them
+
+Without packing (``data.chat.packing=false``) every sequence has its own row, padded
+to the longest of the batch: rows ``0..P-1`` are the chosen sequences and ``P..2P-1``
+the rejected ones, so one forward pass sees both. With packing, sequences share rows
+of ``data.seq_len`` (first fit, longest first) and ``doc_ids`` keeps them apart, which
+needs ``data.document_mask=true``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset
+
+from recipes_lib.data.preference.pairs import EncodedPair
+
+
+class PreferencePairDataset(Dataset):
+    """Encoded pairs; item ``i`` carries its index and, once computed, its reference
+    log-probs (``reference_logps``, a ``(N, 2)`` table indexed by pair)."""
+
+    def __init__(self, pairs: Sequence[EncodedPair]) -> None:
+        self.pairs = list(pairs)
+        self.reference_logps: Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> dict[str, Tensor | int]:
+        pair = self.pairs[index]
+        item: dict[str, Tensor | int] = {
+            "index": index,
+            "chosen_ids": torch.from_numpy(pair.chosen_ids),
+            "chosen_mask": torch.from_numpy(pair.chosen_mask),
+            "rejected_ids": torch.from_numpy(pair.rejected_ids),
+            "rejected_mask": torch.from_numpy(pair.rejected_mask),
+        }
+        if self.reference_logps is not None:
+            item["reference_logps"] = self.reference_logps[index]
+        return item
+
+
+def _first_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Sequence indices per row: longest first, each into the first row with room."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for s in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for r, free in enumerate(room):
+            if lengths[s] <= free:
+                rows[r].append(s)
+                room[r] -= lengths[s]
+                break
+        else:
+            rows.append([s])
+            room.append(capacity - lengths[s])
+    return rows
+
+
+def collate_pairs(
+    items: Sequence[Mapping], pad_id: int, packing: bool = False, seq_len: int | None = None
+) -> dict[str, Tensor]:
+    """Batch pairs as described in the module docstring.
+
+    Args:
+        items: dataset items of :class:`PreferencePairDataset`.
+        pad_id: token id of padding (labels there are -100).
+        packing: share rows of ``seq_len`` between sequences.
+        seq_len: the row length when packing.
+    """
+    n_pairs = len(items)
+    sequences = [(it["chosen_ids"], it["chosen_mask"]) for it in items]
+    sequences += [(it["rejected_ids"], it["rejected_mask"]) for it in items]
+    lengths = [len(ids) - 1 for ids, _ in sequences]  # inputs per sequence
+    if packing:
+        if seq_len is None:
+            raise ValueError("packing needs seq_len")
+        rows = _first_fit_rows(lengths, seq_len)
+    else:
+        rows = [[s] for s in range(len(sequences))]
+    width = max(sum(lengths[s] for s in row) for row in rows)
+    shape = (len(rows), width)
+    input_ids = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, -100, dtype=torch.long)
+    sequence_ids = torch.full(shape, -1, dtype=torch.long)
+    doc_ids = torch.zeros(shape, dtype=torch.int32)
+    for r, row in enumerate(rows):
+        offset = 0
+        for k, s in enumerate(row):
+            ids, mask = sequences[s]
+            n = lengths[s]
+            cols = slice(offset, offset + n)
+            input_ids[r, cols] = ids[:-1]
+            labels[r, cols] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], -100))
+            sequence_ids[r, cols] = s
+            doc_ids[r, cols] = k
+            offset += n
+        doc_ids[r, offset:] = len(row)  # padding is a document of its own
+    batch = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "doc_ids": doc_ids,
+        "sequence_ids": sequence_ids,
+        "pair_index": torch.tensor([int(it["index"]) for it in items], dtype=torch.long),
+        "num_tokens": sum(lengths),  # an int: counting needs no device sync
+    }
+    if n_pairs and all("reference_logps" in it for it in items):
+        batch["reference_logps"] = torch.stack([it["reference_logps"] for it in items]).float()
+    return batch
+
+
+class PairCollator:
+    """:func:`collate_pairs` with the run's padding id and packing (picklable for workers)."""
+
+    def __init__(self, pad_id: int, packing: bool, seq_len: int) -> None:
+        self.pad_id, self.packing, self.seq_len = pad_id, packing, seq_len
+
+    def __call__(self, items: Sequence[Mapping]) -> dict[str, Tensor]:
+        return collate_pairs(items, self.pad_id, self.packing, self.seq_len)

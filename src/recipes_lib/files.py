@@ -1,0 +1,138 @@
+"""Files written so that a reader never sees half of one, and which process writes them.
+
+Every file the library writes goes through :func:`write_atomic`: the content goes to a
+hidden temporary name in the target's folder, is flushed to disk, takes the mode a
+plain ``open(path, "w")`` would give it (the umask's), and is renamed into place; the
+folder is then synced so the rename survives a crash. An interrupted write leaves the
+old file, or none, never a torn one.
+
+:func:`global_rank` says which process of a multi-process launch this is, before and
+after the process group exists: only rank 0 writes configs, manifests and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def _umask() -> int:
+    # /proc reports the umask without changing it; os.umask() can only read it by setting
+    # it, and another thread creating a file meanwhile would get the temporary mask
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o077)  # the strictest mask for the moment it is read
+    os.umask(mask)
+    return mask
+
+
+def chmod_as_umask(path: str | os.PathLike) -> None:
+    """Give ``path`` the mode a plain ``open(path, "w")`` would: 0o666 less the umask.
+
+    safetensors and ``tempfile`` create their files readable by their owner only (0600);
+    without this an output would be private whatever the umask says.
+    """
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename inside ``directory`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # not possible on every platform; the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+    """Write ``path`` atomically: ``write(temporary)`` fills a hidden file beside it,
+    which is synced, given the umask's mode and renamed into place.
+
+    Args:
+        path: the file to write; its folder is created if needed.
+        write: writes the whole content to the path it is given.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        whatever ``write`` or the file system raises; ``path`` is then left as it was
+        and the temporary file removed.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.partial")
+    try:
+        write(partial)
+        with open(partial, "rb+") as f:
+            os.fsync(f.fileno())
+        chmod_as_umask(partial)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+    return target
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """:func:`write_atomic` of ``text`` (UTF-8)."""
+    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any, **dumps: Any) -> Path:
+    """:func:`write_atomic` of ``data`` as indented JSON and a final newline; ``dumps``
+    are :func:`json.dumps` arguments (``default=str``, ``allow_nan=False``...)."""
+    return write_text_atomic(path, json.dumps(data, indent=2, **dumps) + "\n")
+
+
+def copy_atomic(source: str | os.PathLike, path: str | os.PathLike) -> Path:
+    """:func:`write_atomic` of a copy of ``source``'s bytes."""
+    return write_atomic(path, lambda tmp: shutil.copyfile(source, tmp))
+
+
+def move_aside(path: str | os.PathLike, tag: str = "old") -> Path:
+    """Rename ``path`` (a file or folder) to ``<name>.<tag>-<time>`` beside it, never
+    over anything (``-2``, ``-3``... when that name is taken); nothing is deleted.
+    Returns the new path."""
+    import time
+
+    source = Path(path)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = source.with_name(f"{source.name}.{tag}-{stamp}")
+    counter = 1
+    while target.exists():
+        counter += 1
+        target = source.with_name(f"{source.name}.{tag}-{stamp}-{counter}")
+    source.rename(target)
+    return target
+
+
+def global_rank() -> int:
+    """This process's global rank: the process group's when it exists, else the one a
+    launcher exported (``RANK``, SLURM's ``SLURM_PROCID``; ``LOCAL_RANK`` on node 0); 0
+    for a process started alone, -1 on another node of a launcher that exports none."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for variable in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(variable, "").strip()
+        if value.isdigit():
+            return int(value)
+    if os.environ.get("NODE_RANK", "0") == "0":
+        return int(os.environ.get("LOCAL_RANK", "0"))
+    return -1

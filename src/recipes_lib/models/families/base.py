@@ -1,0 +1,197 @@
+"""What every model family declares, and the Hugging Face config pieces they share.
+
+A :class:`Family` is one place for one architecture: the model options it turns on
+(checked by :attr:`Family.check`) and its Hugging Face adapter (the ``model_type`` values
+it reads, the ``config.json`` mapping both ways, the tensor names). The generic
+folder I/O (safetensors files, shards, tokenizer) is ``recipes_lib.checkpoint.hf``'s.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
+from recipes_lib.errors import CheckpointError, ConfigError
+
+# the decoder's own names inside a block, and outside the blocks
+_NATIVE_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """The Hugging Face name of each native tensor, as two rename tables.
+
+    Attributes:
+        layer: inside block ``N``: Hugging Face ``model.layers.N.<hf>`` <-> native
+            ``layers.N.<native>`` (without the ``.weight``/``.bias`` suffix).
+        top: whole names outside the blocks, Hugging Face -> native.
+        ignored: Hugging Face names that hold nothing the model needs (a RoPE table
+            some exports kept).
+    """
+
+    layer: Mapping[str, str]
+    top: Mapping[str, str]
+    ignored: re.Pattern = re.compile(r".*rotary_emb\.inv_freq")
+    _native_layer: dict[str, str] = field(init=False, repr=False)
+    _native_top: dict[str, str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_native_layer", {v: k for k, v in self.layer.items()})
+        object.__setattr__(self, "_native_top", {v: k for k, v in self.top.items()})
+
+    def to_native(self, name: str) -> str | None:
+        """The native name of a Hugging Face tensor name, or None if it has none."""
+        if name in self.top:
+            return self.top[name]
+        match = _HF_LAYER.fullmatch(name)
+        if match and match[2] in self.layer:
+            return f"layers.{match[1]}.{self.layer[match[2]]}.{match[3]}"
+        return None
+
+    def to_hf(self, name: str) -> str | None:
+        """The Hugging Face name of a native tensor name, or None if it has none."""
+        if name in self._native_top:
+            return self._native_top[name]
+        match = _NATIVE_LAYER.fullmatch(name)
+        if match and match[2] in self._native_layer:
+            return f"model.layers.{match[1]}.{self._native_layer[match[2]]}.{match[3]}"
+        return None
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its options and its Hugging Face adapter.
+
+    Attributes:
+        name: ``model.family``.
+        hf_model_types: the ``config.json`` ``model_type`` values it reads.
+        hf_architecture: the ``architectures`` entry its export writes.
+        names: its tensors' Hugging Face names.
+        from_hf: ``config.json`` -> ModelConfig fields (name and context aside).
+        to_hf: ModelConfig -> the family's own ``config.json`` fields (the common ones
+            are :func:`common_hf_fields`).
+        check: refuses a ModelConfig the family cannot compute or export, naming keys.
+        sliding_window: the attention window some layers of a ``config.json`` use, or
+            None when every layer attends fully (the model is then built with full
+            attention over at most that many tokens: equal within the window).
+    """
+
+    name: str
+    hf_model_types: tuple[str, ...]
+    hf_architecture: str
+    names: TensorNames
+    from_hf: Callable[[Mapping[str, Any]], dict[str, Any]]
+    to_hf: Callable[[ModelConfig], dict[str, Any]]
+    check: Callable[[ModelConfig], None] = lambda config: None
+    sliding_window: Callable[[Mapping[str, Any]], int | None] = lambda config: None
+
+
+def required(config: Mapping[str, Any], key: str) -> Any:
+    """``config[key]``, refusing a missing one in a message naming it."""
+    value = config.get(key)
+    if value is None:
+        raise CheckpointError(f"the Hugging Face config has no {key!r}")
+    return value
+
+
+def rope_from_hf(config: Mapping[str, Any]) -> tuple[float, RopeScalingConfig]:
+    """RoPE theta and scaling from ``rope_parameters`` (transformers 5) or the older
+    ``rope_theta`` + ``rope_scaling`` keys."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if "rope_type" not in params and any(isinstance(v, Mapping) for v in params.values()):
+        raise CheckpointError(
+            f"per-layer-type rope_parameters ({sorted(params)}) are not supported"
+        )
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1:
+        raise CheckpointError("partial_rotary_factor != 1 (partial RoPE) is not supported")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, RopeScalingConfig()
+    if rope_type == "linear":
+        return theta, RopeScalingConfig(type="linear", factor=float(params["factor"]))
+    if rope_type == "llama3":
+        return theta, RopeScalingConfig(
+            type="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_seq_len=int(params["original_max_position_embeddings"]),
+        )
+    raise CheckpointError(
+        f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
+    )
+
+
+def rope_to_hf(scaling: RopeScalingConfig) -> dict[str, Any] | None:
+    """``rope_scaling`` as transformers 4 reads it (and transformers 5 converts)."""
+    if scaling.type == "linear":
+        return {"rope_type": "linear", "type": "linear", "factor": scaling.factor}
+    if scaling.type == "llama3":
+        return {
+            "rope_type": "llama3",
+            "factor": scaling.factor,
+            "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len,
+        }
+    return None
+
+
+def common_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields every decoder's ``config.json`` spells the same way."""
+    model_type = config.get("model_type")
+    activation = config.get("hidden_act", "silu")
+    if activation != "silu":
+        raise CheckpointError(f"{model_type}: hidden_act={activation!r}; only silu is supported")
+    if config.get("mlp_bias"):
+        raise CheckpointError(f"{model_type}: mlp_bias=true is not supported")
+    dim = int(required(config, "hidden_size"))
+    n_heads = int(required(config, "num_attention_heads"))
+    head_dim = config.get("head_dim") or dim // n_heads
+    theta, scaling = rope_from_hf(config)
+    return dict(
+        vocab_size=int(required(config, "vocab_size")),
+        dim=dim,
+        n_layers=int(required(config, "num_hidden_layers")),
+        n_heads=n_heads,
+        n_kv_heads=int(config.get("num_key_value_heads") or n_heads),
+        head_dim=None if head_dim * n_heads == dim else int(head_dim),
+        ffn_dim=int(required(config, "intermediate_size")),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        init_std=float(config.get("initializer_range", 0.02)),
+    )
+
+
+def common_hf_fields(config: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` fields every family writes the same way."""
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_kv_heads or config.n_heads,
+        "head_dim": config.head_dim or config.dim // config.n_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": rope_to_hf(config.rope_scaling),
+        "tie_word_embeddings": config.tie_embeddings,
+        "initializer_range": config.init_std,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+    }
+
+
+def refuse(family: str, key: str, value: Any, why: str) -> ConfigError:
+    """The one-line error of a model option a family cannot have."""
+    return ConfigError(f"model.family={family} with model.{key}={value!r}: {why}")

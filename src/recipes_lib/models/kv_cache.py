@@ -1,0 +1,125 @@
+"""Decoding state: the keys and values of past positions, apart from the training forward.
+
+The decoder's forward pass is the same with or without a cache; given one, each layer
+hands its new keys and values to :meth:`LayerCache.attend`, which writes them at their
+positions and attends over every cached position with SDPA (whatever the training
+kernel: decoding needs no document mask). New tokens take RoPE positions after the
+cached ones, so each generated token costs one position's forward pass.
+
+Shapes: B batch, nh query heads, nkv key/value heads, T new tokens, S positions held,
+hs head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recipes_lib.errors import ConfigError
+
+
+def causal_offset_mask(n_new: int, start_pos: int, device=None) -> Tensor:
+    """Which keys each new token sees, ``(T, start_pos + T)`` bool.
+
+    New token ``i`` sits at position ``start_pos + i`` and sees every key ``j`` with
+    ``j <= start_pos + i``.
+    """
+    key_pos = torch.arange(start_pos + n_new, device=device)  # (start_pos + T,)
+    query_pos = torch.arange(start_pos, start_pos + n_new, device=device)  # (T,)
+    return key_pos[None, :] <= query_pos[:, None]
+
+
+@dataclass
+class LayerCache:
+    """One layer's cached keys and values, and where the new tokens go."""
+
+    keys: Tensor  # (B, nkv, S, hs)
+    values: Tensor  # (B, nkv, S, hs)
+    start_pos: int
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+        """Write ``k``/``v`` (``(B, nkv, T, hs)``) at ``start_pos`` and attend ``q``
+        (``(B, nh, T, hs)``) over positions ``0 .. start_pos + T`` under ``mask`` (None for
+        a single token, which sees every cached position). Returns ``(B, nh, T, hs)``."""
+        B, T = q.shape[0], q.shape[2]
+        end = self.start_pos + T
+        self.keys[:B, :, self.start_pos : end] = k
+        self.values[:B, :, self.start_pos : end] = v
+        keys, values = self.keys[:B, :, :end], self.values[:B, :, :end]  # (B, nkv, end, hs)
+        gqa = keys.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+
+
+class KVCache:
+    """Keys and values of past positions for every layer, preallocated for decoding.
+
+    ``keys[i]`` and ``values[i]`` are ``(B, nkv, S, hs)`` buffers of layer ``i``;
+    ``length`` counts the positions filled so far, where the next forward pass with
+    this cache writes by default. Build one with :meth:`for_model`.
+    """
+
+    def __init__(
+        self,
+        n_layers: int,
+        batch_size: int,
+        n_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        shape = (batch_size, n_kv_heads, max_len, head_dim)  # (B, nkv, S, hs)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.length = 0
+
+    @classmethod
+    def for_model(cls, model, batch_size: int = 1, max_len: int | None = None) -> KVCache:
+        """A cache for a :class:`~recipes_lib.models.Transformer`, in its dtype and on
+        its device.
+
+        Args:
+            model: the decoder it caches for.
+            batch_size: rows decoded together.
+            max_len: positions to hold (prompt plus new tokens); default
+                ``model.max_seq_len``.
+
+        Raises:
+            ConfigError: ``max_len`` exceeds ``model.max_seq_len``.
+        """
+        c = model.config
+        max_len = c.max_seq_len if max_len is None else max_len
+        if not 0 < max_len <= c.max_seq_len:
+            raise ConfigError(
+                f"a KV cache of {max_len} positions does not fit model.max_seq_len={c.max_seq_len}"
+            )
+        weight = model.tok_embeddings.weight
+        return cls(
+            c.n_layers,
+            batch_size,
+            c.n_kv_heads or c.n_heads,
+            max_len,
+            model.head_dim,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.keys[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[2]
+
+    def layer(self, index: int, start_pos: int) -> LayerCache:
+        """Layer ``index``'s cache, writing new tokens from ``start_pos``."""
+        return LayerCache(self.keys[index], self.values[index], start_pos)
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers are reused)."""
+        self.length = 0

@@ -1,0 +1,128 @@
+"""THE build order of a model, for the policy a stage trains and for any frozen model
+beside it (DPO's reference, later a teacher). Every strategy, precision and adapter is
+applied here and nowhere else, in this order:
+
+1. the decoder, initialised under the run's seed in a forked RNG (so every strategy
+   starts from the same weights and the global random streams are left as they were);
+2. its starting weights (``stage.init_from``, or a reference's own source);
+3. the adapter: LoRA or QLoRA (the policy only);
+4. float8 Linear layers (a model that trains);
+5. activation checkpointing (a model that trains);
+6. ``torch.compile`` of each block, in place (parameter names stay as they are);
+7. sharding over the data-parallel mesh, as the strategy declares.
+
+Compilation must see the final modules (after the adapter and float8), and sharding
+comes last, so FSDP's hooks wrap compiled, checkpointed blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from recipes_lib.adapters import apply_adapter
+from recipes_lib.checkpoint.source import load_model_weights
+from recipes_lib.config.schema import (
+    AdapterConfig,
+    KernelsConfig,
+    ModelConfig,
+    PrecisionConfig,
+    StrategyConfig,
+)
+from recipes_lib.errors import CheckpointError
+from recipes_lib.kernels import AttentionBackend, get_attention_backend
+from recipes_lib.models import Transformer
+from recipes_lib.parallel.strategy import get_strategy
+
+
+@dataclass(frozen=True)
+class ModelBuild:
+    """What :func:`build_model` makes.
+
+    Attributes:
+        model, kernels, precision, strategy: the run's config groups.
+        init_from: the weights to start from (any source ``stage.init_from`` takes).
+        init_label: how errors name ``init_from`` (default ``stage.init_from='...'``).
+        adapter: the adapter to apply (None: none; a frozen model has none).
+        trains: the model is trained (float8 and activation checkpointing apply).
+    """
+
+    model: ModelConfig
+    kernels: KernelsConfig
+    precision: PrecisionConfig
+    strategy: StrategyConfig
+    init_from: str | None = None
+    init_label: str | None = None
+    adapter: AdapterConfig | None = None
+    trains: bool = True
+
+
+def _seeded_decoder(config: ModelConfig, backend: AttentionBackend) -> Transformer:
+    """The decoder initialised under the run's seed (``PL_GLOBAL_SEED``, set by
+    ``lightning.seed_everything``), in a forked RNG."""
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    device = torch.get_default_device()
+    cuda_devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_devices, enabled=seed is not None):
+        if seed is not None:
+            torch.manual_seed(int(seed))
+        return Transformer(config, attention=backend)
+
+
+def build_model(
+    plan: ModelBuild,
+    *,
+    device: torch.device,
+    mesh=None,
+    attention: AttentionBackend | None = None,
+) -> nn.Module:
+    """The model ``plan`` describes, built in the order of the module docstring.
+
+    Args:
+        plan: what to build.
+        device: where the decoder is built (the strategy's root device, or the CPU
+            when FSDP offloads it).
+        mesh: the data-parallel device mesh when the strategy shards the model.
+        attention: the attention backend (default: a new one of ``kernels.attention``;
+            a reference shares its policy's).
+
+    Raises:
+        CheckpointError: ``init_from`` is missing, unreadable or does not fit.
+    """
+    backend = attention or get_attention_backend(plan.kernels.attention)
+    with torch.device(device):
+        model = _seeded_decoder(plan.model, backend)  # 1
+    if plan.init_from is not None:  # 2
+        if any(p.is_meta for p in model.parameters()):
+            raise CheckpointError(
+                f"stage.init_from={plan.init_from!r} cannot load into a model built on the "
+                "meta device (deferred sharded init); use a strategy that builds it on device"
+            )
+        load_model_weights(model, plan.init_from, plan.init_label)
+    if plan.adapter is not None:  # 3
+        model = apply_adapter(model, plan.adapter)
+    spec = get_strategy(plan.strategy.name)
+    if plan.trains and plan.precision.name == "fp8":  # 4
+        from recipes_lib.parallel.fp8 import convert_to_fp8
+
+        all_gather = mesh is not None and spec.float8_all_gather
+        convert_to_fp8(model, plan.precision, fsdp=all_gather)
+    if plan.trains and plan.kernels.activation_checkpointing:  # 5
+        model.set_activation_checkpointing(True)
+    if plan.kernels.compile:  # 6
+        for block in _blocks(model):
+            block.compile()  # in place: parameter names stay as they are
+    if mesh is not None and spec.shard is not None:  # 7
+        spec.shard(model, mesh, plan.strategy, plan.precision)
+    return model
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder's transformer blocks, also under a peft wrapper."""
+    for module in model.modules():
+        if isinstance(module, Transformer):
+            return list(module.layers)
+    raise ValueError(f"{type(model).__name__} holds no Transformer")
