@@ -11,6 +11,10 @@
 #                                              # automatic GC) and profiles of the steps behind them
 #   bash benchmarks/gpu_session.sh offload     # every multi-GPU test, and the offload choices'
 #                                              # largest model from 7B up (longer attempts)
+#   bash benchmarks/gpu_session.sh long_runs   # single-GPU tests, the
+#                                              # memory estimate, the guard's cost (2 GPUs)
+#   bash benchmarks/gpu_session.sh stall       # the checkpoint stall, sync vs async (2 GPUs)
+#   bash benchmarks/gpu_session.sh multigpu    # every multi-GPU test (2 GPUs)
 #
 # Jobs that run at once each get their own GPUs (CUDA_VISIBLE_DEVICES); no two timed
 # measurements share a card. RECORD=1 records the reference loss curves of
@@ -78,6 +82,20 @@ speed)  # two phases that fit one ten-minute call
     $PY -m torch.distributed.run --standalone --nproc_per_node=4 \
       benchmarks/profile_step.py recipe=pretrain/llama_1b strategy=fsdp --steps 4 \
       --out $OUT/profile_1b_fsdp4.json"
+  wait ;;
+long_runs)
+  job end_memory 0 "$PY benchmarks/memory_estimate.py --out $OUT/memory_estimate.json"
+  job gpu_tests 1 "env $REC $PY -m pytest -q $ONE_GPU_TESTS;
+    cp tests/gpu/reference_losses.json $OUT/;
+    $PY benchmarks/pretrain_throughput.py --models llama_1b --trainers recipes_lib,plain_pytorch \
+      --guard-off --steps 20 --warmup-steps 8 --out $OUT/guard_cost.json"
+  wait ;;
+stall)
+  job stall 0,1 "$PY benchmarks/checkpoint_stall.py --gpus 2 --checkpoint-dir /tmp/ckpt-stall \
+    --budget-s 540 --out $OUT/checkpoint_stall.json"
+  wait ;;
+multigpu)
+  job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"
   wait ;;
 offload)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"

@@ -13,7 +13,8 @@ gradient clipping at 1.0 and a constant LR:
   ``--precisions bf16-mixed,fp8`` measures it once per precision, in this process, on
   this card: the first is reported as ``recipes_lib``, the others as
   ``recipes_lib_<precision>``, with ``precision_comparison`` giving each one's tokens/s
-  ratio to the first.
+  ratio to the first. ``--guard-off`` measures it once more with ``guard.policy=off``
+  (``recipes_lib_guard_off``): what checking every update for non-finite values costs.
 - ``plain_pytorch``: the same ``recipes_lib.models.Transformer``, blocks compiled the
   same way, same attention kernel, bf16 autocast over fp32 weights, trained by a bare
   loop (no Lightning).
@@ -87,11 +88,18 @@ Measured = tuple[StepTimer, float]  # the timer of the measured steps, the last 
 
 # --------------------------------------------------------------------------- trainers
 def recipes_lib_overrides(
-    name: str, precision: str, batch_size: int, args, device: torch.device, run_dir: str
+    name: str,
+    precision: str,
+    batch_size: int,
+    args,
+    device: torch.device,
+    run_dir: str,
+    guard: str = "auto",
 ) -> list[str]:
     """What ``recipes-train`` would be given for this measurement."""
     chunk = args.loss_chunk_size
     return [
+        f"guard.policy={guard}",
         f"model={name}",
         f"kernels.attention={args.attention}",
         f"kernels.compile={flag(args.compile)}",
@@ -113,11 +121,12 @@ def recipes_lib_overrides(
 
 
 def run_recipes_lib(
-    name: str, precision: str, batches: list[Batch], args, device: torch.device
+    name: str, precision: str, batches: list[Batch], args, device: torch.device, guard: str
 ) -> Measured:
     batch_size = batches[0]["input_ids"].shape[0]
     with temporary_run_dir() as root:
-        cfg = compose_run(recipes_lib_overrides(name, precision, batch_size, args, device, root))
+        overrides = recipes_lib_overrides(name, precision, batch_size, args, device, root, guard)
+        cfg = compose_run(overrides)
         fit = fit_measured(cfg, batches, warmup_steps=args.warmup_steps, device=device)
         return fit.timer, fit.final_loss
 
@@ -287,7 +296,7 @@ def benchmark_model(name: str, args, device: torch.device, peak: float | None) -
                 key = recipes_lib_key(precision, args)
                 report = measure(
                     f"[{name}] {key} ({args.strategy}, {precision})",
-                    lambda p=precision: run_recipes_lib(name, p, batches, args, device),
+                    lambda p=precision: run_recipes_lib(name, p, batches, args, device, "auto"),
                     device,
                     tokens_per_step,
                     flops_per_token,
@@ -299,6 +308,21 @@ def benchmark_model(name: str, args, device: torch.device, peak: float | None) -
                     activation_checkpointing=args.activation_checkpointing,
                 )
                 trainers[key] = report
+            if args.guard_off:  # the same, without the training guard's checks
+                report = measure(
+                    f"[{name}] recipes_lib_guard_off ({args.strategy}, {args.precisions[0]})",
+                    lambda: run_recipes_lib(name, args.precisions[0], batches, args, device, "off"),
+                    device,
+                    tokens_per_step,
+                    flops_per_token,
+                    peak,
+                )
+                trainers["recipes_lib_guard_off"] = report
+                result["guard_cost"] = {
+                    "tokens_per_sec_ratio_guard_on/off": _ratio(
+                        trainers["recipes_lib"], report, "tokens_per_sec"
+                    )
+                }
             continue
         if trainer == "hf_transformers" and importlib.util.find_spec("transformers") is None:
             trainers[trainer] = {"skipped": "transformers is not installed"}
@@ -380,6 +404,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--monitors",
         action="store_true",
         help="recipes_lib: add ThroughputMonitor, GradNormMonitor",
+    )
+    p.add_argument(
+        "--guard-off",
+        action="store_true",
+        help="recipes_lib also with guard.policy=off: what the training guard costs",
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="override the lookup")
     p.add_argument("--seed", type=int, default=1234)

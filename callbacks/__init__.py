@@ -5,9 +5,11 @@ they need from the LightningModule by duck typing (``tokens_seen``,
 ``flops_per_token(seq_len)``).
 """
 
+from recipes_lib.callbacks.batch_ramp import BatchRamp
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.gc import GarbageCollection
 from recipes_lib.callbacks.monitors import GradNormMonitor, total_grad_norm
+from recipes_lib.callbacks.preemption import EXIT_PREEMPTED, Preempted, Preemption
 from recipes_lib.callbacks.progress import TokenProgressBar
 from recipes_lib.callbacks.step import OptimizerStepCallback
 from recipes_lib.callbacks.summary import ModelSizeSummary
@@ -18,13 +20,20 @@ from recipes_lib.callbacks.throughput import (
     precision_arithmetic,
 )
 from recipes_lib.callbacks.validation import ValidateAtStart
+from recipes_lib.callbacks.watchdog import EXIT_HUNG, HangWatchdog
 
 __all__ = [
+    "BatchRamp",
+    "EXIT_HUNG",
+    "EXIT_PREEMPTED",
     "GarbageCollection",
     "PEAK_TFLOPS",
     "GradNormMonitor",
+    "HangWatchdog",
     "ModelSizeSummary",
     "OptimizerStepCallback",
+    "Preempted",
+    "Preemption",
     "ThroughputMonitor",
     "TokenProgressBar",
     "ValidateAtStart",

@@ -5,6 +5,7 @@ Hydra application.
     recipes-train recipe=pretrain/tiny optim.lr=1e-3
     recipes-prepare recipe=pretrain/gpt_124m data=local_text data.sources.main.path=corpus/
     recipes-pipeline pipeline=demo stages.anneal.trainer.max_steps=200
+    recipes-check recipe=pretrain/llama_1b trainer.max_steps=5000   (or run.preflight=true)
 
 Each job's console shows one line per log record and hides library warnings
 (:mod:`recipes_lib.console`); ``RECIPES_VERBOSE=1`` shows everything.
@@ -45,9 +46,37 @@ def _report(err: RecipesError) -> None:
     print(f"error: {err}", file=sys.stderr)
 
 
+def _report_preempted(err: SystemExit) -> None:
+    """A preemption (:class:`recipes_lib.callbacks.Preempted`) on stderr in one line, by
+    rank 0 only (every rank stopped at the same step), before exiting with its status."""
+    log.warning("%s", err, extra={"console": False})
+    if global_rank() == 0:
+        print(f"error: {err} (exit status {err.code})", file=sys.stderr)
+
+
+def _launch_check(cfg: DictConfig) -> None:
+    """The pre-launch check of ``cfg``: its table on stdout (rank 0), then exit status 1
+    if any check failed."""
+    from recipes_lib.launch_check import check_launch, print_report
+
+    report = check_launch(_with_job_output_dir(cfg))
+    if global_rank() == 0:
+        print_report(report, title=f"pre-launch check: {cfg.run.name} ({cfg.model.name})")
+    if report.exit_code:
+        problems = "; ".join(f"{r.check}: {r.figure}" for r in report.failed)
+        log.error("pre-launch check failed: %s", problems, extra={"console": False})
+        if global_rank() == 0:
+            print(f"error: pre-launch check failed: {problems}", file=sys.stderr)
+        sys.exit(report.exit_code)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
 def _train(cfg: DictConfig) -> float | None:
     configure_console()
+    if cfg.run.preflight:  # the pre-launch check instead of a run
+        _launch_check(cfg)
+        return None
+    from recipes_lib.callbacks.preemption import Preempted
     from recipes_lib.train import run
 
     try:
@@ -55,10 +84,22 @@ def _train(cfg: DictConfig) -> float | None:
     except RecipesError as err:
         _report(err)
         sys.exit(2)
+    except Preempted as err:
+        _report_preempted(err)
+        raise
     log.info("finished at step %d; output in %s", result.global_step, result.output_dir)
     if result.skipped_records:
         reasons = "; ".join(f"{n} {reason}" for reason, n in result.skipped_records.items())
         log.info("  data: %d record(s) left out: %s", sum(result.skipped_records.values()), reasons)
+    rollbacks = result.guard.get("rollbacks", [])
+    if result.guard.get("skipped_updates") or rollbacks:
+        moved = sum(r["skipped_batches"] for r in rollbacks)
+        log.info(
+            "  guard: %d update(s) skipped, %d rollback(s), %d batch(es) moved past",
+            result.guard.get("skipped_updates", 0),
+            len(rollbacks),
+            moved,
+        )
     for name, value in sorted(result.metrics.items()):
         log.info("  %s = %.4f", name, value)
     return result.metrics.get("val/loss")  # the value a sweeper optimises
@@ -78,9 +119,16 @@ def _prepare(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
+@hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
+def _check(cfg: DictConfig) -> None:
+    configure_console()
+    _launch_check(cfg)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="pipeline_root")
 def _pipeline(cfg: DictConfig) -> float | None:
     configure_console()
+    from recipes_lib.callbacks.preemption import Preempted
     from recipes_lib.pipeline import run_pipeline
 
     cfg = cfg.copy()
@@ -91,6 +139,9 @@ def _pipeline(cfg: DictConfig) -> float | None:
     except RecipesError as err:
         _report(err)
         sys.exit(2)
+    except Preempted as err:  # a stage stopped at a checkpoint; a rerun resumes it
+        _report_preempted(err)
+        raise
     if not result.stages:  # dry run
         return None
     log.info("pipeline %s finished; report in %s", result.name, result.report_dir)
@@ -126,6 +177,16 @@ def prepare_main() -> None:
     """Entry point of ``recipes-prepare``: tokenize the configured data into shards."""
     _quiet_other_ranks()
     _prepare()
+
+
+def check_main() -> None:
+    """Entry point of ``recipes-check``: the pre-launch check of a run's config (the
+    same groups and overrides as ``recipes-train``), a table, non-zero on a problem."""
+    _quiet_other_ranks()
+    try:
+        _check()
+    finally:
+        _close_process_group()
 
 
 def pipeline_main() -> None:

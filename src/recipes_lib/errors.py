@@ -17,5 +17,23 @@ class CheckpointError(RecipesError):
     """A checkpoint that is missing, corrupt or does not fit the configured model."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose bytes differ from the checksum recorded when it was written, or
+    that cannot be read whole (truncated, a shard missing).
+
+    Attributes:
+        path: the checkpoint (file or folder).
+        problem: what is wrong, as a phrase after the path ("is truncated: ...").
+    """
+
+    def __init__(self, path: object, problem: str):
+        super().__init__(f"checkpoint '{path}' {problem}")
+        self.path = path
+        self.problem = problem
+
+    def __reduce__(self):  # pickled with its two arguments, not the joined message
+        return type(self), (self.path, self.problem)
+
+
 class UnsupportedKernelError(ConfigError):
     """A kernel backend asked to do what it does not support, or that is not installed."""

@@ -12,7 +12,8 @@ problem stops the run with one line naming the keys:
    ``average_last_k`` / ``ema_decay``);
 5. the data against the model (sequence length, a new tokenizer's vocabulary) and the
    attention kernel (document masking);
-6. the adapter, the precision and the strategy on this machine.
+6. the adapter, the precision and the strategy on this machine;
+7. the training guard and the batch ramp against the strategy.
 
 Domains declare what they support (:class:`~recipes_lib.parallel.StrategySpec`,
 :class:`~recipes_lib.kernels.AttentionCapabilities`); these checks read those
@@ -36,6 +37,7 @@ from recipes_lib.config.schema import RunConfig
 from recipes_lib.config.validate import check_values
 from recipes_lib.errors import ConfigError
 from recipes_lib.kernels import get_attention_backend
+from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.fp8 import check_fp8_settings, float8_all_gather, fp8_plan
 from recipes_lib.parallel.precision import (
     FP8_INSTALL_HINT,
@@ -46,6 +48,7 @@ from recipes_lib.parallel.precision import (
     device_type,
 )
 from recipes_lib.parallel.strategy import STRATEGIES, get_strategy
+from recipes_lib.stages.guard import check_guard_config
 
 Detect = Literal["detect"]
 
@@ -70,6 +73,8 @@ def check_run(cfg: RunConfig, objectives: tuple[str, ...]) -> None:
     check_adapter(cfg)
     check_precision(cfg)
     check_strategy(cfg)
+    check_guard(cfg)
+    check_batch_ramp(cfg)
 
 
 def check_init_source(cfg: RunConfig) -> None:
@@ -274,6 +279,29 @@ def _check_fp8_layers(cfg: RunConfig) -> None:
         )
 
 
+def check_guard(cfg: RunConfig) -> None:
+    """The guard's own settings, and a strategy that lets it skip updates."""
+    check_guard_config(cfg.guard)
+    spec = get_strategy(cfg.strategy.name)
+    if cfg.guard.policy not in ("off", "auto") and spec.steps_in_engine:
+        raise ConfigError(
+            f"guard.policy={cfg.guard.policy} with strategy={cfg.strategy.name}: DeepSpeed "
+            "keeps the gradients and the optimizer step inside its engine, so bad updates "
+            "cannot be judged or skipped; set guard.policy=off"
+        )
+
+
+def check_batch_ramp(cfg: RunConfig) -> None:
+    """A batch ramp's own settings, and a strategy whose accumulation Lightning runs."""
+    check_ramp_config(cfg.stage.batch_ramp, cfg.trainer.accumulate_grad_batches)
+    if cfg.stage.batch_ramp.tokens and get_strategy(cfg.strategy.name).steps_in_engine:
+        raise ConfigError(
+            f"stage.batch_ramp.tokens with strategy={cfg.strategy.name}: DeepSpeed fixes "
+            "its gradient accumulation when its engine is built; ramp the batch under "
+            "ddp or fsdp, or set stage.batch_ramp.tokens=0"
+        )
+
+
 def _device_count(devices: object) -> int | None:
     """How many devices ``trainer.devices`` names, when that is known without hardware."""
     if isinstance(devices, int) and devices > 0:
@@ -302,6 +330,12 @@ def check_strategy(cfg: RunConfig) -> None:
         raise ConfigError(
             f"strategy.cpu_offload=true needs a sharded strategy ({offloading}); "
             f"strategy={name} keeps everything on the device"
+        )
+    if cfg.strategy.async_checkpoint and not spec.async_checkpoint:
+        writers = ", ".join(s for s, other in STRATEGIES.items() if other.async_checkpoint)
+        raise ConfigError(
+            f"strategy.async_checkpoint=true writes sharded checkpoint folders in the "
+            f"background ({writers}); strategy={name} saves its checkpoints in the foreground"
         )
     if spec.needs_package is not None:
         package, hint = spec.needs_package

@@ -8,7 +8,9 @@ The order below matters and reads top to bottom:
    turns token durations into steps;
 3. build the data module (tokenizer + shards are prepared once, on rank 0) and the
    objective's LightningModule (the model itself is built in ``configure_model``);
-4. fit, resuming from ``run.ckpt_path`` when set;
+4. fit, resuming from ``run.ckpt_path`` when set, or when ``run.dir`` holds checkpoints
+   of the same config (a rerun of the same command); SIGTERM or SIGUSR1 stops every rank
+   after the same step with a checkpoint and exit status 75 (:mod:`.callbacks.preemption`);
 5. export the stage's output weights to ``<run.dir>/model.safetensors`` (rank 0): the
    final weights, the mean of the last ``stage.average_last_k`` step checkpoints, or
    the ``stage.ema_decay`` moving average. With an adapter (LoRA/QLoRA) these are the
@@ -19,9 +21,9 @@ The order below matters and reads top to bottom:
 from __future__ import annotations
 
 import dataclasses
-import math
+import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,28 +32,25 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from recipes_lib.adapters import (
-    has_adapter,
-    merge_adapter,
-    save_adapter,
-)
+from recipes_lib.callbacks.batch_ramp import BatchRamp
 from recipes_lib.callbacks.ema import WeightEMA
+from recipes_lib.callbacks.preemption import Preemption
 from recipes_lib.callbacks.summary import ModelSizeSummary
+from recipes_lib.checkpoint.io import VerifiedCheckpointIO
 from recipes_lib.checkpoint.layout import RunDir
+from recipes_lib.checkpoint.resume import check_checkpoint, resume_checkpoint
+from recipes_lib.checkpoint.retention import retention_of
 from recipes_lib.checkpoint.sharded import is_sharded_checkpoint
 from recipes_lib.checkpoint.source import fill_model_from_init
-from recipes_lib.checkpoint.weights import (
-    average_checkpoints,
-    list_step_checkpoints,
-    save_weights,
-)
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
+from recipes_lib.config.fingerprint import recorded_config_changes
 from recipes_lib.data import PretrainDataModule
 from recipes_lib.data.chat.module import build_chat_data
 from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.data.tokenizer import init_tokenizer_path
-from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from recipes_lib.files import write_text_atomic
+from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
     build_strategy,
     get_strategy,
@@ -62,7 +61,11 @@ from recipes_lib.parallel.precision import lightning_precision, resolve_device_c
 from recipes_lib.preflight import check_run
 from recipes_lib.stages.causal_lm import CausalLMModule
 from recipes_lib.stages.dpo import build_dpo_module
+from recipes_lib.stages.outputs import export_weights, prepare_averaging
+from recipes_lib.stages.rollback import plan_rollback
 from recipes_lib.stages.sft import SFTModule
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -83,17 +86,26 @@ class RunResult:
     averaged_from: list[Path] = field(default_factory=list)  # step checkpoints averaged
     # records the data left out of training, by reason (data.chat.on_bad_record=skip, ...)
     skipped_records: dict[str, int] = field(default_factory=dict)
+    # what the training guard did: updates skipped, rollbacks (each with the data skipped)
+    guard: dict[str, Any] = field(default_factory=dict)
 
 
 def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
-    """Tokens consumed by one optimizer step across all ranks."""
+    """Tokens consumed by one full optimizer step across all ranks (after any ramp)."""
     return cfg.data.seq_len * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
 
 
-def total_steps(cfg: RunConfig, step_tokens: int) -> int:
+def batch_schedule(cfg: RunConfig, world_size: int) -> BatchSchedule:
+    """Micro-batches per optimizer step: ``trainer.accumulate_grad_batches``, ramped up to
+    over ``stage.batch_ramp.tokens`` when set (:mod:`recipes_lib.optim.batch_ramp`)."""
+    micro = cfg.data.seq_len * cfg.data.batch_size * world_size
+    return BatchSchedule.of(cfg.stage.batch_ramp, cfg.trainer.accumulate_grad_batches, micro)
+
+
+def total_steps(cfg: RunConfig, schedule: BatchSchedule) -> int:
     """Optimizer steps of the run: ``stage.max_tokens`` when set, else ``trainer.max_steps``."""
     if cfg.stage.max_tokens is not None:
-        return max(1, math.ceil(cfg.stage.max_tokens / step_tokens))
+        return schedule.steps_for_tokens(cfg.stage.max_tokens)
     return cfg.trainer.max_steps
 
 
@@ -124,6 +136,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     kwargs["enable_model_summary"] = False
     loggers = instantiate_dict(cfg.logger, "logger", allowed)
     kwargs["devices"] = trainer_devices(cfg)
+    retention = retention_of(cfg.run, cfg.stage.average_last_k)
     return L.Trainer(
         **kwargs,
         strategy=build_strategy(cfg.strategy, micro_batch_size=cfg.data.batch_size),
@@ -132,6 +145,9 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
         logger=loggers if loggers else False,
         default_root_dir=cfg.run.dir,
         use_distributed_sampler=False,  # our sampler shards by rank and resumes mid-epoch
+        # every checkpoint file written atomically with its checksum, verified on load,
+        # and the run's retention applied in checkpoints/ as each one lands
+        plugins=[VerifiedCheckpointIO(RunDir(cfg.run.dir).checkpoints, retention)],
     )
 
 
@@ -167,31 +183,62 @@ OBJECTIVES: dict[str, Objective] = {
 }
 
 
-def build_stage(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> L.LightningModule:
-    """The LightningModule of ``cfg.stage.objective``."""
+def build_stage(
+    cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
+) -> L.LightningModule:
+    """The LightningModule of ``cfg.stage.objective`` (``extra``: module arguments such
+    as a rollback's ``lr_window``)."""
     objective = OBJECTIVES[cfg.stage.objective]
-    return objective.module(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step)
+    return objective.module(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, **extra)
 
 
 def _resolve_ckpt_path(cfg: RunConfig) -> str | None:
+    """``run.ckpt_path`` as the checkpoint to resume: ``last`` is the newest one in the
+    run's folder that verifies (None before the first); a named one must verify (no
+    fallback: the error names it)."""
     path = cfg.run.ckpt_path
-    if path is None or path in ("last", "hpc", "best"):
+    if path is None or path in ("hpc", "best"):
         return path
+    if path == "last":
+        found = resume_checkpoint(RunDir(cfg.run.dir).checkpoints)
+        return str(found) if found is not None else None
     if not (Path(path).is_file() or is_sharded_checkpoint(path)):
         raise CheckpointError(
             f"run.ckpt_path: '{path}' is neither a checkpoint file nor a sharded checkpoint folder"
         )
+    try:
+        check_checkpoint(path)
+    except CorruptCheckpointError as err:
+        raise CheckpointError(f"run.ckpt_path: {err}") from err
     return path
 
 
-def _refuse_to_overwrite(cfg: RunConfig, ckpt_path: str | None) -> None:
-    ckpt_dir = RunDir(cfg.run.dir).checkpoints
-    if ckpt_path is None and cfg.stage.init_from is None and ckpt_dir.is_dir():
-        if any(ckpt_dir.iterdir()):
-            raise CheckpointError(
-                f"run.dir={cfg.run.dir} already holds checkpoints in {ckpt_dir}; resume them "
-                "with run.ckpt_path=last, or start afresh with another run.name or run.dir"
-            )
+def _auto_resume(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``run.ckpt_path=last`` when it is a rerun: ``run.dir`` holds checkpoints
+    and the config its ``config.yaml`` records, less location keys (as a pipeline compares
+    its stages). A run is never started afresh over checkpoints.
+
+    Raises:
+        ConfigError: the config changed (the keys listed).
+        CheckpointError: there are checkpoints but no recorded config.
+    """
+    run_dir = RunDir(cfg.run.dir)
+    if cfg.run.ckpt_path is not None or not run_dir.has_checkpoints():
+        return cfg
+    afresh = "start afresh with another run.dir (or run.name)"
+    if not run_dir.config.is_file():
+        raise CheckpointError(
+            f"run.dir={cfg.run.dir} holds checkpoints but no {run_dir.config.name} to compare "
+            f"the config with; resume them with run.ckpt_path=last, or {afresh}"
+        )
+    changes = recorded_config_changes(cfg, run_dir.config)
+    if changes:
+        raise ConfigError(
+            f"run.dir={cfg.run.dir} holds checkpoints of another config ({'; '.join(changes)}); "
+            f"rerun with that config to resume, resume anyway with run.ckpt_path=last, or {afresh}"
+        )
+    log.info("run.dir=%s holds checkpoints of this config: resuming the newest", cfg.run.dir)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ckpt_path="last"))
 
 
 def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
@@ -205,9 +252,16 @@ def check_run_config(cfg: RunConfig) -> None:
     :func:`recipes_lib.preflight.check_run`).
 
     Raises:
-        ConfigError: the first problem found, naming its keys.
+        ConfigError: the first problem found, naming its keys; ``run.preflight=true``,
+            which asks for the pre-launch check instead of a run.
     """
     check_run(cfg, objectives=tuple(OBJECTIVES))
+    if cfg.run.preflight:
+        raise ConfigError(
+            "run.preflight=true asks for the pre-launch check, not a run: use recipes-check "
+            "or recipes-train (or recipes_lib.launch_check.check_launch); set "
+            "run.preflight=false to train"
+        )
 
 
 def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunResult:
@@ -222,36 +276,43 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
 
     Raises:
         RecipesError: a bad config, data path, tokenizer or checkpoint, before training.
+        Preempted: SIGTERM or SIGUSR1 stopped training at a checkpoint (a ``SystemExit``
+            with status 75, :mod:`recipes_lib.callbacks.preemption`).
     """
     if isinstance(cfg, DictConfig):
         cfg = fill_model_from_init(cfg)  # model=from_init: the shape of stage.init_from
     cfg = resolve_device_choices(to_run_config(cfg))
     check_run_config(cfg)
-    ckpt_path = _resolve_ckpt_path(cfg)
-    _refuse_to_overwrite(cfg, ckpt_path)
+    ckpt_path = _resolve_ckpt_path(_auto_resume(cfg))
+    run_dir = RunDir(cfg.run.dir)  # SIGTERM/SIGUSR1: a step checkpoint, then exit 75
+    callbacks = [*callbacks, Preemption(run_dir.step_checkpoint, run_dir.last_checkpoint)]
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
+    fit = _fit(cfg, callbacks, ckpt_path)
+    rollbacks: list[dict[str, Any]] = []
+    skipped = fit.skipped_updates()
+    while (request := fit.module.guard.rollback) is not None:  # guard.policy=rollback
+        samples_per_step = fit.schedule.accumulation(request.bad_step) * cfg.data.batch_size
+        ckpt_path, skip, window, entry = plan_rollback(
+            cfg.guard, RunDir(cfg.run.dir), request, len(rollbacks), samples_per_step
+        )
+        log.warning(
+            "rolling back: step %d had %s; resuming from step %d and moving past %d "
+            "batches (positions %s of each rank's sample stream)",
+            request.bad_step,
+            request.reason,
+            entry["resumed_from_step"],
+            entry["skipped_batches"],
+            entry["skipped_positions"],
+        )
+        rollbacks.append(entry)
+        fit = _fit(cfg, callbacks, str(ckpt_path), skip_samples=skip, lr_window=window)
+        skipped += fit.skipped_updates()
+    trainer, module, datamodule = fit.trainer, fit.module, fit.datamodule
 
-    ema = WeightEMA(cfg.stage.ema_decay) if cfg.stage.ema_decay is not None else None
-    trainer = build_trainer(cfg, [*callbacks, *([ema] if ema is not None else [])])
-    step_tokens = tokens_per_step(cfg, trainer.world_size)
-    steps = total_steps(cfg, step_tokens)
-    trainer.fit_loop.epoch_loop.max_steps = steps  # token durations need the world size
-    saver = _prepare_averaging(cfg, trainer, steps, ckpt_path)
     out = Path(cfg.run.dir)
-    if trainer.is_global_zero:
-        _save_resolved_config(cfg, out)
-
-    datamodule = OBJECTIVES[cfg.stage.objective].data(
-        cfg, total_train_samples=steps * cfg.trainer.accumulate_grad_batches * cfg.data.batch_size
-    )
-    module = build_stage(cfg, total_steps=steps, tokens_per_step=step_tokens)
-    started = time.perf_counter()
-    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    seconds = time.perf_counter() - started
-
     weights_path, averaged_from = None, []
-    if trainer.global_step >= steps:
-        weights_path, averaged_from = _export_weights(cfg, trainer, module, out, saver, ema)
+    if trainer.global_step >= fit.steps:
+        weights_path, averaged_from = export_weights(cfg, trainer, module, out, fit.saver, fit.ema)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     last = RunDir(out).last_checkpoint
@@ -265,113 +326,70 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         last_lr=_last_lr(trainer),
         tokenizer_path=prepared.tokenizer_path if prepared is not None else None,
         data_fingerprint=prepared.fingerprint if prepared is not None else None,
-        seconds=seconds,
+        seconds=fit.seconds,
         weights_path=weights_path,
         averaged_from=averaged_from,
         skipped_records=datamodule.skipped_records(),
+        guard={"skipped_updates": skipped, "rollbacks": rollbacks},
     )
 
 
-def _step_saver(cfg: RunConfig, trainer: L.Trainer) -> tuple[ModelCheckpoint, int] | None:
-    """The checkpoint callback that saves every N optimizer steps and its N, if there is one.
+@dataclass
+class _Fit:
+    """One ``trainer.fit`` of a run (a rollback starts another) and what it left."""
 
-    ModelCheckpoint keeps N to itself, so N is read from the ``callbacks`` entry the
-    callback was built from: its ``every_n_train_steps``, which the shipped callback
-    groups set to ``run.checkpoint_every_n_steps``.
-    """
-    every = next(
-        (
-            int(node["every_n_train_steps"])
-            for node in cfg.callbacks.values()
-            if isinstance(node, Mapping) and (node.get("every_n_train_steps") or 0) > 0
-        ),
-        None,
-    )
-    savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
-    if every is None or not savers:
-        return None
-    return savers[0], every
+    trainer: L.Trainer
+    module: L.LightningModule
+    datamodule: L.LightningDataModule
+    steps: int
+    schedule: BatchSchedule
+    saver: ModelCheckpoint | None
+    ema: WeightEMA | None
+    seconds: float
+
+    def skipped_updates(self) -> int:
+        """The updates the guard skipped in this fit."""
+        skipped = self.module.guard.skipped
+        return int(skipped) if skipped is not None else 0
 
 
-def _prepare_averaging(
-    cfg: RunConfig, trainer: L.Trainer, steps: int, ckpt_path: str | None
-) -> ModelCheckpoint | None:
-    """Check that ``stage.average_last_k`` step checkpoints will exist, and keep them all.
-
-    Raises:
-        ConfigError: no callback saves step checkpoints, the last step would not be
-            saved, or a fresh run would save fewer than K of them.
-    """
-    k = cfg.stage.average_last_k
-    if k is None:
-        return None
-    found = _step_saver(cfg, trainer)
-    if found is None:
-        raise ConfigError(
-            f"stage.average_last_k={k} averages step checkpoints, but no ModelCheckpoint "
-            "callback saves every N train steps (callbacks.checkpoint)"
-        )
-    saver, every = found
-    if steps % every != 0:
-        raise ConfigError(
-            f"stage.average_last_k={k}: the run ends at step {steps}, which is not a multiple "
-            f"of the checkpoint interval {every} (run.checkpoint_every_n_steps), so the "
-            "average would leave out the final weights"
-        )
-    if ckpt_path is None and steps // every < k:
-        raise ConfigError(
-            f"stage.average_last_k={k}, but {steps} steps with a checkpoint every {every} "
-            f"(run.checkpoint_every_n_steps) save only {steps // every}"
-        )
-    saver.save_top_k = -1  # keep every step checkpoint (with no monitor: all or one)
-    return saver
-
-
-def _export_weights(
+def _fit(
     cfg: RunConfig,
-    trainer: L.Trainer,
-    module: L.LightningModule,
-    out: Path,
-    saver: ModelCheckpoint | None,
-    ema: WeightEMA | None,
-) -> tuple[Path, list[Path]]:
-    """Write the stage's output weights (rank 0) and say which checkpoints they average.
-
-    Raises:
-        CheckpointError: fewer than ``stage.average_last_k`` step checkpoints up to the
-            final step are on disk, or the newest is not the final step.
-    """
-    step = trainer.global_step
-    chosen: list[Path] = []
-    if saver is not None and saver.dirpath is not None:
-        k = cfg.stage.average_last_k
-        saved = [(s, p) for s, p in list_step_checkpoints(saver.dirpath) if s <= step]
-        if len(saved) < k or saved[-1][0] != step:
-            found = ", ".join(f"{p.name} (step {s})" for s, p in saved) or "none"
-            raise CheckpointError(
-                f"stage.average_last_k={k} needs the last {k} step checkpoints up to step "
-                f"{step} in {saver.dirpath}; found: {found}"
-            )
-        chosen = [p for _, p in saved[-k:]]
-    path = RunDir(out).weights
-    # sharded weights are gathered by every rank together, onto rank 0
-    final = get_strategy(cfg.strategy.name).gather_full_state_dict(module.model, trainer.strategy)
+    callbacks: Sequence[Callback],
+    ckpt_path: str | None,
+    *,
+    skip_samples: int = 0,
+    lr_window: tuple[int, int, float] | None = None,
+) -> _Fit:
+    """Build the trainer, data and module of ``cfg`` and fit them, resuming ``ckpt_path``;
+    after a rollback, ``skip_samples`` more samples are moved past and the learning rate
+    follows ``lr_window``."""
+    ema = WeightEMA(cfg.stage.ema_decay) if cfg.stage.ema_decay is not None else None
+    trainer = build_trainer(cfg, [*callbacks, *([ema] if ema is not None else [])])
+    schedule = batch_schedule(cfg, trainer.world_size)  # token durations need the world size
+    if schedule.ramp_steps:  # the step sizes the trainer's loops follow
+        trainer.callbacks.append(BatchRamp(schedule, val_every=cfg.trainer.val_check_interval))
+    steps = total_steps(cfg, schedule)
+    trainer.fit_loop.epoch_loop.max_steps = steps
+    saver = prepare_averaging(cfg, trainer, steps, ckpt_path)
     if trainer.is_global_zero:
-        if chosen:
-            state, source = average_checkpoints(chosen), f"mean of {len(chosen)} checkpoints"
-        elif ema is not None:
-            state, source = ema.averaged_state_dict(module.model), f"ema decay {ema.decay}"
-        else:
-            state, source = final, "final"
-        if has_adapter(module.model):
-            save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
-            state, source = (
-                merge_adapter(module.model, state),
-                f"{source}, {cfg.adapter.kind} merged",
-            )
-        save_weights(state, path, metadata={"global_step": str(step), "weights": source})
-    trainer.strategy.barrier("export_weights")
-    return path, chosen
+        _save_resolved_config(cfg, Path(cfg.run.dir))
+
+    samples = schedule.micro_batches_before(steps) * cfg.data.batch_size
+    datamodule = OBJECTIVES[cfg.stage.objective].data(cfg, total_train_samples=samples)
+    datamodule.batch_schedule = schedule
+    datamodule.skip_samples(skip_samples)
+    module = build_stage(
+        cfg,
+        total_steps=steps,
+        tokens_per_step=tokens_per_step(cfg, trainer.world_size),
+        lr_window=lr_window,
+        batch_schedule=schedule,
+    )
+    started = time.perf_counter()
+    trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
+    seconds = time.perf_counter() - started
+    return _Fit(trainer, module, datamodule, steps, schedule, saver, ema, seconds)
 
 
 def _last_lr(trainer: L.Trainer) -> float | None:

@@ -6,6 +6,7 @@ Needs compute capability 8.9 or newer (L4, RTX 4090, H100, H200) and torchao
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import lightning as L
@@ -21,6 +22,10 @@ pytestmark = [
     pytest.mark.skipif(
         (detect_cuda_capability() or (0, 0)) < FP8_MIN_CAPABILITY,
         reason="needs a CUDA GPU with float8 tensor cores (compute capability 8.9+)",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("torchao") is None,
+        reason="needs torchao's float8 training (pip install 'recipes-lib[fp8]')",
     ),
 ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,8 +18,10 @@ import pytest
 import torch
 from integration_helpers import metric_series, read_metrics
 from lightning.pytorch.callbacks import Callback
+from signal_helpers import ALLOWED, env_with_helpers, signal_at_step, slow_steps_override
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
+from recipes_lib.callbacks import EXIT_PREEMPTED
 from recipes_lib.checkpoint.manifest import read_manifest
 from recipes_lib.checkpoint.weights import load_weights, read_checkpoint
 from recipes_lib.errors import ConfigError
@@ -198,7 +201,7 @@ def test_full_init_continues_the_step_count(tmp_path, shared_cache, monkeypatch)
     # one last.ckpt per stage at its final step, no last-v1.ckpt beside it
     for manifest, step in ((first, 4), (more, 7)):
         folder = manifest.directory / "checkpoints"
-        assert sorted(p.name for p in folder.glob("last*")) == ["last.ckpt"]
+        assert sorted(p.name for p in folder.glob("last*.ckpt")) == ["last.ckpt"]
         assert read_checkpoint(folder / "last.ckpt")["global_step"] == step
     assert more.tokens_seen == 7 * 4 * 64 and more.metrics.tokens == 3 * 4 * 64
     steps = [s for s, _ in metric_series(read_metrics(more.directory), "train/loss")]
@@ -242,6 +245,38 @@ def test_killed_pipeline_resumes_to_identical_weights(three_stage, tmp_path, sha
     summary = json.loads((out / "report" / "summary.json").read_text())
     assert [s["status"] for s in summary["stages"]] == ["skipped", "resumed", "trained"]
     assert len(list((out / "cpt" / "logs").glob("version_*"))) == 2  # the resume logged anew
+    for stage in ("cpt", "anneal"):
+        _assert_same_weights(
+            load_weights(out / stage / "model.safetensors"),
+            load_weights(result[stage].manifest.weights_path),
+        )
+
+
+@pytest.mark.slow
+def test_preempted_stage_resumes_to_identical_weights(three_stage, tmp_path, shared_cache):
+    result, _, _ = three_stage
+    out, marker = tmp_path / "preempted", tmp_path / "step.txt"
+    command = [
+        PIPELINE,
+        "pipeline=three_stage",
+        f"dir={out}",
+        slow_steps_override(marker, "stages.cpt.callbacks"),  # cpt's steps, slowed down
+        f"stages.cpt.{ALLOWED}",
+    ]
+    env = env_with_helpers(RECIPES_CACHE=str(shared_cache))
+    log = tmp_path / "first.log"
+    proc = signal_at_step(command, marker, random.Random().randint(2, 8), log, env=env)
+    output = log.read_text()
+    assert proc.returncode == EXIT_PREEMPTED, output[-3000:]
+    stopped = [line for line in output.splitlines() if line.startswith("error: preempted")]
+    assert len(stopped) == 1 and "run the same command again to resume" in stopped[0]
+    assert (out / "pretrain" / "manifest.json").is_file()
+    assert not (out / "cpt" / "manifest.json").exists()  # stopped mid-stage
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["skipped", "resumed", "trained"]
     for stage in ("cpt", "anneal"):
         _assert_same_weights(
             load_weights(out / stage / "model.safetensors"),

@@ -46,9 +46,10 @@ def test_average_of_the_last_three_checkpoints_is_the_output(tiny_cfg):
         torch.testing.assert_close(value, expected, atol=1e-6, rtol=0)
     final = checkpoint_weights(result.last_checkpoint)
     assert not torch.allclose(output["norm.weight"], final["norm.weight"])
-    # every step checkpoint is kept for the average (run.save_top_k is 1 by default)
+    # the last k step checkpoints stay for the average (retention keeps at least k; the
+    # run's run.keep_last_checkpoints is 2 by default)
     names = sorted(p.name for p in (result.output_dir / "checkpoints").glob("step*.ckpt"))
-    assert names == [f"step{s:06d}.ckpt" for s in (4, 8, 12, 16)]
+    assert names == [f"step{s:06d}.ckpt" for s in (8, 12, 16)]
 
 
 def test_final_weights_are_the_output_by_default(tiny_cfg):

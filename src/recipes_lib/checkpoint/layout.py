@@ -4,7 +4,11 @@ A run (``recipes-train``, or one stage of a pipeline) writes into ``run.dir``::
 
     config.yaml                the resolved config of the run
     checkpoints/               step checkpoints (``stepNNNNNN.ckpt``, files or sharded
-      last.ckpt                folders) and the newest one as ``last.ckpt``
+      last.ckpt                folders) and ``last.ckpt``: a link to the newest one, or a
+                               copy at the final step
+      stepNNNNNN.ckpt.sha256.json  beside a checkpoint file: its size, SHA-256 and step
+      stepNNNNNN.ckpt/sha256.json  inside a sharded folder: each file's size and SHA-256
+      *.corrupt-<time>         a checkpoint that failed verification, moved aside
     logs/version_N/            the CSV (and TensorBoard) logs of each attempt
     model.safetensors          the output weights (final, averaged or EMA)
     adapter/                   LoRA/QLoRA adapters alone, in PEFT's format
@@ -12,6 +16,8 @@ A run (``recipes-train``, or one stage of a pipeline) writes into ``run.dir``::
     tokenizer_config.json      the chat template it rendered with, as transformers reads it)
     manifest.json              a pipeline stage's hand-off to the next
     stage_fingerprint.json     what a pipeline stage computes, written when it starts
+    hang_stacks.rankN.txt      every thread's Python stack on rank N when the hang
+                               watchdog ended the run (conf/callbacks: watchdog)
 
 A pipeline's folder holds one such folder per stage and ``report/``.
 """
@@ -19,6 +25,7 @@ A pipeline's folder holds one such folder per stage and ``report/``.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +41,14 @@ TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 MANIFEST_NAME = "manifest.json"
 FINGERPRINT_NAME = "stage_fingerprint.json"
 REPORT_DIR = "report"
+STEP_CHECKPOINT = "step{step:06d}.ckpt"  # the step checkpoints (conf/callbacks: filename)
+# the size and SHA-256 of what a checkpoint holds: beside a file (``<name>.sha256.json``),
+# inside a sharded folder (``sha256.json``, written before the folder gets its name)
+CHECKSUM_SUFFIX = ".sha256.json"
+SHARDED_CHECKSUM_NAME = "sha256.json"
+PARTIAL_SUFFIX = ".partial"  # a sharded folder being written: ``.<name>.partial``
+HANG_STACKS = "hang_stacks.rank{rank}.txt"  # (conf/callbacks: watchdog.stacks_file)
+_STEP_IN_NAME = re.compile(r"step=?(\d+)")
 
 
 @dataclass(frozen=True)
@@ -82,9 +97,37 @@ class RunDir:
     def fingerprint(self) -> Path:
         return self.root / FINGERPRINT_NAME
 
+    def step_checkpoint(self, step: int) -> Path:
+        """``checkpoints/stepNNNNNN.ckpt``: the checkpoint saved after ``step`` updates."""
+        return self.checkpoints / STEP_CHECKPOINT.format(step=step)
+
+    def hang_stacks(self, rank: int) -> Path:
+        """``hang_stacks.rankN.txt``: rank N's stacks when the hang watchdog fired."""
+        return self.root / HANG_STACKS.format(rank=rank)
+
     def has_checkpoints(self) -> bool:
         """Whether any checkpoint (file or sharded folder) is in ``checkpoints/``."""
         return self.checkpoints.is_dir() and any(self.checkpoints.glob("*.ckpt"))
+
+
+def checksum_sidecar(checkpoint: str | os.PathLike) -> Path:
+    """``<name>.sha256.json`` beside a checkpoint file: its checksum, recorded as it was written."""
+    path = Path(checkpoint)
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def partial_checkpoint(checkpoint: str | os.PathLike) -> Path:
+    """``.<name>.partial`` beside ``checkpoint``: where a sharded folder is written before it
+    is renamed into place (every rank derives the same name)."""
+    path = Path(checkpoint)
+    return path.with_name(f".{path.name}{PARTIAL_SUFFIX}")
+
+
+def step_in_name(name: str) -> int | None:
+    """The step a checkpoint's name carries (``step000200.ckpt``, Lightning's
+    ``epoch=0-step=200.ckpt``), or None."""
+    found = _STEP_IN_NAME.search(name)
+    return int(found.group(1)) if found else None
 
 
 def report_dir(pipeline_dir: str | os.PathLike) -> Path:

@@ -86,6 +86,8 @@ class StageManifest:
         versions: python, torch, lightning and recipes_lib versions.
         git_revision: the source tree's git commit (``-dirty`` when modified), if any.
         metrics: see :class:`StageMetrics`.
+        guard: what the training guard did (``skipped_updates``; ``rollbacks``, each with
+            the bad step, the step resumed from and the sample positions moved past).
         created: when the manifest was written (UTC, ISO 8601).
     """
 
@@ -109,6 +111,8 @@ class StageManifest:
     versions: dict[str, str] = field(default_factory=dict)
     git_revision: str | None = None
     metrics: StageMetrics = field(default_factory=StageMetrics)
+    # what the training guard did: updates skipped, rollbacks and the data they skipped
+    guard: dict[str, Any] = field(default_factory=dict)
     created: str = ""
     format_version: int = MANIFEST_FORMAT_VERSION
     # The folder the manifest was read from or written to; not stored in the file.

@@ -1,6 +1,7 @@
 """Sharded checkpoints: the folders FSDP2 runs write with ``torch.distributed.checkpoint``
-(one file per rank plus ``.metadata``), read back as one whole state dict on the CPU, so
-they can start another stage, be exported, or be converted to a single file
+(one file per rank plus ``.metadata``, ``meta.pt`` and ``sha256.json``; see
+:mod:`recipes_lib.checkpoint.sharded_save`), read back as one whole state dict on the
+CPU, so they can start another stage, be exported, or be converted to a single file
 (:func:`recipes_lib.checkpoint.weights.consolidate_sharded_checkpoint`).
 """
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from torch import Tensor
 
+from recipes_lib.checkpoint.integrity import verify_checkpoint
 from recipes_lib.errors import CheckpointError
 
 # the loops, callbacks and step of a sharded Lightning checkpoint (all but the tensors)
@@ -28,6 +30,7 @@ def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
 
     Raises:
         CheckpointError: the folder is not a sharded checkpoint or cannot be read.
+        CorruptCheckpointError: a file differs from the checksums recorded in the folder.
     """
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
@@ -36,6 +39,7 @@ def read_sharded_checkpoint(path: str | os.PathLike) -> dict[str, Tensor]:
     folder = Path(path)
     if not is_sharded_checkpoint(folder):
         raise CheckpointError(f"'{folder}' is not a sharded checkpoint folder (no .metadata file)")
+    verify_checkpoint(folder)
     state: dict = {}
     try:
         _load_state_dict(

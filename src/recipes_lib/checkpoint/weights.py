@@ -10,7 +10,6 @@ reader never sees a half-written file.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -22,7 +21,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from recipes_lib.checkpoint.layout import WEIGHTS_NAME
+from recipes_lib.checkpoint.integrity import recorded_step, verify_checkpoint
+from recipes_lib.checkpoint.integrity import sha256_file as sha256_file  # used from here too
+from recipes_lib.checkpoint.layout import WEIGHTS_NAME, step_in_name
 from recipes_lib.checkpoint.sharded import (
     SHARDED_METADATA_NAME,
     is_sharded_checkpoint,
@@ -34,18 +35,6 @@ from recipes_lib.files import write_atomic
 TIED_METADATA_KEY = "recipes_lib.tied"  # JSON {alias: stored name} of shared tensors
 MODEL_PREFIX = "model."  # CausalLMModule keeps the decoder under ``self.model``
 _MAX_LISTED = 5  # mismatches named in an error message
-
-
-def sha256_file(path: str | os.PathLike, chunk_size: int = 1 << 20) -> str:
-    """Hex SHA-256 digest of the file at ``path``, read in ``chunk_size`` pieces."""
-    digest = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            while chunk := f.read(chunk_size):
-                digest.update(chunk)
-    except OSError as err:
-        raise CheckpointError(f"cannot read '{path}' to checksum it: {err}") from err
-    return digest.hexdigest()
 
 
 def _tensor_identity(t: Tensor) -> tuple[Any, ...]:
@@ -121,18 +110,25 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
     return state
 
 
-def read_checkpoint(path: str | os.PathLike, mmap: bool = True) -> dict[str, Any]:
+def read_checkpoint(
+    path: str | os.PathLike, mmap: bool = True, verify: bool = True
+) -> dict[str, Any]:
     """A torch checkpoint (e.g. Lightning's ``.ckpt``) loaded on the CPU.
 
     With ``mmap`` the tensors are mapped from the file and read when used, so reading
-    one entry does not load the rest; copy what must outlive the file.
+    one entry does not load the rest; copy what must outlive the file. With ``verify``
+    a file with a recorded checksum is checked against it first (once per process, see
+    :func:`~recipes_lib.checkpoint.integrity.verify_checkpoint`).
 
     Raises:
         CheckpointError: the file is missing or is not a loadable torch checkpoint.
+        CorruptCheckpointError: it differs from its recorded checksum.
     """
     source = Path(path)
     if not source.is_file():
         raise CheckpointError(f"no such checkpoint file '{source}'")
+    if verify:
+        verify_checkpoint(source)
     try:
         checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # torch raises pickle, zip and runtime errors here
@@ -276,31 +272,54 @@ def average_checkpoints(paths: Iterable[str | os.PathLike]) -> dict[str, Tensor]
 
 def checkpoint_step(path: str | os.PathLike) -> int | None:
     """The ``global_step`` a Lightning checkpoint was saved at: a ``.ckpt`` file, or a
-    sharded checkpoint folder (read from its ``meta.pt``, without the weights).
+    sharded checkpoint folder. The checksum record names it (nothing else is read);
+    a checkpoint without one is opened (a folder's ``meta.pt``, without the weights).
 
     Raises:
         CheckpointError: the checkpoint is missing or unreadable.
     """
+    recorded = recorded_step(path)
+    if recorded is not None:
+        return recorded
     source = Path(path)
     if is_sharded_checkpoint(source):
         source = source / SHARDED_METADATA_NAME
-    step = read_checkpoint(source).get("global_step")
+    step = read_checkpoint(source, verify=False).get("global_step")
     return step if isinstance(step, int) else None
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:  # moved aside or removed since it was listed
+        return -1
+
+
+def listed_step(path: Path) -> int | None:
+    """The step of a checkpoint for listing: recorded, read, or else its name's, so one
+    that cannot be read is still listed (and can be examined and moved aside)."""
+    try:
+        step = checkpoint_step(path)
+    except CheckpointError:
+        step = None
+    return step if step is not None else step_in_name(path.name)
 
 
 def list_step_checkpoints(directory: str | os.PathLike) -> list[tuple[int, Path]]:
     """The ``(global_step, path)`` of every step checkpoint in ``directory``, oldest first.
 
-    Every ``*.ckpt`` file (or sharded ``*.ckpt`` folder) counts except ``last*.ckpt``;
-    the step is read from the checkpoint. Of two with the same step, the more recently
-    written one is kept.
+    Every ``*.ckpt`` file (or sharded ``*.ckpt`` folder) counts except ``last*.ckpt``
+    and links; the step is the one recorded with its checksum, else read from the
+    checkpoint, else the one in its name (a checkpoint with none is left out). Of two
+    with the same step, the more recently written one is kept.
     """
     folder = Path(directory)
     by_step: dict[int, Path] = {}
-    for path in sorted(folder.glob("*.ckpt"), key=lambda p: p.stat().st_mtime_ns):
+    found = [p for p in folder.glob("*.ckpt") if not p.is_symlink()]
+    for path in sorted(found, key=_mtime_ns):
         if path.stem.startswith("last"):
             continue
-        step = checkpoint_step(path)
+        step = listed_step(path)
         if step is not None:
             by_step[step] = path
     return sorted(by_step.items())

@@ -205,6 +205,18 @@ class DataConfig:
 
 
 @dataclass
+class BatchRampConfig:
+    """The global batch grown by gradient accumulation from ``start`` micro-batches per
+    step to ``trainer.accumulate_grad_batches`` over ``tokens`` (0: no ramp); ``lr``:
+    ``constant`` | ``sqrt`` (scaled by the square root of the batch's fraction of the
+    full one). See ``recipes_lib.optim.batch_ramp``."""
+
+    start: int = 1
+    tokens: int = 0
+    lr: str = "constant"
+
+
+@dataclass
 class StageConfig:
     """The objective a run trains, how long, what it starts from and what it hands on.
 
@@ -222,6 +234,7 @@ class StageConfig:
     init_optimizer: bool = False  # also load the optimizer state of the init_from .ckpt
     average_last_k: int | None = None  # output: mean of the last K step checkpoints
     ema_decay: float | None = None  # output: exponential moving average of the weights
+    batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
 
 
 @dataclass
@@ -300,6 +313,9 @@ class StrategyConfig:
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward
     find_unused_parameters: bool = False  # ddp
     timeout_minutes: int = 30  # collective timeout of the process group
+    # fsdp: sharded checkpoints written in the background (torch.distributed.checkpoint's
+    # async_save); training waits only while the shards are copied to host memory
+    async_checkpoint: bool = False
 
 
 @dataclass
@@ -344,18 +360,55 @@ class TrainerConfig:
 
 
 @dataclass
+class GuardConfig:
+    """What a run does about a non-finite (or, with ``spikes``, spiking) loss or gradient
+    norm (any objective; see ``recipes_lib.stages.guard``). Such an update is always
+    skipped and counted.
+
+    ``policy``: ``auto`` (``skip``, or ``off`` under DeepSpeed) | ``skip`` (go on) |
+    ``rollback`` (start again from the newest checkpoint without the bad update, the
+    sampler moved ``rollback_skip_batches`` batches on, the learning rate times
+    ``rollback_lr_factor`` for ``rollback_lr_steps`` steps) | ``stop`` (save, end
+    non-zero) | ``off`` (no checks).
+    """
+
+    policy: str = "auto"
+    spikes: bool = False  # also judge spikes (else non-finite values only)
+    window: int = 128  # steps the spike test compares with
+    sigmas: float = 6.0  # a spike: this many standard deviations above their mean
+    min_history: int = 64  # steps seen before spikes are looked for
+    max_skipped: int = 20  # bad updates in a row: the run has diverged and stops
+    max_rollbacks: int = 3  # rollbacks of one run; one more stops it
+    rollback_skip_batches: int = 200  # optimizer steps' worth of batches moved past
+    rollback_lr_factor: float = 1.0  # learning-rate multiplier after a rollback
+    rollback_lr_steps: int = 0  # for this many steps after it
+    inject_step: int | None = None  # drill: the batch of this step made bad (tests)
+    inject: str = "nan"  # nan | spike
+
+
+@dataclass
 class RunInfoConfig:
     """Run-level settings: output folder, seed and resume point."""
 
     name: str = "run"
     dir: str = "outputs/${run.name}"
     seed: int = 1234
-    ckpt_path: str | None = None  # "last" or a checkpoint file to resume from
+    # "last" (the newest checkpoint that verifies) or a checkpoint file/folder to resume from
+    ckpt_path: str | None = None
     checkpoint_every_n_steps: int = 200
-    save_top_k: int = 1  # besides last.ckpt; -1 keeps all
+    # step checkpoints kept: the newest K (-1: all) and every one at a multiple of M;
+    # never the newest (see recipes_lib.checkpoint.retention)
+    keep_last_checkpoints: int = 2
+    keep_every_n_steps: int | None = None
+    # ModelCheckpoint's own pruning: -1 writes every step checkpoint (the two keys above
+    # decide which stay), 0 writes none (last.ckpt only); 1 (deprecated) keeps one
+    save_top_k: int = -1
     # extra ``_target_`` prefixes (a module path ending in '.', or one exact target) a
     # run may build from callbacks and loggers, e.g. [mypkg.callbacks.]
     allowed_targets: list[str] = field(default_factory=list)
+    # run the pre-launch check (recipes_lib.launch_check) instead of training: recipes-train
+    # prints its table and exits, non-zero on a problem (the same as recipes-check)
+    preflight: bool = False
 
 
 @dataclass
@@ -374,5 +427,6 @@ class RunConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     run: RunInfoConfig = field(default_factory=RunInfoConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     callbacks: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ...}
     logger: dict[str, Any] = field(default_factory=dict)  # name -> {_target_: ...}

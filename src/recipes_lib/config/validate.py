@@ -69,6 +69,17 @@ def _check_stage_outputs(cfg: RunConfig) -> None:
         raise ConfigError(f"stage.ema_decay={stage.ema_decay} must lie strictly between 0 and 1")
 
 
+def _check_checkpoints(cfg: RunConfig) -> None:
+    run = cfg.run
+    if run.keep_last_checkpoints == 0 or run.keep_last_checkpoints < -1:
+        raise ConfigError(
+            f"run.keep_last_checkpoints={run.keep_last_checkpoints} must be 1 or more (the "
+            "newest checkpoint is always kept), or -1 to keep every one"
+        )
+    if run.keep_every_n_steps is not None and run.keep_every_n_steps < 1:
+        raise ConfigError(f"run.keep_every_n_steps={run.keep_every_n_steps} must be 1 or more")
+
+
 def check_values(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain",)) -> None:
     """Raise :class:`ConfigError` naming the key of the first value that is wrong on its
     own: an unknown objective, a non-finite float, a count or rate that must be
@@ -83,3 +94,4 @@ def check_values(cfg: RunConfig, objectives: tuple[str, ...] = ("pretrain",)) ->
     _check_finite(cfg)
     _check_positive(cfg)
     _check_stage_outputs(cfg)
+    _check_checkpoints(cfg)

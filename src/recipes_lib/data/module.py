@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import lightning.pytorch as L
 import torch
@@ -49,8 +50,9 @@ class ResumableDataModule(L.LightningDataModule):
     """A data module whose training position is part of every checkpoint.
 
     The position is the number of training samples this rank has consumed, counted
-    from optimizer steps (``global_step * accumulate_grad_batches * data.batch_size``),
-    not from what the loader prefetched, so it is exact at every checkpoint. Subclasses
+    from optimizer steps (``global_step * accumulate_grad_batches * data.batch_size``,
+    or the micro-batches of ``batch_schedule``'s steps under a batch ramp), not from what
+    the loader prefetched, so it is exact at every checkpoint. Subclasses
     build ``self.tokenizer``, ``self.train_dataset`` and ``self.val_dataset`` in an
     idempotent ``setup``, and override :meth:`collate_fn` where samples need their own
     collation; the loaders are built here.
@@ -82,6 +84,14 @@ class ResumableDataModule(L.LightningDataModule):
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self._consumed_samples = 0
+        # samples moved past without training on them (a rollback's skipped window):
+        # restored from checkpoints, plus what the run asks to skip on top of them
+        self.sample_offset = 0
+        self._skip_on_restore = 0
+        self._skipped_on_restore = 0  # what the last restore added, for the loader's state
+        # micro-batches per optimizer step when they vary (recipes_lib.optim.batch_ramp);
+        # None: trainer.accumulate_grad_batches each
+        self.batch_schedule: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -92,17 +102,35 @@ class ResumableDataModule(L.LightningDataModule):
 
     @property
     def consumed_samples(self) -> int:
-        """Training samples this rank has consumed (from the trainer when attached)."""
+        """This rank's position in its stream of training samples: what it trained on
+        (from the trainer's optimizer steps when attached) plus what it moved past."""
         trainer = self.trainer
         if trainer is None:
             return self._consumed_samples
-        return trainer.global_step * trainer.accumulate_grad_batches * self.config.batch_size
+        return self.micro_batches_before(trainer.global_step) * self.config.batch_size + (
+            self.sample_offset
+        )
+
+    def micro_batches_before(self, step: int) -> int:
+        """Micro-batches this rank trains on before optimizer step ``step``."""
+        if self.batch_schedule is not None:
+            return self.batch_schedule.micro_batches_before(step)
+        return step * self.trainer.accumulate_grad_batches
+
+    def skip_samples(self, count: int) -> None:
+        """Move ``count`` samples further on when the run resumes from a checkpoint (a
+        rollback's window of batches), on top of where the checkpoint stood."""
+        self._skip_on_restore += count
 
     def state_dict(self) -> dict[str, int]:
-        return {"consumed_samples": self.consumed_samples}
+        return {"consumed_samples": self.consumed_samples, "sample_offset": self.sample_offset}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._consumed_samples = int(state_dict["consumed_samples"])
+        # checkpoints written before samples could be skipped have no sample_offset
+        skip, self._skip_on_restore = self._skip_on_restore, 0
+        self._skipped_on_restore = skip
+        self.sample_offset = int(state_dict.get("sample_offset", 0)) + skip
+        self._consumed_samples = int(state_dict["consumed_samples"]) + skip
 
     def _rank_and_world(self) -> tuple[int, int]:
         """This rank and the world size its samplers shard over (0, 1 without a Trainer).
@@ -166,6 +194,7 @@ class ResumableDataModule(L.LightningDataModule):
             cls=ResumableDataLoader,
             drop_last=True,
             consumed_samples=lambda: self.consumed_samples,
+            restored_position=lambda saved: saved + self._skipped_on_restore,
         )
 
     def val_dataloader(self) -> DataLoader | list:
@@ -189,9 +218,16 @@ class ResumableDataLoader(DataLoader):
 
     sampler: ResumableSampler
 
-    def __init__(self, *args, consumed_samples: Callable[[], int] | None = None, **kwargs) -> None:
+    def __init__(
+        self,
+        *args,
+        consumed_samples: Callable[[], int] | None = None,
+        restored_position: Callable[[int], int] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._consumed_samples = consumed_samples
+        self._restored_position = restored_position
 
     def state_dict(self) -> dict[str, int]:
         if self._consumed_samples is None:
@@ -199,7 +235,10 @@ class ResumableDataLoader(DataLoader):
         return {"consumed_samples": self._consumed_samples()}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self.sampler.position = int(state_dict["consumed_samples"])
+        position = int(state_dict["consumed_samples"])
+        if self._restored_position is not None:  # plus what the run moves past (a rollback)
+            position = self._restored_position(position)
+        self.sampler.position = position
 
 
 class StridedSampler(Sampler[int]):

@@ -26,6 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from recipes_lib.config.schema import SchedulerConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.optim.batch_ramp import BatchSchedule
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 UNITS = ("steps", "tokens")
@@ -38,11 +39,15 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"scheduler.{key}={value!r} is not one of {', '.join(choices)}")
 
 
-def _to_steps(key: str, amount: int, unit: str, tokens_per_step: int) -> int:
+def _to_steps(
+    key: str, amount: int, unit: str, tokens_per_step: int, batches: BatchSchedule | None
+) -> int:
     if amount < 0:
         raise ConfigError(f"scheduler.{key}={amount} must not be negative")
     if unit == "steps":
         return int(amount)
+    if batches is not None and batches.ramp_steps:  # steps differ in size
+        return batches.steps_for_tokens(amount) if amount else 0
     return math.ceil(amount / tokens_per_step)
 
 
@@ -56,7 +61,10 @@ def _decay_curve(shape: str, progress: float) -> float:
 
 
 def build_lr_lambda(
-    config: SchedulerConfig, total_steps: int, tokens_per_step: int
+    config: SchedulerConfig,
+    total_steps: int,
+    tokens_per_step: int,
+    batches: BatchSchedule | None = None,
 ) -> Callable[[int], float]:
     """Return ``step -> multiplier`` of the base learning rate for ``config``.
 
@@ -65,6 +73,9 @@ def build_lr_lambda(
         total_steps: Optimizer steps in the run; the schedule reaches its floor here.
         tokens_per_step: Tokens consumed by one optimizer step, over all ranks and
             accumulated micro-batches; used when ``config.unit`` is ``tokens``.
+        batches: the size of each step; under a batch ramp token lengths count the
+            ramp's smaller steps, and with ``stage.batch_ramp.lr=sqrt`` the multiplier
+            is scaled by its :meth:`~BatchSchedule.lr_factor`.
 
     Raises:
         ConfigError: naming ``scheduler.<key>`` for an unknown name, unit or decay shape,
@@ -83,12 +94,12 @@ def build_lr_lambda(
     if not 0.0 <= config.min_lr_ratio <= 1.0:
         raise ConfigError(f"scheduler.min_lr_ratio={config.min_lr_ratio} must lie in [0, 1]")
 
-    warmup = _to_steps("warmup", config.warmup, config.unit, tokens_per_step)
+    warmup = _to_steps("warmup", config.warmup, config.unit, tokens_per_step, batches)
     if config.name == "wsd":
         if config.decay is None:
             decay = round(WSD_DEFAULT_DECAY_FRACTION * total_steps)
         else:
-            decay = _to_steps("decay", config.decay, config.unit, tokens_per_step)
+            decay = _to_steps("decay", config.decay, config.unit, tokens_per_step, batches)
     else:
         decay = 0
     if warmup + decay > total_steps:
@@ -103,6 +114,9 @@ def build_lr_lambda(
     decay_start = total_steps - decay
 
     def lr_lambda(step: int) -> float:
+        return shape_at(step) * (batches.lr_factor(step) if batches is not None else 1.0)
+
+    def shape_at(step: int) -> float:
         if step < warmup:
             return (step + 1) / (warmup + 1)
         if name == "constant":
@@ -121,8 +135,13 @@ def build_lr_lambda(
 
 
 def build_scheduler(
-    optimizer: Optimizer, config: SchedulerConfig, total_steps: int, tokens_per_step: int
+    optimizer: Optimizer,
+    config: SchedulerConfig,
+    total_steps: int,
+    tokens_per_step: int,
+    batches: BatchSchedule | None = None,
 ) -> LambdaLR:
     """A :class:`LambdaLR` over ``optimizer`` following :func:`build_lr_lambda`; step it
     once per optimizer step."""
-    return LambdaLR(optimizer, build_lr_lambda(config, total_steps, tokens_per_step))
+    lr_lambda = build_lr_lambda(config, total_steps, tokens_per_step, batches)
+    return LambdaLR(optimizer, lr_lambda)

@@ -23,19 +23,32 @@ processes per node.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 
+from recipes_lib.checkpoint.io import VerifiedCheckpointIO
+from recipes_lib.checkpoint.resume import check_checkpoint
+from recipes_lib.checkpoint.sharded_save import ShardedSaver
 from recipes_lib.config.schema import RunConfig, StrategyConfig
-from recipes_lib.errors import ConfigError
+from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.parallel.fsdp import full_state_dict, shard_model
+
+log = logging.getLogger(__name__)
 
 BuildStrategy = Callable[[StrategyConfig, int | None], "str | Strategy"]
 
@@ -45,7 +58,10 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     All processes form one data-parallel mesh dimension (``data_parallel``; tensor
     parallel size 1). Sharded checkpoints are folders written with
-    ``torch.distributed.checkpoint``, one shard per rank.
+    ``torch.distributed.checkpoint``, one shard per rank, by a
+    :class:`~recipes_lib.checkpoint.sharded_save.ShardedSaver`: under a hidden name,
+    renamed once every rank is done, with every file's SHA-256 inside; in the
+    background with ``strategy.async_checkpoint``. A folder is verified before it loads.
 
     Args:
         config: the ``strategy`` group (offload and resharding are read when the model
@@ -60,6 +76,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timedelta(minutes=config.timeout_minutes),
         )
         self.config = config
+        self.checkpoint_writer = ShardedSaver(_timeout(config), on_landed=self._retain)
+
+    def _retain(self, path: Path) -> None:
+        if isinstance(self.checkpoint_io, VerifiedCheckpointIO):  # the run's retention
+            self.checkpoint_io.retain(path)
 
     def setup_environment(self) -> None:
         # Lightning's "auto" means one data-parallel group per node (for tensor
@@ -72,6 +93,58 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not self.config.cpu_offload:
             super().model_to_device()
 
+    # Asynchronous saves take the state where it lives: DCP's staging makes the one copy
+    # to host memory (Lightning's own would offload to the CPU first, a second copy).
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self.config.async_checkpoint:
+            return super().lightning_module_state_dict()
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if not self.config.async_checkpoint:
+            return super().optimizer_state(optimizer)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        options = StateDictOptions(cpu_offload=False)
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        path = Path(self.broadcast(str(filepath)))  # every rank writes to rank 0's path
+        state = {"state_dict": checkpoint.pop("state_dict")}
+        for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+            state[f"optimizer_{index}"] = optimizer_state
+        # The run's last save lands before fit() returns, so what reads it next (the
+        # pipeline's final checkpoint, the export, the next stage) finds it in place.
+        max_steps = self.lightning_module.trainer.max_steps
+        last = max_steps > 0 and checkpoint.get("global_step", 0) >= max_steps
+        background = self.config.async_checkpoint and not last
+        self.checkpoint_writer.save(state, checkpoint, path, asynchronous=background)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict:
+        self.checkpoint_writer.wait()
+        path = Path(self.broadcast(str(checkpoint_path)))
+        check_checkpoint(path)  # a folder that differs from its checksums is refused
+        return super().load_checkpoint(path, weights_only)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self.checkpoint_writer.wait()
+        super().remove_checkpoint(filepath)
+
+    def on_train_end(self) -> None:
+        self.checkpoint_writer.wait()  # a background save that failed fails the run
+        super().on_train_end()
+
+    def teardown(self) -> None:
+        try:
+            self.checkpoint_writer.close()
+        except CheckpointError as err:  # fit is over (or failed): report, and tear down
+            log.error("%s", err)
+        super().teardown()
+
 
 class ZeroStrategy(DeepSpeedStrategy):
     """Lightning's ``DeepSpeedStrategy`` at ZeRO stage 2 or 3.
@@ -83,6 +156,14 @@ class ZeroStrategy(DeepSpeedStrategy):
 
     def model_sharded_context(self) -> AbstractContextManager[None]:
         return nullcontext()
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        # DeepSpeed writes its own folders (no checksums); the run's retention still applies
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.is_global_zero and isinstance(self.checkpoint_io, VerifiedCheckpointIO):
+            self.checkpoint_io.retain(Path(filepath))
 
 
 def _timeout(config: StrategyConfig) -> timedelta:
@@ -146,6 +227,13 @@ class StrategySpec:
         float8: ``precision=fp8`` composes with it (torchao's float8 layers).
         float8_all_gather: it all-gathers float8 weights (FSDP2, tensorwise scaling).
         quantized_weights: QLoRA's 4-bit base weights work under it.
+        sharded_state: what it divides over the ranks, of ``parameters``, ``gradients``
+            and ``optimizer`` (read by the memory estimate of the pre-launch check).
+        steps_in_engine: its engine keeps the gradients, their accumulation and the
+            optimizer step to itself (DeepSpeed): the training guard cannot judge or
+            skip an update, nor a batch ramp vary the accumulation.
+        async_checkpoint: it writes checkpoints in the background
+            (``strategy.async_checkpoint``; FSDP2's sharded folders, through DCP).
         needs_package: the package it imports, with its install hint.
         needs_cuda: it runs on CUDA GPUs only.
         build: the Lightning strategy (or ``"auto"``) for a ``strategy`` config and
@@ -163,6 +251,9 @@ class StrategySpec:
     float8_all_gather: bool
     quantized_weights: bool
     build: BuildStrategy
+    sharded_state: tuple[str, ...] = ()
+    steps_in_engine: bool = False
+    async_checkpoint: bool = False
     needs_package: tuple[str, str] | None = None
     needs_cuda: bool = False
     shard: Callable[..., nn.Module] | None = None
@@ -188,7 +279,9 @@ _ZERO = dict(
     quantized_weights=False,
     needs_package=_DEEPSPEED,
     needs_cuda=True,
+    steps_in_engine=True,
 )
+_ALL_STATE = ("parameters", "gradients", "optimizer")
 _REPLICATED = dict(
     shards=False, cpu_offload=False, float8=True, float8_all_gather=False, quantized_weights=True
 )
@@ -207,9 +300,22 @@ STRATEGIES: dict[str, StrategySpec] = {
             quantized_weights=True,  # 4-bit weights stay whole on every rank
             build=_fsdp,
             shard=shard_model,
+            sharded_state=_ALL_STATE,
+            async_checkpoint=True,
         ),
-        StrategySpec(name="deepspeed_zero2", build=_zero(2), **_ZERO),
-        StrategySpec(name="deepspeed_zero3", build=_zero(3), gather=_gather_zero3, **_ZERO),
+        StrategySpec(
+            name="deepspeed_zero2",
+            build=_zero(2),
+            sharded_state=("gradients", "optimizer"),
+            **_ZERO,
+        ),
+        StrategySpec(
+            name="deepspeed_zero3",
+            build=_zero(3),
+            gather=_gather_zero3,
+            sharded_state=_ALL_STATE,
+            **_ZERO,
+        ),
     )
 }
 

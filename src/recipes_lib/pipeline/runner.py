@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, Checkpoint
 from omegaconf import DictConfig
 from rich.console import Console
 
@@ -39,7 +39,8 @@ from recipes_lib.checkpoint.manifest import (
     relative_to,
     write_manifest,
 )
-from recipes_lib.checkpoint.weights import checkpoint_step, list_step_checkpoints, sha256_file
+from recipes_lib.checkpoint.resume import resume_checkpoint
+from recipes_lib.checkpoint.weights import checkpoint_step, sha256_file
 from recipes_lib.config import RunConfig
 from recipes_lib.data.text.prepare import resolve_sources
 from recipes_lib.errors import CheckpointError, ConfigError
@@ -101,9 +102,16 @@ class PipelineResult:
         return self.stages[-1].manifest.weights_path
 
 
-class FinalCheckpoint(Callback):
+class FinalCheckpoint(Checkpoint):
     """Makes ``last.ckpt`` hold the final step: what ``init: full`` and
-    ``init: weights+optimizer`` continue from, whatever the checkpoint interval."""
+    ``init: weights+optimizer`` continue from, whatever the checkpoint interval.
+
+    A ``Checkpoint`` callback, so Lightning runs it after every ``ModelCheckpoint`` (it
+    moves checkpoint callbacks to the end, in their order; this one is added after the
+    configured ones). By its ``on_train_end`` the saver has written all it will, its
+    own end-of-training ``last.ckpt`` included, so a save here never makes the saver
+    write ``last-v1.ckpt`` beside it; it only fills the gap the interval leaves.
+    """
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -111,36 +119,22 @@ class FinalCheckpoint(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.global_step < trainer.max_steps:
             return  # stopped early: the stage is not finished
-        if self._saver_will_write_it(trainer):
-            return
         if self.path.exists() and checkpoint_step(self.path) == trainer.global_step:
             return
         trainer.save_checkpoint(self.path)
-
-    def _saver_will_write_it(self, trainer) -> bool:
-        """Whether a ``ModelCheckpoint(save_last=True)`` writing this path has saved nothing
-        yet: its own ``on_train_end`` (run after this one) then saves the final step here.
-        Writing it first made it keep ours and save its copy beside it as last-v1.ckpt."""
-        for saver in trainer.checkpoint_callbacks:
-            if not isinstance(saver, ModelCheckpoint) or not saver.save_last or not saver.dirpath:
-                continue
-            last = Path(saver.dirpath) / f"{saver.CHECKPOINT_NAME_LAST}{saver.FILE_EXTENSION}"
-            if last.resolve() == self.path.resolve() and not saver._last_checkpoint_saved:
-                return True
-        return False
 
 
 # ------------------------------------------------------------------------- run
 
 
 def _resume_checkpoint(stage_dir: Path) -> Path:
-    run_dir = RunDir(stage_dir)
-    if run_dir.last_checkpoint.exists():  # a folder when sharded
-        return run_dir.last_checkpoint
-    saved = list_step_checkpoints(run_dir.checkpoints)
-    if not saved:
-        raise CheckpointError(f"no checkpoint to resume in {run_dir.checkpoints}")
-    return saved[-1][1]
+    """The newest checkpoint of an interrupted stage that verifies (a newer one that does
+    not is moved aside, in one line naming both)."""
+    folder = RunDir(stage_dir).checkpoints
+    found = resume_checkpoint(folder)
+    if found is None:
+        raise CheckpointError(f"no checkpoint to resume in {folder}")
+    return found
 
 
 def _wait_for(path: Path, timeout_s: float = 3600.0) -> None:
@@ -214,6 +208,7 @@ def _finish_stage(
         versions=package_versions(),
         git_revision=git_revision(),
         metrics=metrics,
+        guard=result.guard,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     write_manifest(manifest, stage_dir)

@@ -25,6 +25,7 @@ from recipes_lib.checkpoint.rng import collect_rng_states, restore_rng_states
 from recipes_lib.checkpoint.weights import read_checkpoint
 from recipes_lib.config.schema import (
     AdapterConfig,
+    GuardConfig,
     KernelsConfig,
     ModelConfig,
     OptimConfig,
@@ -38,9 +39,12 @@ from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
 from recipes_lib.models import Transformer
 from recipes_lib.optim import build_lr_lambda, build_optimizer, build_scheduler
+from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.optim.moments import load_optimizer_moments
 from recipes_lib.parallel.precision import compute_dtype
 from recipes_lib.stages.build import ModelBuild, build_model
+from recipes_lib.stages.guard import StepGuard, resolve_policy
+from recipes_lib.stages.rollback import scale_lr_in_window
 
 Batch = Mapping[str, Tensor]
 
@@ -66,12 +70,13 @@ class CausalLMModule(L.LightningModule):
         init_optimizer: Also start from the optimizer state of ``init_from`` (a Lightning
             checkpoint): AdamW moments carry over, learning rates and the schedule come
             from ``optim`` and ``scheduler`` (see :func:`load_optimizer_moments`).
-        adapter: LoRA or QLoRA applied to the built model after ``init_from`` is loaded
-            (:func:`recipes_lib.adapters.apply_adapter`); only the adapters train.
-        precision: ``fp8`` converts the large Linear layers to float8 training; under
-            FSDP the mixed precisions set its mixed-precision policy.
-        strategy: with ``fsdp`` (a ``ModelParallelStrategy`` Trainer), each block is
-            sharded with ``fully_shard`` (offload and resharding from here).
+        adapter, precision, strategy: how the model is built (:mod:`.build`): LoRA or
+            QLoRA (only the adapters train), float8 layers, sharding.
+        guard: what a non-finite or spiking update does (:mod:`.guard`).
+        lr_window: ``(start, end, factor)``: the learning rate times ``factor`` for those
+            steps (after a rollback).
+        batch_schedule: micro-batches per step under a batch ramp (token lengths of the
+            schedule and the square-root learning-rate rule follow it).
     """
 
     def __init__(
@@ -89,6 +94,9 @@ class CausalLMModule(L.LightningModule):
         adapter: AdapterConfig | None = None,
         precision: PrecisionConfig | None = None,
         strategy: StrategyConfig | None = None,
+        guard: GuardConfig | None = None,
+        lr_window: tuple[int, int, float] | None = None,
+        batch_schedule: BatchSchedule | None = None,
     ):
         super().__init__()
         self.model_config: ModelConfig = as_config(ModelConfig, model, "model")
@@ -104,8 +112,15 @@ class CausalLMModule(L.LightningModule):
         self.strategy_config: StrategyConfig = as_config(
             StrategyConfig, strategy if strategy is not None else StrategyConfig(), "strategy"
         )
+        self.guard_config: GuardConfig = resolve_policy(
+            as_config(GuardConfig, guard if guard is not None else GuardConfig(), "guard"),
+            self.strategy_config.name,
+        )
+        self.guard = StepGuard(self.guard_config)
+        self.lr_window = tuple(lr_window) if lr_window is not None else None
         self.total_steps = int(total_steps)
         self.tokens_per_step = int(tokens_per_step)
+        self.batch_schedule = batch_schedule
         self.document_mask = document_mask
         self.init_from = init_from
         self.init_optimizer = init_optimizer
@@ -113,7 +128,9 @@ class CausalLMModule(L.LightningModule):
         if chunk is not None and chunk < 1:
             raise ConfigError(f"kernels.loss_chunk_size={chunk} must be positive or null")
         # Fail at construction, not at the first step, on a bad schedule.
-        build_lr_lambda(self.scheduler_config, self.total_steps, self.tokens_per_step)
+        build_lr_lambda(
+            self.scheduler_config, self.total_steps, self.tokens_per_step, batch_schedule
+        )
         self.save_hyperparameters(
             {
                 "model": asdict(self.model_config),
@@ -128,6 +145,7 @@ class CausalLMModule(L.LightningModule):
                 "adapter": asdict(self.adapter_config),
                 "precision": asdict(self.precision_config),
                 "strategy": asdict(self.strategy_config),
+                "guard": asdict(self.guard_config),
             }
         )
         self.model: Transformer | None = None
@@ -142,7 +160,7 @@ class CausalLMModule(L.LightningModule):
         cls, cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
     ) -> CausalLMModule:
         """The module of a typed run config; ``extra`` adds a subclass's own arguments."""
-        return cls(
+        module = cls(
             cfg.model,
             cfg.kernels,
             cfg.optim,
@@ -155,8 +173,11 @@ class CausalLMModule(L.LightningModule):
             adapter=cfg.adapter,
             precision=cfg.precision,
             strategy=cfg.strategy,
+            guard=cfg.guard,
             **extra,
         )
+        module.guard.checkpoint_every = cfg.run.checkpoint_every_n_steps
+        return module
 
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
@@ -270,6 +291,8 @@ class CausalLMModule(L.LightningModule):
     # ------------------------------------------------------------ train / val
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, metrics = self.compute_loss(batch)
+        loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), batch_idx)
+        self.guard.add_loss(loss)
         self.tokens_seen += self.count_tokens(batch) * self._world_size()
         batch_size = batch["input_ids"].size(0)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)
@@ -279,6 +302,8 @@ class CausalLMModule(L.LightningModule):
         )
         for name, value in metrics.items():
             self.log(f"train/{name}", value, batch_size=batch_size)
+        if self.guard.skipped is not None:
+            self.log("guard/skipped_updates", self.guard.skipped.float(), batch_size=1)
         return loss
 
     def on_validation_epoch_start(self) -> None:
@@ -314,20 +339,20 @@ class CausalLMModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip by global norm; without a gradient scaler, clip directly.
-
-        Lightning's own path refuses optimizers that unscale gradients themselves (the
-        fused AdamW used on CUDA), a check meant for fp16 loss scaling; in bf16 and fp32
-        there is no scaler and nothing to unscale, so the norm is clipped here.
-        """
-        if not gradient_clip_val:
-            return
+        """Clip by global norm (directly without a gradient scaler: Lightning's path
+        refuses the fused AdamW, a check meant for fp16 loss scaling), then let the guard
+        judge the update with the norm clipping computed."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = None
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if scaler is None and gradient_clip_algorithm in (None, "norm"):
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
-            return
-        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if gradient_clip_val and scaler is None and gradient_clip_algorithm in (None, "norm"):
+            norm = torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+        elif gradient_clip_val:
+            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if self.guard.enabled:
+            self.guard.after_backward(
+                optimizer, params, norm, self.trainer.strategy, self.trainer.global_step
+            )
 
     def configure_optimizers(self) -> dict[str, Any]:
         try:
@@ -346,8 +371,14 @@ class CausalLMModule(L.LightningModule):
             # before the scheduler: it reads each group's initial_lr when it is built
             load_optimizer_moments(optimizer, checkpoint, label)
         scheduler = build_scheduler(
-            optimizer, self.scheduler_config, self.total_steps, self.tokens_per_step
+            optimizer,
+            self.scheduler_config,
+            self.total_steps,
+            self.tokens_per_step,
+            self.batch_schedule,
         )
+        if self.lr_window is not None:
+            scale_lr_in_window(scheduler, *self.lr_window)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
@@ -355,6 +386,7 @@ class CausalLMModule(L.LightningModule):
 
     # ----------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["guard"] = {**self.guard.state_dict(), "lr_window": self.lr_window}
         checkpoint["tokens_seen"] = self.tokens_seen
         checkpoint["rng_states"] = collect_rng_states(self.device)
         schedulers = self.trainer.lr_scheduler_configs
@@ -362,13 +394,22 @@ class CausalLMModule(L.LightningModule):
             checkpoint["last_lr"] = float(schedulers[0].scheduler.get_last_lr()[0])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        guard = checkpoint.get("guard") or {}
+        self.guard.load_state_dict(guard)
+        if guard.get("lr_window") is not None and self.lr_window is None:
+            self.lr_window = tuple(guard["lr_window"])
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
         # Applied at the first training batch after the restore, where the saving run
         # stood when it wrote the checkpoint (after the step's batch end); restoring now
         # would let the loops' set-up draw from the restored streams first.
         self._rng_states_to_restore = checkpoint.get("rng_states")
 
-    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> None:
+    def on_train_batch_start(self, batch: Batch, batch_idx: int) -> int | None:
         if self._rng_states_to_restore is not None:
             restore_rng_states(self._rng_states_to_restore, self.device)
             self._rng_states_to_restore = None
+        # on the last step's flags, once the host has them; -1 ends the fit for a rollback
+        return -1 if self.guard.act(self.trainer) else None
+
+    def on_train_end(self) -> None:
+        self.guard.act(self.trainer, wait=True)

@@ -315,8 +315,14 @@ class DPOModule(CausalLMModule):
         save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
 
 
-def build_dpo_module(cfg: RunConfig, *, total_steps: int, tokens_per_step: int) -> DPOModule:
+def build_dpo_module(
+    cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
+) -> DPOModule:
     """The LightningModule of the ``dpo`` objective from the typed run config."""
     return DPOModule.from_run_config(
-        cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, preference=cfg.preference
+        cfg,
+        total_steps=total_steps,
+        tokens_per_step=tokens_per_step,
+        preference=cfg.preference,
+        **extra,
     )

@@ -83,7 +83,7 @@ def test_state_dict_counts_consumed_samples_and_resumes_the_stream(config):
     module = ready(config)
     module.trainer = fake_trainer(global_step=5, accumulate=2)
     state = module.state_dict()
-    assert state == {"consumed_samples": 5 * 2 * BATCH}
+    assert state == {"consumed_samples": 5 * 2 * BATCH, "sample_offset": 0}
     full = iter(module.train_dataloader())
     uninterrupted = [next(full)["input_ids"] for _ in range(14)]
 
@@ -151,7 +151,7 @@ def test_lightning_resume_continues_the_train_stream(config, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(first_half, uninterrupted[:6], strict=True))
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
     saved = torch.load(checkpoint, weights_only=False)
-    assert saved["PretrainDataModule"] == {"consumed_samples": 3 * 2 * BATCH}
+    assert saved["PretrainDataModule"] == {"consumed_samples": 3 * 2 * BATCH, "sample_offset": 0}
     # the train loader is resumable too, so Lightning restores it mid-epoch without warning
     loader_states = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert loader_states == [{"consumed_samples": 3 * 2 * BATCH}]

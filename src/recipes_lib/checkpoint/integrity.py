@@ -1,0 +1,277 @@
+"""Checksums of checkpoints: recorded when one is written, verified whenever one is read.
+
+A checkpoint file gets a sidecar beside it (``step000200.ckpt.sha256.json``); a sharded
+folder gets ``sha256.json`` inside it, written before the folder is renamed into place,
+so the folder and its record appear together. Both hold the same JSON::
+
+    {"format": 1, "global_step": 200,
+     "files": {"step000200.ckpt": {"bytes": 2147483648, "sha256": "9f86d0..."}}}
+
+A file's digest is computed while it is written (each block is hashed on its way to
+the disk), so recording it costs one SHA-256 pass on the CPU and no second read.
+Verifying reads every byte once more: sizes first (a truncated file fails at once),
+then the digests. A checkpoint verified once in a process is not hashed again while
+its files stay the same (size, inode and modification time), so the resume choice and
+the load that follows hash it once.
+
+A checkpoint without a record (written before checksums existed, or by DeepSpeed) is
+left to :func:`recipes_lib.checkpoint.resume.check_checkpoint`, which checks that it
+loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes_lib.checkpoint.layout import (
+    PARTIAL_SUFFIX,
+    SHARDED_CHECKSUM_NAME,
+    checksum_sidecar,
+)
+from recipes_lib.errors import CheckpointError, CorruptCheckpointError
+from recipes_lib.files import write_atomic, write_json_atomic
+
+FORMAT = 1
+_CHUNK = 8 << 20  # bytes read per hashing step
+
+# real path -> the stat signature it had when it last verified (see verify_checkpoint)
+_verified: dict[str, tuple] = {}
+
+
+def sha256_file(path: str | os.PathLike, chunk_size: int = _CHUNK) -> str:
+    """Hex SHA-256 digest of the file at ``path``, read in ``chunk_size`` pieces."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(chunk_size):
+                digest.update(chunk)
+    except OSError as err:
+        raise CheckpointError(f"cannot read '{path}' to checksum it: {err}") from err
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """The size and SHA-256 a file had when it was written."""
+
+    bytes: int
+    sha256: str
+
+    @classmethod
+    def of(cls, path: Path) -> FileDigest:
+        return cls(path.stat().st_size, sha256_file(path))
+
+
+@dataclass(frozen=True)
+class Checksums:
+    """A checkpoint's record: each file (relative to a sharded folder, or the file's own
+    name) with its digest, and the step the checkpoint was saved at."""
+
+    files: dict[str, FileDigest]
+    global_step: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "global_step": self.global_step,
+            "files": {n: {"bytes": d.bytes, "sha256": d.sha256} for n, d in self.files.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, record: Path) -> Checksums:
+        try:
+            files = {
+                str(name): FileDigest(int(entry["bytes"]), str(entry["sha256"]))
+                for name, entry in data["files"].items()
+            }
+            step = data.get("global_step")
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise CorruptCheckpointError(record, f"is not a checksum record ({err!r})") from err
+        return cls(files, int(step) if isinstance(step, int) else None)
+
+
+def record_path(checkpoint: str | os.PathLike) -> Path:
+    """Where ``checkpoint``'s checksums are: inside a folder, beside a file."""
+    path = Path(checkpoint)
+    return path / SHARDED_CHECKSUM_NAME if path.is_dir() else checksum_sidecar(path)
+
+
+def read_checksums(checkpoint: str | os.PathLike) -> Checksums | None:
+    """The record of ``checkpoint`` (a link is read as what it points at), or None when it
+    has none.
+
+    Raises:
+        CorruptCheckpointError: the record exists but cannot be read.
+    """
+    record = record_path(Path(checkpoint).resolve())
+    if not record.is_file():
+        return None
+    try:
+        data = json.loads(record.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpointError(record, f"cannot be read: {err}") from err
+    return Checksums.from_json(data, record)
+
+
+def recorded_step(checkpoint: str | os.PathLike) -> int | None:
+    """The step ``checkpoint``'s record names, without opening the checkpoint; None when
+    there is no readable record."""
+    try:
+        record = read_checksums(checkpoint)
+    except CheckpointError:
+        return None
+    return record.global_step if record is not None else None
+
+
+def write_checksums(checkpoint: str | os.PathLike, checksums: Checksums) -> Path:
+    """Write ``checkpoint``'s record atomically (beside a file, inside a folder)."""
+    return write_json_atomic(record_path(checkpoint), checksums.to_json())
+
+
+class _HashingWriter:
+    """A write-only file object that hashes what passes through it: ``torch.save``
+    streams the checkpoint through it, so the digest costs no second read."""
+
+    def __init__(self, file):
+        self._file = file
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data) -> int:
+        self._digest.update(data)
+        self.size += memoryview(data).nbytes
+        return self._file.write(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def save_torch_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> Checksums:
+    """``torch.save`` ``checkpoint`` to ``path`` atomically, then record its size, SHA-256
+    and ``global_step`` beside it.
+
+    An older record of ``path`` (``last.ckpt`` is rewritten) is removed first and the new
+    one written after the file is in place, so a crash anywhere leaves either a file
+    that matches its record or one without a record (checked by loading it), never a
+    good file whose record disagrees.
+    """
+    target = Path(path)
+    written: dict[str, FileDigest] = {}
+    checksum_sidecar(target).unlink(missing_ok=True)
+
+    def write(partial: Path) -> None:
+        with open(partial, "wb") as f:
+            hashing = _HashingWriter(f)
+            torch.save(checkpoint, hashing)
+        written["file"] = FileDigest(hashing.size, hashing.hexdigest())
+
+    write_atomic(target, write)
+    step = checkpoint.get("global_step")
+    checksums = Checksums({target.name: written["file"]}, step if isinstance(step, int) else None)
+    write_checksums(target, checksums)
+    remember_verified(target)
+    return checksums
+
+
+def folder_files(folder: Path) -> list[str]:
+    """Every file of a sharded folder that its record lists: all but the record itself and
+    files still being written (relative POSIX paths, sorted)."""
+    return sorted(
+        p.relative_to(folder).as_posix()
+        for p in folder.rglob("*")
+        if p.is_file() and p.name != SHARDED_CHECKSUM_NAME and not p.name.endswith(PARTIAL_SUFFIX)
+    )
+
+
+def _stat_key(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _signature(real: Path, checksums: Checksums) -> tuple | None:
+    base = real if real.is_dir() else real.parent
+    names = checksums.files if real.is_dir() else {real.name: None}
+    keys = [_stat_key(record_path(real))] + [_stat_key(base / n) for n in sorted(names)]
+    return None if None in keys else tuple(keys)
+
+
+def remember_verified(checkpoint: str | os.PathLike) -> None:
+    """Note that ``checkpoint`` matches its record (it was just written and hashed)."""
+    real = Path(checkpoint).resolve()
+    record = read_checksums(real)
+    if record is not None and (signature := _signature(real, record)) is not None:
+        _verified[str(real)] = signature
+
+
+def forget_verified() -> None:
+    """Forget which checkpoints verified in this process (a fresh process's view: the
+    next verification hashes again); for measurements and tests."""
+    _verified.clear()
+
+
+def _problem(real: Path, checksums: Checksums) -> str | None:
+    """What is wrong with ``real`` against its record (a phrase to follow its name), or
+    None when it matches."""
+    if real.is_dir():
+        files = [(name, real / name, checksums.files[name]) for name in sorted(checksums.files)]
+    elif len(checksums.files) == 1:
+        files = [(None, real, next(iter(checksums.files.values())))]
+    else:
+        return f"has a record listing {len(checksums.files)} files, not 1"
+    for name, path, want in files:  # sizes first: a truncated file fails without hashing
+        if not path.is_file():
+            return f"lacks {name}, which its record lists"
+        size = path.stat().st_size
+        if size != want.bytes:
+            what = "is" if name is None else f"has {name}"
+            if size < want.bytes:
+                return f"{what} truncated: {size:,} of {want.bytes:,} bytes"
+            return f"{what} {size:,} bytes long, {want.bytes:,} recorded"
+    for name, path, want in files:
+        if sha256_file(path) != want.sha256:
+            what = "" if name is None else f"has {name}, which "
+            return f"{what}differs from the SHA-256 recorded when it was written"
+    return None
+
+
+def verify_checkpoint(checkpoint: str | os.PathLike) -> bool:
+    """Check ``checkpoint`` (a file, a sharded folder, or a link to either) against the
+    checksums recorded when it was written.
+
+    Returns:
+        True when it matches its record; False when it has none (written before
+        checksums, or by DeepSpeed): then only loading it can tell.
+
+    Raises:
+        CheckpointError: it does not exist.
+        CorruptCheckpointError: it differs from its record (naming the file and how).
+    """
+    path = Path(checkpoint)
+    real = path.resolve()
+    if not real.exists():
+        raise CheckpointError(f"no such checkpoint '{path}'")
+    checksums = read_checksums(real)
+    if checksums is None:
+        return False
+    signature = _signature(real, checksums)
+    if signature is not None and _verified.get(str(real)) == signature:
+        return True
+    problem = _problem(real, checksums)
+    if problem is not None:
+        raise CorruptCheckpointError(path, problem)
+    if signature is not None:
+        _verified[str(real)] = signature
+    return True

@@ -1,0 +1,201 @@
+"""Which checkpoint a run resumes: the newest one that verifies.
+
+``run.ckpt_path=last`` and a pipeline's resume both call :func:`newest_good_checkpoint`
+on the run's ``checkpoints/`` folder. It lists every checkpoint there (step files,
+sharded folders, ``last.ckpt`` when it is a copy rather than a link), newest step first,
+and checks each in turn (:func:`check_checkpoint`) until one passes. A newer one that
+fails is moved aside (``<name>.corrupt-<time>``, never deleted) with one line naming it,
+what is wrong and the checkpoint used instead.
+
+Every process of a multi-process launch makes the same choice on its own (the process
+group does not exist yet): each checks the same files, and only global rank 0 moves
+anything. A checkpoint that another rank has just moved aside reads as missing, which
+is the same verdict.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from recipes_lib.checkpoint.integrity import verify_checkpoint
+from recipes_lib.checkpoint.layout import PARTIAL_SUFFIX, checksum_sidecar
+from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME, is_sharded_checkpoint
+from recipes_lib.checkpoint.weights import listed_step, read_checkpoint
+from recipes_lib.errors import CheckpointError, CorruptCheckpointError
+from recipes_lib.files import global_rank, move_aside
+
+log = logging.getLogger(__name__)
+
+
+def _check_unrecorded_folder(folder: Path) -> None:
+    """A sharded folder without checksums (written before them): its metadata files load
+    and every shard its ``.metadata`` names is there, at least as long as it says."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    read_checkpoint(folder / SHARDED_METADATA_NAME, verify=False)
+    metadata = FileSystemReader(folder).read_metadata()
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        shard = folder / name
+        if not shard.is_file():
+            raise CorruptCheckpointError(folder, f"lacks {name}, which its .metadata lists")
+        if shard.stat().st_size < end:
+            size = shard.stat().st_size
+            raise CorruptCheckpointError(folder, f"has {name} truncated: {size:,} of {end:,} bytes")
+
+
+def check_checkpoint(path: str | os.PathLike) -> bool:
+    """Check that ``path`` (a checkpoint file, a sharded folder, or a link to either) can be
+    resumed.
+
+    With a checksum record: every file against it. Without one (checkpoints written
+    before checksums were recorded still resume): a file must load as a torch
+    checkpoint, a sharded folder's metadata must load and name shards that are all
+    there; a bit flipped inside tensor data goes unnoticed then. A DeepSpeed folder,
+    which has no record, is taken as it is.
+
+    Returns:
+        True when checked against a checksum record, False when only by loading.
+
+    Raises:
+        CheckpointError: ``path`` does not exist.
+        CorruptCheckpointError: what is wrong with it, in one line.
+    """
+    target = Path(path)
+    if verify_checkpoint(target):
+        return True
+    real = target.resolve()
+    try:
+        if is_sharded_checkpoint(real):
+            _check_unrecorded_folder(real)
+        elif real.is_file():
+            read_checkpoint(real, verify=False)
+    except CorruptCheckpointError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever torch raises for a torn file
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else repr(err)
+        problem = f"has no checksum and does not load: {first_line}"
+        raise CorruptCheckpointError(target, problem) from err
+    return False
+
+
+def _candidates(folder: Path, at_most_step: int | None) -> list[Path]:
+    """Every checkpoint in ``folder`` (up to ``at_most_step``), the newest step first
+    (``last.ckpt`` before a step checkpoint of the same step; one whose step cannot be
+    told, last). Links are left out: ``last.ckpt`` as a link is the step checkpoint it
+    points at."""
+    ranked = []
+    for path in folder.glob("*.ckpt"):
+        if path.is_symlink() or not path.exists():
+            continue
+        is_last = path.name.startswith("last")
+        step = listed_step(path)
+        if step is None:  # a last.ckpt that cannot be read was the newest when written
+            step = 2**62 if is_last else -1
+        if at_most_step is not None and step > at_most_step:
+            continue
+        ranked.append(((step, is_last, path.name), path))
+    return [path for _, path in sorted(ranked, key=lambda item: item[0], reverse=True)]
+
+
+def move_aside_corrupt(path: Path) -> Path:
+    """Rename a checkpoint that failed verification, and its checksum sidecar, to
+    ``<name>.corrupt-<time>``; returns the new name of the checkpoint."""
+    moved = move_aside(path, "corrupt")
+    sidecar = checksum_sidecar(path)
+    if sidecar.exists():
+        move_aside(sidecar, "corrupt")
+    return moved
+
+
+def remove_unfinished_writes(folder: str | os.PathLike) -> list[Path]:
+    """Remove what an interrupted run left half-written in ``folder`` (hidden
+    ``.*.partial`` files and sharded folders, never renamed into place, so never a
+    checkpoint); call it only before this run writes anything there."""
+    directory = Path(folder)
+    removed = []
+    for path in sorted(directory.glob(f".*{PARTIAL_SUFFIX}")):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed.append(path)
+    if removed:
+        names = ", ".join(p.name for p in removed)
+        log.info("removed what an interrupted checkpoint write left in %s: %s", directory, names)
+    return removed
+
+
+def newest_good_checkpoint(
+    folder: str | os.PathLike, move_bad: bool | None = None, at_most_step: int | None = None
+) -> Path | None:
+    """The newest checkpoint in ``folder`` that passes :func:`check_checkpoint`, or None
+    when there is none at all (``at_most_step``: of those saved at that step or before,
+    as a rollback needs).
+
+    Newer ones that fail are moved aside (by global rank 0 unless ``move_bad`` says
+    otherwise), each logged (by rank 0) in one line with the checkpoint used instead.
+
+    Raises:
+        CorruptCheckpointError: checkpoints are there but none passes (they are moved
+            aside too, and named).
+    """
+    directory = Path(folder)
+    if not directory.is_dir():
+        return None
+    rank_zero = global_rank() == 0
+    if move_bad is None:
+        move_bad = rank_zero
+    failed: list[tuple[Path, str, Path | None]] = []
+    chosen = None
+    for path in _candidates(directory, at_most_step):
+        try:
+            check_checkpoint(path)
+        except CheckpointError as err:
+            problem = err.problem if isinstance(err, CorruptCheckpointError) else str(err)
+            failed.append((path, problem, move_aside_corrupt(path) if move_bad else None))
+            continue
+        chosen = path
+        break
+    for path, problem, moved in failed if rank_zero else ():
+        aside = f"moved aside to {moved.name}" if moved is not None else "left in place"
+        if chosen is None:
+            log.warning("checkpoint %s %s; %s", path, problem, aside)
+        else:
+            log.warning(
+                "checkpoint %s %s; %s; resuming from %s (step %s)",
+                path,
+                problem,
+                aside,
+                chosen,
+                listed_step(chosen),
+            )
+    if chosen is None and failed:
+        names = ", ".join(p.name for p, _, _ in failed)
+        aside = ", each moved aside" if move_bad else ""
+        raise CorruptCheckpointError(
+            directory,
+            f"holds no checkpoint that verifies ({names} failed{aside}); start afresh in "
+            "another run.dir, or name a checkpoint with run.ckpt_path=PATH",
+        )
+    return chosen
+
+
+def resume_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """What ``run.ckpt_path=last`` (and a pipeline's resume) starts from: what an
+    interrupted write left is removed (rank 0), then the newest checkpoint in ``folder``
+    that verifies; None when there is none yet.
+
+    Raises:
+        CorruptCheckpointError: checkpoints are there but none verifies.
+    """
+    directory = Path(folder)
+    if global_rank() == 0 and directory.is_dir():
+        remove_unfinished_writes(directory)
+    return newest_good_checkpoint(directory)

@@ -1,0 +1,179 @@
+"""What one decoder block keeps for its backward pass, per token, tensor by tensor.
+
+The terms follow ``TransformerBlock._forward`` in :mod:`recipes_lib.models.transformer`
+(pre-norm attention with RoPE, then a SwiGLU MLP) and what each op's backward needs
+(PyTorch saves an op's inputs only for the gradients it must compute: a frozen
+linear keeps no input). They were checked against ``torch.cuda.memory_allocated`` after
+the forward pass on an H100 (``benchmarks/memory_estimate.py``): eager blocks within 1%.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recipes_lib.config.schema import RunConfig
+
+RSTD_BYTES = 4  # RMSNorm's fp32 reciprocal RMS per token
+LSE_BYTES = 4  # the attention kernel's fp32 log-sum-exp per token and head
+MASK_BYTES = 1  # dropout's bool mask per element
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """The sizes the decoder's tensors are made of (``model.*``)."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    tie_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> DecoderShape:
+        m = cfg.model
+        return cls(
+            dim=m.dim,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads or m.n_heads,
+            head_dim=m.head_dim or m.dim // m.n_heads,
+            ffn_dim=m.ffn_dim,
+            vocab_size=m.vocab_size,
+            max_seq_len=m.max_seq_len,
+            tie_embeddings=m.tie_embeddings,
+            qkv_bias=m.qkv_bias,
+        )
+
+    @property
+    def q_width(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """Each block linear's ``(in_features, out_features)``, by native name."""
+        c, f, q, kv = self.dim, self.ffn_dim, self.q_width, self.kv_width
+        return {
+            "wq": (c, q),
+            "wk": (c, kv),
+            "wv": (c, kv),
+            "wo": (q, c),
+            "w1": (c, f),
+            "w3": (c, f),
+            "w2": (f, c),
+        }
+
+    def block_params(self) -> int:
+        """Parameters of one block: its linears, q/k/v biases and two norm gains."""
+        weights = sum(i * o for i, o in self.linears().values())
+        bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
+        return weights + bias + 2 * self.dim
+
+    @property
+    def head_params(self) -> int:
+        """The output head's (and the embedding's) ``vocab_size x dim``."""
+        return self.vocab_size * self.dim
+
+    def outer_params(self) -> int:
+        """Parameters outside the blocks: embedding, final norm, untied head."""
+        head = 0 if self.tie_embeddings else self.head_params
+        return self.head_params + self.dim + head
+
+    def num_params(self) -> int:
+        """Every parameter (a tied head counted once), as ``Transformer.num_params``."""
+        return self.n_layers * self.block_params() + self.outer_params()
+
+
+@dataclass(frozen=True)
+class ActivationDtypes:
+    """Bytes per element of what a block keeps, under one precision.
+
+    Attributes:
+        residual: the residual stream (the blocks' and norms' inputs).
+        compute: matmul outputs (q, k, v, attention, SwiGLU).
+        casts: autocast makes a bf16 copy of each linear's fp32 input, one per linear
+            that reads it (bf16-mixed and fp8 without FSDP).
+    """
+
+    residual: int
+    compute: int
+    casts: bool
+
+    @classmethod
+    def of(cls, precision: str, fsdp: bool) -> ActivationDtypes:
+        if precision == "32-true":
+            return cls(residual=4, compute=4, casts=False)
+        if precision == "bf16-true" or fsdp:  # FSDP2 gathers bf16 weights: a bf16 stream
+            return cls(residual=2, compute=2, casts=False)
+        return cls(residual=4, compute=2, casts=True)  # bf16-mixed, fp8: autocast
+
+
+def block_bytes_per_token(
+    shape: DecoderShape,
+    dt: ActivationDtypes,
+    *,
+    lora: dict[str, int] | None = None,
+    dropout: bool = False,
+    quantized: bool = False,
+    compiled: bool = False,
+) -> float:
+    """Bytes one block keeps for its backward, per token.
+
+    Eager (C dim, q and kv the query and key/value widths, F ffn_dim):
+
+    - each RMSNorm keeps its input (``residual x C``) and an fp32 rstd;
+    - wq, wk, wv keep their input, the attention norm's output, once; under autocast
+      each keeps its own bf16 cast of it (3 x 2C); w1 and w3 likewise (2 x 2C). A frozen
+      linear (LoRA's base) keeps none;
+    - attention keeps q and k after RoPE, v, its output (also wo's input: the same
+      storage) and an fp32 log-sum-exp per head;
+    - SwiGLU keeps w1's output (for SiLU), SiLU's and w3's outputs (for the product)
+      and the product (w2's input, when w2 trains). Under QLoRA with autocast these
+      three are fp32: bitsandbytes returns its output in its input's dtype;
+    - each LoRA adapter keeps the bf16 cast of its input (the compute dtype without
+      autocast), a one-byte dropout mask per input element, and ``r`` values.
+
+    Compiled (inductor, ``kernels.compile``): the norms' inputs, one copy of the
+    attention's input, the attention tensors and SwiGLU's three F-wide tensors are kept,
+    the rest is recomputed in the backward (measured, full training, H100, torch 2.11).
+
+    Args:
+        lora: adapted linear name -> rank (None: no adapter; every linear trains).
+        dropout: the adapters drop their input.
+        quantized: QLoRA's 4-bit base linears.
+        compiled: the block is compiled.
+    """
+    c, f, a, r = shape.dim, shape.ffn_dim, dt.compute, dt.residual
+    q, kv = shape.q_width, shape.kv_width
+    total = 2 * (r * c + RSTD_BYTES)  # the norms' inputs
+    total += (2 * q + 2 * kv) * a + LSE_BYTES * shape.n_heads  # q, k, v, output, lse
+    mlp = 4 if (quantized and dt.casts) else a
+    total += 3 * f * mlp  # w1's output, SiLU's output, w3's output
+    if compiled:
+        return float(total + a * c + _adapter_bytes(shape, dt, lora, dropout))
+    if lora is None:
+        total += f * a  # the product, w2's input
+        total += (5 * 2 * c) if dt.casts else 2 * r * c  # the linears' inputs
+    return float(total + _adapter_bytes(shape, dt, lora, dropout))
+
+
+def _adapter_bytes(
+    shape: DecoderShape, dt: ActivationDtypes, lora: dict[str, int] | None, dropout: bool
+) -> float:
+    if not lora:
+        return 0.0
+    linears = shape.linears()
+    kept = 0
+    for name, rank in lora.items():
+        width = linears[name][0]
+        kept += (2 if dt.casts else dt.compute) * width + rank * dt.compute
+        if dropout:
+            kept += MASK_BYTES * width
+    return float(kept)

@@ -1,0 +1,380 @@
+"""Per-GPU memory of a run, from its config: what :func:`estimate_memory` adds up.
+
+The figure is the peak of ``torch.cuda.max_memory_allocated`` over a training step
+once AdamW's moments exist, plus what PyTorch's allocator never sees (the CUDA context).
+A step passes through these moments; the largest is the peak (``P`` parameters, ``G``
+gradients, ``O`` optimizer state, per rank):
+
+- **forward**, at the loss: ``P + G + O`` (Lightning zeroes the last step's gradients
+  after the forward, before the backward) + the saved activations + the weight copies
+  kept for the backward + the loss's forward tensors (or, with activation
+  checkpointing or FSDP, the block being computed and its gathered weights);
+- **backward start**: ``P + O`` + the saved activations and kept weight copies + the
+  loss's gradient tensors;
+- **backward end**: ``P + G + O`` + one recomputed block (activation checkpointing) and
+  its weights' copies + the embedding's dense gradient before it is accumulated;
+- **build**: the whole decoder in its build dtype (a tied head is first made as its own
+  tensor), before quantization (QLoRA) or sharding (FSDP builds each rank's model whole).
+
+Storage: fp32 weights under ``32-true``, ``bf16-mixed`` and ``fp8`` (float8 casts are
+transient), bf16 under ``bf16-true``; QLoRA's targeted base linears in 4-bit NF4 with
+their absmax constants. Gradients and AdamW's two moments exist for trainable parameters
+only (LoRA: the adapters), in the parameter's dtype. A strategy divides what its
+:class:`~recipes_lib.parallel.strategy.StrategySpec` declares in ``sharded_state`` by the
+world size, and ``strategy.cpu_offload`` moves that (and AdamW's step) to the host.
+
+Weight copies: under bf16-mixed autocast casts each weight to bf16 at its matmul and
+the matmul keeps the copy for its backward, so without activation checkpointing every
+matmul weight has a bf16 copy at the loss; with it only the head's (the blocks' copies
+are made again when they are recomputed; autocast's cache does not hold them). FSDP2
+gathers each block in the compute dtype and keeps the last one gathered for the
+backward. Activations per block and token: :mod:`recipes_lib.launch_check.activations`.
+
+Every constant that is not a shape is in the block below, with where it comes from;
+``benchmarks/memory_estimate.py`` compares the estimate with measured peaks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.launch_check.activations import (
+    ActivationDtypes,
+    DecoderShape,
+    block_bytes_per_token,
+)
+from recipes_lib.parallel.precision import device_type
+from recipes_lib.parallel.strategy import StrategySpec, get_strategy
+
+GIB = 2**30
+
+# --------------------------------------------------------------------------- constants
+# Outside PyTorch's allocator: the CUDA context with its loaded kernels and the cuBLAS /
+# cuDNN handles (nvidia-smi's figure minus max_memory_reserved: about 0.5 GiB on an H100
+# with torch 2.11). Part of ``total``, the card's share; not of ``allocated``.
+CUDA_CONTEXT_BYTES = 600 * 2**20
+# Reserved beyond allocated: the caching allocator rounds blocks up and keeps freed
+# ones (max_memory_reserved / max_memory_allocated - 1 measured 0.01-0.20; the larger
+# figures where big loss tensors come and go).
+ALLOCATOR_SLACK = 0.10
+# cuBLAS/cuBLASLt workspaces, which PyTorch's allocator hands out (a few per stream).
+WORKSPACE_BYTES = 64 * 2**20
+# 4-bit NF4 (bitsandbytes): half a byte per weight plus one absmax per 64-weight block,
+# fp32, or with double quantization one byte plus an fp32 constant per 256 blocks.
+NF4_BYTES = 0.5
+NF4_BLOCK = 64
+NF4_DOUBLE_QUANT_GROUP = 256
+# AdamW keeps two moments per trainable parameter, each in the parameter's dtype.
+ADAM_MOMENTS = 2
+# Activation checkpointing: while a block's backward runs, its recomputed activations
+# and their gradients (about as large again) exist beside the stored block inputs.
+RECOMPUTED_BLOCKS = 2.0
+# FSDP2 gathers the block being computed and prefetches the next.
+GATHERED_BLOCKS = 2
+# Cross-entropy (``losses.causal_lm_loss``), bytes per token and vocabulary entry, ``a``
+# the logits' own bytes. Eager, the forward holds the logits, their fp32 copy and the
+# fp32 log-softmax (kept for the backward); the backward the kept log-softmax, its
+# incoming gradient and the logits' gradient, all fp32. Compiled (``kernels.compile``),
+# the upcast is fused into the log-softmax: the logits are kept, then their gradient.
+LOSS_FP32 = 4
+LOSS_BACKWARD = 3 * LOSS_FP32
+COMPILED_LOSS_FORWARD = 1  # times ``a``
+COMPILED_LOSS_BACKWARD = 2  # times ``a``
+# The fused chunked loss (``kernels.loss_chunk_size``) holds one chunk's fp32 logits and
+# logsumexp's two fp32 temporaries (the shifted logits and their exponentials).
+CHUNKED_LOSS_FORWARD = 3 * LOSS_FP32
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's device memory at the peak of a training step, in bytes.
+
+    The sum of the sizes below (``parameters`` to ``buffers``) is what PyTorch
+    allocates at the peak moment (``allocated``, to compare with
+    ``torch.cuda.max_memory_allocated``); ``total`` adds the allocator's slack and the
+    CUDA context: what the card must hold.
+
+    Attributes:
+        parameters: the weights this rank keeps on the device.
+        gradients: gradients of the trainable weights at the peak (0 where the peak
+            comes before they exist).
+        optimizer: AdamW's moments on the device.
+        activations: tensors kept for the backward at the peak.
+        logits: the loss's logits and their fp32 copies and gradients at the peak.
+        transient: weight copies (bf16 casts, gathered FSDP blocks) and the
+            embedding's dense gradient at the peak.
+        buffers: the RoPE tables and the cuBLAS workspaces.
+        build: the peak while the model is built (before quantization or sharding).
+        phase: the moment of the peak: ``forward``, ``backward start``,
+            ``backward end`` or ``build``.
+        overhead: the CUDA context and the allocator's slack (0 on a CPU).
+        notes: what the figure leaves out or assumes for this config.
+        gradient_bytes: every trainable parameter's gradient on this rank (what exists
+            after the backward), whatever the moment of the peak.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    logits: int
+    transient: int
+    buffers: int
+    build: int
+    phase: str
+    overhead: int
+    world_size: int
+    notes: tuple[str, ...] = field(default_factory=tuple)
+    gradient_bytes: int = 0
+
+    @property
+    def allocated(self) -> int:
+        """Peak bytes PyTorch allocates (``max_memory_allocated``)."""
+        steady = (
+            self.parameters
+            + self.gradients
+            + self.optimizer
+            + self.activations
+            + self.logits
+            + self.transient
+            + self.buffers
+        )
+        return max(steady, self.build)
+
+    @property
+    def total(self) -> int:
+        """What the device must hold: the peak, the allocator's slack, the CUDA context."""
+        return self.allocated + self.overhead
+
+    def as_gib(self) -> dict[str, float | str | int]:
+        """The breakdown in GiB (two decimals), for reports."""
+        sizes = (
+            "parameters",
+            "gradients",
+            "optimizer",
+            "activations",
+            "logits",
+            "transient",
+            "buffers",
+        )
+        out: dict[str, float | str | int] = {k: round(getattr(self, k) / GIB, 2) for k in sizes}
+        out.update(
+            build=round(self.build / GIB, 2),
+            overhead=round(self.overhead / GIB, 2),
+            allocated=round(self.allocated / GIB, 2),
+            total=round(self.total / GIB, 2),
+            phase=self.phase,
+            world_size=self.world_size,
+        )
+        return out
+
+
+def nf4_bytes_per_weight(double_quant: bool) -> float:
+    """Bytes of one 4-bit NF4 weight with its share of the quantization constants."""
+    if double_quant:
+        return NF4_BYTES + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_DOUBLE_QUANT_GROUP)
+    return NF4_BYTES + 4 / NF4_BLOCK
+
+
+def adapted_linears(cfg: RunConfig) -> dict[str, int] | None:
+    """Adapted linear name -> LoRA rank, or None without an adapter."""
+    if cfg.adapter.kind == "none":
+        return None
+    from recipes_lib.adapters.lora import native_targets
+
+    return {name: cfg.adapter.r for name in native_targets(cfg.adapter)}
+
+
+def rows_per_micro_batch(cfg: RunConfig) -> int:
+    """Sequences in one micro-batch: a preference pair is two rows (chosen, rejected)."""
+    return cfg.data.batch_size * (2 if cfg.stage.objective == "dpo" else 1)
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """How many parameters of the run's decoder train, are quantized, are adapters."""
+
+    total: int  # every parameter of the decoder
+    trainable: int
+    quantized: int  # 4-bit NF4 weights (QLoRA's base linears)
+    adapters: int  # LoRA's A and B
+
+    @classmethod
+    def of(cls, shape: DecoderShape, lora: dict[str, int] | None, qlora: bool) -> ParameterCounts:
+        total, linears = shape.num_params(), shape.linears()
+        if lora is None:
+            return cls(total=total, trainable=total, quantized=0, adapters=0)
+        adapters = shape.n_layers * sum(r * sum(linears[n]) for n, r in lora.items())
+        quantized = 0
+        if qlora:
+            quantized = shape.n_layers * sum(i * o for n, (i, o) in linears.items() if n in lora)
+        return cls(total=total, trainable=adapters, quantized=quantized, adapters=adapters)
+
+
+def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
+    """One rank's device memory at the peak of a training step of ``cfg``, in bytes.
+
+    The moments compared and the constants used are the module docstring's. Shapes come
+    from ``model``, the micro-batch from ``data.batch_size`` x ``data.seq_len`` (gradient
+    accumulation adds nothing: the gradients are counted whole anyway).
+
+    Args:
+        cfg: the typed run config (``precision=auto`` already resolved).
+        world_size: processes the strategy spreads the run over.
+    """
+    shape, spec = DecoderShape.of(cfg), get_strategy(cfg.strategy.name)
+    precision, world = cfg.precision.name, max(1, world_size)
+    checkpointing, compiled = cfg.kernels.activation_checkpointing, bool(cfg.kernels.compile)
+    offload = cfg.strategy.cpu_offload and spec.cpu_offload
+    fsdp = spec.shard is not None
+    mixed = precision in ("bf16-mixed", "fp8")
+    weight_bytes = 2 if precision == "bf16-true" else 4
+    compute_bytes = 4 if precision == "32-true" else 2
+    dt = ActivationDtypes.of(precision, fsdp and mixed)
+    lora = adapted_linears(cfg)
+    qlora = cfg.adapter.kind == "qlora"
+    weights = ParameterCounts.of(shape, lora, qlora)
+
+    def share(state: str, size: float) -> float:
+        if state not in spec.sharded_state:
+            return size
+        return 0.0 if offload else size / world
+
+    # --- what lives through the step
+    dense = weights.total + weights.adapters - weights.quantized
+    parameters = share("parameters", dense * weight_bytes + _reference_bytes(cfg, lora, weights))
+    parameters += weights.quantized * nf4_bytes_per_weight(cfg.adapter.double_quant)
+    gradients = share("gradients", weights.trainable * weight_bytes)
+    optimizer = (
+        0.0 if offload else share("optimizer", weights.trainable * ADAM_MOMENTS * weight_bytes)
+    )
+    rope = 2 * shape.max_seq_len * shape.head_dim * 4  # cos and sin, fp32
+    buffers = rope + (WORKSPACE_BYTES if _on_cuda(cfg) else 0)
+
+    # --- weight copies kept from the forward to the backward, and while computing
+    head = shape.head_params
+    block_linear = sum(i * o for i, o in shape.linears().values())
+    if fsdp:  # the last block stays gathered for the backward
+        kept = shape.block_params() * compute_bytes
+        gathering = (GATHERED_BLOCKS * shape.block_params() + shape.outer_params()) * compute_bytes
+    else:
+        gathering = 0
+        if not mixed:
+            kept = 0.0
+        elif checkpointing or qlora:  # 4-bit bases are dequantized per use, kept by none
+            kept = 2 * head
+        else:
+            kept = 2 * (shape.n_layers * block_linear + head)
+        kept += 2 * weights.adapters if mixed else 0
+
+    # --- activations and the loss
+    tokens = rows_per_micro_batch(cfg) * cfg.data.seq_len
+    block = tokens * block_bytes_per_token(
+        shape,
+        dt,
+        lora=lora,
+        dropout=bool(lora) and cfg.adapter.dropout > 0,
+        quantized=qlora,
+        compiled=compiled,
+    )
+    head_input = ((2 if dt.casts else dt.residual) * shape.dim) if lora is None else 0
+    saved = tokens * (dt.residual * shape.dim + head_input + 8)  # final norm, head, ids
+    logit_bytes = dt.compute
+    vocab_tokens = tokens * shape.vocab_size
+    if cfg.kernels.loss_chunk_size is not None:
+        # the fused loss keeps d(loss)/d(hidden) and an fp32 d(loss)/d(head) from the
+        # forward, and holds one chunk's logits at a time
+        saved += tokens * dt.residual * shape.dim + LOSS_FP32 * head
+        rows = min(cfg.kernels.loss_chunk_size, tokens)
+        loss_forward, loss_backward = rows * shape.vocab_size * CHUNKED_LOSS_FORWARD, 0.0
+    elif compiled:
+        loss_forward = vocab_tokens * logit_bytes * COMPILED_LOSS_FORWARD
+        loss_backward = vocab_tokens * logit_bytes * COMPILED_LOSS_BACKWARD
+    else:
+        upcast = LOSS_FP32 if logit_bytes != LOSS_FP32 else 0
+        loss_forward = vocab_tokens * (logit_bytes + upcast + LOSS_FP32)
+        loss_backward = vocab_tokens * LOSS_BACKWARD
+    if checkpointing:
+        saved += shape.n_layers * tokens * dt.residual * shape.dim  # the blocks' inputs
+        computing, recomputed = block, RECOMPUTED_BLOCKS * block
+    else:
+        saved += shape.n_layers * block
+        computing, recomputed = 0.0, 0.0
+    computing += gathering
+    embedding_grad = head * dt.residual if weights.trainable == weights.total else 0
+    recast = 2 * block_linear if (mixed and not fsdp and checkpointing) else 0
+
+    # --- the moments of a step; the largest is the peak
+    fixed = parameters + optimizer + buffers
+    moments = {  # (gradients, activations, logits, weight copies)
+        "forward": (gradients, saved, max(loss_forward, computing), kept),
+        "backward start": (0.0, saved, loss_backward, kept),
+        "backward end": (gradients, recomputed, 0.0, embedding_grad + recast + gathering),
+    }
+    phase, (grads, acts, logits, transient) = max(moments.items(), key=lambda item: sum(item[1]))
+    if phase == "forward" and computing > loss_forward:
+        acts, logits = acts + computing - gathering, 0.0  # the peak is inside the blocks
+        transient += gathering
+    built = 0.0  # offloaded: built on the CPU
+    if not (offload and "parameters" in spec.sharded_state):
+        # a tied head is made as its own tensor before it is tied
+        built = weights.total + (head if shape.tie_embeddings else 0)
+    build = built * weight_bytes + buffers
+    steady = fixed + grads + acts + logits + transient
+    if build > steady:
+        phase = "build"
+    allocated = max(build, steady)
+    overhead = CUDA_CONTEXT_BYTES + ALLOCATOR_SLACK * allocated if _on_cuda(cfg) else 0.0
+    return MemoryEstimate(
+        parameters=int(parameters),
+        gradients=int(grads),
+        optimizer=int(optimizer),
+        activations=int(acts),
+        logits=int(logits),
+        transient=int(transient),
+        buffers=int(buffers),
+        build=int(build),
+        phase=phase,
+        overhead=int(overhead),
+        world_size=world,
+        notes=tuple(_notes(cfg, spec, lora)),
+        gradient_bytes=int(gradients),
+    )
+
+
+def _on_cuda(cfg: RunConfig) -> bool:
+    return device_type(cfg.trainer.accelerator, torch.cuda.is_available()) == "cuda"
+
+
+def _reference_bytes(
+    cfg: RunConfig, lora: dict[str, int] | None, weights: ParameterCounts
+) -> float:
+    """A separate frozen DPO reference on the device: none with an adapter over the same
+    base (the policy without its adapters), or once precomputed log-probs freed it."""
+    if cfg.stage.objective != "dpo" or cfg.preference.precompute_reference:
+        return 0.0
+    settings = cfg.preference
+    same_base = settings.reference_from is None or settings.reference_from == cfg.stage.init_from
+    return 0.0 if (lora and same_base) else float(weights.total)
+
+
+def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> list[str]:
+    """What the figure assumes beyond the measured cases."""
+    notes = []
+    if spec.needs_package is not None:
+        notes.append(f"strategy={spec.name}: its partitioning counted like FSDP's (not measured)")
+    if cfg.strategy.cpu_offload:
+        notes.append("strategy.cpu_offload: the host's share is not counted")
+    if cfg.precision.name == "fp8":
+        notes.append("precision=fp8: activations counted as bf16 (float8 copies are smaller)")
+    if cfg.kernels.compile and lora:
+        notes.append("compiled blocks with an adapter: the adapters counted as eager")
+    if cfg.stage.objective == "dpo":
+        notes.append("dpo: each pair counted as two rows of data.seq_len tokens")
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        notes.append("PYTORCH_CUDA_ALLOC_CONF is set: the allocator's slack may differ")
+    return notes

@@ -1,0 +1,132 @@
+"""A stage's output weights: the final weights, the mean of its last step checkpoints
+(``stage.average_last_k``) or their moving average (``stage.ema_decay``), with an
+adapter merged in (and saved alone in PEFT's format), written to
+``<run.dir>/model.safetensors`` on global rank 0. Weights holding a non-finite value are
+never written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from recipes_lib.adapters import has_adapter, merge_adapter, save_adapter
+from recipes_lib.callbacks.ema import WeightEMA
+from recipes_lib.checkpoint.layout import RunDir
+from recipes_lib.checkpoint.weights import average_checkpoints, list_step_checkpoints, save_weights
+from recipes_lib.config import RunConfig
+from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.parallel.strategy import get_strategy
+
+
+def step_saver(cfg: RunConfig, trainer: L.Trainer) -> tuple[ModelCheckpoint, int] | None:
+    """The checkpoint callback that saves every N optimizer steps and its N, if there is one.
+
+    ModelCheckpoint keeps N to itself, so N is read from the ``callbacks`` entry the
+    callback was built from: its ``every_n_train_steps``, which the shipped callback
+    groups set to ``run.checkpoint_every_n_steps``.
+    """
+    every = next(
+        (
+            int(node["every_n_train_steps"])
+            for node in cfg.callbacks.values()
+            if isinstance(node, Mapping) and (node.get("every_n_train_steps") or 0) > 0
+        ),
+        None,
+    )
+    savers = [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)]
+    if every is None or not savers:
+        return None
+    return savers[0], every
+
+
+def prepare_averaging(
+    cfg: RunConfig, trainer: L.Trainer, steps: int, ckpt_path: str | None
+) -> ModelCheckpoint | None:
+    """Check that ``stage.average_last_k`` step checkpoints will exist, and keep them all.
+
+    Raises:
+        ConfigError: no callback saves step checkpoints, the last step would not be
+            saved, or a fresh run would save fewer than K of them.
+    """
+    k = cfg.stage.average_last_k
+    if k is None:
+        return None
+    found = step_saver(cfg, trainer)
+    if found is None:
+        raise ConfigError(
+            f"stage.average_last_k={k} averages step checkpoints, but no ModelCheckpoint "
+            "callback saves every N train steps (callbacks.checkpoint)"
+        )
+    saver, every = found
+    if steps % every != 0:
+        raise ConfigError(
+            f"stage.average_last_k={k}: the run ends at step {steps}, which is not a multiple "
+            f"of the checkpoint interval {every} (run.checkpoint_every_n_steps), so the "
+            "average would leave out the final weights"
+        )
+    if ckpt_path is None and steps // every < k:
+        raise ConfigError(
+            f"stage.average_last_k={k}, but {steps} steps with a checkpoint every {every} "
+            f"(run.checkpoint_every_n_steps) save only {steps // every}"
+        )
+    saver.save_top_k = -1  # keep every step checkpoint (with no monitor: all or one)
+    return saver
+
+
+def export_weights(
+    cfg: RunConfig,
+    trainer: L.Trainer,
+    module: L.LightningModule,
+    out: Path,
+    saver: ModelCheckpoint | None,
+    ema: WeightEMA | None,
+) -> tuple[Path, list[Path]]:
+    """Write the stage's output weights (rank 0) and say which checkpoints they average.
+
+    Raises:
+        CheckpointError: fewer than ``stage.average_last_k`` step checkpoints up to the
+            final step are on disk, or the newest is not the final step.
+    """
+    step = trainer.global_step
+    chosen: list[Path] = []
+    if saver is not None and saver.dirpath is not None:
+        k = cfg.stage.average_last_k
+        saved = [(s, p) for s, p in list_step_checkpoints(saver.dirpath) if s <= step]
+        if len(saved) < k or saved[-1][0] != step:
+            found = ", ".join(f"{p.name} (step {s})" for s, p in saved) or "none"
+            raise CheckpointError(
+                f"stage.average_last_k={k} needs the last {k} step checkpoints up to step "
+                f"{step} in {saver.dirpath}; found: {found}"
+            )
+        chosen = [p for _, p in saved[-k:]]
+    path = RunDir(out).weights
+    # sharded weights are gathered by every rank together, onto rank 0
+    final = get_strategy(cfg.strategy.name).gather_full_state_dict(module.model, trainer.strategy)
+    if trainer.is_global_zero:
+        if chosen:
+            state, source = average_checkpoints(chosen), f"mean of {len(chosen)} checkpoints"
+        elif ema is not None:
+            state, source = ema.averaged_state_dict(module.model), f"ema decay {ema.decay}"
+        else:
+            state, source = final, "final"
+        if has_adapter(module.model):
+            save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
+            state, source = (
+                merge_adapter(module.model, state),
+                f"{source}, {cfg.adapter.kind} merged",
+            )
+        bad = [
+            name for name, t in state.items() if t.is_floating_point() and not t.isfinite().all()
+        ]
+        if bad:  # never hand on weights a run cannot recover from
+            raise CheckpointError(
+                f"the output weights ({source}) hold non-finite values in {len(bad)} "
+                f"tensor(s) ({', '.join(bad[:3])}); {path} is not written"
+            )
+        save_weights(state, path, metadata={"global_step": str(step), "weights": source})
+    trainer.strategy.barrier("export_weights")
+    return path, chosen

@@ -1,0 +1,83 @@
+"""Sharded folders appear whole, with every file's checksum inside, written in the
+foreground or in the background (one gloo process here; two in
+tests/integration/test_checkpoint_integrity.py)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from damage import flip_byte, truncate
+
+from recipes_lib.checkpoint.integrity import read_checksums, verify_checkpoint
+from recipes_lib.checkpoint.resume import check_checkpoint, newest_good_checkpoint
+from recipes_lib.checkpoint.sharded import read_sharded_checkpoint
+from recipes_lib.checkpoint.sharded_save import ShardedSaver
+from recipes_lib.checkpoint.weights import checkpoint_step
+from recipes_lib.errors import CorruptCheckpointError
+
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"
+)
+
+
+def _one_process(tmp_path) -> None:
+    store = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_sharded_folder_lands_whole_with_its_checksums(tmp_path, asynchronous):
+    _one_process(tmp_path)
+    landed = []
+    saver = ShardedSaver(timedelta(minutes=1), on_landed=landed.append)
+    weight = torch.randn(64, 64)
+    saved = weight.clone()
+    path = tmp_path / "step000003.ckpt"
+    saver.save({"state_dict": {"w": weight}}, {"global_step": 3}, path, asynchronous=asynchronous)
+    weight.add_(1.0)  # training goes on; the checkpoint keeps the weights it was given
+    saver.close()
+    assert landed == [path]
+    assert not list(tmp_path.glob(".*partial"))
+    record = read_checksums(path)
+    assert record.global_step == 3 == checkpoint_step(path)
+    assert {".metadata", "meta.pt"} <= set(record.files)
+    assert verify_checkpoint(path)
+    assert torch.equal(read_sharded_checkpoint(path)["w"], saved)
+    [timing] = saver.timings
+    assert timing.asynchronous is asynchronous and timing.bytes > 64 * 64 * 4
+    assert 0 <= timing.blocked_s <= timing.finished_s
+    flip_byte(path)
+    with pytest.raises(CorruptCheckpointError, match=r"has __0_0\.distcp, which differs"):
+        verify_checkpoint(path)
+
+
+def test_a_failed_background_save_fails_the_next_wait(tmp_path, monkeypatch):
+    _one_process(tmp_path)
+    saver = ShardedSaver(timedelta(minutes=1))
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("recipes_lib.checkpoint.sharded_save.FileDigest.of", broken)
+    path = tmp_path / "step000001.ckpt"
+    saver.save({"state_dict": {"w": torch.ones(4)}}, {"global_step": 1}, path, asynchronous=True)
+    with pytest.raises(Exception, match="background save of .*step000001.ckpt' failed: disk full"):
+        saver.wait()
+    assert not path.exists()  # never renamed into place
+    saver.close()
+
+
+def test_a_sharded_folder_without_checksums_is_checked_by_its_metadata(tmp_path):
+    _one_process(tmp_path)
+    saver = ShardedSaver(timedelta(minutes=1))
+    path = tmp_path / "step000002.ckpt"
+    saver.save({"state_dict": {"w": torch.ones(256)}}, {"global_step": 2}, path, False)
+    (path / "sha256.json").unlink()  # as written before checksums
+    assert check_checkpoint(path) is False  # loadable: accepted without a checksum
+    assert newest_good_checkpoint(tmp_path) == path
+    truncate(path)
+    with pytest.raises(CorruptCheckpointError, match=r"has __0_0\.distcp truncated"):
+        check_checkpoint(path)

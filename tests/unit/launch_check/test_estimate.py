@@ -1,0 +1,164 @@
+"""The pre-launch check's figures from a config alone: the memory estimate's pieces, the
+token budget and the expected step time (no data, no weights, no GPU)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from recipes_lib.config import compose_config, to_run_config
+from recipes_lib.launch_check import estimate_memory, step_time, token_budget
+from recipes_lib.launch_check.activations import DecoderShape
+from recipes_lib.launch_check.budget import ASSUMED_MFU, step_flops
+from recipes_lib.launch_check.memory import ParameterCounts, adapted_linears, nf4_bytes_per_weight
+from recipes_lib.models import Transformer
+
+# a small decoder whose activations and logits matter, on the CPU (no CUDA overhead)
+SMALL = (
+    "model=tiny",
+    "trainer.accelerator=cpu",
+    "data.seq_len=512",
+    "data.batch_size=4",
+    "model.max_seq_len=512",
+)
+
+
+@functools.cache
+def cfg_of(*overrides: str):
+    return to_run_config(compose_config([*SMALL, *overrides]))
+
+
+def meta_params(cfg) -> int:
+    with torch.device("meta"):
+        return Transformer(cfg.model).num_params()
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama_1b", "llama_8b", "qwen2_0_5b", "smollm_135m"])
+def test_shapes_count_the_parameters_the_model_has(model):
+    cfg = to_run_config(compose_config([f"model={model}"]))
+    assert DecoderShape.of(cfg).num_params() == meta_params(cfg)
+
+
+@pytest.mark.parametrize(
+    ("precision", "weight", "grad", "moments"),
+    [("32-true", 4, 4, 8), ("bf16-mixed", 4, 4, 8), ("bf16-true", 2, 2, 4)],
+)
+def test_full_training_stores_weights_gradients_and_two_moments(precision, weight, grad, moments):
+    cfg = cfg_of(f"precision={precision}")
+    n = meta_params(cfg)
+    est = estimate_memory(cfg, world_size=1)
+    assert est.parameters == n * weight  # fp32 master weights under bf16-mixed
+    assert est.gradient_bytes == n * grad
+    assert est.optimizer == n * moments
+    assert est.overhead == 0  # no CUDA context on a CPU
+    assert est.allocated == max(est.build, sum_of_pieces(est))
+    assert est.total == est.allocated + est.overhead
+
+
+def sum_of_pieces(est) -> int:
+    pieces = ("parameters", "gradients", "optimizer", "activations", "logits", "transient")
+    return sum(getattr(est, name) for name in (*pieces, "buffers"))
+
+
+def test_sharded_strategies_divide_what_they_shard_by_the_world_size():
+    single = estimate_memory(cfg_of("precision=bf16-mixed"), world_size=1)
+    fsdp = estimate_memory(cfg_of("precision=bf16-mixed", "strategy=fsdp"), world_size=4)
+    assert fsdp.parameters == single.parameters // 4
+    assert fsdp.gradient_bytes == single.gradient_bytes // 4
+    assert fsdp.optimizer == single.optimizer // 4
+    zero2 = estimate_memory(cfg_of("precision=bf16-mixed", "strategy=deepspeed_zero2"), 4)
+    assert zero2.parameters == single.parameters  # ZeRO-2 keeps whole weights
+    assert zero2.gradient_bytes == single.gradient_bytes // 4
+    assert zero2.optimizer == single.optimizer // 4
+    ddp = estimate_memory(cfg_of("precision=bf16-mixed", "strategy=ddp"), world_size=4)
+    assert (ddp.parameters, ddp.optimizer) == (single.parameters, single.optimizer)
+
+
+def test_cpu_offload_moves_the_sharded_state_off_the_gpu():
+    cfg = cfg_of("precision=bf16-mixed", "strategy=fsdp", "strategy.cpu_offload=true")
+    est = estimate_memory(cfg, world_size=2)
+    assert est.parameters == est.gradient_bytes == est.optimizer == 0
+    assert est.build == est.buffers  # built on the CPU
+    assert any("cpu_offload" in note for note in est.notes)
+
+
+def test_activation_checkpointing_keeps_only_block_inputs():
+    plain = estimate_memory(cfg_of("precision=bf16-mixed"), world_size=1)
+    checkpointed = estimate_memory(
+        cfg_of("precision=bf16-mixed", "kernels.activation_checkpointing=true"), world_size=1
+    )
+    shape, tokens = DecoderShape.of(cfg_of()), 4 * 512
+    assert checkpointed.activations < plain.activations
+    assert checkpointed.allocated < plain.allocated
+    # at the loss, the blocks keep their fp32 inputs and nothing else
+    if checkpointed.phase in ("forward", "backward start"):
+        inputs = shape.n_layers * tokens * 4 * shape.dim
+        assert inputs < checkpointed.activations < inputs + tokens * 16 * shape.dim
+
+
+def test_lora_trains_only_the_adapters_and_qlora_stores_the_base_in_4_bit():
+    full = estimate_memory(cfg_of("precision=bf16-mixed"), world_size=1)
+    lora_cfg = cfg_of("precision=bf16-mixed", "adapter=lora", "adapter.r=4")
+    lora = estimate_memory(lora_cfg, world_size=1)
+    qlora = estimate_memory(cfg_of("precision=bf16-mixed", "adapter=qlora", "adapter.r=4"), 1)
+    shape = DecoderShape.of(lora_cfg)
+    adapters = ParameterCounts.of(shape, adapted_linears(lora_cfg), qlora=False).adapters
+    linears = shape.linears()
+    assert adapters == shape.n_layers * 4 * sum(i + o for i, o in linears.values())
+    assert lora.gradient_bytes == adapters * 4
+    assert lora.optimizer == adapters * 8
+    assert lora.parameters == (meta_params(lora_cfg) + adapters) * 4
+    base = shape.n_layers * sum(i * o for i, o in linears.values())
+    assert qlora.parameters == pytest.approx(
+        lora.parameters - base * 4 + base * nf4_bytes_per_weight(True), abs=1
+    )
+    assert qlora.parameters < lora.parameters < full.parameters + adapters * 4 + 1
+
+
+def test_the_chunked_loss_never_holds_the_whole_logits():
+    shape = DecoderShape.of(cfg_of())
+    whole = estimate_memory(cfg_of(), world_size=1)
+    chunked = estimate_memory(cfg_of("kernels.loss_chunk_size=256"), world_size=1)
+    assert whole.logits >= 4 * 512 * shape.vocab_size * 4  # B*T*V*4 at least
+    assert chunked.logits < whole.logits
+    assert chunked.logits <= 256 * shape.vocab_size * 12
+
+
+def test_a_longer_micro_batch_needs_more_memory():
+    short = estimate_memory(cfg_of(), world_size=1)
+    long = estimate_memory(cfg_of("data.batch_size=8"), world_size=1)
+    assert long.activations + long.logits > short.activations + short.logits
+    assert long.parameters == short.parameters
+
+
+def test_token_budget_counts_steps_times_global_batch_times_sequence():
+    cfg = cfg_of("trainer.max_steps=100", "trainer.accumulate_grad_batches=2")
+    budget = token_budget(cfg, world_size=2)
+    assert budget.tokens_per_step == 512 * 4 * 2 * 2
+    assert budget.tokens == 100 * budget.tokens_per_step
+    assert budget.parameters == meta_params(cfg)
+    assert budget.tokens_per_parameter == pytest.approx(budget.tokens / budget.parameters)
+    assert "under Chinchilla's ~20" in budget.summary()
+    long = token_budget(cfg_of("trainer.max_steps=100000"), world_size=8)
+    assert long.tokens_per_parameter > 20 and "over Chinchilla's ~20" in long.summary()
+    by_tokens = token_budget(cfg_of("stage.max_tokens=1000000"), world_size=1)
+    assert by_tokens.steps == -(-1_000_000 // (512 * 4))  # stage.max_tokens wins
+    tuned = token_budget(cfg_of("stage=sft"), world_size=1)
+    assert "fine-tuning" in tuned.summary()
+
+
+def test_step_time_is_the_flops_at_the_assumed_mfu_of_the_cards_peak():
+    cfg = cfg_of("precision=bf16-mixed", "trainer.accumulate_grad_batches=2")
+    with torch.device("meta"):
+        per_token = Transformer(cfg.model).flops_per_token(512)
+    assert step_flops(cfg, world_size=2) == pytest.approx(per_token * 4 * 512 * 2 * 2)
+    on_h100 = step_time(cfg, world_size=2, device_name="NVIDIA H100 80GB HBM3")
+    expected = on_h100.flops / (2 * 989.5e12 * ASSUMED_MFU)
+    assert on_h100.seconds == pytest.approx(expected)
+    assert "989.5 TFLOP/s" in on_h100.summary()
+    unknown = step_time(cfg_of(), world_size=1)  # trainer.accelerator=cpu
+    assert unknown.seconds is None and "unknown card" in unknown.summary()
+    recomputed = step_flops(cfg_of("kernels.activation_checkpointing=true"), world_size=1)
+    assert recomputed == pytest.approx(step_flops(cfg_of(), world_size=1) * 8 / 6)
