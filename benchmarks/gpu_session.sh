@@ -11,9 +11,10 @@
 #                                              # automatic GC) and profiles of the steps behind them
 #   bash benchmarks/gpu_session.sh offload     # every multi-GPU test, and the offload choices'
 #                                              # largest model from 7B up (longer attempts)
-#   bash benchmarks/gpu_session.sh long_runs   # single-GPU tests, the
+#   bash benchmarks/gpu_session.sh long_runs   # single-GPU tests, the end of a run, the
 #                                              # memory estimate, the guard's cost (2 GPUs)
 #   bash benchmarks/gpu_session.sh stall       # the checkpoint stall, sync vs async (2 GPUs)
+#   bash benchmarks/gpu_session.sh long_runs2  # the end of a run, single-GPU tests (2 GPUs)
 #   bash benchmarks/gpu_session.sh multigpu    # every multi-GPU test (2 GPUs)
 #
 # Jobs that run at once each get their own GPUs (CUDA_VISIBLE_DEVICES); no two timed
@@ -84,7 +85,8 @@ speed)  # two phases that fit one ten-minute call
       --out $OUT/profile_1b_fsdp4.json"
   wait ;;
 long_runs)
-  job end_memory 0 "$PY benchmarks/memory_estimate.py --out $OUT/memory_estimate.json"
+  job end_memory 0 "$PY benchmarks/end_of_run.py --out $OUT/end_of_run.json;
+    $PY benchmarks/memory_estimate.py --out $OUT/memory_estimate.json"
   job gpu_tests 1 "env $REC $PY -m pytest -q $ONE_GPU_TESTS;
     cp tests/gpu/reference_losses.json $OUT/;
     $PY benchmarks/pretrain_throughput.py --models llama_1b --trainers recipes_lib,plain_pytorch \
@@ -93,6 +95,11 @@ long_runs)
 stall)
   job stall 0,1 "$PY benchmarks/checkpoint_stall.py --gpus 2 --checkpoint-dir /tmp/ckpt-stall \
     --budget-s 540 --out $OUT/checkpoint_stall.json"
+  wait ;;
+long_runs2)
+  job end 0 "$PY benchmarks/end_of_run.py --out $OUT/end_of_run.json"
+  job gpu_tests 1 "env $REC $PY -m pytest -q $ONE_GPU_TESTS;
+    cp tests/gpu/reference_losses.json $OUT/"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"
