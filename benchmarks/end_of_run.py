@@ -13,8 +13,8 @@ object. Per run:
 - ``phases_s``: the tail split by what the main thread was doing, from its stack
   sampled every ``--sample-ms`` after the last step (validation, checkpoint save,
   weights export, Lightning's teardown, interpreter exit, other; a sample counts the
-  time since the one before), and ``top_frames``: the library and framework frames the
-  "other" samples sat in. ``events_after_last_step_s``: when ``on_train_end`` and
+  time since the one before), and ``top_frames``: per phase, the innermost library and
+  framework frames the samples sat in. ``events_after_last_step_s``: when ``on_train_end`` and
   ``on_fit_end`` ran and the clock's exit handler (the first of them) began.
 
 Two runs by default, on one GPU: ``pretrain`` (``recipe=pretrain/llama_1b``, the
@@ -127,15 +127,14 @@ def summarise(clock: dict, exited: float, timed_from: int) -> dict:
     steps = [b - a for a, b in zip(ends[timed_from:], ends[timed_from + 1 :], strict=False)]
     last = ends[-1]
     phases: Counter[str] = Counter()
-    frames: Counter[str] = Counter()
+    frames: dict[str, Counter[str]] = {}
     # each sample stands for the time since the one before it: where the main thread
     # holds the interpreter lock in C code (pickling, say) the sampler cannot run, and the
     # wait is counted to what it finds when it can
     previous = last
     for at, phase, top in clock["samples"]:
         phases[phase] += at - previous
-        if phase == "other":
-            frames[top] += at - previous
+        frames.setdefault(phase, Counter())[top] += at - previous
         previous = at
     tail = exited - last
     # after the last sample: the exit handlers registered before the clock, then the
@@ -151,7 +150,10 @@ def summarise(clock: dict, exited: float, timed_from: int) -> dict:
         "beyond_writes_s": round(tail - writes, 2),
         "phases_s": {k: round(v, 2) for k, v in phases.most_common()},
         "events_after_last_step_s": events,
-        "top_frames": {k: round(v, 2) for k, v in frames.most_common(12)},
+        "top_frames": {
+            phase: {k: round(v, 2) for k, v in counter.most_common(6)}
+            for phase, counter in frames.items()
+        },
     }
 
 

@@ -38,17 +38,15 @@ from recipes_lib.callbacks.preemption import Preemption
 from recipes_lib.callbacks.summary import ModelSizeSummary
 from recipes_lib.checkpoint.io import VerifiedCheckpointIO
 from recipes_lib.checkpoint.layout import RunDir
-from recipes_lib.checkpoint.resume import check_checkpoint, resume_checkpoint
+from recipes_lib.checkpoint.resume import auto_resume, resolve_ckpt_path
 from recipes_lib.checkpoint.retention import retention_of
-from recipes_lib.checkpoint.sharded import is_sharded_checkpoint
 from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
-from recipes_lib.config.fingerprint import recorded_config_changes
 from recipes_lib.data import PretrainDataModule
 from recipes_lib.data.chat.module import build_chat_data
 from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.data.tokenizer import init_tokenizer_path
-from recipes_lib.errors import CheckpointError, ConfigError, CorruptCheckpointError
+from recipes_lib.errors import ConfigError
 from recipes_lib.files import write_text_atomic
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
@@ -192,55 +190,6 @@ def build_stage(
     return objective.module(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, **extra)
 
 
-def _resolve_ckpt_path(cfg: RunConfig) -> str | None:
-    """``run.ckpt_path`` as the checkpoint to resume: ``last`` is the newest one in the
-    run's folder that verifies (None before the first); a named one must verify (no
-    fallback: the error names it)."""
-    path = cfg.run.ckpt_path
-    if path is None or path in ("hpc", "best"):
-        return path
-    if path == "last":
-        found = resume_checkpoint(RunDir(cfg.run.dir).checkpoints)
-        return str(found) if found is not None else None
-    if not (Path(path).is_file() or is_sharded_checkpoint(path)):
-        raise CheckpointError(
-            f"run.ckpt_path: '{path}' is neither a checkpoint file nor a sharded checkpoint folder"
-        )
-    try:
-        check_checkpoint(path)
-    except CorruptCheckpointError as err:
-        raise CheckpointError(f"run.ckpt_path: {err}") from err
-    return path
-
-
-def _auto_resume(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with ``run.ckpt_path=last`` when it is a rerun: ``run.dir`` holds checkpoints
-    and the config its ``config.yaml`` records, less location keys (as a pipeline compares
-    its stages). A run is never started afresh over checkpoints.
-
-    Raises:
-        ConfigError: the config changed (the keys listed).
-        CheckpointError: there are checkpoints but no recorded config.
-    """
-    run_dir = RunDir(cfg.run.dir)
-    if cfg.run.ckpt_path is not None or not run_dir.has_checkpoints():
-        return cfg
-    afresh = "start afresh with another run.dir (or run.name)"
-    if not run_dir.config.is_file():
-        raise CheckpointError(
-            f"run.dir={cfg.run.dir} holds checkpoints but no {run_dir.config.name} to compare "
-            f"the config with; resume them with run.ckpt_path=last, or {afresh}"
-        )
-    changes = recorded_config_changes(cfg, run_dir.config)
-    if changes:
-        raise ConfigError(
-            f"run.dir={cfg.run.dir} holds checkpoints of another config ({'; '.join(changes)}); "
-            f"rerun with that config to resume, resume anyway with run.ckpt_path=last, or {afresh}"
-        )
-    log.info("run.dir=%s holds checkpoints of this config: resuming the newest", cfg.run.dir)
-    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ckpt_path="last"))
-
-
 def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
@@ -283,7 +232,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         cfg = fill_model_from_init(cfg)  # model=from_init: the shape of stage.init_from
     cfg = resolve_device_choices(to_run_config(cfg))
     check_run_config(cfg)
-    ckpt_path = _resolve_ckpt_path(_auto_resume(cfg))
+    ckpt_path = resolve_ckpt_path(auto_resume(cfg))
     run_dir = RunDir(cfg.run.dir)  # SIGTERM/SIGUSR1: a step checkpoint, then exit 75
     callbacks = [*callbacks, Preemption(run_dir.step_checkpoint, run_dir.last_checkpoint)]
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)

@@ -44,6 +44,7 @@ def test_ci_runs_the_readme_test_command():
     assert test_command in (ROOT / ".ci" / "run").read_text()
 
 
+@pytest.mark.slow
 def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     command = readme_command("main-command").split("&&")[-1].strip()
     argv = shlex.split(command)

@@ -11,20 +11,28 @@ Every process of a multi-process launch makes the same choice on its own (the pr
 group does not exist yet): each checks the same files, and only global rank 0 moves
 anything. A checkpoint that another rank has just moved aside reads as missing, which
 is the same verdict.
+
+What a run resumes at all: :func:`auto_resume` turns a rerun of the same command (its
+``run.dir`` holds checkpoints and a ``config.yaml`` of the same config) into
+``run.ckpt_path=last`` and refuses a changed config with the keys that changed;
+:func:`resolve_ckpt_path` turns ``run.ckpt_path`` into the checkpoint to load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
 from pathlib import Path
 
 from recipes_lib.checkpoint.integrity import verify_checkpoint
-from recipes_lib.checkpoint.layout import PARTIAL_SUFFIX, checksum_sidecar
+from recipes_lib.checkpoint.layout import PARTIAL_SUFFIX, RunDir, checksum_sidecar
 from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME, is_sharded_checkpoint
 from recipes_lib.checkpoint.weights import listed_step, read_checkpoint
-from recipes_lib.errors import CheckpointError, CorruptCheckpointError
+from recipes_lib.config import RunConfig
+from recipes_lib.config.fingerprint import recorded_config_changes
+from recipes_lib.errors import CheckpointError, ConfigError, CorruptCheckpointError
 from recipes_lib.files import global_rank, move_aside
 
 log = logging.getLogger(__name__)
@@ -199,3 +207,55 @@ def resume_checkpoint(folder: str | os.PathLike) -> Path | None:
     if global_rank() == 0 and directory.is_dir():
         remove_unfinished_writes(directory)
     return newest_good_checkpoint(directory)
+
+
+# ------------------------------------------------------------- a run's resume point
+
+
+def resolve_ckpt_path(cfg: RunConfig) -> str | None:
+    """``run.ckpt_path`` as the checkpoint to resume: ``last`` is the newest one in the
+    run's folder that verifies (None before the first); a named one must verify (no
+    fallback: the error names it)."""
+    path = cfg.run.ckpt_path
+    if path is None or path in ("hpc", "best"):
+        return path
+    if path == "last":
+        found = resume_checkpoint(RunDir(cfg.run.dir).checkpoints)
+        return str(found) if found is not None else None
+    if not (Path(path).is_file() or is_sharded_checkpoint(path)):
+        raise CheckpointError(
+            f"run.ckpt_path: '{path}' is neither a checkpoint file nor a sharded checkpoint folder"
+        )
+    try:
+        check_checkpoint(path)
+    except CorruptCheckpointError as err:
+        raise CheckpointError(f"run.ckpt_path: {err}") from err
+    return path
+
+
+def auto_resume(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``run.ckpt_path=last`` when it is a rerun: ``run.dir`` holds checkpoints
+    and the config its ``config.yaml`` records, less location keys (as a pipeline compares
+    its stages). A run is never started afresh over checkpoints.
+
+    Raises:
+        ConfigError: the config changed (the keys listed).
+        CheckpointError: there are checkpoints but no recorded config.
+    """
+    run_dir = RunDir(cfg.run.dir)
+    if cfg.run.ckpt_path is not None or not run_dir.has_checkpoints():
+        return cfg
+    afresh = "start afresh with another run.dir (or run.name)"
+    if not run_dir.config.is_file():
+        raise CheckpointError(
+            f"run.dir={cfg.run.dir} holds checkpoints but no {run_dir.config.name} to compare "
+            f"the config with; resume them with run.ckpt_path=last, or {afresh}"
+        )
+    changes = recorded_config_changes(cfg, run_dir.config)
+    if changes:
+        raise ConfigError(
+            f"run.dir={cfg.run.dir} holds checkpoints of another config ({'; '.join(changes)}); "
+            f"rerun with that config to resume, resume anyway with run.ckpt_path=last, or {afresh}"
+        )
+    log.info("run.dir=%s holds checkpoints of this config: resuming the newest", cfg.run.dir)
+    return dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, ckpt_path="last"))

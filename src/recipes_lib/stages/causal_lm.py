@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from recipes_lib.checkpoint.rng import collect_rng_states, restore_rng_states
-from recipes_lib.checkpoint.weights import read_checkpoint
 from recipes_lib.config.schema import (
     AdapterConfig,
     GuardConfig,
@@ -35,16 +34,16 @@ from recipes_lib.config.schema import (
     StrategyConfig,
 )
 from recipes_lib.config.store import as_config
-from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.errors import ConfigError
 from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
 from recipes_lib.models import Transformer
-from recipes_lib.optim import build_lr_lambda, build_optimizer, build_scheduler
+from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
-from recipes_lib.optim.moments import load_optimizer_moments
 from recipes_lib.parallel.precision import compute_dtype
 from recipes_lib.stages.build import ModelBuild, build_model
 from recipes_lib.stages.guard import StepGuard, resolve_policy
-from recipes_lib.stages.rollback import scale_lr_in_window
+from recipes_lib.stages.optimization import configure_optimization
+from recipes_lib.stages.outputs import release_training_state
 
 Batch = Mapping[str, Tensor]
 
@@ -103,19 +102,14 @@ class CausalLMModule(L.LightningModule):
         self.kernels_config: KernelsConfig = as_config(KernelsConfig, kernels, "kernels")
         self.optim_config: OptimConfig = as_config(OptimConfig, optim, "optim")
         self.scheduler_config: SchedulerConfig = as_config(SchedulerConfig, scheduler, "scheduler")
-        self.adapter_config: AdapterConfig = as_config(
-            AdapterConfig, adapter if adapter is not None else AdapterConfig(), "adapter"
+        # a missing (None) or empty one: the defaults
+        self.adapter_config = as_config(AdapterConfig, adapter or AdapterConfig(), "adapter")
+        self.precision_config = as_config(
+            PrecisionConfig, precision or PrecisionConfig(), "precision"
         )
-        self.precision_config: PrecisionConfig = as_config(
-            PrecisionConfig, precision if precision is not None else PrecisionConfig(), "precision"
-        )
-        self.strategy_config: StrategyConfig = as_config(
-            StrategyConfig, strategy if strategy is not None else StrategyConfig(), "strategy"
-        )
-        self.guard_config: GuardConfig = resolve_policy(
-            as_config(GuardConfig, guard if guard is not None else GuardConfig(), "guard"),
-            self.strategy_config.name,
-        )
+        self.strategy_config = as_config(StrategyConfig, strategy or StrategyConfig(), "strategy")
+        guard_config = as_config(GuardConfig, guard or GuardConfig(), "guard")
+        self.guard_config = resolve_policy(guard_config, self.strategy_config.name)
         self.guard = StepGuard(self.guard_config)
         self.lr_window = tuple(lr_window) if lr_window is not None else None
         self.total_steps = int(total_steps)
@@ -127,10 +121,8 @@ class CausalLMModule(L.LightningModule):
         chunk = self.kernels_config.loss_chunk_size
         if chunk is not None and chunk < 1:
             raise ConfigError(f"kernels.loss_chunk_size={chunk} must be positive or null")
-        # Fail at construction, not at the first step, on a bad schedule.
-        build_lr_lambda(
-            self.scheduler_config, self.total_steps, self.tokens_per_step, batch_schedule
-        )
+        # a bad schedule fails here, not at the first step
+        build_lr_lambda(self.scheduler_config, total_steps, tokens_per_step, batch_schedule)
         self.save_hyperparameters(
             {
                 "model": asdict(self.model_config),
@@ -359,30 +351,17 @@ class CausalLMModule(L.LightningModule):
             target = self.trainer.model
         except RuntimeError:  # not attached to a Trainer
             target = None
-        if target is None:
-            target = self
-        optimizer = build_optimizer(target, self.optim_config)
-        if self.init_optimizer and self.init_from is not None:
-            label = f"stage.init_from={self.init_from!r}"
-            try:
-                checkpoint = read_checkpoint(self.init_from, mmap=False)  # moments outlive it
-            except CheckpointError as err:
-                raise CheckpointError(f"{label}: {err}") from err
-            # before the scheduler: it reads each group's initial_lr when it is built
-            load_optimizer_moments(optimizer, checkpoint, label)
-        scheduler = build_scheduler(
-            optimizer,
+        return configure_optimization(
+            self if target is None else target,
+            self.optim_config,
             self.scheduler_config,
-            self.total_steps,
-            self.tokens_per_step,
-            self.batch_schedule,
+            total_steps=self.total_steps,
+            tokens_per_step=self.tokens_per_step,
+            batch_schedule=self.batch_schedule,
+            init_from=self.init_from,
+            init_optimizer=self.init_optimizer,
+            lr_window=self.lr_window,
         )
-        if self.lr_window is not None:
-            scale_lr_in_window(scheduler, *self.lr_window)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1},
-        }
 
     # ----------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -414,9 +393,4 @@ class CausalLMModule(L.LightningModule):
     def on_train_end(self) -> None:
         self.guard.act(self.trainer, wait=True)
         if self.trainer.global_step >= self.trainer.max_steps:
-            # The run's saves are all written (or staged to host memory) by now, and no
-            # step follows: Lightning's teardown would copy the optimizer state to the
-            # CPU (13 s of a 1B run's end on an H100), only to drop it.
-            for optimizer in self.trainer.optimizers:
-                if isinstance(optimizer, torch.optim.Optimizer):
-                    optimizer.state.clear()
+            release_training_state(self.trainer)  # no step follows

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from recipes_lib.adapters import has_adapter, merge_adapter, save_adapter
@@ -20,6 +21,15 @@ from recipes_lib.checkpoint.weights import average_checkpoints, list_step_checkp
 from recipes_lib.config import RunConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.parallel.strategy import get_strategy
+
+
+def release_training_state(trainer: L.Trainer) -> None:
+    """Drop the optimizer state at a finished fit's end: its saves are all written (or
+    staged to host memory) and no step follows, while Lightning's teardown would copy
+    the state to the CPU only to drop it (13 s of a 1B run's end on an H100)."""
+    for optimizer in trainer.optimizers:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.state.clear()
 
 
 def step_saver(cfg: RunConfig, trainer: L.Trainer) -> tuple[ModelCheckpoint, int] | None:
