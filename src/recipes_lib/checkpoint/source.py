@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -89,18 +89,29 @@ def _hyperparameter_model(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     return recorded_model(model)
 
 
+# block options added after records were first written: a record without one had the
+# default (ModelConfig's)
+BLOCK_OPTION_DEFAULTS = {
+    f.name: f.default for f in fields(ModelConfig) if f.name in ("qk_norm", "norm_placement")
+}
+
+
 def recorded_model(model: Any) -> dict[str, Any] | None:
     """A model as a manifest, run config or checkpoint recorded it (ModelConfig fields).
 
     Records written before ``model.family`` existed named no family; the two layouts of
     that time were told apart by the q/k/v biases (Qwen2's), which is how such a record
-    is read. Every record written since names its family.
+    is read. Every record written since names its family. Block options added since a
+    record was written (``qk_norm``, ``norm_placement``) read as their defaults, which
+    is what every model of that time had.
     """
     if not isinstance(model, dict):
         return None
     model = dict(model)
     if "family" not in model:
         model["family"] = "qwen2" if model.get("qkv_bias") else "llama"
+    for name, default in BLOCK_OPTION_DEFAULTS.items():
+        model.setdefault(name, default)
     return model
 
 

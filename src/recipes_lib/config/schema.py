@@ -9,84 +9,21 @@ composes the config, naming the full key. Each dataclass mirrors the constructor
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-@dataclass
-class RopeScalingConfig:
-    """RoPE frequency scaling for context extension.
-
-    ``type``: ``none`` | ``linear`` (positions divided by ``factor``) |
-    ``llama3`` (Llama 3.1 frequency-band scaling using the remaining fields).
-    """
-
-    type: str = "none"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_seq_len: int = 8192
-
-
-# The role of each ModelConfig field, read by the checks that compare two models:
-# ``shape`` fields decide the weights' shapes (equal wherever weights are handed on);
-# ``compute`` fields change what the same weights compute; ``context`` fields may change
-# between stages (context extension); ``label`` fields change nothing computed.
-SHAPE = {"role": "shape"}
-COMPUTE = {"role": "compute"}
-CONTEXT = {"role": "context"}
-LABEL = {"role": "label"}
-
-
-@dataclass
-class ModelConfig:
-    """Shape of a decoder (see ``recipes_lib.models.transformer``) and its family.
-
-    Every field declares its role (``metadata``: shape, compute, context or label), so
-    the checks between stages and against a checkpoint's own config follow a new
-    field automatically (:func:`model_fields`).
-    """
-
-    name: str = field(default="tiny", metadata=LABEL)
-    # the architecture (recipes_lib.models.families): its options and Hugging Face adapter
-    family: str = field(default="llama", metadata=SHAPE)
-    vocab_size: int = field(default=8192, metadata=SHAPE)
-    dim: int = field(default=128, metadata=SHAPE)
-    n_layers: int = field(default=2, metadata=SHAPE)
-    n_heads: int = field(default=4, metadata=SHAPE)
-    # None: as many KV heads as query heads (MHA)
-    n_kv_heads: int | None = field(default=None, metadata=SHAPE)
-    head_dim: int | None = field(default=None, metadata=SHAPE)  # None: dim // n_heads
-    ffn_dim: int = field(default=384, metadata=SHAPE)  # hidden size of the SwiGLU MLP
-    max_seq_len: int = field(default=1024, metadata=CONTEXT)
-    rope_theta: float = field(default=10000.0, metadata=CONTEXT)
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig, metadata=CONTEXT)
-    norm_eps: float = field(default=1e-5, metadata=COMPUTE)
-    qkv_bias: bool = field(default=False, metadata=SHAPE)
-    tie_embeddings: bool = field(default=False, metadata=SHAPE)
-    init_std: float = field(default=0.02, metadata=LABEL)
-
-
-def model_fields(*roles: str) -> tuple[str, ...]:
-    """The names of the :class:`ModelConfig` fields of the given roles, in order."""
-    return tuple(f.name for f in fields(ModelConfig) if f.metadata.get("role") in roles)
-
-
-def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -> dict[str, Any]:
-    """``model``'s fields of ``roles`` (a ModelConfig or its dict, e.g. from a manifest),
-    with the defaults spelled out (``n_kv_heads`` and ``head_dim``), so two ways of
-    writing one model compare equal."""
-    values = asdict(model) if isinstance(model, ModelConfig) else dict(model)
-    out = {name: values.get(name) for name in model_fields(*roles)}
-    heads = values.get("n_heads")
-    if "n_kv_heads" in out and out["n_kv_heads"] is None:
-        out["n_kv_heads"] = heads
-    if "head_dim" in out and out["head_dim"] is None and values.get("dim") and heads:
-        out["head_dim"] = values["dim"] // heads
-    return out
+# the model's part of the schema, with its field roles (also importable from here)
+from recipes_lib.config.model import COMPUTE as COMPUTE
+from recipes_lib.config.model import CONTEXT as CONTEXT
+from recipes_lib.config.model import LABEL as LABEL
+from recipes_lib.config.model import SHAPE as SHAPE
+from recipes_lib.config.model import ModelConfig as ModelConfig
+from recipes_lib.config.model import RopeScalingConfig as RopeScalingConfig
+from recipes_lib.config.model import model_fields as model_fields
+from recipes_lib.config.model import resolved_model_fields as resolved_model_fields
 
 
 @dataclass

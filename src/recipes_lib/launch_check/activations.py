@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from recipes_lib.config.schema import RunConfig
+from recipes_lib.models.norms import qk_norm_sizes
 
 RSTD_BYTES = 4  # RMSNorm's fp32 reciprocal RMS per token
 LSE_BYTES = 4  # the attention kernel's fp32 log-sum-exp per token and head
@@ -32,6 +33,7 @@ class DecoderShape:
     max_seq_len: int
     tie_embeddings: bool
     qkv_bias: bool
+    qk_norm: str = "none"
 
     @classmethod
     def of(cls, cfg: RunConfig) -> DecoderShape:
@@ -47,6 +49,7 @@ class DecoderShape:
             max_seq_len=m.max_seq_len,
             tie_embeddings=m.tie_embeddings,
             qkv_bias=m.qkv_bias,
+            qk_norm=m.qk_norm,
         )
 
     @property
@@ -71,10 +74,14 @@ class DecoderShape:
         }
 
     def block_params(self) -> int:
-        """Parameters of one block: its linears, q/k/v biases and two norm gains."""
+        """Parameters of one block: its linears, q/k/v biases, two norm gains and the
+        query and key norms' gains."""
         weights = sum(i * o for i, o in self.linears().values())
         bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
-        return weights + bias + 2 * self.dim
+        qk = 0
+        if self.qk_norm != "none":
+            qk = sum(qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, self.head_dim))
+        return weights + bias + 2 * self.dim + qk
 
     @property
     def head_params(self) -> int:

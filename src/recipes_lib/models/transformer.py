@@ -1,10 +1,12 @@
 """The decoder: RMSNorm, RoPE, SwiGLU and grouped-query attention, in pre-norm blocks.
 
 Its options are what the model families turn on (:mod:`recipes_lib.models.families`):
-the Llama layout, Qwen2's q/k/v biases, tied embeddings. Parameter names follow Meta's
-Llama code (``tok_embeddings``, ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...),
-so a family's Hugging Face adapter is a rename table. RoPE uses the rotate-half
-convention of Hugging Face / GPT-NeoX (:mod:`recipes_lib.models.rope`).
+the Llama layout, Qwen2's q/k/v biases, tied embeddings, Qwen3's and OLMo 2's norms on
+the queries and keys and OLMo 2's post-norm blocks (:mod:`recipes_lib.models.norms`).
+Parameter names follow Meta's Llama code (``tok_embeddings``,
+``layers.{i}.attention.wq``, ``feed_forward.w1``, ...), so a family's Hugging Face
+adapter is a rename table. RoPE uses the rotate-half convention of Hugging Face /
+GPT-NeoX (:mod:`recipes_lib.models.rope`).
 
 The forward pass is one path for training and decoding: given a
 :class:`~recipes_lib.models.kv_cache.KVCache`, each layer attends over the cached
@@ -29,6 +31,7 @@ from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.models.families import get_family
 from recipes_lib.models.kv_cache import KVCache, LayerCache, causal_offset_mask
+from recipes_lib.models.norms import RMSNorm, check_norm_options, qk_norm_sizes
 from recipes_lib.models.rope import ROPE_SCALING_TYPES, apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
@@ -36,7 +39,8 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE; the kernel is a pluggable backend."""
+    """Grouped-query self-attention with RoPE, optionally with RMSNorm on the queries
+    and keys before it (``model.qk_norm``); the kernel is a pluggable backend."""
 
     def __init__(self, config: ModelConfig, head_dim: int, backend: AttentionBackend):
         super().__init__()
@@ -48,6 +52,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(self.n_heads * head_dim, config.dim, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm != "none":
+            sizes = qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, head_dim)
+            self.q_norm = RMSNorm(sizes[0], eps=config.norm_eps)
+            self.k_norm = RMSNorm(sizes[1], eps=config.norm_eps)
         self.backend = backend  # a plain object, not a submodule: it holds no weights
 
     def forward(
@@ -61,8 +70,14 @@ class Attention(nn.Module):
         """Attention of ``x`` (``(B, T, C)``); with ``cache``, the tokens continue the
         cached ones and attend over them (see :mod:`recipes_lib.models.kv_cache`)."""
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        q, k = self.wq(x), self.wk(x)  # (B, T, nh * hs), (B, T, nkv * hs)
+        if self.qk_norm == "full":  # over every head at once
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hs)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, nkv, hs)
+        if self.qk_norm == "head":  # each head on its own
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
@@ -87,13 +102,17 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
+    ``model.norm_placement=post``: ``x + norm(attn(x))``, then ``x + norm(mlp(x))``."""
 
     def __init__(self, config: ModelConfig, head_dim: int, backend: AttentionBackend):
         super().__init__()
-        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.post_norms = config.norm_placement == "post"
+        # post: a sublayer's output, bfloat16 under autocast: a norm that follows its dtype
+        norm = RMSNorm if self.post_norms else nn.RMSNorm
+        self.attention_norm = norm(config.dim, eps=config.norm_eps)
         self.attention = Attention(config, head_dim, backend)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = norm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_dim)
         # recompute this block's activations in the backward pass instead of keeping them
         self.checkpoint_activations = False
@@ -114,12 +133,16 @@ class TransformerBlock(nn.Module):
     def _forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None, cache: LayerCache | None
     ) -> Tensor:
+        if self.post_norms:
+            x = x + self.attention_norm(self.attention(x, cos, sin, mask, cache))  # (B, T, C)
+            return x + self.ffn_norm(self.feed_forward(x))  # (B, T, C)
         x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)  # (B, T, C)
         return x + self.feed_forward(self.ffn_norm(x))  # (B, T, C)
 
 
 def _validate(config: ModelConfig) -> int:
     """Check the shape of ``config`` and its family's options; return the head dimension."""
+    check_norm_options(config)
     get_family(config.family).check(config)
     if config.head_dim is None and config.dim % config.n_heads != 0:
         raise ConfigError(
@@ -235,6 +258,9 @@ class Transformer(nn.Module):
             nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
             nn.init.ones_(layer.attention_norm.weight)
             nn.init.ones_(layer.ffn_norm.weight)
+            if layer.attention.qk_norm != "none":
+                nn.init.ones_(layer.attention.q_norm.weight)
+                nn.init.ones_(layer.attention.k_norm.weight)
         nn.init.ones_(self.norm.weight)
         if not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from recipes_lib.checkpoint.source import fill_model_from_init
@@ -131,3 +134,25 @@ def test_wrong_type_fails_at_compose_time_naming_the_key():
 def test_unknown_recipe_fails_naming_it():
     with pytest.raises(Exception, match="recipe/pretrain/nope"):
         compose_config(["recipe=pretrain/nope"])
+
+
+def test_from_init_reads_a_run_recorded_before_the_block_options(tmp_path):
+    # a run folder whose config.yaml predates model.family, qk_norm and norm_placement
+    from recipes_lib.checkpoint.weights import save_weights
+    from recipes_lib.models import Transformer
+
+    cfg = to_run_config(compose_config(["recipe=pretrain/tiny"]))
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items()}
+    for name in ("family", "qk_norm", "norm_placement"):
+        model.pop(name)
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml({"model": model}))
+    save_weights(Transformer(cfg.model).state_dict(), tmp_path / "model.safetensors")
+    filled = to_run_config(
+        fill_model_from_init(compose_config(["recipe=sft/full", f"stage.init_from={tmp_path}"]))
+    )
+    assert (filled.model.family, filled.model.qk_norm, filled.model.norm_placement) == (
+        "llama",
+        "none",
+        "pre",
+    )
+    assert filled.model.dim == cfg.model.dim

@@ -11,9 +11,11 @@ from __future__ import annotations
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.base import Family, TensorNames
 from recipes_lib.models.families.llama import LLAMA
+from recipes_lib.models.families.olmo2 import OLMO2
 from recipes_lib.models.families.qwen2 import QWEN2
+from recipes_lib.models.families.qwen3 import QWEN3
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (LLAMA, QWEN2, QWEN3, OLMO2)}
 GUIDE = "README.md, 'Adding a model family'"
 
 

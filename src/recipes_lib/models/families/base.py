@@ -170,6 +170,20 @@ def common_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
+def without_attention_bias(family: str, config: Mapping[str, Any]) -> None:
+    """Refuse a ``config.json`` with ``attention_bias`` (biases on q, k, v and o, which
+    the decoder does not have), naming the family.
+
+    Raises:
+        CheckpointError: ``attention_bias`` is true.
+    """
+    if config.get("attention_bias"):
+        raise CheckpointError(
+            f"{family}: attention_bias=true (biases on q_proj, k_proj, v_proj and o_proj) "
+            "is not supported"
+        )
+
+
 def common_hf_fields(config: ModelConfig) -> dict[str, Any]:
     """The ``config.json`` fields every family writes the same way."""
     return {
@@ -195,3 +209,18 @@ def common_hf_fields(config: ModelConfig) -> dict[str, Any]:
 def refuse(family: str, key: str, value: Any, why: str) -> ConfigError:
     """The one-line error of a model option a family cannot have."""
     return ConfigError(f"model.family={family} with model.{key}={value!r}: {why}")
+
+
+def expect(family: str, config: ModelConfig, key: str, value: Any, why: str) -> None:
+    """Refuse ``model.<key>`` unless it is ``value`` (the one value the family has)."""
+    if getattr(config, key) != value:
+        raise refuse(family, key, getattr(config, key), why)
+
+
+def llama_norms(family: str, config: ModelConfig) -> None:
+    """Refuse the norm options of the families beyond Llama's layout (its pre-norm
+    blocks, no norm on the queries and keys)."""
+    why = f"{family} has no norm on the queries and keys (qwen3's is 'head', olmo2's 'full')"
+    expect(family, config, "qk_norm", "none", why)
+    why = f"{family} normalises each sublayer's input ('pre'; 'post' is olmo2's)"
+    expect(family, config, "norm_placement", "pre", why)

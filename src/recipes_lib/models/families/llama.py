@@ -27,6 +27,7 @@ from recipes_lib.models.families.base import (
     Family,
     TensorNames,
     common_from_hf,
+    llama_norms,
     refuse,
 )
 
@@ -71,6 +72,7 @@ def _check(config: ModelConfig) -> None:
             True,
             "Llama's q/k/v projections have no bias (that is Qwen2's layout: model.family=qwen2)",
         )
+    llama_norms("llama", config)
 
 
 def _sliding_window(config: Mapping[str, Any]) -> int | None:

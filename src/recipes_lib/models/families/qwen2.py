@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from recipes_lib.config.schema import ModelConfig
-from recipes_lib.models.families.base import Family, common_from_hf, refuse
+from recipes_lib.models.families.base import Family, common_from_hf, llama_norms, refuse
 from recipes_lib.models.families.llama import LLAMA_NAMES
 
 
@@ -31,9 +31,11 @@ def _to_hf(config: ModelConfig) -> dict[str, Any]:
 def _check(config: ModelConfig) -> None:
     if not config.qkv_bias:
         raise refuse("qwen2", "qkv_bias", False, "Qwen2 has biases on q, k and v: set it true")
+    llama_norms("qwen2", config)
 
 
-def _sliding_window(config: Mapping[str, Any]) -> int | None:
+def qwen_sliding_window(config: Mapping[str, Any]) -> int | None:
+    """The window of a Qwen2 or Qwen3 ``config.json`` (see the module docstring)."""
     window = config.get("sliding_window")
     if window is None:
         return None
@@ -54,5 +56,5 @@ QWEN2 = Family(
     from_hf=_from_hf,
     to_hf=_to_hf,
     check=_check,
-    sliding_window=_sliding_window,
+    sliding_window=qwen_sliding_window,
 )
