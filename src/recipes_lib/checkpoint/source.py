@@ -19,9 +19,10 @@ pre-flight compares the two and names every difference (:func:`init_model_mismat
 
 from __future__ import annotations
 
+import copy
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +93,9 @@ def _hyperparameter_model(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 # block options added after records were first written: a record without one had the
 # default (ModelConfig's)
 BLOCK_OPTION_DEFAULTS = {
-    f.name: f.default for f in fields(ModelConfig) if f.name in ("qk_norm", "norm_placement")
+    f.name: f.default if f.default_factory is MISSING else f.default_factory()
+    for f in fields(ModelConfig)
+    if f.name in ("qk_norm", "norm_placement", "nope_layers")
 }
 
 
@@ -102,8 +105,8 @@ def recorded_model(model: Any) -> dict[str, Any] | None:
     Records written before ``model.family`` existed named no family; the two layouts of
     that time were told apart by the q/k/v biases (Qwen2's), which is how such a record
     is read. Every record written since names its family. Block options added since a
-    record was written (``qk_norm``, ``norm_placement``) read as their defaults, which
-    is what every model of that time had.
+    record was written (``qk_norm``, ``norm_placement``, ``nope_layers``) read as their
+    defaults, which is what every model of that time had.
     """
     if not isinstance(model, dict):
         return None
@@ -111,7 +114,7 @@ def recorded_model(model: Any) -> dict[str, Any] | None:
     if "family" not in model:
         model["family"] = "qwen2" if model.get("qkv_bias") else "llama"
     for name, default in BLOCK_OPTION_DEFAULTS.items():
-        model.setdefault(name, default)
+        model.setdefault(name, copy.copy(default))
     return model
 
 

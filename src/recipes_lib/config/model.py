@@ -71,6 +71,9 @@ class ModelConfig:
     # each block's two norms: pre (on the sublayer's input) | post (on its output, before
     # the residual add: OLMo 2)
     norm_placement: str = field(default="pre", metadata=SHAPE)
+    # the layers without RoPE (NoPE: their queries and keys are not rotated; SmolLM3's
+    # every fourth), in increasing order; empty: every layer uses RoPE
+    nope_layers: list[int] = field(default_factory=list, metadata=COMPUTE)
     tie_embeddings: bool = field(default=False, metadata=SHAPE)
     init_std: float = field(default=0.02, metadata=LABEL)
 
@@ -85,8 +88,8 @@ _DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not 
 
 def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -> dict[str, Any]:
     """``model``'s fields of ``roles`` (a ModelConfig or its dict, e.g. from a manifest),
-    with the defaults spelled out (``n_kv_heads`` and ``head_dim``), so two ways of
-    writing one model compare equal."""
+    with the defaults spelled out (``n_kv_heads``, ``head_dim``, ``nope_layers``), so two
+    ways of writing one model compare equal."""
     values = asdict(model) if isinstance(model, ModelConfig) else dict(model)
     # a record written before a field existed holds its default
     out = {name: values.get(name, _DEFAULTS.get(name)) for name in model_fields(*roles)}
@@ -95,4 +98,6 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
         out["n_kv_heads"] = heads
     if "head_dim" in out and out["head_dim"] is None and values.get("dim") and heads:
         out["head_dim"] = values["dim"] // heads
+    if "nope_layers" in out:  # a record from before the field: RoPE in every layer
+        out["nope_layers"] = list(out["nope_layers"] or [])
     return out

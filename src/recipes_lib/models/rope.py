@@ -1,6 +1,11 @@
 """Rotary position embeddings (RoPE) in the rotate-half layout of Hugging Face /
 GPT-NeoX, on real tensors, with optional frequency scaling for context extension.
 
+``model.nope_layers`` lists the layers that do without it (NoPE: their queries and
+keys stay as projected; SmolLM3's every fourth); empty, the default, every layer
+applies it. ``Attention`` skips the rotation itself, so the attention kernels and the
+KV cache see ordinary queries and keys.
+
 Shapes: T positions, hs head dim.
 """
 
@@ -12,8 +17,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from recipes_lib.errors import ConfigError
+
 if TYPE_CHECKING:
-    from recipes_lib.config.schema import RopeScalingConfig
+    from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 
 ROPE_SCALING_TYPES = ("none", "linear", "llama3")
 
@@ -62,3 +69,25 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)  # rotate_half
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def check_nope_layers(config: ModelConfig) -> None:
+    """Refuse a ``model.nope_layers`` that is not layer indices in increasing order, in
+    one line naming the key."""
+    layers = config.nope_layers
+    try:
+        ok = all(0 <= i < config.n_layers and int(i) == i for i in layers) and all(
+            a < b for a, b in zip(layers, layers[1:], strict=False)
+        )
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"model.nope_layers={layers!r} must list layers without RoPE, in increasing "
+            f"order, each in 0..{config.n_layers - 1} (model.n_layers={config.n_layers})"
+        )
+
+
+def uses_rope(config: ModelConfig, layer: int) -> bool:
+    """Whether layer ``layer`` applies RoPE (it is not in ``model.nope_layers``)."""
+    return layer not in config.nope_layers

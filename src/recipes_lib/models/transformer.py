@@ -2,7 +2,8 @@
 
 Its options are what the model families turn on (:mod:`recipes_lib.models.families`):
 the Llama layout, Qwen2's q/k/v biases, tied embeddings, Qwen3's and OLMo 2's norms on
-the queries and keys and OLMo 2's post-norm blocks (:mod:`recipes_lib.models.norms`).
+the queries and keys and OLMo 2's post-norm blocks (:mod:`recipes_lib.models.norms`),
+SmolLM3's layers without RoPE (``model.nope_layers``, :mod:`recipes_lib.models.rope`).
 Parameter names follow Meta's Llama code (``tok_embeddings``,
 ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...), so a family's Hugging Face
 adapter is a rename table. RoPE uses the rotate-half convention of Hugging Face /
@@ -32,17 +33,26 @@ from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.models.families import get_family
 from recipes_lib.models.kv_cache import KVCache, LayerCache, causal_offset_mask
 from recipes_lib.models.norms import RMSNorm, check_norm_options, qk_norm_sizes
-from recipes_lib.models.rope import ROPE_SCALING_TYPES, apply_rope, rope_cos_sin
+from recipes_lib.models.rope import (
+    ROPE_SCALING_TYPES,
+    apply_rope,
+    check_nope_layers,
+    rope_cos_sin,
+    uses_rope,
+)
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE, optionally with RMSNorm on the queries
-    and keys before it (``model.qk_norm``); the kernel is a pluggable backend."""
+    """Grouped-query self-attention with RoPE (unless ``use_rope`` is false: a NoPE
+    layer), optionally with RMSNorm on the queries and keys before it
+    (``model.qk_norm``); the kernel is a pluggable backend."""
 
-    def __init__(self, config: ModelConfig, head_dim: int, backend: AttentionBackend):
+    def __init__(
+        self, config: ModelConfig, head_dim: int, backend: AttentionBackend, use_rope: bool = True
+    ):
         super().__init__()
         self.n_heads = config.n_heads
         self.n_kv_heads = config.n_kv_heads or config.n_heads
@@ -57,6 +67,7 @@ class Attention(nn.Module):
             sizes = qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, head_dim)
             self.q_norm = RMSNorm(sizes[0], eps=config.norm_eps)
             self.k_norm = RMSNorm(sizes[1], eps=config.norm_eps)
+        self.use_rope = use_rope
         self.backend = backend  # a plain object, not a submodule: it holds no weights
 
     def forward(
@@ -79,7 +90,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             y = self.backend(q, k, v, mask)  # (B, nh, T, hs)
         else:
@@ -105,13 +117,15 @@ class TransformerBlock(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
     ``model.norm_placement=post``: ``x + norm(attn(x))``, then ``x + norm(mlp(x))``."""
 
-    def __init__(self, config: ModelConfig, head_dim: int, backend: AttentionBackend):
+    def __init__(
+        self, config: ModelConfig, head_dim: int, backend: AttentionBackend, use_rope: bool = True
+    ):
         super().__init__()
         self.post_norms = config.norm_placement == "post"
         # post: a sublayer's output, bfloat16 under autocast: a norm that follows its dtype
         norm = RMSNorm if self.post_norms else nn.RMSNorm
         self.attention_norm = norm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(config, head_dim, backend)
+        self.attention = Attention(config, head_dim, backend, use_rope)
         self.ffn_norm = norm(config.dim, eps=config.norm_eps)
         self.feed_forward = FeedForward(config.dim, config.ffn_dim)
         # recompute this block's activations in the backward pass instead of keeping them
@@ -143,6 +157,7 @@ class TransformerBlock(nn.Module):
 def _validate(config: ModelConfig) -> int:
     """Check the shape of ``config`` and its family's options; return the head dimension."""
     check_norm_options(config)
+    check_nope_layers(config)
     get_family(config.family).check(config)
     if config.head_dim is None and config.dim % config.n_heads != 0:
         raise ConfigError(
@@ -197,7 +212,8 @@ class Transformer(nn.Module):
 
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            TransformerBlock(config, self.head_dim, backend) for _ in range(config.n_layers)
+            TransformerBlock(config, self.head_dim, backend, uses_rope(config, i))
+            for i in range(config.n_layers)
         )
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)

@@ -36,7 +36,17 @@ def meta_params(cfg) -> int:
 
 
 @pytest.mark.parametrize(
-    "model", ["tiny", "llama_1b", "llama_8b", "qwen2_0_5b", "smollm_135m", "qwen3_0_6b", "olmo2_1b"]
+    "model",
+    [
+        "tiny",
+        "llama_1b",
+        "llama_8b",
+        "qwen2_0_5b",
+        "smollm_135m",
+        "qwen3_0_6b",
+        "olmo2_1b",
+        "smollm3_3b",
+    ],
 )
 def test_shapes_count_the_parameters_the_model_has(model):
     cfg = to_run_config(compose_config([f"model={model}"]))

@@ -224,3 +224,11 @@ def llama_norms(family: str, config: ModelConfig) -> None:
     expect(family, config, "qk_norm", "none", why)
     why = f"{family} normalises each sublayer's input ('pre'; 'post' is olmo2's)"
     expect(family, config, "norm_placement", "pre", why)
+
+
+def rope_in_every_layer(family: str, config: ModelConfig) -> None:
+    """Refuse layers without RoPE (``model.nope_layers``), which only SmolLM3's
+    ``config.json`` can say."""
+    if config.nope_layers:
+        why = f"{family} applies RoPE in every layer (layers without it: model.family=smollm3)"
+        raise refuse(family, "nope_layers", config.nope_layers, why)

@@ -29,6 +29,7 @@ from recipes_lib.models.families.base import (
     common_from_hf,
     llama_norms,
     refuse,
+    rope_in_every_layer,
 )
 
 LLAMA_NAMES = TensorNames(
@@ -73,6 +74,7 @@ def _check(config: ModelConfig) -> None:
             "Llama's q/k/v projections have no bias (that is Qwen2's layout: model.family=qwen2)",
         )
     llama_norms("llama", config)
+    rope_in_every_layer("llama", config)
 
 
 def _sliding_window(config: Mapping[str, Any]) -> int | None:

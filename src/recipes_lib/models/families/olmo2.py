@@ -28,6 +28,7 @@ from recipes_lib.models.families.base import (
     TensorNames,
     common_from_hf,
     expect,
+    rope_in_every_layer,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
@@ -66,6 +67,7 @@ def _check(config: ModelConfig) -> None:
     expect("olmo2", config, "qkv_bias", False, "OLMo 2's q/k/v projections have no bias")
     expect("olmo2", config, "qk_norm", "full", "OLMo 2 normalises the whole q and k: 'full'")
     expect("olmo2", config, "norm_placement", "post", "OLMo 2's blocks are post-norm: 'post'")
+    rope_in_every_layer("olmo2", config)
 
 
 OLMO2 = Family(

@@ -12,7 +12,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from recipes_lib.config.schema import ModelConfig
-from recipes_lib.models.families.base import Family, common_from_hf, llama_norms, refuse
+from recipes_lib.models.families.base import (
+    Family,
+    common_from_hf,
+    llama_norms,
+    refuse,
+    rope_in_every_layer,
+)
 from recipes_lib.models.families.llama import LLAMA_NAMES
 
 
@@ -32,6 +38,7 @@ def _check(config: ModelConfig) -> None:
     if not config.qkv_bias:
         raise refuse("qwen2", "qkv_bias", False, "Qwen2 has biases on q, k and v: set it true")
     llama_norms("qwen2", config)
+    rope_in_every_layer("qwen2", config)
 
 
 def qwen_sliding_window(config: Mapping[str, Any]) -> int | None:

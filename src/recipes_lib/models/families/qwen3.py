@@ -24,6 +24,7 @@ from recipes_lib.models.families.base import (
     TensorNames,
     common_from_hf,
     expect,
+    rope_in_every_layer,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
@@ -57,6 +58,7 @@ def _check(config: ModelConfig) -> None:
     expect("qwen3", config, "qkv_bias", False, "Qwen3's q/k/v projections have no bias")
     expect("qwen3", config, "qk_norm", "head", "Qwen3 normalises each head's q and k: 'head'")
     expect("qwen3", config, "norm_placement", "pre", "Qwen3's blocks are pre-norm: 'pre'")
+    rope_in_every_layer("qwen3", config)
 
 
 QWEN3 = Family(
