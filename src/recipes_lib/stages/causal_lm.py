@@ -44,6 +44,7 @@ from recipes_lib.stages.build import ModelBuild, build_model
 from recipes_lib.stages.guard import StepGuard, resolve_policy
 from recipes_lib.stages.optimization import configure_optimization
 from recipes_lib.stages.outputs import release_training_state
+from recipes_lib.stages.rollback import scale_lr_in_window
 
 Batch = Mapping[str, Tensor]
 
@@ -239,6 +240,11 @@ class CausalLMModule(L.LightningModule):
             raise RuntimeError("the model is not built yet; call configure_model() first")
         return self.model
 
+    def on_train_start(self) -> None:
+        # a rollback's window, or a resumed one's, once the checkpoint is restored
+        if self.lr_window is not None and self.trainer.lr_scheduler_configs:
+            scale_lr_in_window(self.trainer.lr_scheduler_configs[0].scheduler, *self.lr_window)
+
     def on_fit_start(self) -> None:
         self._built_model().attention_backend.check(
             device=self.device,
@@ -274,18 +280,18 @@ class CausalLMModule(L.LightningModule):
         """Tokens this rank trains on in ``batch`` (counted into ``tokens_seen``)."""
         return batch["input_ids"].numel()
 
-    def _world_size(self) -> int:
+    def _attached(self) -> L.Trainer | None:
         try:
-            return self.trainer.world_size
+            return self.trainer
         except RuntimeError:  # not attached to a Trainer
-            return 1
+            return None
 
     # ------------------------------------------------------------ train / val
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, metrics = self.compute_loss(batch)
         loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), batch_idx)
         self.guard.add_loss(loss)
-        self.tokens_seen += self.count_tokens(batch) * self._world_size()
+        self.tokens_seen += self.count_tokens(batch) * getattr(self._attached(), "world_size", 1)
         batch_size = batch["input_ids"].size(0)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)
         # float64 keeps the count exact up to 2**53 tokens
@@ -347,10 +353,7 @@ class CausalLMModule(L.LightningModule):
             )
 
     def configure_optimizers(self) -> dict[str, Any]:
-        try:
-            target = self.trainer.model
-        except RuntimeError:  # not attached to a Trainer
-            target = None
+        target = getattr(self._attached(), "model", None)  # the strategy's wrapped model
         return configure_optimization(
             self if target is None else target,
             self.optim_config,
@@ -360,7 +363,6 @@ class CausalLMModule(L.LightningModule):
             batch_schedule=self.batch_schedule,
             init_from=self.init_from,
             init_optimizer=self.init_optimizer,
-            lr_window=self.lr_window,
         )
 
     # ----------------------------------------------------------- checkpoints

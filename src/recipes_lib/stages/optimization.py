@@ -2,8 +2,9 @@
 
 AdamW over the trained parameters (:func:`recipes_lib.optim.build_optimizer`), its
 moments carried over from ``stage.init_from`` with ``stage.init_optimizer``, and the
-run's schedule stepped once per optimizer step: its token lengths counted in the batch
-ramp's steps, and the learning rate lowered for a while after a rollback.
+run's schedule stepped once per optimizer step, its token lengths counted in the batch
+ramp's steps (a rollback's lower learning rate is applied once the fit has restored its
+checkpoint: :meth:`CausalLMModule.on_train_start`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from recipes_lib.errors import CheckpointError
 from recipes_lib.optim import build_optimizer, build_scheduler
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.optim.moments import load_optimizer_moments
-from recipes_lib.stages.rollback import scale_lr_in_window
 
 
 def configure_optimization(
@@ -31,7 +31,6 @@ def configure_optimization(
     batch_schedule: BatchSchedule | None = None,
     init_from: str | None = None,
     init_optimizer: bool = False,
-    lr_window: tuple[int, int, float] | None = None,
 ) -> dict[str, Any]:
     """What ``LightningModule.configure_optimizers`` returns for ``target``'s parameters.
 
@@ -48,8 +47,6 @@ def configure_optimization(
         # before the scheduler: it reads each group's initial_lr when it is built
         load_optimizer_moments(optimizer, checkpoint, label)
     schedule = build_scheduler(optimizer, scheduler, total_steps, tokens_per_step, batch_schedule)
-    if lr_window is not None:
-        scale_lr_in_window(schedule, *lr_window)
     return {
         "optimizer": optimizer,
         "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1},

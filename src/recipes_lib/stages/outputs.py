@@ -116,6 +116,7 @@ def export_weights(
     path = RunDir(out).weights
     # sharded weights are gathered by every rank together, onto rank 0
     final = get_strategy(cfg.strategy.name).gather_full_state_dict(module.model, trainer.strategy)
+    refusal = None
     if trainer.is_global_zero:
         if chosen:
             state, source = average_checkpoints(chosen), f"mean of {len(chosen)} checkpoints"
@@ -123,20 +124,24 @@ def export_weights(
             state, source = ema.averaged_state_dict(module.model), f"ema decay {ema.decay}"
         else:
             state, source = final, "final"
-        if has_adapter(module.model):
-            save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
-            state, source = (
-                merge_adapter(module.model, state),
-                f"{source}, {cfg.adapter.kind} merged",
-            )
+        adapted = has_adapter(module.model)
+        merged = merge_adapter(module.model, state) if adapted else state
         bad = [
-            name for name, t in state.items() if t.is_floating_point() and not t.isfinite().all()
+            name for name, t in merged.items() if t.is_floating_point() and not t.isfinite().all()
         ]
-        if bad:  # never hand on weights a run cannot recover from
-            raise CheckpointError(
+        if bad:  # never hand on weights a run cannot recover from (nor their adapters)
+            refusal = (
                 f"the output weights ({source}) hold non-finite values in {len(bad)} "
                 f"tensor(s) ({', '.join(bad[:3])}); {path} is not written"
             )
-        save_weights(state, path, metadata={"global_step": str(step), "weights": source})
+        else:
+            if adapted:
+                save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
+                source = f"{source}, {cfg.adapter.kind} merged"
+            save_weights(merged, path, metadata={"global_step": str(step), "weights": source})
+    # every rank learns rank 0's verdict, so none waits on a rank that has given up
+    refusal = trainer.strategy.broadcast(refusal, src=0)
+    if refusal is not None:
+        raise CheckpointError(refusal)
     trainer.strategy.barrier("export_weights")
     return path, chosen

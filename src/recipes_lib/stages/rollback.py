@@ -17,11 +17,21 @@ from recipes_lib.stages.guard import Rollback, TrainingStopped
 
 def scale_lr_in_window(scheduler: Any, start: int, end: int, factor: float) -> None:
     """Multiply a ``LambdaLR`` schedule by ``factor`` for steps ``start <= step < end``:
-    the lower learning rate a run takes for a while after a rollback."""
+    the lower learning rate a run takes for a while after a rollback.
+
+    Call it once the scheduler and optimizer are restored from the checkpoint being
+    resumed: the learning rate of the next step is set here too (the restored one was
+    computed without the window, and a scheduler only recomputes it after a step).
+    """
     scheduler.lr_lambdas = [
         (lambda step, f=f: f(step) * (factor if start <= step < end else 1.0))
         for f in scheduler.lr_lambdas
     ]
+    step = scheduler.last_epoch
+    groups = scheduler.optimizer.param_groups
+    for group, base, f in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * f(step)
+    scheduler._last_lr = [group["lr"] for group in groups]
 
 
 def _position_at(checkpoint: Any) -> int:

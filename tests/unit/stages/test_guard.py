@@ -119,6 +119,31 @@ def test_the_learning_rate_window_after_a_rollback():
     assert [scheduler.lr_lambdas[0](s) for s in range(6)] == [1.0, 1.0, 0.1, 0.1, 1.0, 1.0]
 
 
+def test_the_window_holds_from_the_first_step_of_a_restored_run():
+    # a rollback resumes a checkpoint saved at step 2 whose optimizer holds the full rate
+    def fresh():
+        param = torch.nn.Parameter(torch.ones(1))
+        optimizer = torch.optim.SGD([param], lr=1.0)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (s + 1))
+
+    optimizer, scheduler = fresh()
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    saved = optimizer.state_dict(), scheduler.state_dict()
+    optimizer, scheduler = fresh()
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1 / 3)  # restored, unscaled
+    scale_lr_in_window(scheduler, 2, 4, 0.1)
+    rates = []
+    for _ in range(3):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates == pytest.approx([0.1 / 3, 0.1 / 4, 1 / 5])
+
+
 @pytest.mark.parametrize(
     ("changes", "key"),
     [
