@@ -41,6 +41,7 @@ from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
 from recipes_lib.errors import CheckpointError, ConfigError, DataError, RecipesError
 from recipes_lib.models import KVCache, Transformer
+from recipes_lib.models.rope import longrope_restarts
 
 
 # -------------------------------------------------------------------- sampling
@@ -130,9 +131,9 @@ def generate(
     model.eval()
     cache = KVCache.for_model(model, batch_size=1, max_len=positions) if use_cache else None
 
-    def next_logits(tokens: list[int]) -> Tensor:
+    def next_logits(tokens: list[int], start_pos: int | None = None) -> Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
-        hidden = model.forward_hidden(ids, cache=cache)  # (1, T, C)
+        hidden = model.forward_hidden(ids, cache=cache, start_pos=start_pos)  # (1, T, C)
         return model.output(hidden[0, -1])  # (V,)
 
     new: list[int] = []
@@ -143,7 +144,10 @@ def generate(
             new.append(token)
             if token in stop or len(new) == max_new_tokens:
                 return new
-            logits = next_logits([token] if use_cache else prompt + new)
+            if use_cache and not longrope_restarts(model.config, cache.length, cache.length + 1):
+                logits = next_logits([token])
+            else:  # uncached, or a longrope model's cache written with its short factors
+                logits = next_logits(prompt + new, start_pos=0 if use_cache else None)
     finally:
         model.train(was_training)
 

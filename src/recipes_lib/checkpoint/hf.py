@@ -53,7 +53,7 @@ from recipes_lib.files import write_json_atomic
 from recipes_lib.models import Transformer
 from recipes_lib.models.families import family_of_hf, get_family
 from recipes_lib.models.families.base import common_hf_fields
-from recipes_lib.models.rope import rope_cos_sin
+from recipes_lib.models.rope import check_rope, rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +131,8 @@ def hf_config_from_model(
     converts."""
     family = get_family(config.family)
     family.check(config)
+    head_dim = config.head_dim or config.dim // config.n_heads
+    check_rope(config, head_dim, family.name, family.extended_rope)
     return {
         "architectures": [family.hf_architecture],
         "model_type": family.hf_model_types[0],
@@ -157,6 +159,7 @@ _HF_KEY_NAMES = {
     "rope_scaling": "rope_scaling",
     "norm_eps": "rms_norm_eps",
     "qkv_bias": "q/k/v biases (model_type qwen2)",
+    "partial_rotary_factor": "partial_rotary_factor",
     "tie_embeddings": "tie_word_embeddings",
 }
 # Everything that decides what the weights compute must match a checkpoint's config;
@@ -233,10 +236,8 @@ def empty_model(
     with torch.device("meta"):
         model = Transformer(config, attention)
     model.to(dtype).to_empty(device=device)
-    cos, sin = rope_cos_sin(
-        config.max_seq_len, model.head_dim, config.rope_theta, config.rope_scaling, device
-    )
-    model.rope_cos, model.rope_sin = cos, sin
+    for name, table in rope_tables(config, model.head_dim, device).items():
+        setattr(model, name, table)
     return model
 
 
@@ -285,15 +286,22 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
     state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
     names = get_family(config.family).names
     out: dict[str, Tensor] = {}
+    fused: dict[str, list[Tensor | None]] = {}
     unknown = []
     for name, tensor in state.items():
         if config.tie_embeddings and name == "output.weight":
             continue  # transformers ties lm_head to the embeddings itself
-        hf_name = names.to_hf(name)
-        if hf_name is None:
+        hf_name, into = names.to_hf(name), names.fused_of(name)
+        if into is not None:  # one of the tensors a fused one stacks
+            fused.setdefault(into[0], [None] * into[2])[into[1]] = tensor
+        elif hf_name is None:
             unknown.append(name)
         else:
             out[hf_name] = tensor
+    for hf_name, parts in fused.items():
+        if any(part is None for part in parts):
+            raise CheckpointError(f"cannot export {hf_name}: the model lacks some of its parts")
+        out[hf_name] = torch.cat(parts, dim=0)
     if unknown:
         raise CheckpointError(
             f"cannot export {len(unknown)} tensor(s) with no Hugging Face name: "

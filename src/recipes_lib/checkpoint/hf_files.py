@@ -25,8 +25,9 @@ HF_WEIGHTS_NAME = "model.safetensors"
 HF_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-# native name -> (file, Hugging Face name, shape, dtype) of each tensor found
-Located = dict[str, tuple[Path, str, tuple[int, ...], str]]
+# native name -> (file, Hugging Face name, shape, dtype, rows) of each tensor found; rows:
+# the (start, stop) of a native tensor inside a fused one along dim 0, else None
+Located = dict[str, tuple[Path, str, tuple[int, ...], str, tuple[int, int] | None]]
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -82,26 +83,56 @@ def hf_weight_files(path: str | os.PathLike) -> list[Path]:
     raise CheckpointError(f"'{folder}' has neither {HF_WEIGHTS_NAME} nor {HF_INDEX_NAME}")
 
 
-def _locate_tensors(files: list[Path], names: TensorNames, tied: bool) -> tuple[Located, list[str]]:
-    """native name -> (file, Hugging Face name, shape, dtype), and unmapped names."""
+def _locate_tensors(
+    files: list[Path], names: TensorNames, tied: bool
+) -> tuple[Located, Located, list[str]]:
+    """native name -> (file, Hugging Face name, shape, dtype, None), the same of the fused
+    tensors by their Hugging Face name, and unmapped names."""
     located: Located = {}
+    fused: Located = {}
     unexpected: list[str] = []
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for hf_name in f.keys():
                     native = names.to_native(hf_name)
-                    if native is None:
+                    if native is None and names.fused_parts(hf_name) is None:
                         if not names.ignored.fullmatch(hf_name):
                             unexpected.append(hf_name)
                         continue
                     if tied and native == "output.weight":
                         continue  # a tied head stored anyway: the embeddings are the head
                     piece = f.get_slice(hf_name)
-                    located[native] = (file, hf_name, tuple(piece.get_shape()), piece.get_dtype())
+                    found = (file, hf_name, tuple(piece.get_shape()), piece.get_dtype(), None)
+                    if native is None:
+                        fused[hf_name] = found
+                    else:
+                        located[native] = found
         except Exception as err:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"'{file}' is not a readable safetensors file: {err}") from err
-    return located, unexpected
+    return located, fused, unexpected
+
+
+def _split_fused(
+    fused: Located, names: TensorNames, expected: Mapping[str, tuple[int, ...]]
+) -> tuple[Located, list[str]]:
+    """The native tensors inside each fused one (rows by the expected shapes, in order),
+    and the fused tensors that do not stack into them (a line each)."""
+    located: Located = {}
+    problems: list[str] = []
+    for hf_name, (file, _, shape, dtype, _) in fused.items():
+        parts = names.fused_parts(hf_name) or []
+        shapes = [expected.get(part) for part in parts]
+        fits = None not in shapes and sum(s[0] for s in shapes) == shape[0]
+        if not (fits and all(s[1:] == shape[1:] for s in shapes)):
+            model = " + ".join(map(str, shapes))
+            problems.append(f"{hf_name}: checkpoint {shape} vs model {model} stacked")
+            continue
+        start = 0
+        for part, part_shape in zip(parts, shapes, strict=True):
+            located[part] = (file, hf_name, part_shape, dtype, (start, start + part_shape[0]))
+            start += part_shape[0]
+    return located, problems
 
 
 def _mismatches(
@@ -125,13 +156,15 @@ def checked_tensors(
 ) -> Located:
     """The folder's tensors located by native name, after checking that every tensor of
     ``model`` (a tied output head aside) is there with its shape and nothing else is."""
-    located, unexpected = _locate_tensors(hf_weight_files(folder), names, tied)
+    located, fused, unexpected = _locate_tensors(hf_weight_files(folder), names, tied)
     expected = {
         name: tuple(t.shape)
         for name, t in model.state_dict().items()
         if not (tied and name == "output.weight")
     }
-    problems = _mismatches(expected, located, unexpected, names)
+    split, unfit = _split_fused(fused, names, expected)
+    located.update(split)
+    problems = unfit + _mismatches(expected, located, unexpected, names)
     if problems:
         raise CheckpointError(f"'{folder}' does not fit {what}: " + " | ".join(problems))
     return located
@@ -141,13 +174,17 @@ def copy_tensors(params: Mapping[str, Tensor], located: Located) -> None:
     """Copy each located tensor into ``params[name]`` (in place, cast to its dtype),
     opening every file once."""
     by_file: dict[Path, list[str]] = {}
-    for name, (file, _, _, _) in located.items():
+    for name, (file, *_) in located.items():
         by_file.setdefault(file, []).append(name)
     with torch.no_grad():
         for file, names in by_file.items():
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in names:
-                    params[name].copy_(f.get_tensor(located[name][1]))
+                    _, hf_name, _, _, rows = located[name]
+                    if rows is None:
+                        params[name].copy_(f.get_tensor(hf_name))
+                    else:  # its rows of a fused tensor
+                        params[name].copy_(f.get_slice(hf_name)[rows[0] : rows[1]])
 
 
 def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_bytes: int) -> None:

@@ -43,7 +43,7 @@ from recipes_lib.checkpoint.weights import (
     load_weights,
     read_checkpoint,
 )
-from recipes_lib.config.schema import ModelConfig, resolved_model_fields
+from recipes_lib.config.schema import ModelConfig, RopeScalingConfig, resolved_model_fields
 from recipes_lib.config.store import fill_from_init, from_init_fields
 from recipes_lib.errors import CheckpointError, ConfigError
 
@@ -95,8 +95,10 @@ def _hyperparameter_model(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 BLOCK_OPTION_DEFAULTS = {
     f.name: f.default if f.default_factory is MISSING else f.default_factory()
     for f in fields(ModelConfig)
-    if f.name in ("qk_norm", "norm_placement", "nope_layers")
+    if f.name in ("qk_norm", "norm_placement", "nope_layers", "partial_rotary_factor")
 }
+# RoPE scaling fields added since (longrope's), read as their defaults likewise
+ROPE_SCALING_DEFAULTS = asdict(RopeScalingConfig())
 
 
 def recorded_model(model: Any) -> dict[str, Any] | None:
@@ -105,7 +107,8 @@ def recorded_model(model: Any) -> dict[str, Any] | None:
     Records written before ``model.family`` existed named no family; the two layouts of
     that time were told apart by the q/k/v biases (Qwen2's), which is how such a record
     is read. Every record written since names its family. Block options added since a
-    record was written (``qk_norm``, ``norm_placement``, ``nope_layers``) read as their
+    record was written (``qk_norm``, ``norm_placement``, ``nope_layers``,
+    ``partial_rotary_factor``, longrope's ``rope_scaling`` fields) read as their
     defaults, which is what every model of that time had.
     """
     if not isinstance(model, dict):
@@ -115,6 +118,8 @@ def recorded_model(model: Any) -> dict[str, Any] | None:
         model["family"] = "qwen2" if model.get("qkv_bias") else "llama"
     for name, default in BLOCK_OPTION_DEFAULTS.items():
         model.setdefault(name, copy.copy(default))
+    if isinstance(model.get("rope_scaling"), dict):
+        model["rope_scaling"] = {**copy.deepcopy(ROPE_SCALING_DEFAULTS), **model["rope_scaling"]}
     return model
 
 

@@ -20,7 +20,11 @@ class RopeScalingConfig:
     """RoPE frequency scaling for context extension.
 
     ``type``: ``none`` | ``linear`` (positions divided by ``factor``) |
-    ``llama3`` (Llama 3.1 frequency-band scaling using the remaining fields).
+    ``llama3`` (Llama 3.1 frequency-band scaling using ``factor``, the two band factors
+    and ``original_max_seq_len``) | ``longrope`` (Phi-3: one factor per frequency,
+    ``short_factor`` for forwards within ``original_max_seq_len``, ``long_factor`` past
+    it, cos and sin scaled by ``attention_factor``; ``factor`` is the context ratio it
+    was read with).
     """
 
     type: str = "none"
@@ -28,6 +32,9 @@ class RopeScalingConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_seq_len: int = 8192
+    short_factor: list[float] = field(default_factory=list)
+    long_factor: list[float] = field(default_factory=list)
+    attention_factor: float = 1.0
 
 
 # The role of each ModelConfig field, read by the checks that compare two models:
@@ -74,6 +81,9 @@ class ModelConfig:
     # the layers without RoPE (NoPE: their queries and keys are not rotated; SmolLM3's
     # every fourth), in increasing order; empty: every layer uses RoPE
     nope_layers: list[int] = field(default_factory=list, metadata=COMPUTE)
+    # the fraction of each head's dims that RoPE rotates (the first int(hs * it); Phi-3's
+    # partial rotation); 1: the whole head
+    partial_rotary_factor: float = field(default=1.0, metadata=COMPUTE)
     tie_embeddings: bool = field(default=False, metadata=SHAPE)
     init_std: float = field(default=0.02, metadata=LABEL)
 
@@ -100,4 +110,6 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
         out["head_dim"] = values["dim"] // heads
     if "nope_layers" in out:  # a record from before the field: RoPE in every layer
         out["nope_layers"] = list(out["nope_layers"] or [])
+    if isinstance(out.get("rope_scaling"), Mapping):  # one from before longrope's fields
+        out["rope_scaling"] = {**asdict(RopeScalingConfig()), **out["rope_scaling"]}
     return out

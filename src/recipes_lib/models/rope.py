@@ -6,7 +6,18 @@ keys stay as projected; SmolLM3's every fourth); empty, the default, every layer
 applies it. ``Attention`` skips the rotation itself, so the attention kernels and the
 KV cache see ordinary queries and keys.
 
-Shapes: T positions, hs head dim.
+``model.partial_rotary_factor`` (Phi-3's; 1, the default, rotates the whole head)
+rotates only the first ``rd = int(hs * factor)`` dims of each head (rotate-half within
+them, frequencies over ``rd``) and passes the rest through; the tables are ``rd`` wide.
+``rope_scaling.type=longrope`` (Phi-3's LongRoPE) divides each frequency by its own
+factor: ``short_factor`` for a forward whose last position is within
+``original_max_seq_len``, ``long_factor`` for one that goes past it (the choice is per
+call, as transformers makes it: cached keys keep the rotation they were written with),
+and scales cos and sin by ``attention_factor``. Such a model keeps both tables.
+A generation that crosses ``original_max_seq_len`` runs its whole sequence again
+with the long factors, as transformers does (:func:`longrope_restarts`).
+
+Shapes: T positions, hs head dim, rd rotated dims.
 """
 
 from __future__ import annotations
@@ -15,25 +26,36 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 
-ROPE_SCALING_TYPES = ("none", "linear", "llama3")
+ROPE_SCALING_TYPES = ("none", "linear", "llama3", "longrope")
+# the tables of a longrope model for forwards past original_max_seq_len
+_LONG = ("rope_cos_long", "rope_sin_long")
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig) -> Tensor:
+def rope_inv_freq(
+    head_dim: int, theta: float, scaling: RopeScalingConfig, long: bool = False
+) -> Tensor:
     """Inverse frequencies of RoPE, ``(hs // 2,)`` float32, with optional scaling.
 
     ``linear`` divides every frequency by ``factor`` (positions interpolated).
     ``llama3`` (Llama 3.1) leaves wavelengths shorter than
     ``original_max_seq_len / high_freq_factor`` alone, divides frequencies whose
     wavelength exceeds ``original_max_seq_len / low_freq_factor`` by ``factor``, and
-    interpolates smoothly between the two bands.
+    interpolates smoothly between the two bands. ``longrope`` divides each by its entry of
+    ``long_factor`` (``long``) or ``short_factor``.
     """
+    if scaling.type == "longrope":
+        factors = torch.tensor(
+            scaling.long_factor if long else scaling.short_factor, dtype=torch.float32
+        )
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        return 1.0 / (factors * theta**exponents)
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     if scaling.type == "none":
         return inv_freq
@@ -54,21 +76,120 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig) -> Te
 
 
 def rope_cos_sin(
-    seq_len: int, head_dim: int, theta: float, scaling: RopeScalingConfig, device=None
+    seq_len: int,
+    head_dim: int,
+    theta: float,
+    scaling: RopeScalingConfig,
+    device=None,
+    long: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin tables, each ``(T, hs)`` float32, in the rotate-half layout."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+    """cos and sin tables, each ``(T, hs)`` float32, in the rotate-half layout (``hs``:
+    the rotated dims); ``long`` picks longrope's long factors."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, long).to(device)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)  # (T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves share a frequency
+    if scaling.type == "longrope":
+        return angles.cos() * scaling.attention_factor, angles.sin() * scaling.attention_factor
     return angles.cos(), angles.sin()
 
 
+def rotary_dim(config: ModelConfig, head_dim: int) -> int:
+    """How many of each head's dims RoPE rotates (``model.partial_rotary_factor``)."""
+    if config.partial_rotary_factor == 1:
+        return head_dim
+    return int(head_dim * config.partial_rotary_factor)
+
+
+def rope_tables(config: ModelConfig, head_dim: int, device=None) -> dict[str, Tensor]:
+    """The model's RoPE buffers by name: ``rope_cos``/``rope_sin`` ``(max_seq_len, rd)``,
+    and a longrope model's ``rope_cos_long``/``rope_sin_long``."""
+    rd, c = rotary_dim(config, head_dim), config
+    cos, sin = rope_cos_sin(c.max_seq_len, rd, c.rope_theta, c.rope_scaling, device)
+    tables = {"rope_cos": cos, "rope_sin": sin}
+    if c.rope_scaling.type == "longrope":
+        long = rope_cos_sin(c.max_seq_len, rd, c.rope_theta, c.rope_scaling, device, long=True)
+        tables.update(zip(_LONG, long, strict=True))
+    return tables
+
+
+def rope_window(model: nn.Module, start: int, end: int) -> tuple[Tensor, Tensor]:
+    """cos and sin of positions ``start .. end - 1`` for one forward of ``model``: a
+    longrope model's long tables when ``end`` is past ``original_max_seq_len``."""
+    scaling = model.config.rope_scaling
+    names = ("rope_cos", "rope_sin")
+    if scaling.type == "longrope" and end > scaling.original_max_seq_len:
+        names = _LONG
+    return tuple(getattr(model, name)[start:end] for name in names)  # (T, rd) each
+
+
+def longrope_restarts(config: ModelConfig, cached: int, total: int) -> bool:
+    """Whether a generation holding ``cached`` positions runs its whole sequence of
+    ``total`` again, as transformers' Phi-3 generation does: a longrope model whose
+    cache was written within ``original_max_seq_len`` (short factors) when the sequence
+    first goes past it (long factors throughout from then on)."""
+    scaling = config.rope_scaling
+    return scaling.type == "longrope" and cached <= scaling.original_max_seq_len < total
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate ``x`` (B, heads, T, hs) by position; computed in the tables' dtype."""
+    """Rotate ``x`` (B, heads, T, hs) by position; computed in the tables' dtype. Tables
+    narrower than the head (``rd < hs``) rotate its first ``rd`` dims only."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat([-x2, x1], dim=-1)  # rotate_half
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def check_rope(config: ModelConfig, head_dim: int, family: str, extended: bool) -> None:
+    """Refuse RoPE options out of range, or ones ``family`` cannot have (``extended``:
+    partial rotation and longrope), in one line naming the key."""
+    scaling, factor = config.rope_scaling, config.partial_rotary_factor
+    if scaling.type not in ROPE_SCALING_TYPES:
+        choices = " | ".join(ROPE_SCALING_TYPES)
+        raise ConfigError(f"model.rope_scaling.type={scaling.type!r} is not one of {choices}")
+    if scaling.type != "none" and scaling.factor <= 0:
+        raise ConfigError(f"model.rope_scaling.factor must be positive, got {scaling.factor}")
+    if scaling.type == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor > 0:
+        raise ConfigError(
+            "model.rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
+            f"high_freq_factor={scaling.high_freq_factor}, "
+            f"low_freq_factor={scaling.low_freq_factor}"
+        )
+    if not (isinstance(factor, int | float) and 0 < factor <= 1):
+        raise ConfigError(f"model.partial_rotary_factor={factor!r} must be in (0, 1]")
+    rd = rotary_dim(config, head_dim)
+    if rd < 2 or rd % 2:
+        raise ConfigError(
+            f"model.partial_rotary_factor={factor!r} rotates int({head_dim} * {factor}) = {rd} "
+            "dims of each head; it must be an even number of at least 2"
+        )
+    if not extended and (factor != 1 or scaling.type == "longrope"):
+        key = "partial_rotary_factor" if factor != 1 else "rope_scaling.type"
+        value = factor if factor != 1 else scaling.type
+        raise ConfigError(
+            f"model.family={family} with model.{key}={value!r}: {family}'s Hugging Face "
+            "layout rotates whole heads without longrope (those are model.family=phi3's)"
+        )
+    if scaling.type == "longrope":
+        _check_longrope(scaling, rd)
+
+
+def _check_longrope(scaling: RopeScalingConfig, rd: int) -> None:
+    for key in ("short_factor", "long_factor"):
+        values = getattr(scaling, key)
+        if len(values) != rd // 2 or not all(v > 0 for v in values):
+            raise ConfigError(
+                f"model.rope_scaling.{key} must hold {rd // 2} positive factors (one per "
+                f"frequency of the {rd} rotated dims), got {len(values)}"
+            )
+    if scaling.attention_factor <= 0 or scaling.original_max_seq_len < 1:
+        raise ConfigError(
+            "model.rope_scaling.attention_factor and original_max_seq_len must be positive, "
+            f"got {scaling.attention_factor} and {scaling.original_max_seq_len}"
+        )
 
 
 def check_nope_layers(config: ModelConfig) -> None:

@@ -3,7 +3,8 @@
 Its options are what the model families turn on (:mod:`recipes_lib.models.families`):
 the Llama layout, Qwen2's q/k/v biases, tied embeddings, Qwen3's and OLMo 2's norms on
 the queries and keys and OLMo 2's post-norm blocks (:mod:`recipes_lib.models.norms`),
-SmolLM3's layers without RoPE (``model.nope_layers``, :mod:`recipes_lib.models.rope`).
+SmolLM3's layers without RoPE (``model.nope_layers``), Phi-3's partial rotation and
+LongRoPE (:mod:`recipes_lib.models.rope`).
 Parameter names follow Meta's Llama code (``tok_embeddings``,
 ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...), so a family's Hugging Face
 adapter is a rename table. RoPE uses the rotate-half convention of Hugging Face /
@@ -34,10 +35,11 @@ from recipes_lib.models.families import get_family
 from recipes_lib.models.kv_cache import KVCache, LayerCache, causal_offset_mask
 from recipes_lib.models.norms import RMSNorm, check_norm_options, qk_norm_sizes
 from recipes_lib.models.rope import (
-    ROPE_SCALING_TYPES,
     apply_rope,
     check_nope_layers,
-    rope_cos_sin,
+    check_rope,
+    rope_tables,
+    rope_window,
     uses_rope,
 )
 
@@ -158,7 +160,8 @@ def _validate(config: ModelConfig) -> int:
     """Check the shape of ``config`` and its family's options; return the head dimension."""
     check_norm_options(config)
     check_nope_layers(config)
-    get_family(config.family).check(config)
+    family = get_family(config.family)
+    family.check(config)
     if config.head_dim is None and config.dim % config.n_heads != 0:
         raise ConfigError(
             f"model.dim={config.dim} is not divisible by model.n_heads={config.n_heads}; "
@@ -174,18 +177,7 @@ def _validate(config: ModelConfig) -> int:
         )
     if config.max_seq_len < 1:
         raise ConfigError(f"model.max_seq_len must be positive, got {config.max_seq_len}")
-    scaling = config.rope_scaling
-    if scaling.type not in ROPE_SCALING_TYPES:
-        choices = " | ".join(ROPE_SCALING_TYPES)
-        raise ConfigError(f"model.rope_scaling.type={scaling.type!r} is not one of {choices}")
-    if scaling.type != "none" and scaling.factor <= 0:
-        raise ConfigError(f"model.rope_scaling.factor must be positive, got {scaling.factor}")
-    if scaling.type == "llama3" and not scaling.high_freq_factor > scaling.low_freq_factor > 0:
-        raise ConfigError(
-            "model.rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
-            f"high_freq_factor={scaling.high_freq_factor}, "
-            f"low_freq_factor={scaling.low_freq_factor}"
-        )
+    check_rope(config, head_dim, family.name, family.extended_rope)
     return head_dim
 
 
@@ -222,9 +214,9 @@ class Transformer(nn.Module):
 
         # RoPE tables, derived from the config: not saved in checkpoints, rebuilt by
         # init_weights() (a meta-device build has no values to keep).
-        cos, sin = self._rope_tables(device=self.tok_embeddings.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hs)
-        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, hs)
+        device = self.tok_embeddings.weight.device
+        for name, table in rope_tables(config, self.head_dim, device).items():
+            self.register_buffer(name, table, persistent=False)  # (max_seq_len, rotated dims)
         self.init_weights()
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
@@ -241,10 +233,6 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         return self
 
-    def _rope_tables(self, device) -> tuple[Tensor, Tensor]:
-        c = self.config
-        return rope_cos_sin(c.max_seq_len, self.head_dim, c.rope_theta, c.rope_scaling, device)
-
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialize every weight; deterministic given the torch seed.
@@ -253,9 +241,8 @@ class Transformer(nn.Module):
         write into the residual stream (``wo``, ``w2``) use init_std / sqrt(2 * n_layers).
         Biases are zero, norm gains one. Works after ``to_empty()`` of a meta-device build.
         """
-        cos, sin = self._rope_tables(device=self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        for name, table in rope_tables(self.config, self.head_dim, self.rope_cos.device).items():
+            getattr(self, name).copy_(table)
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
@@ -330,7 +317,7 @@ class Transformer(nn.Module):
             # A single new token sees every cached position: no mask needed.
             mask = None if T == 1 else causal_offset_mask(T, start, device=input_ids.device)
         end = start + T
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # (T, hs)
+        cos, sin = rope_window(self, start, end)  # (T, rotated dims)
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         for index, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layer(index, start)

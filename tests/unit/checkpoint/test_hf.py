@@ -301,8 +301,8 @@ def test_unsupported_configs_are_refused(changes, message):
 
 
 def test_unsupported_model_type_folder_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "phi3", "hidden_size": 8}))
-    with pytest.raises(CheckpointError, match="model_type='phi3'"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "hidden_size": 8}))
+    with pytest.raises(CheckpointError, match="model_type='mamba'"):
         load_hf_checkpoint(tmp_path)
 
 

@@ -46,6 +46,7 @@ def meta_params(cfg) -> int:
         "qwen3_0_6b",
         "olmo2_1b",
         "smollm3_3b",
+        "phi4_mini",
     ],
 )
 def test_shapes_count_the_parameters_the_model_has(model):

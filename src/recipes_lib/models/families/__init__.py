@@ -12,12 +12,13 @@ from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.base import Family, TensorNames
 from recipes_lib.models.families.llama import LLAMA
 from recipes_lib.models.families.olmo2 import OLMO2
+from recipes_lib.models.families.phi3 import PHI3
 from recipes_lib.models.families.qwen2 import QWEN2
 from recipes_lib.models.families.qwen3 import QWEN3
 from recipes_lib.models.families.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (LLAMA, QWEN2, QWEN3, OLMO2, SMOLLM3)
+    family.name: family for family in (LLAMA, QWEN2, QWEN3, OLMO2, SMOLLM3, PHI3)
 }
 GUIDE = "README.md, 'Adding a model family'"
 

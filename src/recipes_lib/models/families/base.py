@@ -31,17 +31,45 @@ class TensorNames:
         top: whole names outside the blocks, Hugging Face -> native.
         ignored: Hugging Face names that hold nothing the model needs (a RoPE table
             some exports kept).
+        fused: inside block ``N``: a Hugging Face tensor that holds several native ones
+            stacked along dim 0, in order (Phi-3's ``self_attn.qkv_proj`` is ``wq``,
+            ``wk``, ``wv``); it is split by the native tensors' shapes on import and
+            concatenated on export.
     """
 
     layer: Mapping[str, str]
     top: Mapping[str, str]
     ignored: re.Pattern = re.compile(r".*rotary_emb\.inv_freq")
+    fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     _native_layer: dict[str, str] = field(init=False, repr=False)
     _native_top: dict[str, str] = field(init=False, repr=False)
+    _native_fused: dict[str, tuple[str, int, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_native_layer", {v: k for k, v in self.layer.items()})
         object.__setattr__(self, "_native_top", {v: k for k, v in self.top.items()})
+        parts = {
+            part: (hf, i, len(natives))
+            for hf, natives in self.fused.items()
+            for i, part in enumerate(natives)
+        }
+        object.__setattr__(self, "_native_fused", parts)
+
+    def fused_parts(self, name: str) -> list[str] | None:
+        """The native names a fused Hugging Face tensor holds, in order, or None."""
+        match = _HF_LAYER.fullmatch(name)
+        if not (match and match[2] in self.fused):
+            return None
+        return [f"layers.{match[1]}.{part}.{match[3]}" for part in self.fused[match[2]]]
+
+    def fused_of(self, name: str) -> tuple[str, int, int] | None:
+        """The fused Hugging Face tensor a native one goes into, its place in it and the
+        number of parts, or None."""
+        match = _NATIVE_LAYER.fullmatch(name)
+        if not (match and match[2] in self._native_fused):
+            return None
+        hf, index, count = self._native_fused[match[2]]
+        return f"model.layers.{match[1]}.{hf}.{match[3]}", index, count
 
     def to_native(self, name: str) -> str | None:
         """The native name of a Hugging Face tensor name, or None if it has none."""
@@ -78,6 +106,9 @@ class Family:
         sliding_window: the attention window some layers of a ``config.json`` use, or
             None when every layer attends fully (the model is then built with full
             attention over at most that many tokens: equal within the window).
+        extended_rope: whether its models may rotate part of each head
+            (``model.partial_rotary_factor`` < 1) and use ``rope_scaling.type=longrope``
+            (transformers computes both for its model type: Phi-3).
     """
 
     name: str
@@ -88,6 +119,7 @@ class Family:
     to_hf: Callable[[ModelConfig], dict[str, Any]]
     check: Callable[[ModelConfig], None] = lambda config: None
     sliding_window: Callable[[Mapping[str, Any]], int | None] = lambda config: None
+    extended_rope: bool = False
 
 
 def required(config: Mapping[str, Any], key: str) -> Any:
