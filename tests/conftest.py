@@ -21,9 +21,10 @@ def _reset_torch_state():
 
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked ``gpu`` (or ``multigpu``) cleanly where CUDA is missing, and run
-    the ``slow`` ones first (in their order), so that two workers (``-n 2``) do not end
-    with one of them still in a long test."""
-    items.sort(key=lambda item: "slow" not in item.keywords)
+    the longest first (the README's demo pipeline, then the ``slow`` ones, each in their
+    order), so that two workers (``-n 2 --dist worksteal``) do not end with one of them
+    still in a long test."""
+    items.sort(key=lambda item: ("demo_pipeline" not in item.name, "slow" not in item.keywords))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if "multigpu" in item.keywords and gpus < 2:
