@@ -6,8 +6,21 @@ folders and records) and ``run_helpers.py`` (a run's metrics, ``torchrun`` jobs)
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker takes its share of the cores, for itself and the
+    commands its tests start: two workers of two threads each on two cores would spend
+    their time switching."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
