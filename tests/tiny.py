@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 
 from recipes_lib.config.schema import ModelConfig
 
@@ -61,3 +61,14 @@ def tiny_model_config(**changes: Any) -> ModelConfig:
     )
     values.update(changes)
     return ModelConfig(**values)
+
+
+class StopAtStep(Callback):
+    """Ends training once ``step`` optimizer steps are done, as a preemption would."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True

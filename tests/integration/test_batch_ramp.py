@@ -10,6 +10,7 @@ import pytest
 import torch
 from integration_helpers import tiny_overrides
 from lightning.pytorch.callbacks import Callback
+from tiny import StopAtStep
 
 from recipes_lib.config import compose_config
 from recipes_lib.config.schema import BatchRampConfig
@@ -87,14 +88,9 @@ def test_steps_follow_the_ramp_and_the_learning_rate_its_square_root(tmp_path, s
 
 
 def test_a_run_stopped_mid_ramp_resumes_to_the_same_weights(tmp_path, shared_cache):
-    class StopAt(Callback):
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if trainer.global_step >= 3:
-                trainer.should_stop = True
-
     straight = run(compose_config(tiny_overrides(tmp_path / "straight", shared_cache, *RAMP)))
     split = tiny_overrides(tmp_path / "split", shared_cache, *RAMP)
-    first = run(compose_config(split), [StopAt()])
+    first = run(compose_config(split), [StopAtStep(3)])
     assert first.global_step == 3 and SCHEDULE.accumulation(3) < 4  # stopped mid-ramp
     resumed = run(compose_config(split))  # a rerun of the same command resumes
     assert resumed.global_step == straight.global_step == 9

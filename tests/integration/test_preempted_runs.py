@@ -14,6 +14,7 @@ import torch
 from integration_helpers import metric_series, read_metrics, tiny_overrides
 from lightning.pytorch.callbacks import Callback
 from signal_helpers import ALLOWED, env_with_helpers, signal_at_step, slow_steps_override
+from tiny import StopAtStep
 
 from recipes_lib.callbacks import EXIT_HUNG, EXIT_PREEMPTED
 from recipes_lib.checkpoint.layout import RunDir
@@ -24,15 +25,6 @@ from recipes_lib.train import run
 
 TRAIN = str(Path(sys.executable).parent / "recipes-train")
 STEPS = ("trainer.max_steps=14", "trainer.val_check_interval=7", "run.checkpoint_every_n_steps=7")
-
-
-class StopAtStep(Callback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 class FirstStep(Callback):

@@ -5,20 +5,10 @@ from __future__ import annotations
 import torch
 from integration_helpers import tiny_overrides
 from lightning.pytorch.callbacks import Callback
+from tiny import StopAtStep
 
 from recipes_lib.config import compose_config
 from recipes_lib.train import run
-
-
-class StopAtStep(Callback):
-    """Ends training after ``step`` optimizer steps, as a preemption would."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 class RecordFirstStep(Callback):

@@ -5,21 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from integration_helpers import tiny_overrides
-from lightning.pytorch.callbacks import Callback
+from tiny import StopAtStep
 
 from recipes_lib.checkpoint.weights import load_weights, read_checkpoint, sha256_file
 from recipes_lib.config import compose_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.train import run
-
-
-class StopAtStep(Callback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if trainer.global_step >= self.step:
-            trainer.should_stop = True
 
 
 def checkpoint_weights(path) -> dict[str, torch.Tensor]:
