@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.callbacks.batch_ramp import BatchRamp
@@ -59,7 +59,7 @@ from recipes_lib.parallel.precision import lightning_precision, resolve_device_c
 from recipes_lib.preflight import check_run
 from recipes_lib.stages.causal_lm import CausalLMModule
 from recipes_lib.stages.dpo import build_dpo_module
-from recipes_lib.stages.outputs import export_weights, prepare_averaging
+from recipes_lib.stages.outputs import OutputWeights, prepare_averaging
 from recipes_lib.stages.rollback import plan_rollback
 from recipes_lib.stages.sft import SFTModule
 
@@ -259,9 +259,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     trainer, module, datamodule = fit.trainer, fit.module, fit.datamodule
 
     out = Path(cfg.run.dir)
-    weights_path, averaged_from = None, []
-    if trainer.global_step >= fit.steps:
-        weights_path, averaged_from = export_weights(cfg, trainer, module, out, fit.saver, fit.ema)
+    weights_path, averaged_from = fit.output.written or (None, [])
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     last = RunDir(out).last_checkpoint
@@ -292,8 +290,7 @@ class _Fit:
     datamodule: L.LightningDataModule
     steps: int
     schedule: BatchSchedule
-    saver: ModelCheckpoint | None
-    ema: WeightEMA | None
+    output: OutputWeights  # what it wrote as the final step ended
     seconds: float
 
     def skipped_updates(self) -> int:
@@ -335,10 +332,12 @@ def _fit(
         lr_window=lr_window,
         batch_schedule=schedule,
     )
+    output = OutputWeights(cfg, steps, saver, ema)
+    trainer.callbacks.append(output)  # after the step savers (see OutputWeights)
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
-    seconds = time.perf_counter() - started
-    return _Fit(trainer, module, datamodule, steps, schedule, saver, ema, seconds)
+    seconds = time.perf_counter() - started - output.seconds
+    return _Fit(trainer, module, datamodule, steps, schedule, output, seconds)
 
 
 def _last_lr(trainer: L.Trainer) -> float | None:

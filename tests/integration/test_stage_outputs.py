@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from integration_helpers import tiny_overrides
+from lightning.pytorch.callbacks import Callback
 from tiny import StopAtStep
 
 from recipes_lib.checkpoint.weights import load_weights, read_checkpoint, sha256_file
@@ -43,8 +44,19 @@ def test_average_of_the_last_three_checkpoints_is_the_output(tiny_cfg):
     assert names == [f"step{s:06d}.ckpt" for s in (8, 12, 16)]
 
 
+class ModelSize(Callback):
+    """The model's elements when the fit ends (after Lightning's teardown)."""
+
+    elements: int | None = None
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.elements = sum(t.numel() for t in [*pl_module.parameters(), *pl_module.buffers()])
+
+
 def test_final_weights_are_the_output_by_default(tiny_cfg):
-    result = run(tiny_cfg())
+    size = ModelSize()
+    result = run(tiny_cfg(), callbacks=[size])
+    assert size.elements == 0  # written from the device, then freed: no copy at teardown
     assert result.averaged_from == []
     output = load_weights(result.weights_path)
     final = checkpoint_weights(result.last_checkpoint)
@@ -63,11 +75,13 @@ def test_ema_output_resumes_exactly(tmp_path, shared_cache):
     assert not torch.allclose(straight_output["norm.weight"], final["norm.weight"])
     assert torch.equal(straight_output["output.weight"], straight_output["tok_embeddings.weight"])
 
+    size = ModelSize()
     stopped = run(
         compose_config(tiny_overrides(split_dir, shared_cache, *settings)),
-        callbacks=[StopAtStep(8)],
+        callbacks=[StopAtStep(8), size],
     )
     assert stopped.global_step == 8
+    assert size.elements > 0  # nothing written, nothing freed
     assert stopped.weights_path is None  # an unfinished stage has no output
     assert not (split_dir / "run" / "model.safetensors").exists()
     resumed = run(
