@@ -45,12 +45,15 @@ def test_average_of_the_last_three_checkpoints_is_the_output(tiny_cfg):
 
 
 class ModelSize(Callback):
-    """The model's elements when the fit ends (after Lightning's teardown)."""
+    """The model's elements, gradients included, when the fit ends (after Lightning's
+    teardown)."""
 
     elements: int | None = None
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        self.elements = sum(t.numel() for t in [*pl_module.parameters(), *pl_module.buffers()])
+        tensors = [*pl_module.parameters(), *pl_module.buffers()]
+        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+        self.elements = sum(t.numel() for t in tensors + grads)
 
 
 def test_final_weights_are_the_output_by_default(tiny_cfg):

@@ -185,13 +185,16 @@ class OutputWeights(Checkpoint):
 
 
 def release_weights(module: torch.nn.Module) -> int:
-    """Free the storage of ``module``'s plain parameters and buffers (each becomes an
-    empty tensor on its device) and return how many elements were freed.
+    """Drop every gradient of ``module`` (the last step's are still held) and free the
+    storage of its plain parameters and buffers (each becomes an empty tensor on its
+    device); return how many elements of weights were freed.
 
     Tensors of another kind keep their storage: sharded ``DTensor`` parameters, whose
     owner (FSDP2) holds more views of them, and quantised or DeepSpeed-partitioned ones.
     """
     freed = 0
+    for parameter in module.parameters():
+        parameter.grad = None
     for tensor in [*module.parameters(), *module.buffers()]:
         plain = type(tensor) in (torch.nn.Parameter, torch.Tensor) and not hasattr(tensor, "ds_id")
         if plain and type(tensor.data) is torch.Tensor and tensor.numel() > 0:
