@@ -51,7 +51,7 @@ from recipes_lib.data.tokenizer import (
 from recipes_lib.errors import CheckpointError
 from recipes_lib.files import write_json_atomic
 from recipes_lib.models import Transformer
-from recipes_lib.models.families import family_of_hf, get_family
+from recipes_lib.models.families import check_family, family_of_hf, get_family
 from recipes_lib.models.families.base import common_hf_fields
 from recipes_lib.models.rope import check_rope, rope_tables
 
@@ -96,7 +96,7 @@ def model_config_from_hf(
     """
     model_type = config.get("model_type")
     family = family_of_hf(model_type)
-    fields = family.from_hf(config)
+    fields = {"family": family.name, **family.fixed, **family.from_hf(config)}
     max_positions = int(config.get("max_position_embeddings") or 0)
     if not max_positions:
         raise CheckpointError("the Hugging Face config has no 'max_position_embeddings'")
@@ -129,8 +129,7 @@ def hf_config_from_model(
     """A ``config.json`` for ``transformers``, of the model's family. RoPE is written in
     the ``rope_theta``/``rope_scaling`` form that transformers 4 reads and transformers 5
     converts."""
-    family = get_family(config.family)
-    family.check(config)
+    family = check_family(config)
     head_dim = config.head_dim or config.dim // config.n_heads
     check_rope(config, head_dim, family.name, family.extended_rope)
     return {
@@ -218,7 +217,7 @@ def load_hf_weights_into(model: Transformer, path: str | os.PathLike, label: str
         )
     except CheckpointError as err:
         raise CheckpointError(f"{label}: {err}") from err
-    copy_tensors(model.state_dict(), located)
+    copy_tensors(model.state_dict(), located, names)
 
 
 def empty_model(
@@ -277,7 +276,7 @@ def load_hf_checkpoint(
     if dtype is None:
         dtype = DTYPES.get(located["tok_embeddings.weight"][3], torch.float32)
     model = empty_model(config, attention, dtype=dtype, device=device)
-    copy_tensors(model.state_dict(), located)
+    copy_tensors(model.state_dict(), located, names)
     return model.eval(), config
 
 
@@ -297,7 +296,8 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
         elif hf_name is None:
             unknown.append(name)
         else:
-            out[hf_name] = tensor
+            offset = names.stored_offset(name)  # a gain stored as gain - offset
+            out[hf_name] = (tensor.float() - offset).to(tensor.dtype) if offset else tensor
     for hf_name, parts in fused.items():
         if any(part is None for part in parts):
             raise CheckpointError(f"cannot export {hf_name}: the model lacks some of its parts")

@@ -170,21 +170,24 @@ def checked_tensors(
     return located
 
 
-def copy_tensors(params: Mapping[str, Tensor], located: Located) -> None:
-    """Copy each located tensor into ``params[name]`` (in place, cast to its dtype),
+def copy_tensors(params: Mapping[str, Tensor], located: Located, names: TensorNames) -> None:
+    """Copy each located tensor into ``params[name]`` (in place, cast to its dtype, with
+    what the checkpoint leaves out of a norm's gain added: ``names.gain_offset``),
     opening every file once."""
     by_file: dict[Path, list[str]] = {}
     for name, (file, *_) in located.items():
         by_file.setdefault(file, []).append(name)
     with torch.no_grad():
-        for file, names in by_file.items():
+        for file, in_file in by_file.items():
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
+                for name in in_file:
                     _, hf_name, _, _, rows = located[name]
                     if rows is None:
-                        params[name].copy_(f.get_tensor(hf_name))
+                        tensor = f.get_tensor(hf_name)
                     else:  # its rows of a fused tensor
-                        params[name].copy_(f.get_slice(hf_name)[rows[0] : rows[1]])
+                        tensor = f.get_slice(hf_name)[rows[0] : rows[1]]
+                    offset = names.stored_offset(name)
+                    params[name].copy_(tensor.float() + offset if offset else tensor)
 
 
 def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_bytes: int) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from recipes_lib.checkpoint.weights import (
     load_weights,
     read_checkpoint,
 )
+from recipes_lib.config.model import block_option_defaults
 from recipes_lib.config.schema import ModelConfig, RopeScalingConfig, resolved_model_fields
 from recipes_lib.config.store import fill_from_init, from_init_fields
 from recipes_lib.errors import CheckpointError, ConfigError
@@ -92,11 +93,7 @@ def _hyperparameter_model(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
 
 # block options added after records were first written: a record without one had the
 # default (ModelConfig's)
-BLOCK_OPTION_DEFAULTS = {
-    f.name: f.default if f.default_factory is MISSING else f.default_factory()
-    for f in fields(ModelConfig)
-    if f.name in ("qk_norm", "norm_placement", "nope_layers", "partial_rotary_factor")
-}
+BLOCK_OPTION_DEFAULTS = block_option_defaults()
 # RoPE scaling fields added since (longrope's), read as their defaults likewise
 ROPE_SCALING_DEFAULTS = asdict(RopeScalingConfig())
 

@@ -75,9 +75,22 @@ class ModelConfig:
     # RMSNorm on queries and keys before RoPE: none | head (each head's hs values, Qwen3)
     # | full (the whole projection, OLMo 2)
     qk_norm: str = field(default="none", metadata=SHAPE)
-    # each block's two norms: pre (on the sublayer's input) | post (on its output, before
-    # the residual add: OLMo 2)
+    # each block's norms: pre (on the sublayer's input) | post (on its output, before
+    # the residual add: OLMo 2) | both (on its input and on its output: Gemma 3)
     norm_placement: str = field(default="pre", metadata=SHAPE)
+    # the MLP's gate: silu (SwiGLU) | gelu_tanh (GeGLU with the tanh-approximated GELU)
+    activation: str = field(default="silu", metadata=COMPUTE)
+    # multiply the token embeddings by sqrt(dim) on the way in (Gemma), not the head's input
+    scale_embeddings: bool = field(default=False, metadata=COMPUTE)
+    # the softmax scale is 1 / sqrt(this) (Gemma's query_pre_attn_scalar); None: head_dim
+    query_pre_attn_scalar: float | None = field(default=None, metadata=COMPUTE)
+    # local attention: the layers in window_layers attend to at most sliding_window keys
+    # (their own and the sliding_window - 1 before it); Gemma 3's five of every six layers
+    sliding_window: int | None = field(default=None, metadata=CONTEXT)
+    window_layers: list[int] = field(default_factory=list, metadata=COMPUTE)
+    # the RoPE base of the window layers, unscaled (Gemma 3's rope_local_base_freq); None:
+    # they rotate as every other layer does
+    local_rope_theta: float | None = field(default=None, metadata=CONTEXT)
     # the layers without RoPE (NoPE: their queries and keys are not rotated; SmolLM3's
     # every fourth), in increasing order; empty: every layer uses RoPE
     nope_layers: list[int] = field(default_factory=list, metadata=COMPUTE)
@@ -86,6 +99,32 @@ class ModelConfig:
     partial_rotary_factor: float = field(default=1.0, metadata=COMPUTE)
     tie_embeddings: bool = field(default=False, metadata=SHAPE)
     init_std: float = field(default=0.02, metadata=LABEL)
+
+
+# The block options: what a model family fixes or reads from its config.json. A family
+# holds the default of every one it does not name (recipes_lib.models.families).
+BLOCK_OPTIONS = (
+    "qkv_bias",
+    "qk_norm",
+    "norm_placement",
+    "nope_layers",
+    "partial_rotary_factor",
+    "activation",
+    "scale_embeddings",
+    "query_pre_attn_scalar",
+    "sliding_window",
+    "window_layers",
+    "local_rope_theta",
+)
+
+
+def block_option_defaults() -> dict[str, Any]:
+    """Each block option's default (a fresh list for the list ones)."""
+    return {
+        f.name: f.default if f.default_factory is MISSING else f.default_factory()
+        for f in fields(ModelConfig)
+        if f.name in BLOCK_OPTIONS
+    }
 
 
 def model_fields(*roles: str) -> tuple[str, ...]:
@@ -108,8 +147,9 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
         out["n_kv_heads"] = heads
     if "head_dim" in out and out["head_dim"] is None and values.get("dim") and heads:
         out["head_dim"] = values["dim"] // heads
-    if "nope_layers" in out:  # a record from before the field: RoPE in every layer
-        out["nope_layers"] = list(out["nope_layers"] or [])
+    for name in ("nope_layers", "window_layers"):  # a record from before the field: none
+        if name in out:
+            out[name] = list(out[name] or [])
     if isinstance(out.get("rope_scaling"), Mapping):  # one from before longrope's fields
         out["rope_scaling"] = {**asdict(RopeScalingConfig()), **out["rope_scaling"]}
     return out

@@ -14,7 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recipes_lib.config.schema import RunConfig
+from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.errors import ConfigError
 
 CONFIG_MODULE = "recipes_lib.conf"
@@ -65,6 +65,11 @@ def from_init_fields(node: DictConfig) -> dict[str, str]:
     return marks
 
 
+# model fields whose None is a value (n_kv_heads None: as many as the query heads; no
+# window; ...), which a source records as None
+_NONE_MEANS_DEFAULT = {f.name for f in fields(ModelConfig) if f.default is None}
+
+
 def fill_from_init(node: DictConfig, source: Mapping[str, Any] | None, label: str) -> None:
     """Replace, in place, every ``${from_init:...}`` value of the model ``node`` with the
     field of ``source`` (a ModelConfig as a dict) it names.
@@ -82,7 +87,7 @@ def fill_from_init(node: DictConfig, source: Mapping[str, Any] | None, label: st
         value: Any = source
         for part in field.split("."):
             value = value.get(part) if isinstance(value, Mapping) else None
-        if value is None and field not in ("n_kv_heads", "head_dim"):
+        if value is None and field not in _NONE_MEANS_DEFAULT:
             raise ConfigError(f"model=from_init: {label} does not record model.{field}; set it")
         OmegaConf.update(node, key, value, merge=False)
 

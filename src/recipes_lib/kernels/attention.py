@@ -9,14 +9,15 @@ A model calls :meth:`AttentionBackend.build_mask` once per batch and hands the r
 to every layer's :meth:`AttentionBackend.__call__`, where ``q`` is ``(B, H, T, D)`` and
 ``k``/``v`` are ``(B, Hkv, T, D)`` with ``H`` a multiple of ``Hkv`` (grouped-query
 attention). Every backend attends causally; with ``doc_ids`` (``(B, T)``, equal ids
-in a row mark one document) a token also attends only within its own document.
+in a row mark one document) a token also attends only within its own document, and
+with a ``window`` only to the ``window`` keys ending at its own position (a local
+layer's sliding window). A ``scale`` other than None replaces ``1 / sqrt(D)`` in the
+softmax.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from torch.nn.attention.flex_attention import (
     flex_attention,
 )
 
-from recipes_lib.errors import ConfigError, UnsupportedKernelError
+from recipes_lib.errors import UnsupportedKernelError
 
 _ALL_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -112,23 +113,26 @@ class AttentionBackend:
             )
 
     def build_mask(
-        self, doc_ids: Tensor | None, seq_len: int, *, device: torch.device | str | None = None
+        self,
+        doc_ids: Tensor | None,
+        seq_len: int,
+        *,
+        device: torch.device | str | None = None,
+        window: int | None = None,
     ) -> object | None:
-        """Build the per-batch mask shared by all layers (None: plain causal).
+        """Build the per-batch mask shared by the layers of one window (None: plain causal).
 
         Args:
             doc_ids: ``(B, T)`` document ids, or None for causal attention over the row.
             seq_len: ``T``.
             device: where the mask lives when ``doc_ids`` is None (default: cpu).
+            window: the keys a query sees, its own included; None: every earlier one.
         """
-        if doc_ids is not None:
-            raise UnsupportedKernelError(
-                f"kernels.attention={self.name} cannot mask attention to documents "
-                "(doc_ids given); use kernels.attention=flex, or set data.document_mask=false."
-            )
-        return None
+        raise NotImplementedError
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: object | None) -> Tensor:
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+    ) -> Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -136,20 +140,49 @@ class AttentionBackend:
 
 
 class SDPAAttention(AttentionBackend):
-    """``torch.nn.functional.scaled_dot_product_attention``: causal, no document mask."""
+    """``torch.nn.functional.scaled_dot_product_attention``: causal, no document mask; a
+    window is a dense ``(T, T)`` mask (which rules out SDPA's flash kernel: a model with
+    local layers trains faster with ``flex``)."""
 
     name = "sdpa"
     capabilities = AttentionCapabilities(
         document_mask=False, gqa=True, dtypes=_ALL_FLOAT_DTYPES, devices=("cpu", "cuda")
     )
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: object | None) -> Tensor:
-        if mask is not None:
-            raise UnsupportedKernelError(f"kernels.attention={self.name} takes no mask.")
+    def build_mask(
+        self,
+        doc_ids: Tensor | None,
+        seq_len: int,
+        *,
+        device: torch.device | str | None = None,
+        window: int | None = None,
+    ) -> Tensor | None:
+        if doc_ids is not None:
+            raise UnsupportedKernelError(
+                f"kernels.attention={self.name} cannot mask attention to documents "
+                "(doc_ids given); use kernels.attention=flex, or set data.document_mask=false."
+            )
+        if window is None or window >= seq_len:
+            return None  # causal
+        positions = torch.arange(seq_len, device=device)
+        offset = positions[:, None] - positions[None, :]  # (T, T): query - key
+        return (offset >= 0) & (offset < window)
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+    ) -> Tensor:
         # q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D)
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1]
-        )
+        gqa = k.shape[1] != q.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=gqa, scale=scale
+            )
+        if not isinstance(mask, Tensor):
+            raise UnsupportedKernelError(
+                f"kernels.attention={self.name} takes None or its window mask, "
+                f"got {type(mask).__name__}."
+            )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 # Compiled once per process, on first use. Eager flex_attention materializes the whole
@@ -182,6 +215,15 @@ def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return q_idx >= kv_idx
 
 
+def _within(window: int):
+    """The mask_mod of causal attention to the last ``window`` keys."""
+
+    def windowed(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+    return windowed
+
+
 class FlexAttention(AttentionBackend):
     """``torch.nn.attention.flex_attention``: causal, optionally within documents.
 
@@ -199,10 +241,15 @@ class FlexAttention(AttentionBackend):
     )
 
     def __init__(self) -> None:
-        self._causal_masks: dict[tuple[int, str], BlockMask] = {}
+        self._causal_masks: dict[tuple[int, str, int | None], BlockMask] = {}
 
     def build_mask(
-        self, doc_ids: Tensor | None, seq_len: int, *, device: torch.device | str | None = None
+        self,
+        doc_ids: Tensor | None,
+        seq_len: int,
+        *,
+        device: torch.device | str | None = None,
+        window: int | None = None,
     ) -> BlockMask:
         if doc_ids is not None:
             device = doc_ids.device
@@ -210,11 +257,12 @@ class FlexAttention(AttentionBackend):
         padded_len = seq_len if device.type == "cpu" else -(-seq_len // _BLOCK) * _BLOCK
         build = _create_block_mask_for(device.type)
 
+        causal = _causal if window is None else _within(window)
         if doc_ids is None:
             # The causal mask depends only on the length: build it once and keep it.
-            key = (seq_len, str(device))
+            key = (seq_len, str(device), window)
             if key not in self._causal_masks:
-                self._causal_masks[key] = build(_causal, None, None, padded_len, padded_len, device)
+                self._causal_masks[key] = build(causal, None, None, padded_len, padded_len, device)
             return self._causal_masks[key]
 
         if doc_ids.ndim != 2 or doc_ids.shape[1] != seq_len:
@@ -223,12 +271,14 @@ class FlexAttention(AttentionBackend):
 
         def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             same_document = doc_ids[b, q_idx] == doc_ids[b, kv_idx]
-            return (q_idx >= kv_idx) & same_document
+            return causal(b, h, q_idx, kv_idx) & same_document
 
         # The mask differs per row, so B is the batch size (H broadcasts).
         return build(document_causal, doc_ids.shape[0], None, padded_len, padded_len, device)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: object | None) -> Tensor:
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+    ) -> Tensor:
         if not isinstance(mask, BlockMask):
             raise TypeError(
                 f"kernels.attention={self.name} needs the BlockMask from build_mask(), "
@@ -241,126 +291,12 @@ class FlexAttention(AttentionBackend):
             # is several times slower than SDPA with a dense mask: evaluate the same
             # mask_mod densely and let SDPA apply it (same result, with autograd).
             dense = create_mask(mask.mask_mod, mask.shape[0], 1, T, T, q.device)  # (B|1, 1, T, T)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=dense, enable_gqa=gqa, scale=scale
+            )
         padded_len = mask.seq_lengths[0]
         if padded_len != T:
             q, k, v = (F.pad(x, (0, 0, 0, padded_len - T)) for x in (q, k, v))
         # q (B, H, T', D); k, v (B, Hkv, T', D) -> (B, H, T', D)
-        y = _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+        y = _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
         return y[:, :, :T]
-
-
-# The flash_attn module once imported (kept at module level: a model holding a backend
-# must stay deep-copyable, and a module object is not).
-_flash_attn_module: ModuleType | None = None
-
-
-def _load_flash_attn() -> tuple[ModuleType | None, str | None]:
-    """The flash_attn module and None, or None and why it cannot be imported."""
-    global _flash_attn_module
-    if _flash_attn_module is None:
-        try:
-            _flash_attn_module = importlib.import_module("flash_attn")
-        except Exception as err:  # a broken build raises more than ImportError
-            return None, f"{type(err).__name__}: {err}"
-    return _flash_attn_module, None
-
-
-@dataclass(frozen=True)
-class VarlenMask:
-    """Document boundaries of a flattened batch for ``flash_attn_varlen_func``.
-
-    ``cu_seqlens`` (int32, ``(n_docs + 1,)``) holds the offsets of each document in the
-    ``B * T`` tokens; ``max_seqlen`` bounds every document's length.
-    """
-
-    cu_seqlens: Tensor
-    max_seqlen: int
-
-
-class FlashAttention(AttentionBackend):
-    """The ``flash_attn`` package (FlashAttention 2): CUDA, fp16/bf16, causal.
-
-    With ``doc_ids`` it runs ``flash_attn_varlen_func`` over the documents of the
-    flattened batch. A document is a run of consecutive equal ids within a row.
-    """
-
-    name = "flash_attn"
-    capabilities = AttentionCapabilities(
-        document_mask=True,
-        gqa=True,
-        dtypes=_HALF_DTYPES,
-        devices=("cuda",),
-        min_cuda_capability=(8, 0),
-    )
-
-    def unavailable_reason(self) -> str | None:
-        _, error = _load_flash_attn()
-        if error is None:
-            return None
-        return (
-            f"the flash_attn package cannot be imported ({error}); "
-            "install it with `pip install recipes-lib[flash]`"
-        )
-
-    def build_mask(
-        self, doc_ids: Tensor | None, seq_len: int, *, device: torch.device | str | None = None
-    ) -> VarlenMask | None:
-        if doc_ids is None:
-            return None
-        if doc_ids.ndim != 2 or doc_ids.shape[1] != seq_len:
-            raise ValueError(f"doc_ids must be (B, {seq_len}), got {tuple(doc_ids.shape)}")
-        # A document starts at each row's first token and wherever the id changes.
-        starts = torch.ones_like(doc_ids, dtype=torch.bool)  # (B, T)
-        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-        offsets = starts.flatten().nonzero().flatten()  # (n_docs,)
-        total = torch.tensor([doc_ids.numel()], device=doc_ids.device)
-        cu_seqlens = torch.cat([offsets, total]).to(torch.int32)  # (n_docs + 1,)
-        # No document is longer than a row; an upper bound avoids a host sync.
-        return VarlenMask(cu_seqlens=cu_seqlens, max_seqlen=seq_len)
-
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: object | None) -> Tensor:
-        flash_attn = _flash_attn_module or _load_flash_attn()[0]
-        if flash_attn is None:
-            raise UnsupportedKernelError(
-                f"kernels.attention={self.name}: {self.unavailable_reason()}"
-            )
-        B, H, T, D = q.shape
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, heads, D)
-        if mask is None:
-            y = flash_attn.flash_attn_func(q, k, v, causal=True)  # (B, T, H, D)
-        elif isinstance(mask, VarlenMask):
-            # (B * T, heads, D): documents laid end to end
-            q, k, v = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))
-            cu, n = mask.cu_seqlens, mask.max_seqlen
-            y = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
-            y = y.view(B, T, H, D)
-        else:
-            raise TypeError(
-                f"kernels.attention={self.name} needs None or the VarlenMask from "
-                f"build_mask(), got {type(mask).__name__}"
-            )
-        return y.transpose(1, 2)  # (B, H, T, D)
-
-
-_BACKENDS: dict[str, type[AttentionBackend]] = {
-    SDPAAttention.name: SDPAAttention,
-    FlexAttention.name: FlexAttention,
-    FlashAttention.name: FlashAttention,
-}
-ATTENTION_BACKENDS: tuple[str, ...] = tuple(_BACKENDS)
-
-
-def get_attention_backend(name: str) -> AttentionBackend:
-    """A new instance of the attention backend called ``name``.
-
-    Raises:
-        ConfigError: ``name`` is not one of :data:`ATTENTION_BACKENDS`.
-    """
-    if name not in _BACKENDS:
-        choices = " | ".join(ATTENTION_BACKENDS)
-        raise ConfigError(
-            f"kernels.attention={name!r} is not an attention backend; choose one of: {choices} "
-            f"(e.g. kernels.attention=sdpa)"
-        )
-    return _BACKENDS[name]()

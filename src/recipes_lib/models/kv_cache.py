@@ -21,15 +21,20 @@ from torch import Tensor
 from recipes_lib.errors import ConfigError
 
 
-def causal_offset_mask(n_new: int, start_pos: int, device=None) -> Tensor:
+def causal_offset_mask(
+    n_new: int, start_pos: int, device=None, window: int | None = None
+) -> Tensor:
     """Which keys each new token sees, ``(T, start_pos + T)`` bool.
 
     New token ``i`` sits at position ``start_pos + i`` and sees every key ``j`` with
-    ``j <= start_pos + i``.
+    ``j <= start_pos + i`` (and, with ``window``, ``start_pos + i - j < window``).
     """
     key_pos = torch.arange(start_pos + n_new, device=device)  # (start_pos + T,)
     query_pos = torch.arange(start_pos, start_pos + n_new, device=device)  # (T,)
-    return key_pos[None, :] <= query_pos[:, None]
+    seen = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        seen &= query_pos[:, None] - key_pos[None, :] < window
+    return seen
 
 
 @dataclass
@@ -40,17 +45,22 @@ class LayerCache:
     values: Tensor  # (B, nkv, S, hs)
     start_pos: int
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None
+    ) -> Tensor:
         """Write ``k``/``v`` (``(B, nkv, T, hs)``) at ``start_pos`` and attend ``q``
         (``(B, nh, T, hs)``) over positions ``0 .. start_pos + T`` under ``mask`` (None for
-        a single token, which sees every cached position). Returns ``(B, nh, T, hs)``."""
+        a single token, which sees every cached position), with softmax scale ``scale``
+        (None: ``1 / sqrt(hs)``). Returns ``(B, nh, T, hs)``."""
         B, T = q.shape[0], q.shape[2]
         end = self.start_pos + T
         self.keys[:B, :, self.start_pos : end] = k
         self.values[:B, :, self.start_pos : end] = v
         keys, values = self.keys[:B, :, :end], self.values[:B, :, :end]  # (B, nkv, end, hs)
         gqa = keys.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale
+        )
 
 
 class KVCache:

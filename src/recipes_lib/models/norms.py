@@ -2,7 +2,8 @@
 sit (``model.norm_placement``) and a norm on the queries and keys (``model.qk_norm``).
 
 - ``norm_placement``: ``pre`` normalises each sublayer's input (Llama, Qwen); ``post``
-  normalises its output before the residual add (OLMo 2). The two norms keep their
+  normalises its output before the residual add (OLMo 2); ``both`` does both, with two
+  more norms (``post_attention_norm``, ``post_ffn_norm``: Gemma 3). The two norms keep their
   names (``attention_norm``, ``ffn_norm``) either way.
 - ``qk_norm``: ``none``; ``head`` normalises each head's ``hs`` query and key values
   with one gain of ``hs`` shared by the heads (Qwen3); ``full`` normalises the whole
@@ -27,13 +28,15 @@ if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
 
 QK_NORMS = ("none", "head", "full")
-NORM_PLACEMENTS = ("pre", "post")
+NORM_PLACEMENTS = ("pre", "post", "both")
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU, GeGLU (tanh GELU)
 
 
 def check_norm_options(config: ModelConfig) -> None:
-    """Refuse a ``model.qk_norm`` or ``model.norm_placement`` that is not one of its
-    values, in one line naming the key."""
-    for key, choices in (("qk_norm", QK_NORMS), ("norm_placement", NORM_PLACEMENTS)):
+    """Refuse a ``model.qk_norm``, ``model.norm_placement`` or ``model.activation`` that
+    is not one of its values, in one line naming the key."""
+    options = (("qk_norm", QK_NORMS), ("norm_placement", NORM_PLACEMENTS))
+    for key, choices in (*options, ("activation", ACTIVATIONS)):
         value = getattr(config, key)
         if value not in choices:
             raise ConfigError(f"model.{key}={value!r} is not one of {' | '.join(choices)}")

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from recipes_lib.config.model import RopeScalingConfig as _RopeScaling
 from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ if TYPE_CHECKING:
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "longrope")
 # the tables of a longrope model for forwards past original_max_seq_len
 _LONG = ("rope_cos_long", "rope_sin_long")
+# the tables of the window layers of a model with model.local_rope_theta
+_LOCAL = ("rope_cos_local", "rope_sin_local")
+
+
+_UNSCALED = _RopeScaling()
 
 
 def rope_inv_freq(
@@ -110,15 +116,23 @@ def rope_tables(config: ModelConfig, head_dim: int, device=None) -> dict[str, Te
     if c.rope_scaling.type == "longrope":
         long = rope_cos_sin(c.max_seq_len, rd, c.rope_theta, c.rope_scaling, device, long=True)
         tables.update(zip(_LONG, long, strict=True))
+    if c.local_rope_theta is not None:  # the window layers' own base, unscaled
+        local = rope_cos_sin(c.max_seq_len, rd, c.local_rope_theta, _UNSCALED, device)
+        tables.update(zip(_LOCAL, local, strict=True))
     return tables
 
 
-def rope_window(model: nn.Module, start: int, end: int) -> tuple[Tensor, Tensor]:
+def rope_window(
+    model: nn.Module, start: int, end: int, local: bool = False
+) -> tuple[Tensor, Tensor]:
     """cos and sin of positions ``start .. end - 1`` for one forward of ``model``: a
-    longrope model's long tables when ``end`` is past ``original_max_seq_len``."""
+    longrope model's long tables when ``end`` is past ``original_max_seq_len``; with
+    ``local``, the window layers' own (``model.local_rope_theta``)."""
     scaling = model.config.rope_scaling
     names = ("rope_cos", "rope_sin")
-    if scaling.type == "longrope" and end > scaling.original_max_seq_len:
+    if local:
+        names = _LOCAL
+    elif scaling.type == "longrope" and end > scaling.original_max_seq_len:
         names = _LONG
     return tuple(getattr(model, name)[start:end] for name in names)  # (T, rd) each
 
@@ -207,8 +221,3 @@ def check_nope_layers(config: ModelConfig) -> None:
             f"model.nope_layers={layers!r} must list layers without RoPE, in increasing "
             f"order, each in 0..{config.n_layers - 1} (model.n_layers={config.n_layers})"
         )
-
-
-def uses_rope(config: ModelConfig, layer: int) -> bool:
-    """Whether layer ``layer`` applies RoPE (it is not in ``model.nope_layers``)."""
-    return layer not in config.nope_layers

@@ -1,10 +1,12 @@
-"""The decoder: RMSNorm, RoPE, SwiGLU and grouped-query attention, in pre-norm blocks.
+"""The decoder: token embeddings, a stack of blocks (:mod:`recipes_lib.models.blocks`),
+a final RMSNorm and the output head.
 
 Its options are what the model families turn on (:mod:`recipes_lib.models.families`):
 the Llama layout, Qwen2's q/k/v biases, tied embeddings, Qwen3's and OLMo 2's norms on
 the queries and keys and OLMo 2's post-norm blocks (:mod:`recipes_lib.models.norms`),
 SmolLM3's layers without RoPE (``model.nope_layers``), Phi-3's partial rotation and
-LongRoPE (:mod:`recipes_lib.models.rope`).
+LongRoPE (:mod:`recipes_lib.models.rope`), Gemma 3's local layers with their own RoPE
+base, scaled embeddings, GeGLU and norms on both sides of each sublayer.
 Parameter names follow Meta's Llama code (``tok_embeddings``,
 ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...), so a family's Hugging Face
 adapter is a rename table. RoPE uses the rotate-half convention of Hugging Face /
@@ -25,143 +27,27 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
-from recipes_lib.models.families import get_family
-from recipes_lib.models.kv_cache import KVCache, LayerCache, causal_offset_mask
-from recipes_lib.models.norms import RMSNorm, check_norm_options, qk_norm_sizes
-from recipes_lib.models.rope import (
-    apply_rope,
-    check_nope_layers,
-    check_rope,
-    rope_tables,
-    rope_window,
-    uses_rope,
-)
+from recipes_lib.models.blocks import TransformerBlock
+from recipes_lib.models.families import check_family
+from recipes_lib.models.kv_cache import KVCache, causal_offset_mask
+from recipes_lib.models.norms import check_norm_options
+from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
+from recipes_lib.models.windows import check_windows, layer_window
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
-
-
-class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE (unless ``use_rope`` is false: a NoPE
-    layer), optionally with RMSNorm on the queries and keys before it
-    (``model.qk_norm``); the kernel is a pluggable backend."""
-
-    def __init__(
-        self, config: ModelConfig, head_dim: int, backend: AttentionBackend, use_rope: bool = True
-    ):
-        super().__init__()
-        self.n_heads = config.n_heads
-        self.n_kv_heads = config.n_kv_heads or config.n_heads
-        self.head_dim = head_dim
-        bias = config.qkv_bias
-        self.wq = nn.Linear(config.dim, self.n_heads * head_dim, bias=bias)
-        self.wk = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
-        self.wv = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
-        self.wo = nn.Linear(self.n_heads * head_dim, config.dim, bias=False)
-        self.qk_norm = config.qk_norm
-        if self.qk_norm != "none":
-            sizes = qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, head_dim)
-            self.q_norm = RMSNorm(sizes[0], eps=config.norm_eps)
-            self.k_norm = RMSNorm(sizes[1], eps=config.norm_eps)
-        self.use_rope = use_rope
-        self.backend = backend  # a plain object, not a submodule: it holds no weights
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: object | None,
-        cache: LayerCache | None = None,
-    ) -> Tensor:
-        """Attention of ``x`` (``(B, T, C)``); with ``cache``, the tokens continue the
-        cached ones and attend over them (see :mod:`recipes_lib.models.kv_cache`)."""
-        B, T, _ = x.shape
-        q, k = self.wq(x), self.wk(x)  # (B, T, nh * hs), (B, T, nkv * hs)
-        if self.qk_norm == "full":  # over every head at once
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hs)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, nkv, hs)
-        if self.qk_norm == "head":  # each head on its own
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-        if self.use_rope:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            y = self.backend(q, k, v, mask)  # (B, nh, T, hs)
-        else:
-            y = cache.attend(q, k, v, mask)  # (B, nh, T, hs), over every cached position
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
-        return self.wo(y)  # (B, T, C)
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)``."""
-
-    def __init__(self, dim: int, hidden_dim: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
-    ``model.norm_placement=post``: ``x + norm(attn(x))``, then ``x + norm(mlp(x))``."""
-
-    def __init__(
-        self, config: ModelConfig, head_dim: int, backend: AttentionBackend, use_rope: bool = True
-    ):
-        super().__init__()
-        self.post_norms = config.norm_placement == "post"
-        # post: a sublayer's output, bfloat16 under autocast: a norm that follows its dtype
-        norm = RMSNorm if self.post_norms else nn.RMSNorm
-        self.attention_norm = norm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(config, head_dim, backend, use_rope)
-        self.ffn_norm = norm(config.dim, eps=config.norm_eps)
-        self.feed_forward = FeedForward(config.dim, config.ffn_dim)
-        # recompute this block's activations in the backward pass instead of keeping them
-        self.checkpoint_activations = False
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: object | None,
-        cache: LayerCache | None = None,
-    ) -> Tensor:
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            # inside forward, so hooks on the block (FSDP's all-gather) run once per call
-            return checkpoint(self._forward, x, cos, sin, mask, cache, use_reentrant=False)
-        return self._forward(x, cos, sin, mask, cache)
-
-    def _forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None, cache: LayerCache | None
-    ) -> Tensor:
-        if self.post_norms:
-            x = x + self.attention_norm(self.attention(x, cos, sin, mask, cache))  # (B, T, C)
-            return x + self.ffn_norm(self.feed_forward(x))  # (B, T, C)
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask, cache)  # (B, T, C)
-        return x + self.feed_forward(self.ffn_norm(x))  # (B, T, C)
 
 
 def _validate(config: ModelConfig) -> int:
     """Check the shape of ``config`` and its family's options; return the head dimension."""
     check_norm_options(config)
     check_nope_layers(config)
-    family = get_family(config.family)
-    family.check(config)
+    check_windows(config)
+    family = check_family(config)
     if config.head_dim is None and config.dim % config.n_heads != 0:
         raise ConfigError(
             f"model.dim={config.dim} is not divisible by model.n_heads={config.n_heads}; "
@@ -201,11 +87,16 @@ class Transformer(nn.Module):
                 f"(model.n_kv_heads={n_kv_heads} < model.n_heads={config.n_heads})"
             )
         self.attention_backend = backend
+        # the windows and RoPE tables the layers use (None: full attention; True: local)
+        self._windows = sorted({layer_window(config, i) for i in range(config.n_layers)}, key=str)
+        self._ropes = {
+            layer_window(config, i) is not None and config.local_rope_theta is not None
+            for i in range(config.n_layers)
+        }
 
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            TransformerBlock(config, self.head_dim, backend, uses_rope(config, i))
-            for i in range(config.n_layers)
+            TransformerBlock(config, self.head_dim, backend, i) for i in range(config.n_layers)
         )
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -259,11 +150,8 @@ class Transformer(nn.Module):
                     nn.init.zeros_(linear.bias)
             nn.init.normal_(layer.attention.wo.weight, mean=0.0, std=residual_std)
             nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
-            nn.init.ones_(layer.attention_norm.weight)
-            nn.init.ones_(layer.ffn_norm.weight)
-            if layer.attention.qk_norm != "none":
-                nn.init.ones_(layer.attention.q_norm.weight)
-                nn.init.ones_(layer.attention.k_norm.weight)
+            for norm in layer.norms():
+                nn.init.ones_(norm.weight)
         nn.init.ones_(self.norm.weight)
         if not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
@@ -307,24 +195,36 @@ class Transformer(nn.Module):
                     f"doc_ids {tuple(doc_ids.shape)} must have the shape of input_ids {(B, T)}"
                 )
             start = 0
-            # One mask per batch, shared by every layer.
-            mask = self.attention_backend.build_mask(doc_ids, T, device=input_ids.device)
         else:
             if doc_ids is not None:
                 raise ValueError("doc_ids cannot be combined with a KV cache")
             start = cache.length if start_pos is None else start_pos
             self._check_cached(B, T, start, cache)
-            # A single new token sees every cached position: no mask needed.
-            mask = None if T == 1 else causal_offset_mask(T, start, device=input_ids.device)
         end = start + T
-        cos, sin = rope_window(self, start, end)  # (T, rotated dims)
+        # one mask per batch and window, shared by the layers with that window
+        masks = {w: self._mask(doc_ids, T, start, cache, w) for w in self._windows}
+        tables = {local: rope_window(self, start, end, local) for local in self._ropes}
         h = self.tok_embeddings(input_ids)  # (B, T, C)
+        if self.config.scale_embeddings:  # by sqrt(C) rounded to their dtype, as Gemma's
+            h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
         for index, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layer(index, start)
-            h = layer(h, cos, sin, mask, layer_cache)  # (B, T, C)
+            cos, sin = tables[layer.attention.local_rope]  # (T, rotated dims)
+            h = layer(h, cos, sin, masks[layer.attention.window], layer_cache)  # (B, T, C)
         if cache is not None:
             cache.length = end
         return self.norm(h)  # (B, T, C)
+
+    def _mask(
+        self, doc_ids: Tensor | None, T: int, start: int, cache: KVCache | None, window: int | None
+    ) -> object | None:
+        """The attention mask of layers attending to ``window`` keys (None: all before)."""
+        device = self.tok_embeddings.weight.device
+        if cache is None:
+            return self.attention_backend.build_mask(doc_ids, T, device=device, window=window)
+        if T == 1 and (window is None or start < window):
+            return None  # a single new token sees every cached position
+        return causal_offset_mask(T, start, device=device, window=window)
 
     def _check_cached(self, B: int, T: int, start: int, cache: KVCache) -> None:
         if T < 1 or not 0 <= start <= cache.length:

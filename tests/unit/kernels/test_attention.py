@@ -15,7 +15,7 @@ from recipes_lib.kernels import (
     FlashAttention,
     get_attention_backend,
 )
-from recipes_lib.kernels import attention as attention_module
+from recipes_lib.kernels import flash as flash_module
 
 DOC_LENGTHS = (5, 17, 9)  # three documents packed into one row of 31 tokens
 
@@ -145,7 +145,7 @@ def test_flash_attn_refuses_cpu_and_fp32_with_a_clear_message():
 
 
 def test_flash_attn_missing_package_is_reported(monkeypatch):
-    monkeypatch.setattr(attention_module, "_flash_attn_module", None)
+    monkeypatch.setattr(flash_module, "_flash_attn_module", None)
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes the import fail
     flash = FlashAttention()
     reason = flash.unavailable_reason()
@@ -179,7 +179,7 @@ def _fake_flash_attn() -> types.ModuleType:
 
 
 def test_flash_attn_layout_and_document_offsets(monkeypatch):
-    monkeypatch.setattr(attention_module, "_flash_attn_module", None)
+    monkeypatch.setattr(flash_module, "_flash_attn_module", None)
     monkeypatch.setitem(sys.modules, "flash_attn", _fake_flash_attn())
     flash = FlashAttention()
     assert flash.unavailable_reason() is None

@@ -8,8 +8,12 @@ test against transformers (see "Adding a model family" in the README).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from recipes_lib.config.model import BLOCK_OPTIONS, block_option_defaults
 from recipes_lib.errors import CheckpointError, ConfigError
-from recipes_lib.models.families.base import Family, TensorNames
+from recipes_lib.models.families.base import Family, TensorNames, refuse
+from recipes_lib.models.families.gemma3 import GEMMA3
 from recipes_lib.models.families.llama import LLAMA
 from recipes_lib.models.families.olmo2 import OLMO2
 from recipes_lib.models.families.phi3 import PHI3
@@ -17,8 +21,11 @@ from recipes_lib.models.families.qwen2 import QWEN2
 from recipes_lib.models.families.qwen3 import QWEN3
 from recipes_lib.models.families.smollm3 import SMOLLM3
 
+if TYPE_CHECKING:
+    from recipes_lib.config.schema import ModelConfig
+
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (LLAMA, QWEN2, QWEN3, OLMO2, SMOLLM3, PHI3)
+    family.name: family for family in (LLAMA, QWEN2, QWEN3, OLMO2, SMOLLM3, PHI3, GEMMA3)
 }
 GUIDE = "README.md, 'Adding a model family'"
 
@@ -32,6 +39,33 @@ def get_family(name: str) -> Family:
     if name not in FAMILIES:
         raise ConfigError(f"model.family={name!r} is not one of: {', '.join(FAMILIES)}")
     return FAMILIES[name]
+
+
+def check_family(config: ModelConfig) -> Family:
+    """The family ``model.family`` names, after checking that ``config`` is one of its
+    models: each block option at the family's value (its fixed one, or the default) or
+    one it reads, and the family's own rules.
+
+    Raises:
+        ConfigError: an unknown family, or an option it cannot have, in one line naming
+            the key, the family's value and the families that have the one given.
+    """
+    family = get_family(config.family)
+    defaults = block_option_defaults()
+    for option in BLOCK_OPTIONS:
+        value = getattr(config, option)
+        want = family.fixed.get(option, defaults[option])
+        if option in family.reads or value == want:
+            continue
+        others = [
+            f.name
+            for f in FAMILIES.values()
+            if option in f.reads or f.fixed.get(option, defaults[option]) == value
+        ]
+        elsewhere = f"; model.family={' | '.join(others)} can have it" if others else ""
+        raise refuse(family.name, option, value, f"{family.name} has {want!r}{elsewhere}")
+    family.check(config)
+    return family
 
 
 def family_of_hf(model_type: object) -> Family:
@@ -50,4 +84,4 @@ def family_of_hf(model_type: object) -> Family:
     )
 
 
-__all__ = ["FAMILIES", "Family", "TensorNames", "family_of_hf", "get_family"]
+__all__ = ["FAMILIES", "Family", "TensorNames", "check_family", "family_of_hf", "get_family"]

@@ -35,12 +35,17 @@ class TensorNames:
             stacked along dim 0, in order (Phi-3's ``self_attn.qkv_proj`` is ``wq``,
             ``wk``, ``wv``); it is split by the native tensors' shapes on import and
             concatenated on export.
+        gain_offset: what the Hugging Face checkpoints leave out of every RMSNorm gain:
+            they store ``gain - gain_offset`` and compute with ``x * (gain_offset + w)``
+            (Gemma's ``(1 + w)`` norms: 1). It is added on import and taken off on export,
+            so the native norms are plain ``x * gain``.
     """
 
     layer: Mapping[str, str]
     top: Mapping[str, str]
     ignored: re.Pattern = re.compile(r".*rotary_emb\.inv_freq")
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    gain_offset: float = 0.0
     _native_layer: dict[str, str] = field(init=False, repr=False)
     _native_top: dict[str, str] = field(init=False, repr=False)
     _native_fused: dict[str, tuple[str, int, int]] = field(init=False, repr=False)
@@ -70,6 +75,10 @@ class TensorNames:
             return None
         hf, index, count = self._native_fused[match[2]]
         return f"model.layers.{match[1]}.{hf}.{match[3]}", index, count
+
+    def stored_offset(self, native: str) -> float:
+        """What a native tensor's Hugging Face copy leaves out (see ``gain_offset``)."""
+        return self.gain_offset if native.endswith("norm.weight") else 0.0
 
     def to_native(self, name: str) -> str | None:
         """The native name of a Hugging Face tensor name, or None if it has none."""
@@ -102,7 +111,13 @@ class Family:
         from_hf: ``config.json`` -> ModelConfig fields (name and context aside).
         to_hf: ModelConfig -> the family's own ``config.json`` fields (the common ones
             are :func:`common_hf_fields`).
-        check: refuses a ModelConfig the family cannot compute or export, naming keys.
+        fixed: the block options (``config.model.BLOCK_OPTIONS``) the family holds at a
+            value other than their default; every option it neither fixes nor ``reads``
+            holds its default. ``from_hf`` need not return them, and a config that
+            differs is refused naming the key (``models.families.check_block_options``).
+        reads: the block options its models may vary, read from ``config.json`` by
+            ``from_hf`` (SmolLM3's ``nope_layers``, Phi-3's ``partial_rotary_factor``).
+        check: refuses what else the family cannot compute or export, naming keys.
         sliding_window: the attention window some layers of a ``config.json`` use, or
             None when every layer attends fully (the model is then built with full
             attention over at most that many tokens: equal within the window).
@@ -117,6 +132,8 @@ class Family:
     names: TensorNames
     from_hf: Callable[[Mapping[str, Any]], dict[str, Any]]
     to_hf: Callable[[ModelConfig], dict[str, Any]]
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    reads: tuple[str, ...] = ()
     check: Callable[[ModelConfig], None] = lambda config: None
     sliding_window: Callable[[Mapping[str, Any]], int | None] = lambda config: None
     extended_rope: bool = False
@@ -241,26 +258,3 @@ def common_hf_fields(config: ModelConfig) -> dict[str, Any]:
 def refuse(family: str, key: str, value: Any, why: str) -> ConfigError:
     """The one-line error of a model option a family cannot have."""
     return ConfigError(f"model.family={family} with model.{key}={value!r}: {why}")
-
-
-def expect(family: str, config: ModelConfig, key: str, value: Any, why: str) -> None:
-    """Refuse ``model.<key>`` unless it is ``value`` (the one value the family has)."""
-    if getattr(config, key) != value:
-        raise refuse(family, key, getattr(config, key), why)
-
-
-def llama_norms(family: str, config: ModelConfig) -> None:
-    """Refuse the norm options of the families beyond Llama's layout (its pre-norm
-    blocks, no norm on the queries and keys)."""
-    why = f"{family} has no norm on the queries and keys (qwen3's is 'head', olmo2's 'full')"
-    expect(family, config, "qk_norm", "none", why)
-    why = f"{family} normalises each sublayer's input ('pre'; 'post' is olmo2's)"
-    expect(family, config, "norm_placement", "pre", why)
-
-
-def rope_in_every_layer(family: str, config: ModelConfig) -> None:
-    """Refuse layers without RoPE (``model.nope_layers``), which only SmolLM3's
-    ``config.json`` can say."""
-    if config.nope_layers:
-        why = f"{family} applies RoPE in every layer (layers without it: model.family=smollm3)"
-        raise refuse(family, "nope_layers", config.nope_layers, why)

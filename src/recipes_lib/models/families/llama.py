@@ -27,9 +27,6 @@ from recipes_lib.models.families.base import (
     Family,
     TensorNames,
     common_from_hf,
-    llama_norms,
-    refuse,
-    rope_in_every_layer,
 )
 
 LLAMA_NAMES = TensorNames(
@@ -58,23 +55,11 @@ def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
             "llama: attention_bias=true also adds a bias to o_proj, which is not supported "
             "(q/k/v biases alone are: model_type qwen2)"
         )
-    return {**common_from_hf(config), "family": "llama", "qkv_bias": False}
+    return common_from_hf(config)
 
 
 def _to_hf(config: ModelConfig) -> dict[str, Any]:
     return {"attention_bias": False, "mlp_bias": False}
-
-
-def _check(config: ModelConfig) -> None:
-    if config.qkv_bias:
-        raise refuse(
-            "llama",
-            "qkv_bias",
-            True,
-            "Llama's q/k/v projections have no bias (that is Qwen2's layout: model.family=qwen2)",
-        )
-    llama_norms("llama", config)
-    rope_in_every_layer("llama", config)
 
 
 def _sliding_window(config: Mapping[str, Any]) -> int | None:
@@ -90,6 +75,5 @@ LLAMA = Family(
     names=LLAMA_NAMES,
     from_hf=_from_hf,
     to_hf=_to_hf,
-    check=_check,
     sliding_window=_sliding_window,
 )

@@ -27,8 +27,6 @@ from recipes_lib.models.families.base import (
     Family,
     TensorNames,
     common_from_hf,
-    expect,
-    rope_in_every_layer,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
@@ -48,26 +46,13 @@ OLMO2_NAMES = TensorNames(
 
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     without_attention_bias("olmo2", config)
-    return {
-        **common_from_hf(config),
-        "family": "olmo2",
-        "qkv_bias": False,
-        "qk_norm": "full",
-        "norm_placement": "post",
-    }
+    return common_from_hf(config)
 
 
 def _to_hf(config: ModelConfig) -> dict[str, Any]:
     # transformers' Olmo2Config defaults to pad_token_id=1, which would make row 1 of its
     # embedding a padding row (no gradient); this model has none
     return {"attention_bias": False, "pad_token_id": None}
-
-
-def _check(config: ModelConfig) -> None:
-    expect("olmo2", config, "qkv_bias", False, "OLMo 2's q/k/v projections have no bias")
-    expect("olmo2", config, "qk_norm", "full", "OLMo 2 normalises the whole q and k: 'full'")
-    expect("olmo2", config, "norm_placement", "post", "OLMo 2's blocks are post-norm: 'post'")
-    rope_in_every_layer("olmo2", config)
 
 
 OLMO2 = Family(
@@ -77,5 +62,5 @@ OLMO2 = Family(
     names=OLMO2_NAMES,
     from_hf=_from_hf,
     to_hf=_to_hf,
-    check=_check,
+    fixed={"qk_norm": "full", "norm_placement": "post"},
 )

@@ -32,11 +32,8 @@ from recipes_lib.models.families.base import (
     Family,
     TensorNames,
     common_from_hf,
-    expect,
-    llama_norms,
     refuse,
     required,
-    rope_in_every_layer,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
@@ -98,14 +95,7 @@ def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
             f"phi3: head_dim={config.get('head_dim')} is not hidden_size / "
             "num_attention_heads, which transformers' Phi-3 assumes"
         )
-    return {
-        **fields,
-        "family": "phi3",
-        "qkv_bias": False,
-        "qk_norm": "none",
-        "norm_placement": "pre",
-        "partial_rotary_factor": partial,
-    }
+    return {**fields, "partial_rotary_factor": partial}
 
 
 def _to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -141,9 +131,6 @@ def _to_hf(config: ModelConfig) -> dict[str, Any]:
 
 
 def _check(config: ModelConfig) -> None:
-    expect("phi3", config, "qkv_bias", False, "Phi-3's q/k/v projections have no bias")
-    llama_norms("phi3", config)
-    rope_in_every_layer("phi3", config)
     if config.head_dim is not None and config.head_dim * config.n_heads != config.dim:
         why = "transformers' Phi-3 takes the head dimension as model.dim / model.n_heads"
         raise refuse("phi3", "head_dim", config.head_dim, why)
@@ -164,6 +151,7 @@ PHI3 = Family(
     names=PHI3_NAMES,
     from_hf=_from_hf,
     to_hf=_to_hf,
+    reads=("partial_rotary_factor",),
     check=_check,
     sliding_window=_sliding_window,
     extended_rope=True,

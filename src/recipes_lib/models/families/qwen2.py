@@ -15,15 +15,12 @@ from recipes_lib.config.schema import ModelConfig
 from recipes_lib.models.families.base import (
     Family,
     common_from_hf,
-    llama_norms,
-    refuse,
-    rope_in_every_layer,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
 
 
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
-    return {**common_from_hf(config), "family": "qwen2", "qkv_bias": True}
+    return common_from_hf(config)
 
 
 def _to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -32,13 +29,6 @@ def _to_hf(config: ModelConfig) -> dict[str, Any]:
         "sliding_window": None,
         "max_window_layers": config.n_layers,
     }
-
-
-def _check(config: ModelConfig) -> None:
-    if not config.qkv_bias:
-        raise refuse("qwen2", "qkv_bias", False, "Qwen2 has biases on q, k and v: set it true")
-    llama_norms("qwen2", config)
-    rope_in_every_layer("qwen2", config)
 
 
 def qwen_sliding_window(config: Mapping[str, Any]) -> int | None:
@@ -62,6 +52,6 @@ QWEN2 = Family(
     names=LLAMA_NAMES,
     from_hf=_from_hf,
     to_hf=_to_hf,
-    check=_check,
+    fixed={"qkv_bias": True},
     sliding_window=qwen_sliding_window,
 )

@@ -23,8 +23,6 @@ from recipes_lib.models.families.base import (
     Family,
     TensorNames,
     common_from_hf,
-    expect,
-    rope_in_every_layer,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
@@ -36,13 +34,7 @@ QWEN3_NAMES = TensorNames(layer={**LLAMA_NAMES.layer, **QK_NORM_NAMES}, top=LLAM
 
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     without_attention_bias("qwen3", config)
-    return {
-        **common_from_hf(config),
-        "family": "qwen3",
-        "qkv_bias": False,
-        "qk_norm": "head",
-        "norm_placement": "pre",
-    }
+    return common_from_hf(config)
 
 
 def _to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -54,13 +46,6 @@ def _to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _check(config: ModelConfig) -> None:
-    expect("qwen3", config, "qkv_bias", False, "Qwen3's q/k/v projections have no bias")
-    expect("qwen3", config, "qk_norm", "head", "Qwen3 normalises each head's q and k: 'head'")
-    expect("qwen3", config, "norm_placement", "pre", "Qwen3's blocks are pre-norm: 'pre'")
-    rope_in_every_layer("qwen3", config)
-
-
 QWEN3 = Family(
     name="qwen3",
     hf_model_types=("qwen3",),
@@ -68,6 +53,6 @@ QWEN3 = Family(
     names=QWEN3_NAMES,
     from_hf=_from_hf,
     to_hf=_to_hf,
-    check=_check,
+    fixed={"qk_norm": "head"},
     sliding_window=qwen_sliding_window,
 )

@@ -26,8 +26,6 @@ from recipes_lib.errors import CheckpointError
 from recipes_lib.models.families.base import (
     Family,
     common_from_hf,
-    expect,
-    llama_norms,
     required,
     without_attention_bias,
 )
@@ -57,14 +55,7 @@ def nope_layers(config: Mapping[str, Any]) -> list[int]:
 
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     without_attention_bias("smollm3", config)
-    return {
-        **common_from_hf(config),
-        "family": "smollm3",
-        "qkv_bias": False,
-        "qk_norm": "none",
-        "norm_placement": "pre",
-        "nope_layers": nope_layers(config),
-    }
+    return {**common_from_hf(config), "nope_layers": nope_layers(config)}
 
 
 def _to_hf(config: ModelConfig) -> dict[str, Any]:
@@ -80,11 +71,6 @@ def _to_hf(config: ModelConfig) -> dict[str, Any]:
         # gradient (and past a small vocabulary); this model has no padding row
         "pad_token_id": None,
     }
-
-
-def _check(config: ModelConfig) -> None:
-    expect("smollm3", config, "qkv_bias", False, "SmolLM3's q/k/v projections have no bias")
-    llama_norms("smollm3", config)
 
 
 def smollm3_sliding_window(config: Mapping[str, Any]) -> int | None:
@@ -107,6 +93,6 @@ SMOLLM3 = Family(
     names=LLAMA_NAMES,
     from_hf=_from_hf,
     to_hf=_to_hf,
-    check=_check,
+    reads=("nope_layers",),
     sliding_window=smollm3_sliding_window,
 )

@@ -1,0 +1,169 @@
+"""The decoder's block: grouped-query attention with RoPE and a gated MLP, each wrapped
+in its norms, and the options the model families turn on inside it.
+
+- Attention: q/k/v biases (Qwen2), a norm on the queries and keys (``model.qk_norm``:
+  Qwen3, OLMo 2, Gemma 3), layers without RoPE (``model.nope_layers``: SmolLM3), a local
+  window (``model.window_layers`` attend to the last ``model.sliding_window`` keys:
+  Gemma 3) and the softmax scale ``1 / sqrt(model.query_pre_attn_scalar)`` (Gemma).
+- MLP: ``w2(act(w1 x) * w3 x)`` with ``act`` SiLU (SwiGLU) or the tanh-approximated GELU
+  (GeGLU: ``model.activation=gelu_tanh``, Gemma).
+- Norms (``model.norm_placement``): ``pre`` on each sublayer's input (Llama), ``post``
+  on its output before the residual add (OLMo 2), ``both`` (Gemma 3).
+
+Parameter names follow Meta's Llama code (``attention.wq``, ``feed_forward.w1``, ...).
+
+Shapes: B batch, T sequence length, C model dim, nh query heads, nkv key/value heads,
+hs head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from recipes_lib.kernels import AttentionBackend
+from recipes_lib.models.kv_cache import LayerCache
+from recipes_lib.models.norms import RMSNorm, qk_norm_sizes
+from recipes_lib.models.rope import apply_rope
+from recipes_lib.models.windows import layer_window
+
+if TYPE_CHECKING:
+    from recipes_lib.config.schema import ModelConfig
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention of layer ``layer`` with RoPE (unless it is one of
+    ``model.nope_layers``), optionally with RMSNorm on the queries and keys before it
+    (``model.qk_norm``) and a local window; the kernel is a pluggable backend."""
+
+    def __init__(self, config: ModelConfig, head_dim: int, backend: AttentionBackend, layer: int):
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.n_kv_heads or config.n_heads
+        self.head_dim = head_dim
+        bias = config.qkv_bias
+        self.wq = nn.Linear(config.dim, self.n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(self.n_heads * head_dim, config.dim, bias=False)
+        self.qk_norm = config.qk_norm
+        if self.qk_norm != "none":
+            sizes = qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, head_dim)
+            self.q_norm = RMSNorm(sizes[0], eps=config.norm_eps)
+            self.k_norm = RMSNorm(sizes[1], eps=config.norm_eps)
+        self.use_rope = layer not in config.nope_layers
+        # the keys a query sees: its own and window - 1 before it; None: every earlier one
+        self.window = layer_window(config, layer)
+        # a window layer rotates with its own unscaled base (model.local_rope_theta)
+        self.local_rope = self.window is not None and config.local_rope_theta is not None
+        scalar = config.query_pre_attn_scalar
+        self.scale = None if scalar is None else 1.0 / math.sqrt(scalar)  # None: 1/sqrt(hs)
+        self.backend = backend  # a plain object, not a submodule: it holds no weights
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: object | None,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
+        """Attention of ``x`` (``(B, T, C)``); with ``cache``, the tokens continue the
+        cached ones and attend over them (see :mod:`recipes_lib.models.kv_cache`)."""
+        B, T, _ = x.shape
+        q, k = self.wq(x), self.wk(x)  # (B, T, nh * hs), (B, T, nkv * hs)
+        if self.qk_norm == "full":  # over every head at once
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hs)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, nkv, hs)
+        if self.qk_norm == "head":  # each head on its own
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs), (B, nkv, T, hs)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.use_rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            y = self.backend(q, k, v, mask, scale=self.scale)  # (B, nh, T, hs)
+        else:  # over every cached position
+            y = cache.attend(q, k, v, mask, scale=self.scale)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
+        return self.wo(y)  # (B, T, C)
+
+
+class FeedForward(nn.Module):
+    """Gated MLP: ``w2(act(w1 x) * w3 x)``, ``act`` SiLU (SwiGLU) or the tanh GELU (GeGLU)."""
+
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu"):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)  # down
+        self.activation = activation
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate = self.w1(x)
+        if self.activation == "gelu_tanh":
+            gate = F.gelu(gate, approximate="tanh")
+        else:
+            gate = F.silu(gate)
+        return self.w2(gate * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; with
+    ``model.norm_placement=post``: ``x + norm(attn(x))``, then ``x + norm(mlp(x))``; with
+    ``both``: ``x + post_norm(attn(norm(x)))``, then the same around the MLP."""
+
+    def __init__(self, config: ModelConfig, head_dim: int, backend: AttentionBackend, layer: int):
+        super().__init__()
+        self.placement = config.norm_placement
+        # a sublayer's output is bfloat16 under autocast: a norm there follows its dtype
+        norm = RMSNorm if self.placement == "post" else nn.RMSNorm
+        self.attention_norm = norm(config.dim, eps=config.norm_eps)
+        self.attention = Attention(config, head_dim, backend, layer)
+        self.ffn_norm = norm(config.dim, eps=config.norm_eps)
+        self.feed_forward = FeedForward(config.dim, config.ffn_dim, config.activation)
+        if self.placement == "both":  # the output norms, beside the input ones
+            self.post_attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
+            self.post_ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
+        # recompute this block's activations in the backward pass instead of keeping them
+        self.checkpoint_activations = False
+
+    def norms(self) -> list[nn.Module]:
+        """Every RMSNorm of the block (their gains start at one)."""
+        found = [self.attention_norm, self.ffn_norm]
+        if self.placement == "both":
+            found += [self.post_attention_norm, self.post_ffn_norm]
+        if self.attention.qk_norm != "none":
+            found += [self.attention.q_norm, self.attention.k_norm]
+        return found
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: object | None,
+        cache: LayerCache | None = None,
+    ) -> Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            # inside forward, so hooks on the block (FSDP's all-gather) run once per call
+            return checkpoint(self._forward, x, cos, sin, mask, cache, use_reentrant=False)
+        return self._forward(x, cos, sin, mask, cache)
+
+    def _forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None, cache: LayerCache | None
+    ) -> Tensor:
+        if self.placement == "post":
+            x = x + self.attention_norm(self.attention(x, cos, sin, mask, cache))  # (B, T, C)
+            return x + self.ffn_norm(self.feed_forward(x))  # (B, T, C)
+        h = self.attention(self.attention_norm(x), cos, sin, mask, cache)  # (B, T, C)
+        x = x + (self.post_attention_norm(h) if self.placement == "both" else h)
+        h = self.feed_forward(self.ffn_norm(x))  # (B, T, C)
+        return x + (self.post_ffn_norm(h) if self.placement == "both" else h)

@@ -1,0 +1,50 @@
+"""Local attention: the layers in ``model.window_layers`` attend to at most
+``model.sliding_window`` keys, their own position's and the ``sliding_window - 1``
+before it (Gemma 3's five of every six layers; the others attend to every earlier key).
+A window layer may rotate with its own RoPE base, unscaled (``model.local_rope_theta``,
+Gemma 3's ``rope_local_base_freq``; :func:`recipes_lib.models.rope.rope_tables`).
+
+The attention kernels take the window in their mask
+(:meth:`recipes_lib.kernels.AttentionBackend.build_mask`): ``flex`` skips the blocks
+outside it, so a local layer costs less than a global one at long sequences; the KV
+cache applies it in its offset mask (:func:`recipes_lib.models.kv_cache.causal_offset_mask`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from recipes_lib.errors import ConfigError
+
+if TYPE_CHECKING:
+    from recipes_lib.config.schema import ModelConfig
+
+
+def layer_window(config: ModelConfig, layer: int) -> int | None:
+    """The window of layer ``layer``, or None when it attends to every earlier key."""
+    return config.sliding_window if layer in config.window_layers else None
+
+
+def check_windows(config: ModelConfig) -> None:
+    """Refuse window options that do not fit together, in one line naming the key."""
+    layers, window = config.window_layers, config.sliding_window
+    try:
+        ok = all(0 <= i < config.n_layers and int(i) == i for i in layers) and all(
+            a < b for a, b in zip(layers, layers[1:], strict=False)
+        )
+    except TypeError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"model.window_layers={layers!r} must list the local layers in increasing order, "
+            f"each in 0..{config.n_layers - 1} (model.n_layers={config.n_layers})"
+        )
+    if window is not None and not (isinstance(window, int) and window >= 1):
+        raise ConfigError(f"model.sliding_window={window!r} must be a positive number of keys")
+    if layers and window is None:
+        raise ConfigError(
+            f"model.window_layers={layers!r} needs model.sliding_window (the keys each sees)"
+        )
+    theta = config.local_rope_theta
+    if theta is not None and not (isinstance(theta, int | float) and theta > 0):
+        raise ConfigError(f"model.local_rope_theta={theta!r} must be a positive RoPE base")

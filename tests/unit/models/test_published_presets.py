@@ -1,0 +1,189 @@
+"""Each family's presets against the ``config.json`` its published model ships with
+(written here as on the Hugging Face Hub, the fields a decoder reads): the preset must be
+what the library reads from that file, field for field."""
+
+from dataclasses import replace
+
+import pytest
+
+from recipes_lib.checkpoint.hf import model_config_from_hf
+from recipes_lib.config import compose_config, to_run_config
+
+QWEN3 = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "attention_bias": False,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 40960,
+    "model_type": "qwen3",
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+OLMO2 = {
+    "architectures": ["Olmo2ForCausalLM"],
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 4096,
+    "model_type": "olmo2",
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 500000,
+    "tie_word_embeddings": False,
+    "vocab_size": 100352,
+}
+GEMMA3 = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "attention_bias": False,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "initializer_range": 0.02,
+    "model_type": "gemma3_text",
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000,
+    "rope_theta": 1000000,
+    "sliding_window_pattern": 6,
+}
+PUBLISHED = {
+    "qwen3_0_6b": {
+        **QWEN3,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "max_window_layers": 28,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_1_7b": {
+        **QWEN3,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 28,
+        "num_key_value_heads": 8,
+        "max_window_layers": 28,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_4b": {
+        **QWEN3,
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "max_window_layers": 36,
+        "tie_word_embeddings": True,
+    },
+    "qwen3_8b": {
+        **QWEN3,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 8,
+        "max_window_layers": 36,
+        "tie_word_embeddings": False,
+    },
+    "olmo2_1b": {  # OLMo-2-0425-1B
+        **OLMO2,
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 16,
+        "num_key_value_heads": 16,
+    },
+    "olmo2_7b": {  # OLMo-2-1124-7B
+        **OLMO2,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 32,
+    },
+    "gemma3_1b": {
+        **GEMMA3,
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "max_position_embeddings": 32768,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 26,
+        "num_key_value_heads": 1,
+        "rope_scaling": None,
+        "sliding_window": 512,
+        "vocab_size": 262144,
+    },
+    "gemma3_4b": {  # the text_config of gemma-3-4b, with Gemma3TextConfig's defaults
+        **GEMMA3,
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "max_position_embeddings": 131072,
+        "num_attention_heads": 8,
+        "num_hidden_layers": 34,
+        "num_key_value_heads": 4,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+        "vocab_size": 262208,
+    },
+    "smollm3_3b": {
+        "architectures": ["SmolLM3ForCausalLM"],
+        "attention_bias": False,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 65536,
+        "mlp_bias": False,
+        "model_type": "smollm3",
+        "no_rope_layer_interval": 4,
+        "no_rope_layers": [1, 1, 1, 0] * 9,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 36,
+        "num_key_value_heads": 4,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": None,
+        "rope_theta": 5000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+        "vocab_size": 128256,
+    },
+}
+
+
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_the_preset_is_its_published_config(preset):
+    ours = to_run_config(compose_config([f"model={preset}"])).model
+    read = model_config_from_hf(PUBLISHED[preset], name=preset)
+    assert replace(read, init_std=ours.init_std) == ours
+
+
+@pytest.mark.parametrize("preset", PUBLISHED)
+def test_transformers_builds_the_preset_with_its_parameter_count(preset):
+    """The preset's exported config.json gives transformers' own model of the family
+    with as many parameters (what the throughput benchmark's baseline builds)."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from recipes_lib.checkpoint.hf import hf_config_from_model
+    from recipes_lib.models import Transformer
+
+    ours = to_run_config(compose_config([f"model={preset}"])).model
+    fields = hf_config_from_model(ours)
+    architecture = fields.pop("architectures")[0]
+    for key in ("torch_dtype", "dtype"):
+        fields.pop(key)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(config)
+        native = Transformer(ours)
+    assert type(theirs).__name__ == architecture
+    assert native.num_params() == sum(p.numel() for p in theirs.parameters())
