@@ -29,6 +29,27 @@ HF_FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+}
+# what each family's tiny model sets beyond TINY_HF: a small head_dim where the family
+# has its own, its particular options on, and no padding row (transformers' defaults
+# point past a tiny vocabulary)
+FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
+    "qwen3": {"head_dim": 16},
+    "olmo2": {"pad_token_id": None},
+    "smollm3": {"pad_token_id": None, "no_rope_layers": [1, 0]},
+    "phi3": {"pad_token_id": None, "partial_rotary_factor": 0.5},
+    "gemma3_text": {
+        "pad_token_id": None,
+        "head_dim": 16,
+        "query_pre_attn_scalar": 12,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
 }
 # the shape every tiny transformers model starts from; a test sets what it needs on top
 TINY_HF = dict(

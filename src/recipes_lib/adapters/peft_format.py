@@ -8,7 +8,10 @@ such as ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, so
     base = AutoModelForCausalLM.from_pretrained(exported_base)   # export_hf_checkpoint
     model = PeftModel.from_pretrained(base, "<run.dir>/adapter")
 
-gives the same outputs as the adapted native model.
+gives the same outputs as the adapted native model. A family whose checkpoints fuse
+layers (Phi-3's ``qkv_proj``, ``gate_up_proj``) gets one adapter per fused module that
+computes what the parts' adapters do (their ranks stacked, ``rank_pattern`` and
+``alpha_pattern`` set so that each part keeps its scale).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -40,29 +44,72 @@ _NATIVE_TO_HF_TARGET = {native: hf for hf, native in HF_TO_NATIVE_TARGET.items()
 
 
 def hf_target_modules(config: AdapterConfig) -> list[str]:
-    """``adapter.target_modules`` as Hugging Face module names."""
+    """``adapter.target_modules`` as Hugging Face module names (of the unfused layout)."""
     return [_NATIVE_TO_HF_TARGET[name] for name in native_targets(config)]
+
+
+def _factors(model: nn.Module, state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each adapted layer's ``(A, B)`` by native weight name."""
+    factors = {}
+    for layer_name, layer in lora_layers(model).items():
+        a, b = (
+            state.get(f"{layer_name}.lora_{f}.{ADAPTER_NAME}.weight", m[ADAPTER_NAME].weight)
+            for f, m in (("A", layer.lora_A), ("B", layer.lora_B))
+        )
+        factors[f"{layer_name}.weight"] = (a.detach().cpu(), b.detach().cpu())
+    return factors
+
+
+def _fuse(parts: list[tuple[Tensor, Tensor] | None], rows: list[int]) -> tuple[Tensor, Tensor]:
+    """One adapter on a fused layer equal to its parts' adapters: the parts' A stacked
+    (rank k * r for k adapted parts), B block-diagonal with zero rows for an unadapted
+    part; the caller scales alpha by k so that alpha / rank stays the parts'."""
+    adapted = [part for part in parts if part is not None]
+    a = torch.cat([a for a, _ in adapted], dim=0)  # (k * r, in)
+    r = adapted[0][0].shape[0]
+    b = torch.zeros(sum(rows), a.shape[0], dtype=adapted[0][1].dtype)  # (out, k * r)
+    row, column = 0, 0
+    for part, height in zip(parts, rows, strict=True):
+        if part is not None:
+            b[row : row + height, column : column + r] = part[1]
+            column += r
+        row += height
+    return a, b
 
 
 def peft_state_dict(
     model: nn.Module, state: Mapping[str, Tensor] | None = None
-) -> dict[str, Tensor]:
-    """The LoRA factors of ``model`` (or of ``state``) under PEFT's Hugging Face keys."""
-    source = state if state is not None else {}
+) -> tuple[dict[str, Tensor], dict[str, int]]:
+    """The LoRA factors of ``model`` (or of ``state``) under PEFT's Hugging Face keys, and
+    the fused Hugging Face modules (Phi-3's ``qkv_proj``, ``gate_up_proj``) with how many
+    adapted parts each one's adapter stacks (see :func:`_fuse`)."""
     decoder = next(m for m in model.modules() if isinstance(m, Transformer))
     names = get_family(decoder.config.family).names
+    factors = _factors(model, state if state is not None else {})
     out: dict[str, Tensor] = {}
-    for layer_name, layer in lora_layers(model).items():
-        hf_name = names.to_hf(f"{layer_name}.weight")
+    fused: dict[str, list[tuple[Tensor, Tensor] | None]] = {}
+    stacked: dict[str, int] = {}
+    for name, (a, b) in factors.items():
+        hf_name, into = names.to_hf(name), names.fused_of(name)
+        if into is not None:
+            fused.setdefault(into[0], [None] * into[2])[into[1]] = (a, b)
+            continue
         if hf_name is None:
-            raise CheckpointError(f"adapter on {layer_name!r}, which has no Hugging Face name")
-        hf_layer = hf_name.removesuffix(".weight")
-        for factor, modules in (("A", layer.lora_A), ("B", layer.lora_B)):
-            native_key = f"{layer_name}.lora_{factor}.{ADAPTER_NAME}.weight"
-            weight = source.get(native_key, modules[ADAPTER_NAME].weight)
-            key = f"{PEFT_PREFIX}{hf_layer}.lora_{factor}.weight"
-            out[key] = weight.detach().to("cpu").contiguous()
-    return out
+            raise CheckpointError(f"adapter on {name!r}, which has no Hugging Face name")
+        out[f"{PEFT_PREFIX}{hf_name.removesuffix('.weight')}.lora_A.weight"] = a.contiguous()
+        out[f"{PEFT_PREFIX}{hf_name.removesuffix('.weight')}.lora_B.weight"] = b.contiguous()
+    for hf_name, parts in fused.items():
+        rows = [
+            decoder.get_submodule(native.removesuffix(".weight")).out_features
+            for native in names.fused_parts(hf_name) or []
+        ]
+        a, b = _fuse(parts, rows)
+        out[f"{PEFT_PREFIX}{hf_name.removesuffix('.weight')}.lora_A.weight"] = a
+        out[f"{PEFT_PREFIX}{hf_name.removesuffix('.weight')}.lora_B.weight"] = b
+        stacked[hf_name.removesuffix(".weight").rsplit(".", 1)[-1]] = sum(
+            part is not None for part in parts
+        )
+    return out, stacked
 
 
 def save_adapter(
@@ -86,12 +133,16 @@ def save_adapter(
     Raises:
         CheckpointError: ``model`` has no adapters.
     """
-    tensors = peft_state_dict(model, state)
+    tensors, stacked = peft_state_dict(model, state)
     if not tensors:
         raise CheckpointError(f"cannot save an adapter to {out_dir}: the model has no LoRA layers")
     folder = Path(out_dir).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
-    peft_config = lora_config(config, hf_target_modules(config))
+    targets = sorted({key.removeprefix(PEFT_PREFIX).split(".")[-3] for key in tensors})
+    peft_config = lora_config(config, targets)
+    # a fused module's adapter stacks k parts: rank k * r, alpha k * alpha keep alpha / r
+    peft_config.rank_pattern = {name: k * config.r for name, k in stacked.items()}
+    peft_config.alpha_pattern = {name: k * config.alpha for name, k in stacked.items()}
     peft_config.task_type = "CAUSAL_LM"
     peft_config.base_model_name_or_path = base_model_name_or_path
     peft_config.inference_mode = True

@@ -156,3 +156,15 @@ def test_from_init_reads_a_run_recorded_before_the_block_options(tmp_path):
         "pre",
     )
     assert filled.model.dim == cfg.model.dim
+
+
+def test_model_from_init_fills_every_field_of_the_model():
+    """A field missing from conf/model/from_init.yaml would keep its default, not the
+    folder's value (a Gemma 3 window, a SmolLM3 NoPE layer)."""
+    from dataclasses import fields
+
+    from recipes_lib.config.schema import ModelConfig
+
+    marked = from_init_fields(compose_config(["model=from_init"]).model)
+    top = {key.split(".")[0] for key in marked}
+    assert top == {f.name for f in fields(ModelConfig)} - {"init_std"}
