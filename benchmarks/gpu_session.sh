@@ -16,6 +16,10 @@
 #   bash benchmarks/gpu_session.sh stall       # the checkpoint stall, sync vs async (2 GPUs)
 #   bash benchmarks/gpu_session.sh long_runs2  # the end of a run, single-GPU tests (2 GPUs)
 #   bash benchmarks/gpu_session.sh multigpu    # every multi-GPU test (2 GPUs)
+#   bash benchmarks/gpu_session.sh families    # Qwen3 and Gemma 3 throughput against
+#                                              # transformers' own models, a Gemma 3 local
+#                                              # layer against a global one, the family GPU
+#                                              # tests, then Gemma 3 under FSDP (2 GPUs)
 #
 # Jobs that run at once each get their own GPUs (CUDA_VISIBLE_DEVICES); no two timed
 # measurements share a card. RECORD=1 records the reference loss curves of
@@ -100,6 +104,17 @@ long_runs2)
   job end 0 "$PY benchmarks/end_of_run.py --out $OUT/end_of_run.json"
   job gpu_tests 1 "env $REC $PY -m pytest -q $ONE_GPU_TESTS;
     cp tests/gpu/reference_losses.json $OUT/"
+  wait ;;
+families)
+  FAST="--warmup-steps 6 --steps 15 --trainers recipes_lib,plain_pytorch,hf_transformers"
+  job family_throughput 0 "$PY benchmarks/pretrain_throughput.py --models qwen3_1_7b $FAST \
+      --out $OUT/throughput_qwen3_1_7b.json;
+    $PY benchmarks/pretrain_throughput.py --models gemma3_1b --attention flex $FAST \
+      --out $OUT/throughput_gemma3_1b.json"
+  job family_tests 1 "$PY benchmarks/local_attention.py --out $OUT/local_attention.json;
+    $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -p no:cacheprovider"
+  wait
+  job family_fsdp 0,1 "$PY -m pytest -q -rs -m multigpu tests/gpu/test_family_gpu.py -p no:cacheprovider"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"

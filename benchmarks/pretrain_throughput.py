@@ -18,8 +18,10 @@ gradient clipping at 1.0 and a constant LR:
 - ``plain_pytorch``: the same ``recipes_lib.models.Transformer``, blocks compiled the
   same way, same attention kernel, bf16 autocast over fp32 weights, trained by a bare
   loop (no Lightning).
-- ``hf_transformers``: ``transformers.LlamaForCausalLM`` of the same shape with SDPA
-  attention, each decoder layer compiled, trained by the same bare loop.
+- ``hf_transformers``: transformers' own model of the preset's family and shape
+  (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``, ...: the
+  ``config.json`` the library exports) with SDPA attention, each decoder layer
+  compiled, trained by the same bare loop.
 
 All use the same FLOPs count (``Transformer.flops_per_token``) for TFLOP/s and MFU,
 against the card's dense bf16 peak (also for FP8, so FP8's MFU reads as "bf16
@@ -39,7 +41,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
-import inspect
 import sys
 import traceback
 import warnings
@@ -70,6 +71,7 @@ from _library import (
     temporary_run_dir,
 )
 
+from recipes_lib.checkpoint.hf import hf_config_from_model
 from recipes_lib.config import ModelConfig, OptimConfig, list_group_options
 from recipes_lib.kernels import ATTENTION_BACKENDS
 from recipes_lib.losses import causal_lm_loss
@@ -174,55 +176,30 @@ def run_plain_pytorch(
     return plain_loop(model, model, batches, optim, args, device)
 
 
-def hf_llama_config(cfg: ModelConfig):
-    """A ``transformers.LlamaConfig`` of the same shape as ``cfg``."""
-    from transformers import LlamaConfig
+def hf_model_config(cfg: ModelConfig):
+    """The transformers config of ``cfg``'s family and shape (``LlamaConfig``,
+    ``Qwen3Config``, ``Gemma3TextConfig``, ...): the ``config.json`` the library exports."""
+    from transformers import AutoConfig
 
-    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    scaling = cfg.rope_scaling
-    if scaling.type == "linear":
-        rope.update(rope_type="linear", factor=scaling.factor)
-    elif scaling.type == "llama3":
-        rope.update(
-            rope_type="llama3",
-            factor=scaling.factor,
-            low_freq_factor=scaling.low_freq_factor,
-            high_freq_factor=scaling.high_freq_factor,
-            original_max_position_embeddings=scaling.original_max_seq_len,
-        )
-    rope_kwargs = {"rope_parameters": rope}
-    if "rope_parameters" not in inspect.signature(LlamaConfig.__init__).parameters:  # 4.x
-        rope_kwargs = {"rope_theta": rope.pop("rope_theta"), "rope_scaling": rope}
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.dim,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads or cfg.n_heads,
-        head_dim=cfg.head_dim or cfg.dim // cfg.n_heads,
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        attention_bias=cfg.qkv_bias,
-        tie_word_embeddings=cfg.tie_embeddings,
-        initializer_range=cfg.init_std,
-        use_cache=False,
-        attn_implementation="sdpa",
-        **rope_kwargs,
-    )
+    fields = hf_config_from_model(cfg)
+    model_type = fields.pop("model_type")
+    for key in ("architectures", "torch_dtype", "dtype", "use_cache"):
+        fields.pop(key, None)
+    return AutoConfig.for_model(model_type, use_cache=False, **fields)
 
 
 def run_hf_transformers(
     cfg: ModelConfig, optim: OptimConfig, batches: list[Batch], args, device
 ) -> Measured:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with device:
-        model = LlamaForCausalLM(hf_llama_config(cfg)).to(dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_model_config(cfg), attn_implementation="sdpa")
+        model = model.to(dtype=torch.float32)
     expected = meta_transformer(cfg).num_params()
     if model.num_parameters() != expected:
         raise RuntimeError(
-            f"LlamaForCausalLM has {model.num_parameters()} parameters, the recipes_lib "
+            f"{type(model).__name__} has {model.num_parameters()} parameters, the recipes_lib "
             f"Transformer {expected}: the shapes differ"
         )
     if args.compile:

@@ -1,6 +1,6 @@
 """What one decoder block keeps for its backward pass, per token, tensor by tensor.
 
-The terms follow ``TransformerBlock._forward`` in :mod:`recipes_lib.models.transformer`
+The terms follow ``TransformerBlock._forward`` in :mod:`recipes_lib.models.blocks`
 (pre-norm attention with RoPE, then a SwiGLU MLP) and what each op's backward needs
 (PyTorch saves an op's inputs only for the gradients it must compute: a frozen
 linear keeps no input). They were checked against ``torch.cuda.memory_allocated`` after
@@ -34,6 +34,7 @@ class DecoderShape:
     tie_embeddings: bool
     qkv_bias: bool
     qk_norm: str = "none"
+    norm_placement: str = "pre"
 
     @classmethod
     def of(cls, cfg: RunConfig) -> DecoderShape:
@@ -50,6 +51,7 @@ class DecoderShape:
             tie_embeddings=m.tie_embeddings,
             qkv_bias=m.qkv_bias,
             qk_norm=m.qk_norm,
+            norm_placement=m.norm_placement,
         )
 
     @property
@@ -73,15 +75,20 @@ class DecoderShape:
             "w2": (f, c),
         }
 
+    @property
+    def block_norms(self) -> int:
+        """Norms around the sublayers: two, four with ``norm_placement=both`` (Gemma 3)."""
+        return 4 if self.norm_placement == "both" else 2
+
     def block_params(self) -> int:
-        """Parameters of one block: its linears, q/k/v biases, two norm gains and the
-        query and key norms' gains."""
+        """Parameters of one block: its linears, q/k/v biases, the norm gains around the
+        sublayers and the query and key norms' gains."""
         weights = sum(i * o for i, o in self.linears().values())
         bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
         qk = 0
         if self.qk_norm != "none":
             qk = sum(qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, self.head_dim))
-        return weights + bias + 2 * self.dim + qk
+        return weights + bias + self.block_norms * self.dim + qk
 
     @property
     def head_params(self) -> int:
@@ -147,6 +154,11 @@ def block_bytes_per_token(
     - each LoRA adapter keeps the bf16 cast of its input (the compute dtype without
       autocast), a one-byte dropout mask per input element, and ``r`` values.
 
+    Beyond the Llama block (estimated from the same rules, not yet checked against a
+    measurement): ``norm_placement=both`` adds two norms on the sublayers' outputs
+    (``compute x C`` and an rstd each); a q/k norm keeps the projections' outputs
+    (``(q + kv) x compute``) and an rstd per head (per token with ``full``).
+
     Compiled (inductor, ``kernels.compile``): the norms' inputs, one copy of the
     attention's input, the attention tensors and SwiGLU's three F-wide tensors are kept,
     the rest is recomputed in the backward (measured, full training, H100, torch 2.11).
@@ -160,6 +172,11 @@ def block_bytes_per_token(
     c, f, a, r = shape.dim, shape.ffn_dim, dt.compute, dt.residual
     q, kv = shape.q_width, shape.kv_width
     total = 2 * (r * c + RSTD_BYTES)  # the norms' inputs
+    if shape.block_norms == 4:  # the output norms, on the sublayers' (compute) outputs
+        total += 2 * (a * c + RSTD_BYTES)
+    if shape.qk_norm != "none":  # the q and k norms' inputs and rstds
+        per = shape.n_heads + shape.n_kv_heads if shape.qk_norm == "head" else 2
+        total += (q + kv) * a + RSTD_BYTES * per
     total += (2 * q + 2 * kv) * a + LSE_BYTES * shape.n_heads  # q, k, v, output, lse
     mlp = 4 if (quantized and dt.casts) else a
     total += 3 * f * mlp  # w1's output, SiLU's output, w3's output

@@ -47,6 +47,9 @@ def meta_params(cfg) -> int:
         "olmo2_1b",
         "smollm3_3b",
         "phi4_mini",
+        "gemma3_1b",
+        "qwen3_4b",
+        "olmo2_7b",
     ],
 )
 def test_shapes_count_the_parameters_the_model_has(model):
