@@ -112,7 +112,10 @@ def test_compiled_flex_windows_match_each_document_alone():
 
 
 @pytest.mark.multigpu
-def test_gemma3_under_fsdp_follows_one_gpu(tmp_path, cache):
+def test_gemma3_under_fsdp_follows_one_gpu_in_fp32(tmp_path, cache):
+    """FSDP on two GPUs against one GPU, fp32 (where the two compute alike: under
+    bf16-mixed FSDP's bf16 parameters and one GPU's fp32 weights under autocast differ
+    by policy, not by error)."""
     curves = {}
     for name, processes in (("single", 1), ("fsdp", 2)):
         folder = tmp_path / name
@@ -125,12 +128,17 @@ def test_gemma3_under_fsdp_follows_one_gpu(tmp_path, cache):
             f"strategy={name}",
             f"trainer.devices={processes}",
             f"data.batch_size={16 // processes}",
-            "trainer.max_steps=20",
+            "trainer.max_steps=12",
             "kernels.compile=false",
+            "precision=32-true",
         )
         torchrun(processes, str(WORKER), f"--out={out}", *overrides)
         result = json.loads(out.read_text())
         curves[name] = {int(step): loss for step, loss in result["losses"].items()}
     assert sorted(curves["fsdp"]) == sorted(curves["single"])
-    for step, expected in curves["single"].items():  # bf16 rounding apart (test_multigpu)
-        assert abs(curves["fsdp"][step] - expected) <= 0.03 + 0.025 * abs(expected), step
+    far = [
+        (step, round(curves["fsdp"][step], 4), round(expected, 4))
+        for step, expected in sorted(curves["single"].items())
+        if abs(curves["fsdp"][step] - expected) > 0.01 + 0.01 * abs(expected)
+    ]
+    assert not far, f"(step, fsdp, single) beyond tolerance: {far}; all: {curves}"
