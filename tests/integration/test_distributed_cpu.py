@@ -169,3 +169,26 @@ def test_dpo_under_fsdp_matches_one_process(runs, tmp_path, recipe):
     )
     if recipe == "dpo/lora_tiny":
         assert (fsdp_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
+GEMMA3 = (
+    "model.family=gemma3",
+    "model.qk_norm=head",
+    "model.norm_placement=both",
+    "model.activation=gelu_tanh",
+    "model.scale_embeddings=true",
+    "model.query_pre_attn_scalar=12",
+    "model.sliding_window=8",
+    "model.window_layers=[0]",
+    "model.local_rope_theta=10000",
+)
+
+
+def test_a_gemma3_under_fsdp_reaches_the_single_process_weights(runs, tmp_path):
+    """Gemma 3's local layers, four norms per block and scaled embeddings shard and
+    train under FSDP as on one process (fp32)."""
+    single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *GEMMA3)))
+    _torchrun(tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *GEMMA3)
+    _assert_same_weights(
+        load_weights(single.weights_path), load_weights(tmp_path / "fsdp" / "model.safetensors")
+    )
