@@ -20,6 +20,9 @@
 #                                              # transformers' own models, a Gemma 3 local
 #                                              # layer against a global one, the family GPU
 #                                              # tests, then Gemma 3 under FSDP (2 GPUs)
+#   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
+#                                              # the fp8 tests (needs the trl and torchao
+#                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
 #
 # Jobs that run at once each get their own GPUs (CUDA_VISIBLE_DEVICES); no two timed
 # measurements share a card. RECORD=1 records the reference loss curves of
@@ -115,6 +118,10 @@ families)
     $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -p no:cacheprovider"
   wait
   job family_fsdp 0,1 "$PY -m pytest -q -rs -m multigpu tests/gpu/test_family_gpu.py -p no:cacheprovider"
+  wait ;;
+peer)
+  job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"
+  job fp8_tests 1 "$PY -m pytest -q -rs tests/gpu/test_fp8_gpu.py -p no:cacheprovider"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"

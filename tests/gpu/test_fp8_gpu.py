@@ -107,3 +107,32 @@ def test_fp8_composes_with_per_block_compile(tmp_path, cache_dir):
     assert len(layers) == 7 * N_LAYERS
     assert math.isfinite(result.metrics["train/loss"])
     assert result.metrics["val/loss"] < math.log(4096)
+
+
+FAMILY_OPTIONS = {
+    "qwen3": ("model.family=qwen3", "model.qk_norm=head"),
+    "gemma3": (
+        "model.family=gemma3",
+        "model.qk_norm=head",
+        "model.norm_placement=both",
+        "model.activation=gelu_tanh",
+        "model.scale_embeddings=true",
+        "model.query_pre_attn_scalar=128",
+        "model.sliding_window=64",
+        "model.window_layers=[0,1,2]",
+        "model.local_rope_theta=10000",
+        "kernels=flex_compiled",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_OPTIONS)
+def test_fp8_trains_each_family_compiled(tmp_path, cache_dir, family):
+    """Qwen3's and Gemma 3's norms and Gemma 3's local layers stay as they are; every
+    block linear computes in float8."""
+    result, layers = _run(
+        tmp_path, cache_dir, "fp8", 30, "kernels.compile=true", *FAMILY_OPTIONS[family]
+    )
+    assert len(layers) == 7 * N_LAYERS
+    assert math.isfinite(result.metrics["train/loss"])
+    assert result.metrics["val/loss"] < math.log(4096)

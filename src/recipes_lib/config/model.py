@@ -127,6 +127,17 @@ def block_option_defaults() -> dict[str, Any]:
     }
 
 
+def is_layer_list(layers: Any, n_layers: int) -> bool:
+    """Whether ``layers`` lists layer indices of a ``n_layers`` model in increasing order
+    (``model.nope_layers``, ``model.window_layers``)."""
+    try:
+        return all(0 <= i < n_layers and int(i) == i for i in layers) and all(
+            a < b for a, b in zip(layers, layers[1:], strict=False)
+        )
+    except TypeError:
+        return False
+
+
 def model_fields(*roles: str) -> tuple[str, ...]:
     """The names of the :class:`ModelConfig` fields of the given roles, in order."""
     return tuple(f.name for f in fields(ModelConfig) if f.metadata.get("role") in roles)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from recipes_lib.config.model import RopeScalingConfig as _RopeScaling
+from recipes_lib.config.model import is_layer_list
 from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -210,13 +211,7 @@ def check_nope_layers(config: ModelConfig) -> None:
     """Refuse a ``model.nope_layers`` that is not layer indices in increasing order, in
     one line naming the key."""
     layers = config.nope_layers
-    try:
-        ok = all(0 <= i < config.n_layers and int(i) == i for i in layers) and all(
-            a < b for a, b in zip(layers, layers[1:], strict=False)
-        )
-    except TypeError:
-        ok = False
-    if not ok:
+    if not is_layer_list(layers, config.n_layers):
         raise ConfigError(
             f"model.nope_layers={layers!r} must list layers without RoPE, in increasing "
             f"order, each in 0..{config.n_layers - 1} (model.n_layers={config.n_layers})"

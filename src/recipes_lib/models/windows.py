@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from recipes_lib.config.model import is_layer_list
 from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -28,13 +29,7 @@ def layer_window(config: ModelConfig, layer: int) -> int | None:
 def check_windows(config: ModelConfig) -> None:
     """Refuse window options that do not fit together, in one line naming the key."""
     layers, window = config.window_layers, config.sliding_window
-    try:
-        ok = all(0 <= i < config.n_layers and int(i) == i for i in layers) and all(
-            a < b for a, b in zip(layers, layers[1:], strict=False)
-        )
-    except TypeError:
-        ok = False
-    if not ok:
+    if not is_layer_list(layers, config.n_layers):
         raise ConfigError(
             f"model.window_layers={layers!r} must list the local layers in increasing order, "
             f"each in 0..{config.n_layers - 1} (model.n_layers={config.n_layers})"
