@@ -5,6 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hf_parity import PROMPT, hf_greedy, logits_of, nudged_hf_model, tokens
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import (
@@ -22,7 +23,6 @@ from recipes_lib.models.families import FAMILIES, family_of_hf
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
-PROMPT = [5, 17, 42, 99, 3, 250, 7]
 # model_type -> transformers' config and model classes
 CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -35,53 +35,37 @@ OPTIONS = {
 }
 
 
+# a tiny transformers config: 2 layers, width 64, 4 query and 2 KV heads
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
+
+
 def hf_config(model_type: str, **overrides):
-    """A tiny transformers config: 2 layers, width 64, 4 query and 2 KV heads."""
+    """A tiny transformers config of ``model_type``: ``SHAPE`` with ``overrides``."""
     config_name, _ = CLASSES[model_type]
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return getattr(transformers, config_name)(**{**settings, **overrides})
+    return getattr(transformers, config_name)(**{**SHAPE, **overrides})
 
 
 def hf_model(model_type: str, **overrides):
     """A transformers model of ``model_type``, every weight nudged from its init (unit
     norm gains would hide a misplaced norm), in eval mode and eager attention."""
-    _, model_name = CLASSES[model_type]
-    torch.manual_seed(0)
-    config = hf_config(model_type, attn_implementation="eager", **overrides)
-    model = getattr(transformers, model_name)(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
-
-
-def tokens(B, T, seed=0):
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def logits_of(model, x):
-    with torch.no_grad():
-        return model(x) if isinstance(model, Transformer) else model(input_ids=x).logits
-
-
-def hf_greedy(hf, n: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    config_name, model_name = CLASSES[model_type]
+    return nudged_hf_model(
+        getattr(transformers, config_name),
+        getattr(transformers, model_name),
+        **{**SHAPE, **overrides},
     )
-    return out[0, len(PROMPT) :].tolist()
 
 
 CASES = {
@@ -110,7 +94,7 @@ def test_import_export_and_generation_match_transformers(tmp_path, case):
     assert config.tie_embeddings == overrides.get("tie_word_embeddings", False)
     assert (config.head_dim or 64 // 4) == overrides.get("head_dim", 16)  # 32 * 4 != 64
     assert not config.qkv_bias and config.max_seq_len == 128
-    x = tokens(2, 100)
+    x = tokens(VOCAB, 2, 100)
     torch.testing.assert_close(logits_of(model, x), logits_of(hf, x), atol=1e-4, rtol=1e-4)
     # the KV-cached greedy decoding of the library is transformers' greedy decoding
     assert generate(model, PROMPT, 12) == hf_greedy(hf, 12)
@@ -145,7 +129,7 @@ def test_native_model_exports_to_transformers(tmp_path, model_type):
             p.add_(torch.randn_like(p) * 0.05)
     out = export_hf_checkpoint(model, config, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
-    x = tokens(2, 60)
+    x = tokens(VOCAB, 2, 60)
     torch.testing.assert_close(logits_of(hf.eval(), x), logits_of(model, x), atol=1e-4, rtol=1e-4)
     assert generate(model, PROMPT, 10) == hf_greedy(hf, 10)
 
@@ -177,7 +161,7 @@ def test_hf_weights_load_into_a_configured_model_and_differences_are_named(tmp_p
     torch.manual_seed(3)
     model = Transformer(replace(config, name="mine", max_seq_len=64)).eval()
     load_hf_weights_into(model, tmp_path, "stage.init_from='x'")
-    x = tokens(2, 60)
+    x = tokens(VOCAB, 2, 60)
     torch.testing.assert_close(logits_of(model, x), logits_of(hf, x), atol=1e-4, rtol=1e-4)
 
     llama = Transformer(replace(config, family="llama", qk_norm="none", norm_placement="pre"))

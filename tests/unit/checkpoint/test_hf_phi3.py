@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hf_parity import PROMPT, hf_greedy, logits_of, nudged_hf_model, tokens
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import (
@@ -29,7 +30,6 @@ from recipes_lib.models.rope import apply_rope
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
-PROMPT = [5, 17, 42, 99, 3, 250, 7]
 
 
 def factors(n, seed):
@@ -37,8 +37,9 @@ def factors(n, seed):
     return (1 + 3 * torch.rand(n, generator=torch.Generator().manual_seed(seed))).tolist()
 
 
-def hf_config(partial=0.5, rope=None, **overrides):
-    """A tiny Phi-3 config: 2 layers, width 64, 4 query and 2 KV heads (head dim 16)."""
+def hf_settings(partial=0.5, rope=None, **overrides):
+    """The settings of a tiny Phi-3 config: 2 layers, width 64, 4 query and 2 KV heads
+    (head dim 16)."""
     settings = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -59,35 +60,19 @@ def hf_config(partial=0.5, rope=None, **overrides):
         bos_token_id=None,
         eos_token_id=None,
     )
-    return transformers.Phi3Config(**{**settings, **overrides})
+    return {**settings, **overrides}
+
+
+def hf_config(**overrides):
+    """A tiny Phi-3 config (``partial`` and ``rope`` as in ``hf_settings``)."""
+    return transformers.Phi3Config(**hf_settings(**overrides))
 
 
 def hf_model(**overrides):
     """A transformers Phi-3, every weight nudged from its init, eval mode, eager."""
-    torch.manual_seed(0)
-    config = hf_config(attn_implementation="eager", **overrides)
-    model = transformers.Phi3ForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
-
-
-def tokens(B, T, seed=0):
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def logits_of(model, x):
-    with torch.no_grad():
-        return model(x) if isinstance(model, Transformer) else model(input_ids=x).logits
-
-
-def hf_greedy(hf, n: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    return nudged_hf_model(
+        transformers.Phi3Config, transformers.Phi3ForCausalLM, **hf_settings(**overrides)
     )
-    return out[0, len(PROMPT) :].tolist()
 
 
 def longrope(original=32, **extra):
@@ -133,7 +118,7 @@ def test_import_export_and_generation_match_transformers(tmp_path, case):
     assert config.rope_scaling.type == ("longrope" if long else "none")
     # 100 tokens: past original_max_position_embeddings (the long factors) with longrope
     for length in (100, 20):
-        x = tokens(2, length)
+        x = tokens(VOCAB, 2, length)
         torch.testing.assert_close(logits_of(model, x), logits_of(hf, x), atol=1e-4, rtol=1e-4)
     # the KV-cached greedy decoding of the library is transformers' greedy decoding (with
     # longrope: 7 + 50 tokens cross original_max_position_embeddings mid-generation)
@@ -152,7 +137,7 @@ def test_import_export_and_generation_match_transformers(tmp_path, case):
     for name, tensor in hf.state_dict().items():  # the fused tensors stacked back
         torch.testing.assert_close(again.state_dict()[name], tensor, atol=0, rtol=0, msg=name)
     for length in (100, 20):
-        x = tokens(2, length, seed=1)
+        x = tokens(VOCAB, 2, length, seed=1)
         torch.testing.assert_close(logits_of(again, x), logits_of(model, x), atol=1e-4, rtol=1e-4)
     assert hf_greedy(again, 50) == hf_greedy(hf, 50)
 
@@ -176,7 +161,7 @@ def test_longrope_attention_factor_and_switch_are_transformers():
     load_like = Transformer(config).eval()
     load_like.load_state_dict(model.state_dict())
     load_like.rope_cos_long, load_like.rope_sin_long = load_like.rope_cos, load_like.rope_sin
-    x = tokens(1, 40)
+    x = tokens(VOCAB, 1, 40)
     assert not torch.allclose(logits_of(load_like, x), logits_of(model, x), atol=1e-3)
     assert torch.equal(logits_of(load_like, x[:, :32]), logits_of(model, x[:, :32]))
 
@@ -198,7 +183,7 @@ def test_native_model_exports_to_transformers(tmp_path):
     out = export_hf_checkpoint(model, config, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     assert hf.config.rope_parameters["partial_rotary_factor"] == 0.25
-    x = tokens(2, 60)
+    x = tokens(VOCAB, 2, 60)
     torch.testing.assert_close(logits_of(hf.eval(), x), logits_of(model, x), atol=1e-4, rtol=1e-4)
     assert generate(model, PROMPT, 10) == hf_greedy(hf, 10)
 
@@ -229,7 +214,7 @@ def test_hf_weights_load_into_a_configured_model_and_differences_are_named(tmp_p
     torch.manual_seed(3)
     model = Transformer(replace(config, name="mine", max_seq_len=64)).eval()
     load_hf_weights_into(model, tmp_path, "stage.init_from='x'")
-    x = tokens(2, 60)
+    x = tokens(VOCAB, 2, 60)
     torch.testing.assert_close(logits_of(model, x), logits_of(hf, x), atol=1e-4, rtol=1e-4)
 
     whole = Transformer(replace(config, partial_rotary_factor=1.0))

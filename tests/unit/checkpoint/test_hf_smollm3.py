@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hf_parity import PROMPT, hf_greedy, logits_of, nudged_hf_model, tokens
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import (
@@ -25,53 +26,34 @@ from recipes_lib.models.families import FAMILIES, family_of_hf
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 300
-PROMPT = [5, 17, 42, 99, 3, 250, 7]
+
+
+# a tiny SmolLM3 config: 4 layers, width 64, 4 query and 2 KV heads
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def hf_config(**overrides):
-    """A tiny SmolLM3 config: 4 layers, width 64, 4 query and 2 KV heads."""
-    settings = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return transformers.SmolLM3Config(**{**settings, **overrides})
+    """A tiny SmolLM3 config: ``SHAPE`` with ``overrides``."""
+    return transformers.SmolLM3Config(**{**SHAPE, **overrides})
 
 
 def hf_model(**overrides):
     """A transformers SmolLM3, every weight nudged from its init, eval mode, eager."""
-    torch.manual_seed(0)
-    config = hf_config(attn_implementation="eager", **overrides)
-    model = transformers.SmolLM3ForCausalLM(config).eval()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-    return model
-
-
-def tokens(B, T, seed=0):
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
-
-
-def logits_of(model, x):
-    with torch.no_grad():
-        return model(x) if isinstance(model, Transformer) else model(input_ids=x).logits
-
-
-def hf_greedy(hf, n: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([PROMPT]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    return nudged_hf_model(
+        transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, **{**SHAPE, **overrides}
     )
-    return out[0, len(PROMPT) :].tolist()
 
 
 # case -> (transformers overrides, their per-layer flags: 1 RoPE, 0 NoPE)
@@ -108,7 +90,7 @@ def test_import_export_and_generation_match_transformers(tmp_path, case):
     assert [layer.attention.use_rope for layer in model.layers] == [bool(f) for f in flags]
     assert config.tie_embeddings == overrides.get("tie_word_embeddings", True)
     assert not config.qkv_bias and config.max_seq_len == 128
-    x = tokens(2, 100)
+    x = tokens(VOCAB, 2, 100)
     torch.testing.assert_close(logits_of(model, x), logits_of(hf, x), atol=1e-4, rtol=1e-4)
     # the KV-cached greedy decoding of the library is transformers' greedy decoding
     assert generate(model, PROMPT, 12) == hf_greedy(hf, 12)
@@ -148,7 +130,7 @@ def test_native_model_exports_to_transformers(tmp_path):
     out = export_hf_checkpoint(model, config, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager")
     assert [bool(layer.self_attn.use_rope) for layer in hf.model.layers] == [False, True, False]
-    x = tokens(2, 60)
+    x = tokens(VOCAB, 2, 60)
     torch.testing.assert_close(logits_of(hf.eval(), x), logits_of(model, x), atol=1e-4, rtol=1e-4)
     assert generate(model, PROMPT, 10) == hf_greedy(hf, 10)
     # the default (no NoPE layers) is written as every flag 1
@@ -172,7 +154,7 @@ def test_hf_weights_load_into_a_configured_model_and_differences_are_named(tmp_p
     torch.manual_seed(3)
     model = Transformer(replace(config, name="mine", max_seq_len=64)).eval()
     load_hf_weights_into(model, tmp_path, "stage.init_from='x'")
-    x = tokens(2, 60)
+    x = tokens(VOCAB, 2, 60)
     torch.testing.assert_close(logits_of(model, x), logits_of(hf, x), atol=1e-4, rtol=1e-4)
 
     every_layer = Transformer(replace(config, nope_layers=[]))
