@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, ModelSummary, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.callbacks.batch_ramp import BatchRamp
@@ -59,7 +59,7 @@ from recipes_lib.parallel.precision import lightning_precision, resolve_device_c
 from recipes_lib.preflight import check_run
 from recipes_lib.stages.causal_lm import CausalLMModule
 from recipes_lib.stages.dpo import build_dpo_module
-from recipes_lib.stages.outputs import OutputWeights, prepare_averaging
+from recipes_lib.stages.outputs import OutputWeights, export_weights, prepare_averaging
 from recipes_lib.stages.rollback import plan_rollback
 from recipes_lib.stages.sft import SFTModule
 
@@ -260,6 +260,10 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
 
     out = Path(cfg.run.dir)
     weights_path, averaged_from = fit.output.written or (None, [])
+    if fit.output.written is None and trainer.global_step >= fit.steps:
+        # resumed at its final step: Lightning's fit loop ran no step and no
+        # on_train_end, so the output is written here, from the restored weights
+        weights_path, averaged_from = export_weights(cfg, trainer, module, out, fit.saver, fit.ema)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
     last = RunDir(out).last_checkpoint
@@ -292,6 +296,14 @@ class _Fit:
     schedule: BatchSchedule
     output: OutputWeights  # what it wrote as the final step ended
     seconds: float
+
+    @property
+    def saver(self) -> ModelCheckpoint | None:
+        return self.output.saver
+
+    @property
+    def ema(self) -> WeightEMA | None:
+        return self.output.ema
 
     def skipped_updates(self) -> int:
         """The updates the guard skipped in this fit."""

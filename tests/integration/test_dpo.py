@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from integration_helpers import metric_series, read_metrics, tiny_overrides
+from lightning.pytorch.callbacks import Callback
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.weights import load_weights
@@ -109,3 +110,33 @@ def test_dpo_from_weights_without_a_known_tokenizer_stops_before_training(
     with pytest.raises(ConfigError, match="no tokenizer.json beside it"):
         run(compose_config(overrides))
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("recipe", ["simpo/tiny", "orpo/tiny"])
+def test_reference_free_objectives_learn_held_out_preferences(
+    tmp_path, shared_cache, pretrained, recipe
+):
+    """SimPO and ORPO build no reference model and learn the held-out pairs: more of them
+    ranked right, SimPO's margin of mean log-probs per token wider, ORPO's loss lower
+    (measured, seed 0: SimPO margin 0.36 -> 0.74, ORPO loss 5.21 -> 4.94)."""
+    built = {}
+
+    class NoReference(Callback):
+        def on_fit_start(self, trainer, pl_module):
+            built["reference"] = pl_module.reference
+
+    result = run(
+        compose_config(dpo_overrides(tmp_path, shared_cache, pretrained, recipe=recipe)),
+        callbacks=[NoReference()],
+    )
+    assert result.global_step == 16 and built["reference"] is None
+    rows = read_metrics(result.output_dir)
+    margin = metric_series(rows, "val/rewards/margin")
+    accuracy = metric_series(rows, "val/rewards/accuracy")
+    assert [step for step, _ in margin] == [3, 7, 11, 15]
+    assert accuracy[-1][1] >= accuracy[0][1] and accuracy[-1][1] > 0.6
+    if recipe == "simpo/tiny":  # the gap SimPO pushes past gamma widens steadily
+        assert margin[-1][1] > margin[1][1] > margin[0][1]
+    else:  # ORPO's loss, its chosen answers' NLL plus the odds-ratio term, falls
+        loss = [value for _, value in metric_series(rows, "val/loss")]
+        assert loss[-1] < loss[1] < loss[0]

@@ -107,3 +107,17 @@ def test_ema_output_resumes_exactly(tmp_path, shared_cache):
 def test_averaging_that_cannot_happen_stops_before_training(tiny_cfg, overrides, message):
     with pytest.raises(ConfigError, match=message):
         run(tiny_cfg(*overrides))
+
+
+def test_a_run_resumed_at_its_final_step_still_writes_its_output(tiny_cfg):
+    """Killed after its last checkpoint but before the export: rerun, it restores the
+    final step (no step runs, and Lightning calls no on_train_end) and writes the
+    output from the restored weights."""
+    first = run(tiny_cfg())
+    final = checkpoint_weights(first.last_checkpoint)
+    first.weights_path.unlink()  # as if the process died before writing it
+    again = run(tiny_cfg("run.ckpt_path=last"))
+    assert again.global_step == first.global_step and again.weights_path.is_file()
+    output = load_weights(again.weights_path)
+    for name, value in output.items():
+        assert torch.equal(value, final[name]), name

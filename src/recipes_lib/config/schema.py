@@ -195,10 +195,13 @@ class AdapterConfig:
 
 @dataclass
 class PreferenceConfig:
-    """Direct preference optimisation (objective ``dpo``)."""
+    """Preference optimisation on pairs (objective ``dpo``): against a frozen reference
+    (``sigmoid``, DPO; ``ipo``; ``hinge``) or without one (``simpo``, ``orpo``)."""
 
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | simpo | orpo
+    # DPO's inverse temperature; SimPO's reward scale; ORPO's odds-ratio weight (lambda)
     beta: float = 0.1
+    gamma: float = 0.5  # SimPO's target reward margin (unused by the other losses)
     reference_from: str | None = None  # weights of the frozen reference; None: init_from
     precompute_reference: bool = False  # one pass of reference log-probs, then free it
 

@@ -21,6 +21,7 @@ from recipes_lib.launch_check.memory import (
     adapted_linears,
     rows_per_micro_batch,
 )
+from recipes_lib.losses.preference import runs_reference
 from recipes_lib.models import Transformer
 from recipes_lib.parallel.precision import device_type, lightning_precision
 from recipes_lib.train import batch_schedule, tokens_per_step, total_steps
@@ -150,7 +151,8 @@ def step_flops(cfg: RunConfig, world_size: int = 1) -> float:
     with torch.device("meta"):  # shapes only
         model = Transformer(cfg.model)
     per_token = model.flops_per_token(cfg.data.seq_len)
-    if cfg.stage.objective == "dpo" and not cfg.preference.precompute_reference:
+    pref = cfg.preference
+    if runs_reference(cfg.stage.objective, pref.loss, pref.precompute_reference):
         per_token *= 4 / 3
     if cfg.kernels.activation_checkpointing:
         per_token *= CHECKPOINTING_FLOPS

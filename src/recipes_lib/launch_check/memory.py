@@ -47,6 +47,7 @@ from recipes_lib.launch_check.activations import (
     DecoderShape,
     block_bytes_per_token,
 )
+from recipes_lib.losses.preference import runs_reference
 from recipes_lib.parallel.precision import device_type
 from recipes_lib.parallel.strategy import StrategySpec, get_strategy
 
@@ -354,8 +355,10 @@ def _reference_bytes(
     cfg: RunConfig, lora: dict[str, int] | None, weights: ParameterCounts
 ) -> float:
     """A separate frozen DPO reference on the device: none with an adapter over the same
-    base (the policy without its adapters), or once precomputed log-probs freed it."""
-    if cfg.stage.objective != "dpo" or cfg.preference.precompute_reference:
+    base (the policy without its adapters), once precomputed log-probs freed it, or for a
+    loss without a reference (simpo, orpo)."""
+    pref = cfg.preference
+    if not runs_reference(cfg.stage.objective, pref.loss, pref.precompute_reference):
         return 0.0
     settings = cfg.preference
     same_base = settings.reference_from is None or settings.reference_from == cfg.stage.init_from

@@ -8,10 +8,14 @@ from recipes_lib.losses.cross_entropy import (
 )
 from recipes_lib.losses.preference import (
     PREFERENCE_LOSSES,
+    PairLogps,
+    PreferenceLoss,
     dpo_sigmoid_loss,
     hinge_loss,
     ipo_loss,
+    orpo_loss,
     sequence_logprobs,
+    simpo_loss,
     token_logprobs,
 )
 
@@ -19,11 +23,15 @@ __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "IGNORE_INDEX",
     "PREFERENCE_LOSSES",
+    "PairLogps",
+    "PreferenceLoss",
     "causal_lm_loss",
     "chunked_cross_entropy",
     "dpo_sigmoid_loss",
     "hinge_loss",
     "ipo_loss",
+    "orpo_loss",
+    "simpo_loss",
     "sequence_logprobs",
     "token_logprobs",
 ]

@@ -13,6 +13,18 @@ Every loss returns ``(loss, chosen_rewards, rejected_rewards)``: the batch mean 
 per-pair losses and the implicit rewards ``beta * (pc - rc)`` and ``beta * (pr - rr)``
 (detached, one per pair) that the stage logs.
 
+Two losses need no reference model. With ``ac, ar`` the policy's mean log-probability
+per response token (``pc / nc``, ``pr / nr``):
+
+- ``simpo`` (Meng et al. 2024): ``-log sigmoid(beta * (ac - ar) - gamma)``, rewards
+  ``beta * ac`` and ``beta * ar``;
+- ``orpo`` (Hong et al. 2024): the chosen responses' negative log-likelihood per token
+  plus ``beta`` times ``-log sigmoid(log odds(ac) - log odds(ar))``, where ``log odds(a)
+  = a - log(1 - exp(a))``; rewards ``beta * ac`` and ``beta * ar``.
+
+:data:`PREFERENCE_LOSSES` holds each loss as a :class:`PreferenceLoss`, called with the
+pairs' :class:`PairLogps`, which says whether it needs the reference's log-probs.
+
 :func:`sequence_logprobs` turns logits and next-token labels into those sums in fp32
 without holding an fp32 copy of the whole ``(B, T, V)`` logits: the log-normaliser is
 computed a block of rows at a time, and the backward pass rebuilds the softmax block by
@@ -22,6 +34,7 @@ block from the saved (low-precision) logits.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -109,14 +122,115 @@ def hinge_loss(
     return losses.mean(), beta * chosen.detach(), beta * rejected.detach()
 
 
-PREFERENCE_LOSSES: dict[str, Callable[..., LossOutput]] = {
-    "sigmoid": dpo_sigmoid_loss,
-    "ipo": ipo_loss,
-    "hinge": hinge_loss,
+def simpo_loss(chosen_mean: Tensor, rejected_mean: Tensor, beta: float, gamma: float) -> LossOutput:
+    """SimPO: ``mean(-log sigmoid(beta * (ac - ar) - gamma))`` on the policy's mean
+    log-probs per response token (``(P,)`` each); no reference. Returns the mean loss and
+    the rewards ``beta * ac``, ``beta * ar`` (detached)."""
+    _check_beta(beta)
+    chosen, rejected = chosen_mean.float(), rejected_mean.float()
+    losses = -F.logsigmoid(beta * (chosen - rejected) - gamma)  # (P,)
+    return losses.mean(), beta * chosen.detach(), beta * rejected.detach()
+
+
+def _log_odds(mean_logp: Tensor) -> Tensor:
+    """``log(p / (1 - p))`` of ``p = exp(mean_logp)``, stable for ``mean_logp`` near 0."""
+    return mean_logp - torch.log(-torch.expm1(mean_logp.clamp(max=-1e-6)))
+
+
+def orpo_loss(
+    chosen_mean: Tensor, rejected_mean: Tensor, chosen_nll: Tensor, beta: float
+) -> LossOutput:
+    """ORPO: ``chosen_nll + beta * mean(-log sigmoid(log odds(ac) - log odds(ar)))``.
+
+    Args:
+        chosen_mean: ``(P,)`` the policy's mean log-prob per chosen response token.
+        rejected_mean: ``(P,)`` the same for the rejected responses.
+        chosen_nll: the chosen responses' negative log-likelihood per token (0-d): the
+            supervised term ORPO adds.
+        beta: the weight of the odds-ratio term (ORPO's lambda).
+
+    Returns:
+        The loss and the rewards ``beta * ac``, ``beta * ar`` (detached).
+    """
+    _check_beta(beta)
+    chosen, rejected = chosen_mean.float(), rejected_mean.float()
+    ratio = -F.logsigmoid(_log_odds(chosen) - _log_odds(rejected))  # (P,)
+    loss = chosen_nll.float() + beta * ratio.mean()
+    return loss, beta * chosen.detach(), beta * rejected.detach()
+
+
+@dataclass(frozen=True)
+class PairLogps:
+    """What a preference loss reads of a batch of ``P`` pairs (column 0 the chosen
+    response, column 1 the rejected one).
+
+    Attributes:
+        policy: ``(P, 2)`` the policy's summed response log-probs.
+        tokens: ``(P, 2)`` the response tokens counted in each sum.
+        reference: ``(P, 2)`` the reference's summed log-probs, or None.
+    """
+
+    policy: Tensor
+    tokens: Tensor
+    reference: Tensor | None = None
+
+    def mean(self) -> Tensor:
+        """``(P, 2)`` the policy's mean log-prob per response token."""
+        return self.policy / self.tokens.clamp(min=1).to(self.policy.dtype)
+
+    def chosen_nll(self) -> Tensor:
+        """The chosen responses' negative log-likelihood per token, over the batch."""
+        return -self.policy[:, 0].sum() / self.tokens[:, 0].sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """A ``preference.loss``: its function of the pairs and whether it needs a reference."""
+
+    compute: Callable[[PairLogps, float, float], LossOutput]  # (pairs, beta, gamma)
+    needs_reference: bool = True
+
+    def __call__(self, pairs: PairLogps, beta: float, gamma: float = 0.0) -> LossOutput:
+        if self.needs_reference and pairs.reference is None:
+            raise ValueError("this preference loss compares with a reference: none given")
+        return self.compute(pairs, beta, gamma)
+
+
+def _against_reference(loss: Callable[..., LossOutput]) -> PreferenceLoss:
+    def compute(pairs: PairLogps, beta: float, gamma: float) -> LossOutput:
+        ref = pairs.reference.to(pairs.policy.dtype)  # type: ignore[union-attr]
+        return loss(pairs.policy[:, 0], pairs.policy[:, 1], ref[:, 0], ref[:, 1], beta)
+
+    return PreferenceLoss(compute)
+
+
+def _simpo(pairs: PairLogps, beta: float, gamma: float) -> LossOutput:
+    mean = pairs.mean()
+    return simpo_loss(mean[:, 0], mean[:, 1], beta, gamma)
+
+
+def _orpo(pairs: PairLogps, beta: float, gamma: float) -> LossOutput:
+    mean = pairs.mean()
+    return orpo_loss(mean[:, 0], mean[:, 1], pairs.chosen_nll(), beta)
+
+
+PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
+    "sigmoid": _against_reference(dpo_sigmoid_loss),
+    "ipo": _against_reference(ipo_loss),
+    "hinge": _against_reference(hinge_loss),
+    "simpo": PreferenceLoss(_simpo, needs_reference=False),
+    "orpo": PreferenceLoss(_orpo, needs_reference=False),
 }
 
 
-def get_preference_loss(name: str) -> Callable[..., LossOutput]:
+def runs_reference(objective: str, loss: str, precomputed: bool) -> bool:
+    """Whether a run computes a reference model's forward during training: a ``dpo``
+    objective whose ``preference.loss`` compares with one, not precomputed."""
+    entry = PREFERENCE_LOSSES.get(loss)
+    return objective == "dpo" and entry is not None and entry.needs_reference and not precomputed
+
+
+def get_preference_loss(name: str) -> PreferenceLoss:
     """The loss called ``name`` (``preference.loss``).
 
     Raises:

@@ -202,7 +202,7 @@ class Transformer(nn.Module):
             self._check_cached(B, T, start, cache)
         end = start + T
         # one mask per batch and window, shared by the layers with that window
-        masks = {w: self._mask(doc_ids, T, start, cache, w) for w in self._windows}
+        masks = {w: self._mask(input_ids, doc_ids, start, cache, w) for w in self._windows}
         tables = {local: rope_window(self, start, end, local) for local in self._ropes}
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         if self.config.scale_embeddings:  # by sqrt(C) rounded to their dtype, as Gemma's
@@ -216,10 +216,15 @@ class Transformer(nn.Module):
         return self.norm(h)  # (B, T, C)
 
     def _mask(
-        self, doc_ids: Tensor | None, T: int, start: int, cache: KVCache | None, window: int | None
+        self,
+        input_ids: Tensor,
+        doc_ids: Tensor | None,
+        start: int,
+        cache: KVCache | None,
+        window: int | None,
     ) -> object | None:
         """The attention mask of layers attending to ``window`` keys (None: all before)."""
-        device = self.tok_embeddings.weight.device
+        T, device = input_ids.shape[1], input_ids.device
         if cache is None:
             return self.attention_backend.build_mask(doc_ids, T, device=device, window=window)
         if T == 1 and (window is None or start < window):

@@ -44,7 +44,8 @@ from recipes_lib.checkpoint.source import load_model_weights
 from recipes_lib.config.schema import PreferenceConfig, RunConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
-from recipes_lib.losses.preference import PREFERENCE_LOSSES, token_logprobs
+from recipes_lib.losses.cross_entropy import IGNORE_INDEX
+from recipes_lib.losses.preference import PREFERENCE_LOSSES, PairLogps, token_logprobs
 from recipes_lib.stages.build import build_model
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
 from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
@@ -71,6 +72,14 @@ def pair_logprobs(logits: Tensor, labels: Tensor, sequence_ids: Tensor, n_pairs:
     sums = torch.zeros(2 * n_pairs, dtype=per_token.dtype, device=per_token.device)
     sums = sums.index_add(0, sequence_ids.clamp(min=0).flatten(), (per_token * real).flatten())
     return sums.view(2, n_pairs).t()  # (P, 2)
+
+
+def pair_token_counts(labels: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
+    """The response tokens counted in each of :func:`pair_logprobs`' sums, ``(P, 2)``."""
+    counted = ((labels != IGNORE_INDEX) & (sequence_ids >= 0)).flatten().long()
+    counts = torch.zeros(2 * n_pairs, dtype=torch.long, device=labels.device)
+    counts = counts.index_add(0, sequence_ids.clamp(min=0).flatten(), counted)
+    return counts.view(2, n_pairs).t()  # (P, 2)
 
 
 def _load_reference(reference: nn.Module, source: str, label: str) -> None:
@@ -139,17 +148,29 @@ class DPOModule(CausalLMModule):
                 "cross-entropy; objective dpo needs per-sequence log-probs: set it to null"
             )
         self._preference_loss = PREFERENCE_LOSSES[self.preference_config.loss]
+        if self.preference_config.precompute_reference and not self.uses_reference:
+            raise ConfigError(
+                f"preference.precompute_reference=true with preference.loss="
+                f"{self.preference_config.loss}, which compares with no reference: set it false"
+            )
         self.hparams["preference"] = asdict(self.preference_config)
         self.reference: FrozenReference | None = None
         self.reference_source: str | None = None  # the file a separate reference came from
 
     # ------------------------------------------------------------- reference
+    @property
+    def uses_reference(self) -> bool:
+        """Whether ``preference.loss`` compares with a reference (``simpo`` and ``orpo``
+        do not: no reference model is built)."""
+        return self._preference_loss.needs_reference
+
     def configure_model(self) -> None:
         """Build the policy (see :class:`CausalLMModule`), then its frozen reference."""
         if self.model is not None:
             return
         super().configure_model()
-        self.reference = self._build_reference()
+        if self.uses_reference:
+            self.reference = self._build_reference()
 
     def _build_reference(self) -> FrozenReference:
         """The frozen reference: the adapted policy with its adapters bypassed, or a
@@ -247,6 +268,8 @@ class DPOModule(CausalLMModule):
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
+        if not self.uses_reference:
+            return
         self._reference().match_dtype(next(self._built_model().parameters()).dtype)
         if not self.preference_config.precompute_reference:
             return
@@ -275,20 +298,21 @@ class DPOModule(CausalLMModule):
         n_pairs = batch["pair_index"].numel()
         logits = self._built_model()(input_ids, doc_ids)  # (R, T, V): chosen and rejected
         policy = pair_logprobs(logits, batch["labels"], batch["sequence_ids"], n_pairs)
-        reference = batch.get("reference_logps")
-        if reference is None:
-            if self.preference_config.precompute_reference and self.reference is None:
-                raise RuntimeError(
-                    "preference.precompute_reference=true but the batch carries no "
-                    "reference_logps and the reference model was freed"
-                )
-            reference = self.reference_logprobs(batch)
+        reference = None
+        if self.uses_reference:
+            reference = batch.get("reference_logps")
+            if reference is None:
+                if self.preference_config.precompute_reference and self.reference is None:
+                    raise RuntimeError(
+                        "preference.precompute_reference=true but the batch carries no "
+                        "reference_logps and the reference model was freed"
+                    )
+                reference = self.reference_logprobs(batch)
+        tokens = pair_token_counts(batch["labels"], batch["sequence_ids"], n_pairs)
         loss, chosen_rewards, rejected_rewards = self._preference_loss(
-            policy[:, 0],
-            policy[:, 1],
-            reference[:, 0].to(policy.dtype),
-            reference[:, 1].to(policy.dtype),
+            PairLogps(policy, tokens, reference),
             self.preference_config.beta,
+            self.preference_config.gamma,
         )
         metrics = {
             "rewards/chosen": chosen_rewards.mean(),

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from recipes_lib.losses.preference import (
+    PairLogps,
     dpo_sigmoid_loss,
     get_preference_loss,
     hinge_loss,
@@ -76,7 +77,14 @@ def test_hinge_ignores_pairs_past_the_margin():
 def test_unknown_loss_and_bad_beta_are_refused():
     with pytest.raises(ValueError, match="'kto'.*hinge"):
         get_preference_loss("kto")
-    assert get_preference_loss("ipo") is ipo_loss
+    pc, pr, rc, rr = fixed_batch()
+    pairs = PairLogps(torch.stack([pc, pr], 1), torch.ones(len(pc), 2), torch.stack([rc, rr], 1))
+    for got, want in zip(
+        get_preference_loss("ipo")(pairs, BETA), ipo_loss(pc, pr, rc, rr, BETA), strict=True
+    ):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="compares with a reference"):
+        get_preference_loss("sigmoid")(PairLogps(pairs.policy, pairs.tokens), BETA)
     with pytest.raises(ValueError, match="beta"):
         dpo_sigmoid_loss(*fixed_batch(), beta=0.0)
 
@@ -130,3 +138,44 @@ def test_token_logprobs_are_zero_where_ignored_and_checks_shapes():
     assert out[0, 0] == pytest.approx(torch.log_softmax(logits[0, 0], -1)[1].item(), abs=1e-6)
     with pytest.raises(ValueError, match="do not match"):
         token_logprobs(logits, labels[:, :2])
+
+
+def test_simpo_is_a_length_normalised_margin_against_gamma():
+    # (P, 2) summed log-probs over (P, 2) response tokens: means -1/-2 and -0.5/-0.25
+    policy = torch.tensor([[-4.0, -10.0], [-1.0, -1.0]], requires_grad=True)
+    tokens = torch.tensor([[4, 5], [2, 4]])
+    beta, gamma = 2.0, 0.5
+    loss, chosen, rejected = get_preference_loss("simpo")(PairLogps(policy, tokens), beta, gamma)
+    margins = torch.tensor([-1.0 - -2.0, -0.5 - -0.25])
+    expected = -torch.nn.functional.logsigmoid(beta * margins - gamma).mean()
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(chosen, beta * torch.tensor([-1.0, -0.5]))
+    torch.testing.assert_close(rejected, beta * torch.tensor([-2.0, -0.25]))
+    loss.backward()  # raising the chosen response's log-prob lowers the loss
+    assert (policy.grad[:, 0] < 0).all() and (policy.grad[:, 1] > 0).all()
+
+
+def test_orpo_adds_the_chosen_nll_to_the_odds_ratio_term():
+    policy = torch.tensor([[-2.0, -6.0], [-3.0, -1.0]], requires_grad=True)
+    tokens = torch.tensor([[2, 3], [3, 2]])
+    beta = 0.1
+    loss, chosen, _ = get_preference_loss("orpo")(PairLogps(policy, tokens), beta)
+    mean_c, mean_r = torch.tensor([-1.0, -1.0]), torch.tensor([-2.0, -0.5])
+
+    def log_odds(a):
+        p = torch.exp(a)
+        return torch.log(p / (1 - p))
+
+    ratio = -torch.nn.functional.logsigmoid(log_odds(mean_c) - log_odds(mean_r)).mean()
+    nll = (2.0 + 3.0) / (2 + 3)  # the chosen tokens' mean negative log-likelihood
+    torch.testing.assert_close(loss, torch.tensor(nll) + beta * ratio)
+    torch.testing.assert_close(chosen, beta * mean_c)
+    loss.backward()
+    assert torch.isfinite(policy.grad).all()
+
+
+def test_orpo_log_odds_stay_finite_near_certainty():
+    policy = torch.tensor([[-1e-9, -5.0]], requires_grad=True)  # chosen p -> 1
+    loss, _, _ = get_preference_loss("orpo")(PairLogps(policy, torch.tensor([[3, 3]])), 0.1)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(policy.grad).all()

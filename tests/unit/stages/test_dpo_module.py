@@ -34,6 +34,14 @@ VOCAB = 320
 MODEL = tiny_model_config(vocab_size=VOCAB, n_kv_heads=None, max_seq_len=64)
 
 
+@pytest.fixture(autouse=True)
+def run_seed(monkeypatch):
+    """The run's seed, as ``lightning.seed_everything`` sets it: the policy and a separate
+    reference are both built under it (without it each draws on from the global RNG,
+    and the two differ unless an earlier test in the process happened to set it)."""
+    monkeypatch.setenv("PL_GLOBAL_SEED", "0")
+
+
 def make_module(**kwargs) -> DPOModule:
     preference = PreferenceConfig(**kwargs.pop("preference", {}))
     return DPOModule(
@@ -187,6 +195,8 @@ def test_bad_preference_settings_fail_at_construction():
         make_module(preference={"loss": "kto"})
     with pytest.raises(ConfigError, match="preference.beta=0"):
         make_module(preference={"beta": 0.0})
+    with pytest.raises(ConfigError, match="precompute_reference=true with preference.loss=simpo"):
+        make_module(preference={"loss": "simpo", "precompute_reference": True})
     with pytest.raises(ConfigError, match="kernels.loss_chunk_size"):
         DPOModule(
             MODEL,
@@ -294,3 +304,15 @@ def test_precomputed_training_frees_the_reference_and_checkpoints_only_the_polic
     x = torch.randint(0, VOCAB, (2, 10))
     torch.testing.assert_close(resumed.reference.logits(x, None), start(x), atol=0, rtol=0)
     assert not torch.allclose(resumed.model(x), start(x))
+
+
+@pytest.mark.parametrize("loss", ["simpo", "orpo"])
+def test_reference_free_losses_build_no_reference_and_train_the_policy(loss):
+    module = make_module(preference={"loss": loss, "beta": 1.0})
+    module.configure_model()
+    assert module.reference is None and not module.uses_reference
+    value, metrics = module.compute_loss(random_batch())
+    value.backward()
+    assert torch.isfinite(value)
+    assert all(p.grad is not None for p in module.model.parameters() if p.requires_grad)
+    assert metrics["rewards/chosen"].shape == ()

@@ -27,6 +27,11 @@ Tensor names (besides Llama's projections and embeddings):
 
 Logit soft-capping (Gemma 2's), bidirectional attention and attention biases are
 refused: Gemma 3's published models have none of them.
+
+Precision: a gain held as ``1 + w`` in bfloat16 is rounded to steps of 2**-7 near one,
+where transformers adds ``1 + w`` in float32 at every forward; training keeps fp32
+master weights (exact), but a model loaded in bfloat16 for inference computes its norms
+with gains off by up to 0.4%.
 """
 
 from __future__ import annotations
