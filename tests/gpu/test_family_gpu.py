@@ -30,6 +30,7 @@ FAMILIES = {
         "model.norm_placement=both",
         "model.activation=gelu_tanh",
         "model.scale_embeddings=true",
+        "model.norm_gain_offset=1.0",
         "model.query_pre_attn_scalar=48",
         "model.sliding_window=64",
         "model.window_layers=[0,1,2,3,4]",

@@ -177,6 +177,7 @@ GEMMA3 = (
     "model.norm_placement=both",
     "model.activation=gelu_tanh",
     "model.scale_embeddings=true",
+    "model.norm_gain_offset=1.0",
     "model.query_pre_attn_scalar=12",
     "model.sliding_window=8",
     "model.window_layers=[0]",

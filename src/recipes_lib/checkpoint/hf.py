@@ -217,7 +217,7 @@ def load_hf_weights_into(model: Transformer, path: str | os.PathLike, label: str
         )
     except CheckpointError as err:
         raise CheckpointError(f"{label}: {err}") from err
-    copy_tensors(model.state_dict(), located, names)
+    copy_tensors(model.state_dict(), located)
 
 
 def empty_model(
@@ -276,7 +276,7 @@ def load_hf_checkpoint(
     if dtype is None:
         dtype = DTYPES.get(located["tok_embeddings.weight"][3], torch.float32)
     model = empty_model(config, attention, dtype=dtype, device=device)
-    copy_tensors(model.state_dict(), located, names)
+    copy_tensors(model.state_dict(), located)
     return model.eval(), config
 
 
@@ -296,8 +296,7 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
         elif hf_name is None:
             unknown.append(name)
         else:
-            offset = names.stored_offset(name)  # a gain stored as gain - offset
-            out[hf_name] = (tensor.float() - offset).to(tensor.dtype) if offset else tensor
+            out[hf_name] = tensor
     for hf_name, parts in fused.items():
         if any(part is None for part in parts):
             raise CheckpointError(f"cannot export {hf_name}: the model lacks some of its parts")

@@ -170,9 +170,8 @@ def checked_tensors(
     return located
 
 
-def copy_tensors(params: Mapping[str, Tensor], located: Located, names: TensorNames) -> None:
-    """Copy each located tensor into ``params[name]`` (in place, cast to its dtype, with
-    what the checkpoint leaves out of a norm's gain added: ``names.gain_offset``),
+def copy_tensors(params: Mapping[str, Tensor], located: Located) -> None:
+    """Copy each located tensor into ``params[name]`` (in place, cast to its dtype),
     opening every file once."""
     by_file: dict[Path, list[str]] = {}
     for name, (file, *_) in located.items():
@@ -186,8 +185,7 @@ def copy_tensors(params: Mapping[str, Tensor], located: Located, names: TensorNa
                         tensor = f.get_tensor(hf_name)
                     else:  # its rows of a fused tensor
                         tensor = f.get_slice(hf_name)[rows[0] : rows[1]]
-                    offset = names.stored_offset(name)
-                    params[name].copy_(tensor.float() + offset if offset else tensor)
+                    params[name].copy_(tensor)
 
 
 def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_bytes: int) -> None:

@@ -78,6 +78,9 @@ class ModelConfig:
     # each block's norms: pre (on the sublayer's input) | post (on its output, before
     # the residual add: OLMo 2) | both (on its input and on its output: Gemma 3)
     norm_placement: str = field(default="pre", metadata=SHAPE)
+    # every RMSNorm computes x * (offset + w) in float32 from its stored gain w (Gemma's
+    # (1 + w): 1; its gains start at zero); 0: x * w in the input's dtype
+    norm_gain_offset: float = field(default=0.0, metadata=COMPUTE)
     # the MLP's gate: silu (SwiGLU) | gelu_tanh (GeGLU with the tanh-approximated GELU)
     activation: str = field(default="silu", metadata=COMPUTE)
     # multiply the token embeddings by sqrt(dim) on the way in (Gemma), not the head's input
@@ -107,6 +110,7 @@ BLOCK_OPTIONS = (
     "qkv_bias",
     "qk_norm",
     "norm_placement",
+    "norm_gain_offset",
     "nope_layers",
     "partial_rotary_factor",
     "activation",

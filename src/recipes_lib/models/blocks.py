@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from recipes_lib.kernels import AttentionBackend
 from recipes_lib.models.kv_cache import LayerCache
-from recipes_lib.models.norms import RMSNorm, qk_norm_sizes
+from recipes_lib.models.norms import make_norm, qk_norm_sizes
 from recipes_lib.models.rope import apply_rope
 from recipes_lib.models.windows import layer_window
 
@@ -55,8 +55,8 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         if self.qk_norm != "none":
             sizes = qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, head_dim)
-            self.q_norm = RMSNorm(sizes[0], eps=config.norm_eps)
-            self.k_norm = RMSNorm(sizes[1], eps=config.norm_eps)
+            self.q_norm = make_norm(config, sizes[0], follows_input=True)
+            self.k_norm = make_norm(config, sizes[1], follows_input=True)
         self.use_rope = layer not in config.nope_layers
         # the keys a query sees: its own and window - 1 before it; None: every earlier one
         self.window = layer_window(config, layer)
@@ -124,19 +124,19 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.placement = config.norm_placement
         # a sublayer's output is bfloat16 under autocast: a norm there follows its dtype
-        norm = RMSNorm if self.placement == "post" else nn.RMSNorm
-        self.attention_norm = norm(config.dim, eps=config.norm_eps)
+        post = self.placement == "post"
+        self.attention_norm = make_norm(config, config.dim, follows_input=post)
         self.attention = Attention(config, head_dim, backend, layer)
-        self.ffn_norm = norm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = make_norm(config, config.dim, follows_input=post)
         self.feed_forward = FeedForward(config.dim, config.ffn_dim, config.activation)
         if self.placement == "both":  # the output norms, beside the input ones
-            self.post_attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
-            self.post_ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
+            self.post_attention_norm = make_norm(config, config.dim, follows_input=True)
+            self.post_ffn_norm = make_norm(config, config.dim, follows_input=True)
         # recompute this block's activations in the backward pass instead of keeping them
         self.checkpoint_activations = False
 
     def norms(self) -> list[nn.Module]:
-        """Every RMSNorm of the block (their gains start at one)."""
+        """Every RMSNorm of the block."""
         found = [self.attention_norm, self.ffn_norm]
         if self.placement == "both":
             found += [self.post_attention_norm, self.post_ffn_norm]

@@ -57,6 +57,32 @@ class RMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
+class OffsetRMSNorm(nn.RMSNorm):
+    """RMSNorm computing ``x * (offset + w)`` in float32 from a stored gain ``w``, cast
+    back to the input's dtype (Gemma's ``(1 + w)`` norms, ``model.norm_gain_offset``).
+
+    The gain is the checkpoint's own tensor: ``1 + w`` held in bfloat16 would be
+    rounded to steps of 2**-7, where the sum in float32 is not.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float):
+        super().__init__(dim, eps=eps)
+        self.offset = offset
+
+    def forward(self, x: Tensor) -> Tensor:
+        gain = self.weight.float() + self.offset
+        return F.rms_norm(x.float(), self.normalized_shape, gain, self.eps).to(x.dtype)
+
+
+def make_norm(config: ModelConfig, dim: int, *, follows_input: bool = False) -> nn.RMSNorm:
+    """A norm of ``dim`` for ``config``: :class:`OffsetRMSNorm` with a gain offset, else
+    :class:`RMSNorm` where it reads a sublayer's (bfloat16) output (``follows_input``),
+    else ``nn.RMSNorm``."""
+    if config.norm_gain_offset:
+        return OffsetRMSNorm(dim, config.norm_eps, config.norm_gain_offset)
+    return (RMSNorm if follows_input else nn.RMSNorm)(dim, eps=config.norm_eps)
+
+
 def qk_norm_sizes(mode: str, n_heads: int, n_kv_heads: int, head_dim: int) -> tuple[int, int]:
     """The gains' sizes of the query and key norms of ``model.qk_norm`` ``mode`` (not none)."""
     if mode == "full":

@@ -34,7 +34,7 @@ from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.models.blocks import TransformerBlock
 from recipes_lib.models.families import check_family
 from recipes_lib.models.kv_cache import KVCache, causal_offset_mask
-from recipes_lib.models.norms import check_norm_options
+from recipes_lib.models.norms import check_norm_options, make_norm
 from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
 from recipes_lib.models.windows import check_windows, layer_window
 
@@ -98,7 +98,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(config, self.head_dim, backend, i) for i in range(config.n_layers)
         )
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = make_norm(config, config.dim)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
@@ -150,9 +150,9 @@ class Transformer(nn.Module):
                     nn.init.zeros_(linear.bias)
             nn.init.normal_(layer.attention.wo.weight, mean=0.0, std=residual_std)
             nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
-            for norm in layer.norms():
-                nn.init.ones_(norm.weight)
-        nn.init.ones_(self.norm.weight)
+            for norm in layer.norms():  # a gain of one: 1 - offset stored
+                nn.init.constant_(norm.weight, 1.0 - self.config.norm_gain_offset)
+        nn.init.constant_(self.norm.weight, 1.0 - self.config.norm_gain_offset)
         if not self.config.tie_embeddings:
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
 

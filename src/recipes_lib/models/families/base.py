@@ -35,17 +35,12 @@ class TensorNames:
             stacked along dim 0, in order (Phi-3's ``self_attn.qkv_proj`` is ``wq``,
             ``wk``, ``wv``); it is split by the native tensors' shapes on import and
             concatenated on export.
-        gain_offset: what the Hugging Face checkpoints leave out of every RMSNorm gain:
-            they store ``gain - gain_offset`` and compute with ``x * (gain_offset + w)``
-            (Gemma's ``(1 + w)`` norms: 1). It is added on import and taken off on export,
-            so the native norms are plain ``x * gain``.
     """
 
     layer: Mapping[str, str]
     top: Mapping[str, str]
     ignored: re.Pattern = re.compile(r".*rotary_emb\.inv_freq")
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-    gain_offset: float = 0.0
     _native_layer: dict[str, str] = field(init=False, repr=False)
     _native_top: dict[str, str] = field(init=False, repr=False)
     _native_fused: dict[str, tuple[str, int, int]] = field(init=False, repr=False)
@@ -75,10 +70,6 @@ class TensorNames:
             return None
         hf, index, count = self._native_fused[match[2]]
         return f"model.layers.{match[1]}.{hf}.{match[3]}", index, count
-
-    def stored_offset(self, native: str) -> float:
-        """What a native tensor's Hugging Face copy leaves out (see ``gain_offset``)."""
-        return self.gain_offset if native.endswith("norm.weight") else 0.0
 
     def to_native(self, name: str) -> str | None:
         """The native name of a Hugging Face tensor name, or None if it has none."""

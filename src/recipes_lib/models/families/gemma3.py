@@ -11,8 +11,8 @@ What sets it apart from the Llama layout, each a model option it fixes or reads:
 - the softmax scale ``query_pre_attn_scalar ** -0.5`` (``model.query_pre_attn_scalar``);
 - four norms per block, on both sides of attention and the MLP
   (``model.norm_placement=both``), and an RMSNorm on each head's queries and keys
-  (``qk_norm=head``), all computing ``x * (1 + w)``: the checkpoints store ``w``, the
-  native gains are ``1 + w`` (``TensorNames.gain_offset``);
+  (``qk_norm=head``), all computing ``x * (1 + w)`` in float32 from a stored ``w``
+  (``model.norm_gain_offset=1``: the gains are the checkpoint's own tensors);
 - embeddings multiplied by ``sqrt(hidden_size)`` (``model.scale_embeddings``), GeGLU
   with the tanh GELU (``hidden_activation=gelu_pytorch_tanh``: ``model.activation``),
   tied embeddings by default.
@@ -28,10 +28,8 @@ Tensor names (besides Llama's projections and embeddings):
 Logit soft-capping (Gemma 2's), bidirectional attention and attention biases are
 refused: Gemma 3's published models have none of them.
 
-Precision: a gain held as ``1 + w`` in bfloat16 is rounded to steps of 2**-7 near one,
-where transformers adds ``1 + w`` in float32 at every forward; training keeps fp32
-master weights (exact), but a model loaded in bfloat16 for inference computes its norms
-with gains off by up to 0.4%.
+The gains stay ``w`` (not ``1 + w``, which bfloat16 would round to steps of 2**-7), so
+a model loaded in bfloat16 computes its norms as transformers does.
 """
 
 from __future__ import annotations
@@ -64,7 +62,6 @@ GEMMA3_NAMES = TensorNames(
         "post_feedforward_layernorm": "post_ffn_norm",
     },
     top=LLAMA_NAMES.top,
-    gain_offset=1.0,
 )
 PATTERN = 6  # transformers' default sliding_window_pattern: every sixth layer is global
 LOCAL_THETA, GLOBAL_THETA = 10_000.0, 1_000_000.0  # Gemma3TextConfig's default bases
@@ -192,6 +189,7 @@ GEMMA3 = Family(
         "norm_placement": "both",
         "activation": "gelu_tanh",
         "scale_embeddings": True,
+        "norm_gain_offset": 1.0,
     },
     reads=("query_pre_attn_scalar", "sliding_window", "window_layers", "local_rope_theta"),
     check=_check,
