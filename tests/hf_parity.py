@@ -11,6 +11,21 @@ import torch
 from recipes_lib.models import Transformer
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
+VOCAB = 300
+# the transformers config fields a family's tiny parity model starts from: width 64, 4
+# query and 2 KV heads, 128 positions, no special tokens; each test sets the rest
+TINY_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    pad_token_id=None,
+    bos_token_id=None,
+    eos_token_id=None,
+)
 
 
 def nudged_hf_model(config_cls: Any, model_cls: Any, scale: float = 0.05, **settings: Any):

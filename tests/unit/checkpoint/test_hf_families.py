@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_parity import PROMPT, hf_greedy, logits_of, nudged_hf_model, tokens
+from hf_parity import PROMPT, TINY_SHAPE, VOCAB, hf_greedy, logits_of, nudged_hf_model, tokens
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import (
@@ -22,7 +22,6 @@ from recipes_lib.models.families import FAMILIES, family_of_hf
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 300
 # model_type -> transformers' config and model classes
 CLASSES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
@@ -36,19 +35,7 @@ OPTIONS = {
 
 
 # a tiny transformers config: 2 layers, width 64, 4 query and 2 KV heads
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    rms_norm_eps=1e-6,
-    pad_token_id=None,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+SHAPE = dict(TINY_SHAPE, rms_norm_eps=1e-6)
 
 
 def hf_config(model_type: str, **overrides):

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_parity import PROMPT, hf_greedy, logits_of, nudged_hf_model, tokens
+from hf_parity import PROMPT, TINY_SHAPE, VOCAB, hf_greedy, logits_of, nudged_hf_model, tokens
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import (
@@ -23,20 +23,8 @@ from recipes_lib.models.families import FAMILIES
 
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 300
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,  # 4 x 32 != 64: its own setting, as in every published size
-    max_position_embeddings=128,
-    pad_token_id=None,
-    bos_token_id=None,
-    eos_token_id=None,
-)
+# head_dim 4 x 32 != width 64: its own setting, as in every published size
+SHAPE = dict(TINY_SHAPE, num_hidden_layers=4, head_dim=32)
 # what model.family=gemma3 fixes
 GEMMA_OPTIONS = dict(
     qk_norm="head",

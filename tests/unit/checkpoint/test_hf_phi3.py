@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from hf_parity import PROMPT, hf_greedy, logits_of, nudged_hf_model, tokens
+from hf_parity import PROMPT, VOCAB, hf_greedy, logits_of, nudged_hf_model, tokens
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import (
@@ -28,8 +28,6 @@ from recipes_lib.models.families import FAMILIES, family_of_hf
 from recipes_lib.models.rope import apply_rope
 
 transformers = pytest.importorskip("transformers")
-
-VOCAB = 300
 
 
 def factors(n, seed):
