@@ -149,6 +149,9 @@ class SDPAAttention(AttentionBackend):
         document_mask=False, gqa=True, dtypes=_ALL_FLOAT_DTYPES, devices=("cpu", "cuda")
     )
 
+    def __init__(self) -> None:
+        self._window_masks: dict[tuple[int, int, str], Tensor] = {}
+
     def build_mask(
         self,
         doc_ids: Tensor | None,
@@ -164,9 +167,12 @@ class SDPAAttention(AttentionBackend):
             )
         if window is None or window >= seq_len:
             return None  # causal
-        positions = torch.arange(seq_len, device=device)
-        offset = positions[:, None] - positions[None, :]  # (T, T): query - key
-        return (offset >= 0) & (offset < window)
+        key = (seq_len, window, str(torch.device(device or "cpu")))
+        if key not in self._window_masks:  # it depends only on these: build it once
+            positions = torch.arange(seq_len, device=device)
+            offset = positions[:, None] - positions[None, :]  # (T, T): query - key
+            self._window_masks[key] = (offset >= 0) & (offset < window)
+        return self._window_masks[key]
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
