@@ -43,18 +43,15 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
 from _common import command_line, device_name, emit, package_versions, step_time_stats
+from _jobs import launch_torchrun, worker_main
 
 HERE = Path(__file__).resolve()
 GPU_RECIPE = "pretrain/llama_1b"
@@ -199,87 +196,32 @@ def run_worker(args) -> dict:
     return report
 
 
-def worker_main(args) -> int:
-    rank = int(os.environ.get("RANK", 0))
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            report = run_worker(args)
-    except Exception as err:
-        traceback.print_exc(file=sys.stderr)
-        report = {"error": f"rank {rank}: {type(err).__name__}: {err}"[:2000]}
-    if rank == 0:
-        Path(args.fragment).write_text(json.dumps(report))
-    return 1 if "error" in report else 0
-
-
 # ---------------------------------------------------------------------------- driver
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the torchrun job this driver started (its own session), workers included."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=15)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def launch(args, mode: str, timeout_s: float) -> dict:
     """One ``torchrun`` job; its rank-0 fragment, or an error with the log's tail."""
-    with tempfile.TemporaryDirectory(prefix="recipes-ckpt-stall-") as tmp:
-        run_dir = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=args.checkpoint_dir))
-        fragment, log_path = Path(tmp) / "fragment.json", Path(tmp) / "log.txt"
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={args.gpus}",
-            str(HERE),
-            "--worker",
-            f"--fragment={fragment}",
-            f"--mode={mode}",
-            f"--run-dir={run_dir}",
-            f"--every={args.every}",
-            f"--micro-batch={args.micro_batch}",
-            f"--seq-len={args.seq_len}",
-            f"--warmup-steps={args.warmup_steps}",
-            f"--steps={args.steps}",
-            f"--seed={args.seed}",
-            *(["--no-compile"] if not args.compile else []),
-            *(["--smoke"] if args.smoke else []),
-        ]
-        env = dict(os.environ)
-        if args.smoke:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        env.setdefault("OMP_NUM_THREADS", "1" if args.smoke else "4")
-        started = time.perf_counter()
-        try:
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(
-                    command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
-                try:
-                    proc.wait(timeout=max(1.0, timeout_s))
-                    timed_out = False
-                except subprocess.TimeoutExpired:
-                    _kill_group(proc)
-                    timed_out = True
-        finally:
-            shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints of tens of GB
-        tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        if fragment.is_file() and not timed_out:
-            report = json.loads(fragment.read_text())
-        elif timed_out:
-            report = {"error": f"timed out after {timeout_s:.0f} s"}
-        else:
-            report = {"error": f"torchrun exited with status {proc.returncode}"}
-        if "error" in report:
-            report["log_tail"] = tail
-        report["wall_s"] = round(time.perf_counter() - started, 1)
-        return report
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=args.checkpoint_dir))
+    arguments = [
+        f"--mode={mode}",
+        f"--run-dir={run_dir}",
+        f"--every={args.every}",
+        f"--micro-batch={args.micro_batch}",
+        f"--seq-len={args.seq_len}",
+        f"--warmup-steps={args.warmup_steps}",
+        f"--steps={args.steps}",
+        f"--seed={args.seed}",
+        *(["--no-compile"] if not args.compile else []),
+        *(["--smoke"] if args.smoke else []),
+    ]
+    return launch_torchrun(
+        HERE,
+        args.gpus,
+        arguments,
+        smoke=args.smoke,
+        timeout_s=timeout_s,
+        tail_chars=LOG_TAIL_CHARS,
+        prefix="recipes-ckpt-stall-",
+        after=lambda: shutil.rmtree(run_dir, ignore_errors=True),  # tens of GB of checkpoints
+    )
 
 
 def filesystem(path: str) -> dict:
@@ -448,6 +390,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse_args()
     if arguments.worker:
-        sys.exit(worker_main(arguments))
+        sys.exit(worker_main(lambda: run_worker(arguments), arguments.fragment))
     figures = driver_main(arguments)
     sys.exit(1 if any("error" in r for r in figures["runs"].values()) else 0)

@@ -36,19 +36,17 @@ import argparse
 import contextlib
 import importlib.util
 import json
-import os
 import resource
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
 from _common import command_line, emit, package_versions
+from _jobs import attempt_main
+from _jobs import launch_attempt as launch_attempt_job
 
 HERE = Path(__file__).resolve()
 CHOICES: dict[str, list[str]] = {
@@ -135,20 +133,6 @@ def run_attempt(args) -> dict:
     return report
 
 
-def attempt_main(args) -> int:
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            report = run_attempt(args)
-    except Exception as err:
-        traceback.print_exc(file=sys.stderr)
-        report = {"error": f"{type(err).__name__}: {err}"[:1500]}
-        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
-            report["out_of_memory"] = True
-    Path(args.fragment).write_text(json.dumps(report))
-    return 1 if "error" in report else 0
-
-
 # ---------------------------------------------------------------------------- driver
 def available_host_bytes() -> int | None:
     """``MemAvailable`` of /proc/meminfo (Linux), None where it cannot be read."""
@@ -175,50 +159,25 @@ def num_params(model: str) -> int:
 
 
 def launch_attempt(args, model: str, choice: str, timeout_s: float, gpu: str | None = None) -> dict:
-    with tempfile.TemporaryDirectory(prefix="recipes-memory-") as tmp:
-        fragment = Path(tmp) / "fragment.json"
-        command = [
-            sys.executable,
-            str(HERE),
-            "--attempt",
-            f"--fragment={fragment}",
-            f"--model={model}",
-            f"--choice={choice}",
-            f"--steps={args.steps}",
-            f"--seq-len={args.seq_len}",
-            f"--micro-batch={args.micro_batch}",
-            f"--seed={args.seed}",
-            f"--device-memory-gib={args.device_memory_gib}",
-            *(["--smoke"] if args.smoke else []),
-        ]
-        env = dict(os.environ)
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        if args.smoke:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        started = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                command, capture_output=True, text=True, timeout=max(1.0, timeout_s), env=env
-            )
-        except subprocess.TimeoutExpired as err:
-            tail = (err.stderr or b"")[-LOG_TAIL_CHARS:]
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            return {
-                "error": f"timed out after {timeout_s:.0f} s",
-                "log_tail": tail,
-                "wall_s": round(time.perf_counter() - started, 1),
-            }
-        if fragment.is_file():
-            report = json.loads(fragment.read_text())
-        elif proc.returncode < 0:
-            report = {"error": f"killed by signal {-proc.returncode} (host out of memory?)"}
-        else:
-            report = {"error": f"exited with status {proc.returncode} and no report"}
-        if "error" in report:
-            report["log_tail"] = proc.stderr[-LOG_TAIL_CHARS:]
-        report["wall_s"] = round(time.perf_counter() - started, 1)
-        return report
+    arguments = [
+        f"--model={model}",
+        f"--choice={choice}",
+        f"--steps={args.steps}",
+        f"--seq-len={args.seq_len}",
+        f"--micro-batch={args.micro_batch}",
+        f"--seed={args.seed}",
+        f"--device-memory-gib={args.device_memory_gib}",
+        *(["--smoke"] if args.smoke else []),
+    ]
+    return launch_attempt_job(
+        HERE,
+        arguments,
+        smoke=args.smoke,
+        timeout_s=timeout_s,
+        tail_chars=LOG_TAIL_CHARS,
+        prefix="recipes-memory-",
+        gpus=gpu,
+    )
 
 
 def budget_weight(choice: str) -> int:
@@ -425,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse_args()
     if arguments.attempt:
-        sys.exit(attempt_main(arguments))
+        sys.exit(attempt_main(lambda: run_attempt(arguments), arguments.fragment))
     figures = driver_main(arguments)
     # a failure after a success is the measurement (where a choice stops); a choice that
     # trained nothing at all is an error

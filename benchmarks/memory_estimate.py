@@ -23,20 +23,16 @@ training run, no CUDA figures.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
-import traceback
-import warnings
 from pathlib import Path
 
 import lightning as L
 import torch
 from _common import command_line, emit, package_versions
+from _jobs import attempt_main
+from _jobs import launch_attempt as launch_attempt_job
 
 HERE = Path(__file__).resolve()
 GIB = 2**30
@@ -265,54 +261,23 @@ def _slack() -> float:
     return ALLOCATOR_SLACK
 
 
-def attempt_main(args) -> int:
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            report = run_attempt(args)
-    except Exception as err:
-        traceback.print_exc(file=sys.stderr)
-        report = {"error_message": f"{type(err).__name__}: {err}"[:1500]}
-        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
-            report["out_of_memory"] = True
-    Path(args.fragment).write_text(json.dumps(report))
-    return 1 if "error_message" in report else 0
-
-
 # ---------------------------------------------------------------------------- driver
 def launch_attempt(args, preset: str) -> dict:
-    with tempfile.TemporaryDirectory(prefix="recipes-memest-") as tmp:
-        fragment = Path(tmp) / "fragment.json"
-        command = [
-            sys.executable,
-            str(HERE),
-            "--attempt",
-            f"--fragment={fragment}",
-            f"--preset={preset}",
-            f"--steps={args.steps}",
-            f"--seed={args.seed}",
-            *(["--smoke"] if args.smoke else []),
-        ]
-        env = dict(os.environ)
-        if args.smoke:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        started = time.perf_counter()
-        try:
-            proc = subprocess.run(
-                command, capture_output=True, text=True, timeout=args.timeout_s, env=env
-            )
-        except subprocess.TimeoutExpired as err:
-            tail = (err.stderr or b"")[-LOG_TAIL_CHARS:]
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-            return {"error_message": f"timed out after {args.timeout_s:.0f} s", "log_tail": tail}
-        if fragment.is_file():
-            report = json.loads(fragment.read_text())
-        else:
-            report = {"error_message": f"exited with status {proc.returncode} and no report"}
-        if "error_message" in report:
-            report["log_tail"] = proc.stderr[-LOG_TAIL_CHARS:]
-        report["wall_s"] = round(time.perf_counter() - started, 1)
-        return report
+    arguments = [
+        f"--preset={preset}",
+        f"--steps={args.steps}",
+        f"--seed={args.seed}",
+        *(["--smoke"] if args.smoke else []),
+    ]
+    return launch_attempt_job(
+        HERE,
+        arguments,
+        smoke=args.smoke,
+        timeout_s=args.timeout_s,
+        tail_chars=LOG_TAIL_CHARS,
+        prefix="recipes-memest-",
+        error_key="error_message",
+    )
 
 
 def driver_main(args) -> dict:
@@ -388,7 +353,7 @@ if __name__ == "__main__":
             print(f"{name}: {what}\n    {' '.join(overrides)}")
         sys.exit(0)
     if arguments.attempt:
-        sys.exit(attempt_main(arguments))
+        sys.exit(attempt_main(lambda: run_attempt(arguments), arguments.fragment, "error_message"))
     figures = driver_main(arguments)
     failed = any(s["failure"] or s["within_target"] is False for s in figures["summary"].values())
     sys.exit(1 if failed else 0)

@@ -40,16 +40,11 @@ then 1. ``--smoke`` runs the tiny recipe on CPU with gloo (fp32, no compilation)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
@@ -62,6 +57,7 @@ from _common import (
     peak_bf16_tflops,
     step_time_stats,
 )
+from _jobs import launch_torchrun, worker_main
 
 HERE = Path(__file__).resolve()
 GPU_RECIPE = "pretrain/llama_1b"
@@ -180,33 +176,7 @@ def run_worker(args) -> dict:
     }
 
 
-def worker_main(args) -> int:
-    rank = int(os.environ.get("RANK", 0))
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    try:
-        with contextlib.redirect_stdout(sys.stderr):
-            report = run_worker(args)
-    except Exception as err:
-        traceback.print_exc(file=sys.stderr)
-        report = {"error": f"rank {rank}: {type(err).__name__}: {err}"[:2000]}
-    if rank == 0:
-        Path(args.fragment).write_text(json.dumps(report))
-    return 1 if "error" in report else 0
-
-
 # ---------------------------------------------------------------------------- driver
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Stop the torchrun job this driver started (its own session), workers included."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=15)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def split_strategy(name: str) -> tuple[str, bool]:
     """``fsdp+autogc`` -> (``fsdp``, True); ``fsdp`` -> (``fsdp``, False)."""
     if name.endswith(GC_SUFFIX):
@@ -217,55 +187,26 @@ def split_strategy(name: str) -> tuple[str, bool]:
 def launch(args, strategy: str, gpus: int, timeout_s: float) -> dict:
     """One ``torchrun`` job; its rank-0 fragment, or an error with the log's tail."""
     base, auto_gc = split_strategy(strategy)
-    with tempfile.TemporaryDirectory(prefix="recipes-scaling-") as tmp:
-        fragment = Path(tmp) / "fragment.json"
-        log_path = Path(tmp) / "log.txt"
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={gpus}",
-            str(HERE),
-            "--worker",
-            f"--fragment={fragment}",
-            f"--strategy={base}",
-            f"--gc-every-n-steps={args.gc_every_n_steps}",
-            *(["--auto-gc"] if auto_gc else []),
-            f"--micro-batch={args.micro_batch}",
-            f"--seq-len={args.seq_len}",
-            f"--warmup-steps={args.warmup_steps}",
-            f"--steps={args.steps}",
-            f"--seed={args.seed}",
-            *(["--smoke"] if args.smoke else []),
-        ]
-        env = dict(os.environ)
-        if args.smoke:
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        env.setdefault("OMP_NUM_THREADS", "1" if args.smoke else "4")
-        started = time.perf_counter()
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-            try:
-                proc.wait(timeout=max(1.0, timeout_s))
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                timed_out = True
-        seconds = round(time.perf_counter() - started, 1)
-        tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        if fragment.is_file() and not timed_out:
-            report = json.loads(fragment.read_text())
-        elif timed_out:
-            report = {"error": f"timed out after {timeout_s:.0f} s"}
-        else:
-            report = {"error": f"torchrun exited with status {proc.returncode}"}
-        if "error" in report:
-            report["log_tail"] = tail
-        report["wall_s"] = seconds
-        return report
+    arguments = [
+        f"--strategy={base}",
+        f"--gc-every-n-steps={args.gc_every_n_steps}",
+        *(["--auto-gc"] if auto_gc else []),
+        f"--micro-batch={args.micro_batch}",
+        f"--seq-len={args.seq_len}",
+        f"--warmup-steps={args.warmup_steps}",
+        f"--steps={args.steps}",
+        f"--seed={args.seed}",
+        *(["--smoke"] if args.smoke else []),
+    ]
+    return launch_torchrun(
+        HERE,
+        gpus,
+        arguments,
+        smoke=args.smoke,
+        timeout_s=timeout_s,
+        tail_chars=LOG_TAIL_CHARS,
+        prefix="recipes-scaling-",
+    )
 
 
 def _efficiency(runs: dict, key: str, base_key: str, gpus: int) -> float | None:
@@ -436,7 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse_args()
     if arguments.worker:
-        sys.exit(worker_main(arguments))
+        sys.exit(worker_main(lambda: run_worker(arguments), arguments.fragment))
     figures = driver_main(arguments)
 
     def _failed(report: dict) -> bool:
