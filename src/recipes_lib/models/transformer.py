@@ -36,7 +36,7 @@ from recipes_lib.models.families import check_family
 from recipes_lib.models.kv_cache import KVCache, causal_offset_mask
 from recipes_lib.models.norms import check_norm_options, make_norm
 from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
-from recipes_lib.models.windows import check_windows, layer_window
+from recipes_lib.models.windows import check_windows
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
@@ -87,17 +87,14 @@ class Transformer(nn.Module):
                 f"(model.n_kv_heads={n_kv_heads} < model.n_heads={config.n_heads})"
             )
         self.attention_backend = backend
-        # the windows and RoPE tables the layers use (None: full attention; True: local)
-        self._windows = sorted({layer_window(config, i) for i in range(config.n_layers)}, key=str)
-        self._ropes = {
-            layer_window(config, i) is not None and config.local_rope_theta is not None
-            for i in range(config.n_layers)
-        }
 
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
             TransformerBlock(config, self.head_dim, backend, i) for i in range(config.n_layers)
         )
+        # the windows and RoPE tables the layers use (None: full attention; True: local)
+        self._windows = {layer.attention.window for layer in self.layers}
+        self._ropes = {layer.attention.local_rope for layer in self.layers}
         self.norm = make_norm(config, config.dim)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
