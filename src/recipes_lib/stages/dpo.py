@@ -68,18 +68,21 @@ def pair_logprobs(logits: Tensor, labels: Tensor, sequence_ids: Tensor, n_pairs:
         Column 0 the chosen, column 1 the rejected log-probabilities.
     """
     per_token = token_logprobs(logits, labels)  # (R, T), 0 where ignored
-    real = sequence_ids >= 0
-    sums = torch.zeros(2 * n_pairs, dtype=per_token.dtype, device=per_token.device)
-    sums = sums.index_add(0, sequence_ids.clamp(min=0).flatten(), (per_token * real).flatten())
-    return sums.view(2, n_pairs).t()  # (P, 2)
+    return _pair_sums(per_token, sequence_ids, n_pairs)
 
 
 def pair_token_counts(labels: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
     """The response tokens counted in each of :func:`pair_logprobs`' sums, ``(P, 2)``."""
-    counted = ((labels != IGNORE_INDEX) & (sequence_ids >= 0)).flatten().long()
-    counts = torch.zeros(2 * n_pairs, dtype=torch.long, device=labels.device)
-    counts = counts.index_add(0, sequence_ids.clamp(min=0).flatten(), counted)
-    return counts.view(2, n_pairs).t()  # (P, 2)
+    return _pair_sums((labels != IGNORE_INDEX).long(), sequence_ids, n_pairs)
+
+
+def _pair_sums(values: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
+    """``values`` (``(R, T)``) summed over each pair's chosen and rejected sequence,
+    padding (``sequence_ids`` -1) left out: ``(P, 2)``."""
+    real = sequence_ids >= 0
+    sums = torch.zeros(2 * n_pairs, dtype=values.dtype, device=values.device)
+    sums = sums.index_add(0, sequence_ids.clamp(min=0).flatten(), (values * real).flatten())
+    return sums.view(2, n_pairs).t()  # (P, 2)
 
 
 def _load_reference(reference: nn.Module, source: str, label: str) -> None:
