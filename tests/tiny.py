@@ -53,6 +53,18 @@ def step_checkpoints(folder: Path, every: int) -> ModelCheckpoint:
     )
 
 
+def family_overrides(name: str) -> list[str]:
+    """``model.family=NAME`` and the block options the family fixes, as overrides (the
+    options it reads from a config.json, such as Gemma 3's windows, are the test's)."""
+    from recipes_lib.models.families import get_family
+
+    def value(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    fixed = get_family(name).fixed
+    return [f"model.family={name}", *(f"model.{k}={value(v)}" for k, v in fixed.items())]
+
+
 def tiny_model_config(**changes: Any) -> ModelConfig:
     """A two-layer decoder that trains in a second on a CPU (dim 32, 4 query and 2 KV heads,
     a 64-token vocabulary); ``changes`` set any other field, e.g. the shape a test needs."""

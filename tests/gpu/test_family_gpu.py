@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from gpu_helpers import WORKER, torchrun
+from tiny import family_overrides
 
 from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.models import Transformer
@@ -25,12 +26,7 @@ FAMILIES = {
     "smollm3": ("model.family=smollm3", "model.nope_layers=[3]"),
     "phi3": ("model.family=phi3", "model.partial_rotary_factor=0.5"),
     "gemma3": (
-        "model.family=gemma3",
-        "model.qk_norm=head",
-        "model.norm_placement=both",
-        "model.activation=gelu_tanh",
-        "model.scale_embeddings=true",
-        "model.norm_gain_offset=1.0",
+        *family_overrides("gemma3"),
         "model.query_pre_attn_scalar=48",
         "model.sliding_window=64",
         "model.window_layers=[0,1,2,3,4]",

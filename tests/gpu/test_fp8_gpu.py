@@ -11,6 +11,7 @@ import math
 
 import lightning as L
 import pytest
+from tiny import family_overrides
 
 from recipes_lib.config import compose_config
 from recipes_lib.parallel.fp8 import float8_layers
@@ -112,12 +113,7 @@ def test_fp8_composes_with_per_block_compile(tmp_path, cache_dir):
 FAMILY_OPTIONS = {
     "qwen3": ("model.family=qwen3", "model.qk_norm=head"),
     "gemma3": (
-        "model.family=gemma3",
-        "model.qk_norm=head",
-        "model.norm_placement=both",
-        "model.activation=gelu_tanh",
-        "model.scale_embeddings=true",
-        "model.norm_gain_offset=1.0",
+        *family_overrides("gemma3"),
         "model.query_pre_attn_scalar=128",
         "model.sliding_window=64",
         "model.window_layers=[0,1,2]",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from integration_helpers import read_metrics, tiny_overrides
 from run_helpers import torchrun
-from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
+from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES, family_overrides
 
 from recipes_lib.checkpoint.sharded import (
     is_sharded_checkpoint,
@@ -172,12 +172,7 @@ def test_dpo_under_fsdp_matches_one_process(runs, tmp_path, recipe):
 
 
 GEMMA3 = (
-    "model.family=gemma3",
-    "model.qk_norm=head",
-    "model.norm_placement=both",
-    "model.activation=gelu_tanh",
-    "model.scale_embeddings=true",
-    "model.norm_gain_offset=1.0",
+    *family_overrides("gemma3"),
     "model.query_pre_attn_scalar=12",
     "model.sliding_window=8",
     "model.window_layers=[0]",

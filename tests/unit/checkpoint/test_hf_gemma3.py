@@ -25,14 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 # head_dim 4 x 32 != width 64: its own setting, as in every published size
 SHAPE = dict(TINY_SHAPE, num_hidden_layers=4, head_dim=32)
-# what model.family=gemma3 fixes
-GEMMA_OPTIONS = dict(
-    qk_norm="head",
-    norm_placement="both",
-    activation="gelu_tanh",
-    scale_embeddings=True,
-    norm_gain_offset=1.0,
-)
+GEMMA_OPTIONS = dict(FAMILIES["gemma3"].fixed)  # what model.family=gemma3 fixes
 LOCAL_GLOBAL = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 
 
