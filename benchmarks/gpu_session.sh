@@ -20,6 +20,8 @@
 #                                              # transformers' own models, a Gemma 3 local
 #                                              # layer against a global one, the family GPU
 #                                              # tests, then Gemma 3 under FSDP (2 GPUs)
+#   bash benchmarks/gpu_session.sh families2   # the peer part and Gemma 3's throughput and
+#                                              # family tests again, in one ten-minute call
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
@@ -118,6 +120,14 @@ families)
     $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -p no:cacheprovider"
   wait
   job family_fsdp 0,1 "$PY -m pytest -q -rs -m multigpu tests/gpu/test_family_gpu.py -p no:cacheprovider"
+  wait ;;
+families2)
+  FAST="--warmup-steps 6 --steps 15 --trainers recipes_lib,plain_pytorch,hf_transformers"
+  job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json;
+    $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -p no:cacheprovider"
+  job fp8_gemma 1 "$PY -m pytest -q -rs tests/gpu/test_fp8_gpu.py -p no:cacheprovider;
+    $PY benchmarks/pretrain_throughput.py --models gemma3_1b --attention flex $FAST \
+      --out $OUT/throughput_gemma3_1b.json"
   wait ;;
 peer)
   job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"
