@@ -52,7 +52,7 @@ from recipes_lib.errors import CheckpointError
 from recipes_lib.files import write_json_atomic
 from recipes_lib.models import Transformer
 from recipes_lib.models.families import check_family, family_of_hf, get_family
-from recipes_lib.models.families.base import common_hf_fields
+from recipes_lib.models.families.base import common_hf_fields, expert_slice
 from recipes_lib.models.rope import check_rope, rope_tables
 
 log = logging.getLogger(__name__)
@@ -290,6 +290,9 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
     for name, tensor in state.items():
         if config.tie_embeddings and name == "output.weight":
             continue  # transformers ties lm_head to the embeddings itself
+        if names.is_stacked(name):  # every expert's tensor on its own
+            out.update({names.to_hf(expert_slice(name, e)): t for e, t in enumerate(tensor)})
+            continue
         hf_name, into = names.to_hf(name), names.fused_of(name)
         if into is not None:  # one of the tensors a fused one stacks
             fused.setdefault(into[0], [None] * into[2])[into[1]] = tensor
@@ -353,6 +356,7 @@ def export_hf_checkpoint(
         DataError: ``tokenizer_path`` holds no tokenizer, or a padding token it lacks.
     """
     folder = Path(out_dir).expanduser()
+    hf_config_from_model(config)  # what the family cannot export, before anything is written
     tensors = {
         name: t.detach().to("cpu", dtype or t.dtype).contiguous()
         for name, t in _hf_state(model, config).items()

@@ -19,6 +19,7 @@ from recipes_lib.checkpoint.weights import mismatch_lines
 from recipes_lib.errors import CheckpointError
 from recipes_lib.files import chmod_as_umask
 from recipes_lib.models.families import TensorNames
+from recipes_lib.models.families.base import expert_slice, split_expert_slice
 
 HF_CONFIG_NAME = "config.json"
 HF_WEIGHTS_NAME = "model.safetensors"
@@ -157,11 +158,14 @@ def checked_tensors(
     """The folder's tensors located by native name, after checking that every tensor of
     ``model`` (a tied output head aside) is there with its shape and nothing else is."""
     located, fused, unexpected = _locate_tensors(hf_weight_files(folder), names, tied)
-    expected = {
-        name: tuple(t.shape)
-        for name, t in model.state_dict().items()
-        if not (tied and name == "output.weight")
-    }
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, t in model.state_dict().items():
+        if tied and name == "output.weight":
+            continue
+        if names.is_stacked(name):  # one Hugging Face tensor per expert
+            expected.update({expert_slice(name, e): tuple(t.shape[1:]) for e in range(len(t))})
+        else:
+            expected[name] = tuple(t.shape)
     split, unfit = _split_fused(fused, names, expected)
     located.update(split)
     problems = unfit + _mismatches(expected, located, unexpected, names)
@@ -185,7 +189,9 @@ def copy_tensors(params: Mapping[str, Tensor], located: Located) -> None:
                         tensor = f.get_tensor(hf_name)
                     else:  # its rows of a fused tensor
                         tensor = f.get_slice(hf_name)[rows[0] : rows[1]]
-                    params[name].copy_(tensor)
+                    stacked, expert = split_expert_slice(name)
+                    target = params[stacked] if expert is None else params[stacked][expert]
+                    target.copy_(tensor)
 
 
 def write_safetensors(tensors: dict[str, Tensor], folder: Path, max_shard_bytes: int) -> None:

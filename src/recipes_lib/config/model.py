@@ -102,6 +102,26 @@ class ModelConfig:
     partial_rotary_factor: float = field(default=1.0, metadata=COMPUTE)
     tie_embeddings: bool = field(default=False, metadata=SHAPE)
     init_std: float = field(default=0.02, metadata=LABEL)
+    # Mixture of experts (recipes_lib.models.moe): 0 is a dense model; otherwise every
+    # layer but moe_dense_layers replaces its MLP with moe_experts experts of
+    # moe_ffn_dim (None: ffn_dim) hidden units, each token going through moe_top_k of them
+    moe_experts: int = field(default=0, metadata=SHAPE)
+    moe_top_k: int = field(default=2, metadata=COMPUTE)
+    moe_ffn_dim: int | None = field(default=None, metadata=SHAPE)
+    # the layers that keep the dense MLP of ffn_dim (Qwen3-MoE's mlp_only_layers)
+    moe_dense_layers: list[int] = field(default_factory=list, metadata=SHAPE)
+    # experts every token goes through (one MLP of moe_shared_experts * moe_ffn_dim units)
+    moe_shared_experts: int = field(default=0, metadata=SHAPE)
+    # the router's scores: softmax (over every expert) | sigmoid (each expert on its own,
+    # chosen with a per-expert bias that moe_bias_update_rate moves: DeepSeek-V3)
+    moe_router: str = field(default="softmax", metadata=COMPUTE)
+    # divide the chosen experts' weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    moe_renormalize: bool = field(default=True, metadata=COMPUTE)
+    # training only, free to change between stages: the load-balancing loss's and the
+    # router z-loss's weights in the loss, and the bias step of sigmoid routing
+    moe_aux_loss_coef: float = field(default=0.0, metadata=LABEL)
+    moe_z_loss_coef: float = field(default=0.0, metadata=LABEL)
+    moe_bias_update_rate: float = field(default=0.0, metadata=LABEL)
 
 
 # The block options: what a model family fixes or reads from its config.json. A family
@@ -119,6 +139,13 @@ BLOCK_OPTIONS = (
     "sliding_window",
     "window_layers",
     "local_rope_theta",
+    "moe_experts",
+    "moe_top_k",
+    "moe_ffn_dim",
+    "moe_dense_layers",
+    "moe_shared_experts",
+    "moe_router",
+    "moe_renormalize",
 )
 
 
@@ -162,7 +189,10 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
         out["n_kv_heads"] = heads
     if "head_dim" in out and out["head_dim"] is None and values.get("dim") and heads:
         out["head_dim"] = values["dim"] // heads
-    for name in ("nope_layers", "window_layers"):  # a record from before the field: none
+    if "moe_ffn_dim" in out:  # the experts' width, or none in a dense model
+        dense = not values.get("moe_experts")
+        out["moe_ffn_dim"] = None if dense else out["moe_ffn_dim"] or values.get("ffn_dim")
+    for name in ("nope_layers", "window_layers", "moe_dense_layers"):  # none before the field
         if name in out:
             out[name] = list(out[name] or [])
     if isinstance(out.get("rope_scaling"), Mapping):  # one from before longrope's fields

@@ -6,7 +6,8 @@ in its norms, and the options the model families turn on inside it.
   window (``model.window_layers`` attend to the last ``model.sliding_window`` keys:
   Gemma 3) and the softmax scale ``1 / sqrt(model.query_pre_attn_scalar)`` (Gemma).
 - MLP: ``w2(act(w1 x) * w3 x)`` with ``act`` SiLU (SwiGLU) or the tanh-approximated GELU
-  (GeGLU: ``model.activation=gelu_tanh``, Gemma).
+  (GeGLU: ``model.activation=gelu_tanh``, Gemma); or, in a mixture of experts, routed
+  experts of that form (:mod:`recipes_lib.models.moe`).
 - Norms (``model.norm_placement``): ``pre`` on each sublayer's input (Llama), ``post``
   on its output before the residual add (OLMo 2), ``both`` (Gemma 3).
 
@@ -23,12 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from recipes_lib.kernels import AttentionBackend
 from recipes_lib.models.kv_cache import LayerCache
+from recipes_lib.models.moe import MoEFeedForward, gated_mlp, is_moe_layer
 from recipes_lib.models.norms import make_norm, qk_norm_sizes
 from recipes_lib.models.rope import apply_rope
 from recipes_lib.models.windows import layer_window
@@ -107,12 +108,7 @@ class FeedForward(nn.Module):
         self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
-        gate = self.w1(x)
-        if self.activation == "gelu_tanh":
-            gate = F.gelu(gate, approximate="tanh")
-        else:
-            gate = F.silu(gate)
-        return self.w2(gate * self.w3(x))
+        return self.w2(gated_mlp(self.w1(x), self.w3(x), self.activation))
 
 
 class TransformerBlock(nn.Module):
@@ -128,7 +124,10 @@ class TransformerBlock(nn.Module):
         self.attention_norm = make_norm(config, config.dim, follows_input=post)
         self.attention = Attention(config, head_dim, backend, layer)
         self.ffn_norm = make_norm(config, config.dim, follows_input=post)
-        self.feed_forward = FeedForward(config.dim, config.ffn_dim, config.activation)
+        if is_moe_layer(config, layer):  # experts in place of the MLP
+            self.feed_forward = MoEFeedForward(config, FeedForward)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_dim, config.activation)
         if self.placement == "both":  # the output norms, beside the input ones
             self.post_attention_norm = make_norm(config, config.dim, follows_input=True)
             self.post_ffn_norm = make_norm(config, config.dim, follows_input=True)

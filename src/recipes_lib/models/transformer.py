@@ -34,6 +34,7 @@ from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.models.blocks import TransformerBlock
 from recipes_lib.models.families import check_family
 from recipes_lib.models.kv_cache import KVCache, causal_offset_mask
+from recipes_lib.models.moe import MoEFeedForward, check_moe
 from recipes_lib.models.norms import check_norm_options, make_norm
 from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
 from recipes_lib.models.windows import check_windows
@@ -47,6 +48,7 @@ def _validate(config: ModelConfig) -> int:
     check_norm_options(config)
     check_nope_layers(config)
     check_windows(config)
+    check_moe(config)
     family = check_family(config)
     if config.head_dim is None and config.dim % config.n_heads != 0:
         raise ConfigError(
@@ -135,18 +137,22 @@ class Transformer(nn.Module):
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
         for layer in self.layers:
-            for linear in (
-                layer.attention.wq,
-                layer.attention.wk,
-                layer.attention.wv,
-                layer.feed_forward.w1,
-                layer.feed_forward.w3,
-            ):
+            attention, mlps = layer.attention, [layer.feed_forward]
+            if isinstance(layer.feed_forward, MoEFeedForward):  # each expert as an MLP
+                moe = layer.feed_forward
+                mlps = [moe.experts] + ([moe.shared] if moe.shared is not None else [])
+            # the order of the draws is the dense models' since their first release
+            inputs = [attention.wq, attention.wk, attention.wv]
+            for linear in inputs + [m.w1 for m in mlps] + [m.w3 for m in mlps]:
                 nn.init.normal_(linear.weight, mean=0.0, std=std)
-                if linear.bias is not None:
+                if getattr(linear, "bias", None) is not None:
                     nn.init.zeros_(linear.bias)
-            nn.init.normal_(layer.attention.wo.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(layer.feed_forward.w2.weight, mean=0.0, std=residual_std)
+            for linear in [attention.wo] + [m.w2 for m in mlps]:
+                nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
+            if isinstance(layer.feed_forward, MoEFeedForward):
+                nn.init.normal_(layer.feed_forward.router.weight, mean=0.0, std=std)
+                if layer.feed_forward.router_kind == "sigmoid":
+                    nn.init.zeros_(layer.feed_forward.expert_bias)
             for norm in layer.norms():  # a gain of one: 1 - offset stored
                 nn.init.constant_(norm.weight, 1.0 - self.config.norm_gain_offset)
         nn.init.constant_(self.norm.weight, 1.0 - self.config.norm_gain_offset)
@@ -266,16 +272,29 @@ class Transformer(nn.Module):
             n -= self.tok_embeddings.weight.numel()
         return n
 
+    def inactive_params(self) -> int:
+        """Expert parameters a token does not go through: ``E - k`` of each mixture
+        layer's experts (0 for a dense model)."""
+        return sum(
+            sum(p.numel() for p in layer.feed_forward.experts.parameters())
+            * (layer.feed_forward.n_experts - layer.feed_forward.top_k)
+            // layer.feed_forward.n_experts
+            for layer in self.layers
+            if isinstance(layer.feed_forward, MoEFeedForward)
+        )
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (forward + backward), PaLM / nanoGPT convention.
 
         ``6 * N + 12 * n_layers * n_heads * head_dim * seq_len``, where N counts the
-        non-embedding parameters including the output head (all matmul weights), and
-        the attention term counts the full ``T x T`` score and value products, as the
-        convention does, though causal attention needs only about half of them.
+        non-embedding parameters a token goes through including the output head (all
+        matmul weights; of a mixture of experts only the ``k`` routed experts, the
+        active parameters), and the attention term counts the full ``T x T`` score
+        and value products, as the convention does, though causal attention needs only
+        about half of them.
         """
         c = self.config
-        n = self.num_params(exclude_embeddings=True)
+        n = self.num_params(exclude_embeddings=True) - self.inactive_params()
         if c.tie_embeddings:
             n += self.output.weight.numel()  # the head is a matmul all the same
         return 6.0 * n + 12.0 * c.n_layers * c.n_heads * self.head_dim * seq_len

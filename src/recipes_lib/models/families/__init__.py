@@ -15,17 +15,21 @@ from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.base import Family, TensorNames, refuse
 from recipes_lib.models.families.gemma3 import GEMMA3
 from recipes_lib.models.families.llama import LLAMA
+from recipes_lib.models.families.mixtral import MIXTRAL
 from recipes_lib.models.families.olmo2 import OLMO2
+from recipes_lib.models.families.olmoe import OLMOE
 from recipes_lib.models.families.phi3 import PHI3
 from recipes_lib.models.families.qwen2 import QWEN2
 from recipes_lib.models.families.qwen3 import QWEN3
+from recipes_lib.models.families.qwen3_moe import QWEN3_MOE
 from recipes_lib.models.families.smollm3 import SMOLLM3
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
 
 FAMILIES: dict[str, Family] = {
-    family.name: family for family in (LLAMA, QWEN2, QWEN3, OLMO2, SMOLLM3, PHI3, GEMMA3)
+    family.name: family
+    for family in (LLAMA, QWEN2, QWEN3, OLMO2, SMOLLM3, PHI3, GEMMA3, QWEN3_MOE, OLMOE, MIXTRAL)
 }
 GUIDE = "README.md, 'Adding a model family'"
 

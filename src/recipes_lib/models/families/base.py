@@ -35,15 +35,22 @@ class TensorNames:
             stacked along dim 0, in order (Phi-3's ``self_attn.qkv_proj`` is ``wq``,
             ``wk``, ``wv``); it is split by the native tensors' shapes on import and
             concatenated on export.
+        experts: inside block ``N``: the Hugging Face name of one expert's tensor, with
+            ``{}`` for the expert's number (``mlp.experts.{}.gate_proj``) -> the native
+            tensor that stacks every expert's along dim 0 (``feed_forward.experts.w1``).
+            Expert ``e``'s slice is named ``<native name>[e]`` (:func:`expert_slice`).
     """
 
     layer: Mapping[str, str]
     top: Mapping[str, str]
     ignored: re.Pattern = re.compile(r".*rotary_emb\.inv_freq")
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    experts: Mapping[str, str] = field(default_factory=dict)
     _native_layer: dict[str, str] = field(init=False, repr=False)
     _native_top: dict[str, str] = field(init=False, repr=False)
     _native_fused: dict[str, tuple[str, int, int]] = field(init=False, repr=False)
+    _hf_experts: dict[re.Pattern, str] = field(init=False, repr=False)
+    _native_experts: dict[str, str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_native_layer", {v: k for k, v in self.layer.items()})
@@ -54,6 +61,17 @@ class TensorNames:
             for i, part in enumerate(natives)
         }
         object.__setattr__(self, "_native_fused", parts)
+        hf_experts = {
+            re.compile(re.escape(hf).replace(r"\{\}", r"(\d+)")): native
+            for hf, native in self.experts.items()
+        }
+        object.__setattr__(self, "_hf_experts", hf_experts)
+        object.__setattr__(self, "_native_experts", {v: k for k, v in self.experts.items()})
+
+    def is_stacked(self, name: str) -> bool:
+        """Whether a native tensor stacks the experts' (one Hugging Face tensor each)."""
+        match = _NATIVE_LAYER.fullmatch(name)
+        return bool(match and match[2] in self._native_experts)
 
     def fused_parts(self, name: str) -> list[str] | None:
         """The native names a fused Hugging Face tensor holds, in order, or None."""
@@ -78,16 +96,40 @@ class TensorNames:
         match = _HF_LAYER.fullmatch(name)
         if match and match[2] in self.layer:
             return f"layers.{match[1]}.{self.layer[match[2]]}.{match[3]}"
+        if match:
+            for pattern, native in self._hf_experts.items():
+                expert = pattern.fullmatch(match[2])
+                if expert:
+                    return expert_slice(f"layers.{match[1]}.{native}.{match[3]}", int(expert[1]))
         return None
 
     def to_hf(self, name: str) -> str | None:
         """The Hugging Face name of a native tensor name, or None if it has none."""
         if name in self._native_top:
             return self._native_top[name]
-        match = _NATIVE_LAYER.fullmatch(name)
+        stacked, expert = split_expert_slice(name)
+        match = _NATIVE_LAYER.fullmatch(stacked)
+        if expert is not None:
+            if not (match and match[2] in self._native_experts):
+                return None
+            hf = self._native_experts[match[2]].replace("{}", str(expert))
+            return f"model.layers.{match[1]}.{hf}.{match[3]}"
         if match and match[2] in self._native_layer:
             return f"model.layers.{match[1]}.{self._native_layer[match[2]]}.{match[3]}"
         return None
+
+
+def expert_slice(stacked: str, expert: int) -> str:
+    """The name of expert ``expert``'s slice of a stacked native tensor."""
+    return f"{stacked}[{expert}]"
+
+
+def split_expert_slice(name: str) -> tuple[str, int | None]:
+    """``(stacked tensor, expert)`` of an expert slice's name; ``(name, None)`` otherwise."""
+    if name.endswith("]") and "[" in name:
+        stacked, expert = name[:-1].rsplit("[", 1)
+        return stacked, int(expert)
+    return name, None
 
 
 @dataclass(frozen=True)
@@ -249,3 +291,56 @@ def common_hf_fields(config: ModelConfig) -> dict[str, Any]:
 def refuse(family: str, key: str, value: Any, why: str) -> ConfigError:
     """The one-line error of a model option a family cannot have."""
     return ConfigError(f"model.family={family} with model.{key}={value!r}: {why}")
+
+
+# The mixture-of-experts options a family of routed experts reads from its config.json
+MOE_READS = ("moe_experts", "moe_top_k", "moe_ffn_dim", "moe_renormalize")
+
+
+def moe_names(mlp: str, gate: str, up: str, down: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The router's rename and the experts' table of a layer whose MoE block is ``mlp``
+    (``mlp.gate`` <-> ``feed_forward.router``; ``mlp.experts.{}.<gate>`` <->
+    ``feed_forward.experts.w1``, ``up`` w3, ``down`` w2)."""
+    experts = {
+        f"{mlp}.experts.{{}}.{hf}": f"feed_forward.experts.{native}"
+        for hf, native in ((gate, "w1"), (up, "w3"), (down, "w2"))
+    }
+    return {f"{mlp}.gate": "feed_forward.router"}, experts
+
+
+def moe_from_hf(config: Mapping[str, Any], experts_key: str, renormalize: bool) -> dict[str, Any]:
+    """The routed experts of a ``config.json``: their number (``experts_key``), top-k,
+    the expert MLP's width (``moe_intermediate_size``, else ``intermediate_size``), the
+    renormalisation and the balance loss's weight."""
+    width = config.get("moe_intermediate_size") or required(config, "intermediate_size")
+    # transformers 5 writes every family's count as num_local_experts
+    experts = config.get(experts_key, config.get("num_local_experts"))
+    return dict(
+        moe_experts=int(required({experts_key: experts}, experts_key)),
+        moe_top_k=int(required(config, "num_experts_per_tok")),
+        moe_ffn_dim=int(width),
+        moe_renormalize=bool(renormalize),
+        moe_aux_loss_coef=float(config.get("router_aux_loss_coef") or 0.0),
+    )
+
+
+def moe_hf_fields(config: ModelConfig, family: str, experts_key: str) -> dict[str, Any]:
+    """The routed experts' ``config.json`` fields; refuses what its transformers class
+    cannot compute (a sigmoid router, shared experts), naming the key.
+
+    Raises:
+        CheckpointError: the model has one of them.
+    """
+    if config.moe_router != "softmax" or config.moe_shared_experts:
+        key = "moe_router" if config.moe_router != "softmax" else "moe_shared_experts"
+        raise CheckpointError(
+            f"{family}: model.{key}={getattr(config, key)!r} has no Hugging Face {family} "
+            "equivalent; the export needs model.moe_router=softmax and no shared experts"
+        )
+    return {
+        experts_key: config.moe_experts,
+        "num_experts_per_tok": config.moe_top_k,
+        "norm_topk_prob": config.moe_renormalize,
+        "router_aux_loss_coef": config.moe_aux_loss_coef,
+        "output_router_logits": False,
+    }

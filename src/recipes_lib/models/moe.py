@@ -1,0 +1,257 @@
+"""Mixture-of-experts MLP: a router picks ``model.moe_top_k`` of ``model.moe_experts``
+gated MLPs for each token; their outputs, weighted by the router, are summed.
+
+- Router (``model.moe_router``): ``softmax`` over every expert's logit, the top k taken
+  and, with ``model.moe_renormalize``, their weights divided by their sum (Mixtral,
+  Qwen3-MoE's ``norm_topk_prob``, OLMoE without it); or ``sigmoid``: each expert's score
+  on its own, the top k chosen by score plus a per-expert bias that is not trained by
+  the gradient but moved after each optimizer step towards balance
+  (``model.moe_bias_update_rate``; DeepSeek-V3's auxiliary-loss-free balancing).
+- Experts: ``w2(act(w1 x) * w3 x)`` per expert, their weights stacked in
+  ``experts.w1/w3`` ``(E, F, C)`` and ``experts.w2`` ``(E, C, F)``. Dropless: every
+  token reaches its k experts. Tokens are sorted by expert and each expert multiplies
+  its contiguous rows: on CUDA in one grouped GEMM (``torch._grouped_mm``) per weight,
+  elsewhere in a plain loop over the experts (exact, the reference).
+- Shared experts (``model.moe_shared_experts``): one dense MLP every token also goes through.
+
+A training forward leaves on the module what the objective and the logs need:
+``balance_loss`` (Switch Transformer's ``E * sum_e f_e * P_e``, 1 when balanced; ``f``
+the share of the token-expert assignments, ``P`` the mean router probability),
+``z_loss`` (the mean squared log-sum-exp of the router logits) and
+``expert_counts`` (tokens per expert). :func:`moe_losses` weighs and collects them;
+they are not returned, so the block's signature stays one tensor in, one out (compiled
+blocks and activation checkpointing keep them, as the tests check).
+
+Shapes: N tokens (B * T), C model dim, E experts, k experts per token, F expert hidden.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from recipes_lib.config.model import is_layer_list
+from recipes_lib.errors import ConfigError
+
+if TYPE_CHECKING:
+    from recipes_lib.config.schema import ModelConfig
+
+ROUTERS = ("softmax", "sigmoid")
+
+
+def is_moe_layer(config: ModelConfig, layer: int) -> bool:
+    """Whether layer ``layer`` has experts instead of the dense MLP."""
+    return config.moe_experts > 0 and layer not in config.moe_dense_layers
+
+
+def check_moe(config: ModelConfig) -> None:
+    """Refuse mixture-of-experts options that do not fit together, naming the keys."""
+    experts, k = config.moe_experts, config.moe_top_k
+    if not (isinstance(experts, int) and experts >= 0):
+        raise ConfigError(f"model.moe_experts={experts!r} must be 0 (dense) or a number of experts")
+    if experts == 0:
+        return
+    if not (isinstance(k, int) and 1 <= k <= experts):
+        raise ConfigError(
+            f"model.moe_top_k={k!r} must be between 1 and model.moe_experts={experts}"
+        )
+    if config.moe_router not in ROUTERS:
+        raise ConfigError(
+            f"model.moe_router={config.moe_router!r} is not one of {' | '.join(ROUTERS)}"
+        )
+    ffn = config.moe_ffn_dim
+    if ffn is not None and not (isinstance(ffn, int) and ffn >= 1):
+        raise ConfigError(f"model.moe_ffn_dim={ffn!r} must be a positive width or null (ffn_dim)")
+    if not is_layer_list(config.moe_dense_layers, config.n_layers):
+        raise ConfigError(
+            f"model.moe_dense_layers={config.moe_dense_layers!r} must list layers in increasing "
+            f"order, each in 0..{config.n_layers - 1} (model.n_layers={config.n_layers})"
+        )
+    if config.moe_shared_experts < 0:
+        raise ConfigError(f"model.moe_shared_experts={config.moe_shared_experts} is negative")
+    if config.moe_bias_update_rate and config.moe_router != "sigmoid":
+        raise ConfigError(
+            f"model.moe_bias_update_rate={config.moe_bias_update_rate} balances the sigmoid "
+            f"router's choice; model.moe_router={config.moe_router} has no bias "
+            "(use model.moe_aux_loss_coef)"
+        )
+    for key in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate"):
+        if getattr(config, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(config, key)} must not be negative")
+
+
+def gated_mlp(gate: Tensor, up: Tensor, activation: str) -> Tensor:
+    """``act(gate) * up``, ``act`` SiLU or the tanh-approximated GELU."""
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    return F.silu(gate) * up
+
+
+class GroupedLinear(nn.Module):
+    """``E`` linear maps without bias, stacked: ``weight`` is ``(E, out, in)``."""
+
+    def __init__(self, n: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class Experts(nn.Module):
+    """``E`` gated MLPs over rows sorted by expert (``counts[e]`` rows for expert ``e``)."""
+
+    def __init__(self, n: int, dim: int, hidden: int, activation: str):
+        super().__init__()
+        self.w1 = GroupedLinear(n, dim, hidden)  # gate
+        self.w3 = GroupedLinear(n, dim, hidden)  # up
+        self.w2 = GroupedLinear(n, hidden, dim)  # down
+        self.activation = activation
+        # grouped: one grouped GEMM per weight (CUDA); loop: one matmul per expert
+        self.grouped = True
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """``(M, C)`` rows sorted by expert -> ``(M, C)``."""
+        if self.grouped and x.is_cuda:
+            return self._grouped(x, counts)
+        return self._loop(x, counts)
+
+    def _loop(self, x: Tensor, counts: Tensor) -> Tensor:
+        out = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                rows = x[start : start + n]
+                h = gated_mlp(
+                    F.linear(rows, self.w1.weight[e]),
+                    F.linear(rows, self.w3.weight[e]),
+                    self.activation,
+                )
+                out[start : start + n] = F.linear(h, self.w2.weight[e])
+            start += n
+        return out
+
+    def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
+        dtype = _compute_dtype(x)  # autocast does not reach _grouped_mm: cast as it would
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        x = x.to(dtype)
+
+        def mm(a: Tensor, w: GroupedLinear) -> Tensor:
+            return torch._grouped_mm(a, w.weight.to(dtype).transpose(-2, -1), offs=offsets)
+
+        return mm(gated_mlp(mm(x, self.w1), mm(x, self.w3), self.activation), self.w2)
+
+
+class MoEFeedForward(nn.Module):
+    """The router, the routed experts and the optional shared ones of one layer."""
+
+    def __init__(self, config: ModelConfig, dense: type[nn.Module]):
+        super().__init__()
+        self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
+        self.router_kind, self.renormalize = config.moe_router, config.moe_renormalize
+        hidden = config.moe_ffn_dim or config.ffn_dim
+        self.router = nn.Linear(config.dim, self.n_experts, bias=False)
+        self.experts = Experts(self.n_experts, config.dim, hidden, config.activation)
+        self.shared = None
+        if config.moe_shared_experts:
+            self.shared = dense(config.dim, config.moe_shared_experts * hidden, config.activation)
+        if self.router_kind == "sigmoid":  # moved by update_bias, never by the gradient
+            self.register_buffer("expert_bias", torch.zeros(self.n_experts))
+        self.balance_loss: Tensor | None = None
+        self.z_loss: Tensor | None = None
+        self.expert_counts: Tensor | None = None
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Router logits ``(N, E)``, each token's experts ``(N, k)`` and weights
+        ``(N, k)`` (float32), and the probabilities the balance loss reads ``(N, E)``."""
+        logits = self.router(x)  # (N, E)
+        if self.router_kind == "softmax":
+            probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
+        else:
+            scores = torch.sigmoid(logits.float())  # (N, E)
+            chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+            weights = scores.gather(-1, chosen)  # (N, k): the bias only chooses
+            probs = scores / scores.sum(-1, keepdim=True)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return logits, chosen, weights, probs
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)  # (N, C)
+        logits, chosen, weights, probs = self.route(flat)
+        assignments = chosen.flatten()  # (N * k,)
+        order = torch.argsort(assignments, stable=True)  # the assignments by expert
+        token = order // self.top_k  # (N * k,): the token of each sorted assignment
+        counts = torch.bincount(assignments, minlength=self.n_experts)  # (E,)
+        y = self.experts(flat[token], counts)  # (N * k, C)
+        y = y * weights.flatten()[order, None].to(y.dtype)
+        out = torch.zeros_like(flat, dtype=y.dtype).index_add_(0, token, y)  # (N, C)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        if self.training and torch.is_grad_enabled():
+            share = counts.float() / assignments.numel()  # f_e
+            self.balance_loss = self.n_experts * (share * probs.mean(0)).sum()
+            self.z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
+            self.expert_counts = counts.detach()
+        return out.view(B, T, C)
+
+    @torch.no_grad()
+    def update_bias(self, counts: Tensor, rate: float) -> None:
+        """Move the sigmoid router's bias by ``rate`` towards balance: up for the experts
+        that took fewer than the mean of ``counts`` (one step's tokens), down for more."""
+        self.expert_bias += rate * torch.sign(counts.float().mean() - counts.float())
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    """The model's mixture-of-experts layers, in order."""
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def moe_losses(model: nn.Module, config: ModelConfig) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """After a training forward: the auxiliary loss to add to the objective's
+    (``moe_aux_loss_coef`` times the mean balance loss of the layers plus
+    ``moe_z_loss_coef`` times their mean z-loss; None for a dense model or outside
+    training) and the two means to log."""
+    layers = [m for m in moe_layers(model) if m.balance_loss is not None]
+    if not layers:
+        return None, {}
+    balance = torch.stack([m.balance_loss for m in layers]).mean()
+    z = torch.stack([m.z_loss for m in layers]).mean()
+    for m in layers:
+        m.balance_loss = m.z_loss = None
+    aux = config.moe_aux_loss_coef * balance + config.moe_z_loss_coef * z
+    return aux, {"moe_balance_loss": balance.detach(), "moe_z_loss": z.detach()}
+
+
+def take_expert_counts(model: nn.Module) -> Tensor | None:
+    """Tokens per expert of each layer's last training forward, ``(layers, E)``, or None."""
+    counts = [m.expert_counts for m in moe_layers(model)]
+    if not counts or any(c is None for c in counts):
+        return None
+    for m in moe_layers(model):
+        m.expert_counts = None
+    return torch.stack(counts)
+
+
+def load_metrics(counts: Tensor) -> dict[str, Tensor]:
+    """Per-layer balance of ``(layers, E)`` token counts: ``moe/load_max_mean/L`` (the
+    busiest expert's tokens over the mean: 1 when balanced) and
+    ``moe/load_min_mean/L``."""
+    counts = counts.float()
+    mean = counts.mean(-1).clamp_min(1e-9)
+    out = {}
+    for layer, (top, low, avg) in enumerate(
+        zip(counts.max(-1).values, counts.min(-1).values, mean, strict=True)
+    ):
+        out[f"moe/load_max_mean/{layer}"] = top / avg
+        out[f"moe/load_min_mean/{layer}"] = low / avg
+    return out
