@@ -199,9 +199,10 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
             share = counts.float() / assignments.numel()  # f_e
-            self.balance_loss = self.n_experts * (share * probs.mean(0)).sum()
-            self.z_loss = torch.logsumexp(logits.float(), dim=-1).square().mean()
-            self.expert_counts = counts.detach()
+            balance = self.n_experts * (share * probs.mean(0)).sum()
+            z = torch.logsumexp(logits.float(), dim=-1).square().mean()
+            # all three at once: activation checkpointing's recomputation may stop early
+            self.balance_loss, self.z_loss, self.expert_counts = balance, z, counts.detach()
         return out.view(B, T, C)
 
     @torch.no_grad()
@@ -221,8 +222,10 @@ def moe_losses(model: nn.Module, config: ModelConfig) -> tuple[Tensor | None, di
     (``moe_aux_loss_coef`` times the mean balance loss of the layers plus
     ``moe_z_loss_coef`` times their mean z-loss; None for a dense model or outside
     training) and the two means to log."""
-    layers = [m for m in moe_layers(model) if m.balance_loss is not None]
-    if not layers:
+    layers = moe_layers(model)
+    if not layers or any(m.balance_loss is None for m in layers):
+        for m in layers:
+            m.balance_loss = m.z_loss = None
         return None, {}
     balance = torch.stack([m.balance_loss for m in layers]).mean()
     z = torch.stack([m.z_loss for m in layers]).mean()

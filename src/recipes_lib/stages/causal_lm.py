@@ -37,10 +37,12 @@ from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
 from recipes_lib.models import Transformer
+from recipes_lib.models.moe import moe_losses
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel.precision import compute_dtype
 from recipes_lib.stages.build import ModelBuild, build_model
+from recipes_lib.stages.experts import ExpertLoad
 from recipes_lib.stages.guard import StepGuard, resolve_policy
 from recipes_lib.stages.optimization import configure_optimization
 from recipes_lib.stages.outputs import release_training_state
@@ -147,6 +149,7 @@ class CausalLMModule(L.LightningModule):
         self._rng_states_to_restore: Mapping[str, Any] | None = None
         self._val_loss_sum: Tensor | None = None
         self._val_batches: Tensor | None = None
+        self.expert_load = ExpertLoad(self.model_config)  # a mixture of experts' routing
 
     @classmethod
     def from_run_config(
@@ -174,13 +177,8 @@ class CausalLMModule(L.LightningModule):
 
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
-        """Build the model once (:func:`recipes_lib.stages.build.build_model`: seeded
-        decoder, ``init_from`` weights, adapter, float8, activation checkpointing,
-        per-block compilation, sharding); later calls (e.g. a second ``fit``) keep it.
-
-        The model is built on the strategy's root device (the context's default device
-        when unsharded; the CPU when FSDP offloads it).
-        """
+        """Build the model once (:func:`recipes_lib.stages.build.build_model`), on the
+        device :meth:`_build_device` names; later calls (a second ``fit``) keep it."""
         if self.model is not None:
             return
         mesh = self._data_parallel_mesh()
@@ -201,8 +199,7 @@ class CausalLMModule(L.LightningModule):
         )
 
     def _build_device(self, mesh) -> torch.device:
-        """Where a model is built: the context's default device; when it will be sharded,
-        the strategy's root device, or the CPU when offloading."""
+        """The context's default device; sharded: the root device, or the CPU to offload."""
         if mesh is None:
             return torch.get_default_device()
         if self.strategy_config.cpu_offload:
@@ -210,8 +207,7 @@ class CausalLMModule(L.LightningModule):
         return self.trainer.strategy.root_device
 
     def _data_parallel_mesh(self):
-        """The data-parallel device mesh under an FSDP2 (``ModelParallelStrategy``)
-        Trainer, else None."""
+        """The data-parallel mesh under FSDP2 (``ModelParallelStrategy``), else None."""
         try:
             mesh = self.device_mesh
         except (AttributeError, RuntimeError):
@@ -289,6 +285,10 @@ class CausalLMModule(L.LightningModule):
     # ------------------------------------------------------------ train / val
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, metrics = self.compute_loss(batch)
+        # a mixture of experts' balance and z-losses join the objective's (not its log)
+        aux, moe_metrics = moe_losses(self._built_model(), self.model_config)
+        self.expert_load.add(self._built_model())
+        metrics = {**metrics, **moe_metrics}
         loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), batch_idx)
         self.guard.add_loss(loss)
         self.tokens_seen += self.count_tokens(batch) * getattr(self._attached(), "world_size", 1)
@@ -302,7 +302,12 @@ class CausalLMModule(L.LightningModule):
             self.log(f"train/{name}", value, batch_size=batch_size)
         if self.guard.skipped is not None:
             self.log("guard/skipped_updates", self.guard.skipped.float(), batch_size=1)
-        return loss
+        return loss if aux is None else loss + aux
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        strategy = getattr(self._attached(), "strategy", None)
+        for name, value in self.expert_load.step(self._built_model(), strategy).items():
+            self.log(name, value, batch_size=1)
 
     def on_validation_epoch_start(self) -> None:
         self._val_loss_sum = torch.zeros((), device=self.device)

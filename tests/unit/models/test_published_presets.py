@@ -158,6 +158,73 @@ PUBLISHED = {
     },
 }
 
+PUBLISHED.update(
+    {
+        "olmoe_1b_7b": {  # OLMoE-1B-7B-0924
+            "architectures": ["OlmoeForCausalLM"],
+            "attention_bias": False,
+            "clip_qkv": None,
+            "hidden_act": "silu",
+            "hidden_size": 2048,
+            "initializer_range": 0.02,
+            "intermediate_size": 1024,
+            "max_position_embeddings": 4096,
+            "model_type": "olmoe",
+            "norm_topk_prob": False,
+            "num_attention_heads": 16,
+            "num_experts": 64,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 16,
+            "num_key_value_heads": 16,
+            "rms_norm_eps": 1e-05,
+            "rope_scaling": None,
+            "rope_theta": 10000.0,
+            "router_aux_loss_coef": 0.01,
+            "tie_word_embeddings": False,
+            "vocab_size": 50304,
+        },
+        "qwen3_30b_a3b": {
+            **QWEN3,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "decoder_sparse_step": 1,
+            "hidden_size": 2048,
+            "intermediate_size": 6144,
+            "max_window_layers": 48,
+            "mlp_only_layers": [],
+            "moe_intermediate_size": 768,
+            "norm_topk_prob": True,
+            "num_attention_heads": 32,
+            "num_experts": 128,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 48,
+            "num_key_value_heads": 4,
+            "router_aux_loss_coef": 0.001,
+            "tie_word_embeddings": False,
+        },
+        "mixtral_8x7b": {  # Mixtral-8x7B-v0.1
+            "architectures": ["MixtralForCausalLM"],
+            "hidden_act": "silu",
+            "hidden_size": 4096,
+            "initializer_range": 0.02,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 32768,
+            "model_type": "mixtral",
+            "num_attention_heads": 32,
+            "num_experts_per_tok": 2,
+            "num_hidden_layers": 32,
+            "num_key_value_heads": 8,
+            "num_local_experts": 8,
+            "rms_norm_eps": 1e-05,
+            "rope_theta": 1e6,
+            "router_aux_loss_coef": 0.02,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "vocab_size": 32000,
+        },
+    }
+)
+
 
 @pytest.mark.parametrize("preset", PUBLISHED)
 def test_the_preset_is_its_published_config(preset):

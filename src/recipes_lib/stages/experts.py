@@ -1,0 +1,45 @@
+"""The bookkeeping of a mixture of experts' training, per optimizer step: the tokens
+each expert took (summed over the step's micro-batches and the ranks), logged as the
+load balance of each layer, and the sigmoid router's balancing bias moved by them.
+
+The counts are summed over every rank before the bias moves, so the bias stays the same
+on every rank (it is a buffer, outside the optimizer). A step the guard skips still
+moves it: the routing it saw happened.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from recipes_lib.config.schema import ModelConfig
+from recipes_lib.models.moe import load_metrics, moe_layers, take_expert_counts
+
+
+class ExpertLoad:
+    """Counts the tokens per expert of a step's training forwards (:meth:`add`) and, once
+    per optimizer step (:meth:`step`), sums them over ranks, moves the router biases and
+    returns the per-layer balance to log."""
+
+    def __init__(self, config: ModelConfig):
+        self.rate = config.moe_bias_update_rate
+        self.counts: Tensor | None = None  # (MoE layers, E)
+
+    def add(self, model: nn.Module) -> None:
+        """Add the counts of the forward just run (nothing for a dense model)."""
+        counts = take_expert_counts(model)
+        if counts is not None:
+            self.counts = counts if self.counts is None else self.counts + counts
+
+    def step(self, model: nn.Module, strategy: Any) -> dict[str, Tensor]:
+        """The step's ``moe/load_max_mean/L`` and ``moe/load_min_mean/L`` (``L`` counting
+        the layers with experts), after moving each sigmoid router's bias."""
+        if self.counts is None:
+            return {}
+        counts = strategy.reduce(self.counts.float(), reduce_op="sum") if strategy else self.counts
+        self.counts = None
+        if self.rate:
+            for layer, layer_counts in zip(moe_layers(model), counts, strict=True):
+                layer.update_bias(layer_counts, self.rate)
+        return load_metrics(counts)

@@ -1,0 +1,91 @@
+"""A tiny mixture of experts trains on the CPU as the dense tiny model does, with its
+load balanced and its auxiliary losses logged, and resumes bitwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from integration_helpers import tiny_overrides
+from lightning.pytorch.callbacks import Callback
+from tiny import StopAtStep
+
+from recipes_lib.config import compose_config
+from recipes_lib.models.moe import moe_layers
+from recipes_lib.train import run
+
+
+def _overrides(tmp_path, cache, recipe: str, *extra: str) -> list[str]:
+    base = tiny_overrides(tmp_path, cache, *extra)
+    return [f"recipe={recipe}", *base[1:]]
+
+
+class RecordLoad(Callback):
+    """Each step's logged per-layer load and balance loss."""
+
+    def __init__(self):
+        self.load: list[float] = []
+        self.balance: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        metrics = trainer.callback_metrics
+        self.load.append(max(float(metrics[f"moe/load_max_mean/{i}"]) for i in range(2)))
+        self.balance.append(float(metrics["train/moe_balance_loss"]))
+
+
+def test_tiny_moe_learns_as_the_dense_model_does_with_balanced_load(tmp_path, shared_cache):
+    steps = ["trainer.max_steps=48", "trainer.val_check_interval=48", "trainer.limit_val_batches=4"]
+    dense = run(
+        compose_config(_overrides(tmp_path / "dense", shared_cache, "pretrain/tiny", *steps))
+    )
+    record = RecordLoad()
+    moe = run(
+        compose_config(_overrides(tmp_path / "moe", shared_cache, "pretrain/moe_tiny", *steps)),
+        callbacks=[record],
+    )
+    assert moe.global_step == 48
+    # ln(512) = 6.24 at the start; both fall well below it, the experts about as far
+    assert dense.metrics["val/loss"] < 5.5
+    assert moe.metrics["val/loss"] < dense.metrics["val/loss"] * 1.05
+    # balanced: the busiest of 8 experts takes well under twice its share over the last
+    # steps, and the balance loss stays near its minimum of 1
+    assert max(record.load[-10:]) < 1.6
+    assert 1.0 <= min(record.balance) and max(record.balance[-10:]) < 1.1
+    assert 0 < moe.metrics["train/moe_z_loss"]
+
+
+def _final_model(result):
+    state = torch.load(result.last_checkpoint, map_location="cpu", weights_only=False)
+    return state["state_dict"]
+
+
+class KeepModule(Callback):
+    def on_train_end(self, trainer, pl_module):
+        self.biases = [m.expert_bias.clone() for m in moe_layers(pl_module.model)]
+
+
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+def test_a_resumed_moe_run_matches_an_uninterrupted_one(tmp_path, shared_cache, router):
+    extra = [f"model.moe_router={router}"]
+    if router == "sigmoid":
+        extra.append("model.moe_bias_update_rate=0.01")
+    straight = run(
+        compose_config(_overrides(tmp_path / "a", shared_cache, "pretrain/moe_tiny", *extra))
+    )
+    split = tmp_path / "b"
+    run(
+        compose_config(_overrides(split, shared_cache, "pretrain/moe_tiny", *extra)),
+        callbacks=[StopAtStep(8)],
+    )
+    resumed = run(
+        compose_config(
+            _overrides(split, shared_cache, "pretrain/moe_tiny", *extra, "run.ckpt_path=last")
+        )
+    )
+    assert resumed.global_step == straight.global_step == 16
+    ours, theirs = _final_model(resumed), _final_model(straight)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=0, msg=name)
+    if router == "sigmoid":  # the balancing bias moved, and is part of the checkpoint
+        biases = [t for n, t in theirs.items() if n.endswith("expert_bias")]
+        assert len(biases) == 2 and all(b.abs().sum() > 0 for b in biases)
