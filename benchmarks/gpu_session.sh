@@ -22,6 +22,9 @@
 #                                              # tests, then Gemma 3 under FSDP (2 GPUs)
 #   bash benchmarks/gpu_session.sh families2   # the peer part and Gemma 3's throughput and
 #                                              # family tests again, in one ten-minute call
+#   bash benchmarks/gpu_session.sh moe         # the experts' grouped GEMM against a loop,
+#                                              # moe_1b against transformers' Qwen3-MoE,
+#                                              # the MoE and family GPU tests
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
@@ -128,6 +131,14 @@ families2)
   job fp8_gemma 1 "$PY -m pytest -q -rs tests/gpu/test_fp8_gpu.py -p no:cacheprovider;
     $PY benchmarks/pretrain_throughput.py --models gemma3_1b --attention flex $FAST \
       --out $OUT/throughput_gemma3_1b.json"
+  wait ;;
+moe)
+  FAST="--warmup-steps 6 --steps 15 --trainers recipes_lib,plain_pytorch,hf_transformers"
+  job moe_throughput 0 "$PY benchmarks/pretrain_throughput.py --models moe_1b $FAST \
+      --batch-size 8 --out $OUT/throughput_moe_1b.json"
+  job moe_tests 1 "$PY benchmarks/moe_experts.py --out $OUT/moe_experts.json;
+    $PY -m pytest -q -rs tests/gpu/test_moe_gpu.py -p no:cacheprovider;
+    $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -p no:cacheprovider"
   wait ;;
 peer)
   job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"

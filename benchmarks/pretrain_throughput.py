@@ -21,7 +21,8 @@ gradient clipping at 1.0 and a constant LR:
 - ``hf_transformers``: transformers' own model of the preset's family and shape
   (``LlamaForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``, ...: the
   ``config.json`` the library exports) with SDPA attention, each decoder layer
-  compiled, trained by the same bare loop.
+  compiled, trained by the same bare loop; a mixture of experts with transformers'
+  ``experts_implementation=--hf-experts`` (default ``grouped_mm``, its fastest).
 
 All use the same FLOPs count (``Transformer.flops_per_token``) for TFLOP/s and MFU,
 against the card's dense bf16 peak (also for FP8, so FP8's MFU reads as "bf16
@@ -193,8 +194,12 @@ def run_hf_transformers(
 ) -> Measured:
     from transformers import AutoModelForCausalLM
 
+    # a mixture of experts: transformers' fastest experts kernel (--hf-experts)
+    experts = {"experts_implementation": args.hf_experts} if cfg.moe_experts else {}
     with device:
-        model = AutoModelForCausalLM.from_config(hf_model_config(cfg), attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(
+            hf_model_config(cfg), attn_implementation="sdpa", **experts
+        )
         model = model.to(dtype=torch.float32)
     expected = meta_transformer(cfg).num_params()
     if model.num_parameters() != expected:
@@ -388,6 +393,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="recipes_lib also with guard.policy=off: what the training guard costs",
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="override the lookup")
+    p.add_argument(
+        "--hf-experts",
+        default="grouped_mm",
+        help="transformers' experts_implementation for a mixture of experts (eager, "
+        "batched_mm, grouped_mm)",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", default=None, help="also write the JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny model on CPU, fp32, no compile")

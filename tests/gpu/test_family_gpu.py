@@ -1,5 +1,6 @@
-"""Every model family trains on a GPU the fast way (``pytest -m gpu``): blocks compiled,
-FlexAttention with packed documents (and Gemma 3's windows), bf16; under FSDP on two
+"""Every model family, a mixture of experts among them, trains on a GPU the fast way
+(``pytest -m gpu``): blocks compiled, FlexAttention with packed documents (and Gemma 3's
+windows), bf16; under FSDP on two
 GPUs a Gemma 3 follows its one-GPU loss curve."""
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ FAMILIES = {
     "olmo2": ("model.family=olmo2", "model.qk_norm=full", "model.norm_placement=post"),
     "smollm3": ("model.family=smollm3", "model.nope_layers=[3]"),
     "phi3": ("model.family=phi3", "model.partial_rotary_factor=0.5"),
+    # experts in every layer: the grouped GEMM path, compiled, with the auxiliary losses
+    "qwen3_moe": (
+        "model.family=qwen3_moe",
+        "model.qk_norm=head",
+        "model.moe_experts=8",
+        "model.moe_top_k=2",
+        "model.moe_ffn_dim=512",
+        "model.moe_aux_loss_coef=0.01",
+        "model.moe_z_loss_coef=0.001",
+    ),
     "gemma3": (
         *family_overrides("gemma3"),
         "model.query_pre_attn_scalar=48",

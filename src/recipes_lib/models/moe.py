@@ -114,12 +114,13 @@ class Experts(nn.Module):
         self.w3 = GroupedLinear(n, dim, hidden)  # up
         self.w2 = GroupedLinear(n, hidden, dim)  # down
         self.activation = activation
-        # grouped: one grouped GEMM per weight (CUDA); loop: one matmul per expert
-        self.grouped = True
+        # grouped: one grouped GEMM per weight; loop: one matmul per expert; auto:
+        # grouped on CUDA, the loop elsewhere
+        self.path = "auto"
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """``(M, C)`` rows sorted by expert -> ``(M, C)``."""
-        if self.grouped and x.is_cuda:
+        if self.path == "grouped" or (self.path == "auto" and x.is_cuda):
             return self._grouped(x, counts)
         return self._loop(x, counts)
 
@@ -191,7 +192,8 @@ class MoEFeedForward(nn.Module):
         assignments = chosen.flatten()  # (N * k,)
         order = torch.argsort(assignments, stable=True)  # the assignments by expert
         token = order // self.top_k  # (N * k,): the token of each sorted assignment
-        counts = torch.bincount(assignments, minlength=self.n_experts)  # (E,)
+        counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device)
+        counts.scatter_add_(0, assignments, torch.ones_like(assignments))  # (E,): static shape
         y = self.experts(flat[token], counts)  # (N * k, C)
         y = y * weights.flatten()[order, None].to(y.dtype)
         out = torch.zeros_like(flat, dtype=y.dtype).index_add_(0, token, y)  # (N, C)
