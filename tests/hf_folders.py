@@ -34,6 +34,8 @@ HF_FAMILIES = {
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
 # what each family's tiny model sets beyond TINY_HF: a small head_dim where the family
 # has its own, its particular options on, and no padding row (transformers' defaults
@@ -50,6 +52,14 @@ FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
         "sliding_window": 16,
         "layer_types": ["sliding_attention", "full_attention"],
     },
+    "qwen3_moe": {
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 48},
 }
 # the shape every tiny transformers model starts from; a test sets what it needs on top
 TINY_HF = dict(

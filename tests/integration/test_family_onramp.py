@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 PeftModel = pytest.importorskip("peft").PeftModel
 SHORT = ["trainer=cpu", "trainer.max_steps=2", "scheduler.warmup=1", "trainer.val_check_interval=2"]
 FAMILY_OF = {"qwen3": "qwen3", "olmo2": "olmo2", "smollm3": "smollm3", "phi3": "phi3"}
-FAMILY_OF["gemma3_text"] = "gemma3"
+FAMILY_OF.update(gemma3_text="gemma3", qwen3_moe="qwen3_moe", mixtral="mixtral")
 
 
 @pytest.mark.parametrize("model_type", FAMILY_SETTINGS)
@@ -59,8 +59,9 @@ def test_lora_sft_from_each_family_folder(tmp_path, model_type):
         torch.testing.assert_close(adapted(input_ids=x).logits, ours, atol=1e-4, rtol=1e-4)
 
 
-def test_dpo_from_a_gemma3_folder(tmp_path):
-    folder = make_hf_folder(tmp_path / "gemma", "gemma3_text", **FAMILY_SETTINGS["gemma3_text"])
+@pytest.mark.parametrize("model_type", ["gemma3_text", "mixtral"])
+def test_dpo_from_a_folder(tmp_path, model_type):
+    folder = make_hf_folder(tmp_path / "hf", model_type, **FAMILY_SETTINGS[model_type])
     pairs = write_preference_records(tmp_path / "pairs.jsonl", 60)
     result = run(
         compose_config(

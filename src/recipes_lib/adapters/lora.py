@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from recipes_lib.config.schema import AdapterConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.models.moe import moe_layers
 
 ADAPTER_KINDS = ("none", "lora", "qlora")
 NATIVE_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
@@ -163,7 +164,28 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
     targets = native_targets(config)
     if config.kind == "qlora":
         _quantize_base_linears(model, targets, config)
-    inject_adapter_in_model(lora_config(config, targets), model, adapter_name=ADAPTER_NAME)
+    # by full name: the stacked experts of a mixture (GroupedLinear, not nn.Linear) share
+    # the MLP's names and take no adapter; they stay frozen
+    linears = [
+        name
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in targets
+        and isinstance(module, nn.Linear)  # bnb Linear4bit is one
+    ]
+    mlp = [name for name in linears if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")]
+    if mlp and moe_layers(model):
+        raise ConfigError(
+            f"adapter.target_modules: {mlp[0]} is a dense MLP of a mixture of experts, "
+            "whose adapter PEFT would read as one on the experts (transformers fuses them "
+            "under the MLP's names); target the attention: [wq, wk, wv, wo]"
+        )
+    if not linears:
+        raise ConfigError(
+            f"adapter.target_modules={list(config.target_modules)} match no linear layer of "
+            "this model (a mixture of experts' routed experts take no LoRA); target the "
+            "attention: [wq, wk, wv, wo]"
+        )
+    inject_adapter_in_model(lora_config(config, linears), model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(_LORA_MARK in name)
     return model

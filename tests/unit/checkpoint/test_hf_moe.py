@@ -155,3 +155,17 @@ def test_bad_expert_options_are_refused_naming_the_key(overrides, match):
 def test_a_dense_family_refuses_experts():
     with pytest.raises(ConfigError, match="model.family=llama with model.moe_experts=4.*qwen3_moe"):
         Transformer(tiny_model_config(family="llama", moe_experts=4))
+
+
+def test_lora_on_a_dense_mlp_of_a_mixture_is_refused_before_training():
+    from recipes_lib.adapters import apply_adapter
+    from recipes_lib.config.schema import AdapterConfig
+
+    config = tiny_model_config(**_native("qwen3_moe", moe_dense_layers=[0]))
+    model = Transformer(config)
+    with pytest.raises(ConfigError, match="layers.0.feed_forward.w1 is a dense MLP of a mixture"):
+        apply_adapter(model, AdapterConfig(kind="lora"))
+    # the attention takes its adapters; the routed experts stay frozen
+    apply_adapter(model, AdapterConfig(kind="lora", target_modules=["wq", "wk", "wv", "wo"]))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all(".attention." in n and "lora_" in n for n in trained)
