@@ -25,6 +25,8 @@
 #   bash benchmarks/gpu_session.sh moe         # the experts' grouped GEMM against a loop,
 #                                              # moe_1b against transformers' Qwen3-MoE,
 #                                              # the MoE and family GPU tests
+#   bash benchmarks/gpu_session.sh moe2        # transformers' other experts kernels on moe_1b,
+#                                              # the grouped GEMM at fewer tokens per expert
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
@@ -139,6 +141,15 @@ moe)
   job moe_tests 1 "$PY benchmarks/moe_experts.py --out $OUT/moe_experts.json;
     $PY -m pytest -q -rs tests/gpu/test_moe_gpu.py -p no:cacheprovider;
     $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -p no:cacheprovider"
+  wait ;;
+moe2)
+  HF="--warmup-steps 6 --steps 15 --trainers hf_transformers --batch-size 8"
+  job moe_hf 0 "$PY benchmarks/pretrain_throughput.py --models moe_1b $HF --hf-experts eager \
+      --out $OUT/throughput_moe_1b_hf_eager.json;
+    $PY benchmarks/pretrain_throughput.py --models moe_1b $HF --hf-experts batched_mm \
+      --out $OUT/throughput_moe_1b_hf_batched_mm.json"
+  job moe_experts 1 "$PY benchmarks/moe_experts.py --tokens 4096 --cases 8x2,64x8,128x8 \
+      --out $OUT/moe_experts_4k.json"
   wait ;;
 peer)
   job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"
