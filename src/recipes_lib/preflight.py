@@ -32,6 +32,7 @@ import torch
 
 from recipes_lib.adapters import check_adapter_config
 from recipes_lib.checkpoint.source import init_model_mismatches, read_init_source
+from recipes_lib.checkpoint.upcycle import upcycle_mismatches
 from recipes_lib.config.instantiate import check_targets
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.config.validate import check_values
@@ -83,6 +84,14 @@ def check_init_source(cfg: RunConfig) -> None:
     if cfg.stage.init_from is None:
         return
     source = read_init_source(cfg.stage.init_from)
+    if cfg.stage.upcycle:
+        differences = upcycle_mismatches(cfg.model, source.model)
+        if differences:
+            raise ConfigError(
+                f"stage.upcycle=true from stage.init_from={cfg.stage.init_from!r}: "
+                + "; ".join(differences)
+            )
+        return
     differences = init_model_mismatches(cfg.model, source)
     if differences:
         raise ConfigError(
@@ -99,6 +108,11 @@ def check_stage_io(cfg: RunConfig) -> None:
         raise ConfigError(
             f"stage.average_last_k={stage.average_last_k} and stage.ema_decay={stage.ema_decay} "
             "both choose the stage's output weights; set one of them"
+        )
+    if stage.upcycle and (stage.init_from is None or stage.init_optimizer):
+        raise ConfigError(
+            "stage.upcycle=true starts a mixture of experts from a dense model's weights: "
+            "it needs stage.init_from and no stage.init_optimizer (the moments do not fit)"
         )
     if stage.init_optimizer:
         source = stage.init_from

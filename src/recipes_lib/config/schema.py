@@ -169,6 +169,9 @@ class StageConfig:
     max_tokens: int | None = None  # when set, overrides trainer.max_steps
     init_from: str | None = None  # weights (or a .ckpt) that start this stage
     init_optimizer: bool = False  # also load the optimizer state of the init_from .ckpt
+    # init_from is a dense model and this one a mixture of experts: each expert starts as
+    # a copy of its layer's MLP, the routers fresh (recipes_lib.checkpoint.upcycle)
+    upcycle: bool = False
     average_last_k: int | None = None  # output: mean of the last K step checkpoints
     ema_decay: float | None = None  # output: exponential moving average of the weights
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)

@@ -285,8 +285,9 @@ def apply_handoff(
     cfg = copy.deepcopy(cfg)
     if handoff is None:
         return cfg
-    if stage.init == "weights":
+    if stage.init in ("weights", "upcycle"):
         cfg.stage.init_from = str(handoff.weights)
+        cfg.stage.upcycle = stage.init == "upcycle"
     elif stage.init in ("weights+optimizer", "full"):
         if handoff.checkpoint is None or not handoff.checkpoint.is_file():
             raise CheckpointError(

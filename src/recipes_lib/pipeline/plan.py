@@ -27,6 +27,7 @@ from rich.table import Table
 
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
+from recipes_lib.checkpoint.upcycle import upcycle_mismatches
 from recipes_lib.config import RunConfig
 from recipes_lib.config.instantiate import check_targets
 from recipes_lib.errors import ConfigError
@@ -105,7 +106,14 @@ def _check_stage(pipeline: PipelineSpec, plans: dict[str, StagePlan], plan: Stag
     if source_plan is None and external is None:
         return
     label = f"stage {plan.source_stage}" if source_plan is not None else external.label
-    if source_plan is not None:
+    if stage.init == "upcycle":
+        source_model = asdict(source_plan.config.model) if source_plan else external.model
+        problems = upcycle_mismatches(cfg.model, source_model)
+        if problems:
+            raise ConfigError(
+                f"stage {stage.name}: init=upcycle from {label}: {'; '.join(problems)}"
+            )
+    elif source_plan is not None:
         check_model_compatible(stage, cfg.model, label, asdict(source_plan.config.model))
     elif external.model is not None:
         check_model_compatible(stage, cfg.model, external, external.model)

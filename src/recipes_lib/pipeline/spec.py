@@ -10,7 +10,7 @@ A pipeline YAML (``conf/pipeline/<name>.yaml``, a ``@package _global_`` overlay 
         recipe: pretrain/tiny
       anneal:
         recipe: anneal/tiny
-        init: weights           # scratch | weights | weights+optimizer | full
+        init: weights           # scratch | weights | weights+optimizer | full | upcycle
         from: pretrain          # an earlier stage, or a manifest / checkpoint path
         lr_from_previous: true
         optim: {weight_decay: 0.0}   # any other key: merged onto the stage's RunConfig
@@ -42,7 +42,7 @@ from recipes_lib.errors import ConfigError
 
 PIPELINE_SCHEMA_NAME = "pipeline_schema"
 PIPELINE_ROOT = "pipeline_root"
-INIT_MODES = ("scratch", "weights", "weights+optimizer", "full")
+INIT_MODES = ("scratch", "weights", "weights+optimizer", "full", "upcycle")
 ON_CHANGE = ("error", "rerun", "keep")
 STAGE_KEYS = ("recipe", "init", "from", "overrides", "lr_from_previous", "replay_fraction")
 RUN_CONFIG_KEYS = tuple(f.name for f in fields(RunConfig))
@@ -85,7 +85,9 @@ class StageSpec:
             ``weights+optimizer`` (its last checkpoint's weights and AdamW moments,
             this stage's LR schedule) | ``full`` (resume its last checkpoint: step,
             optimizer, schedule and data position continue; ``trainer.max_steps``
-            counts from the start of the source stage).
+            counts from the start of the source stage) | ``upcycle`` (a mixture of
+            experts from the dense source's output weights, each expert a copy of its
+            layer's MLP: ``stage.upcycle``).
         source: the YAML ``from``: an earlier stage's name or a path to a manifest
             (or a stage folder holding one), a Lightning ``.ckpt``, a ``.safetensors``
             file or a folder holding ``model.safetensors``. ``None``: the stage before.

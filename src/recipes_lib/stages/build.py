@@ -25,6 +25,7 @@ from torch import nn
 
 from recipes_lib.adapters import apply_adapter
 from recipes_lib.checkpoint.source import load_model_weights
+from recipes_lib.checkpoint.upcycle import load_upcycled_weights
 from recipes_lib.config.schema import (
     AdapterConfig,
     KernelsConfig,
@@ -56,6 +57,7 @@ class ModelBuild:
     strategy: StrategyConfig
     init_from: str | None = None
     init_label: str | None = None
+    upcycle: bool = False  # init_from is dense: each expert starts as its layer's MLP
     adapter: AdapterConfig | None = None
     trains: bool = True
 
@@ -101,7 +103,11 @@ def build_model(
                 f"stage.init_from={plan.init_from!r} cannot load into a model built on the "
                 "meta device (deferred sharded init); use a strategy that builds it on device"
             )
-        load_model_weights(model, plan.init_from, plan.init_label)
+        if plan.upcycle:
+            label = plan.init_label or f"stage.init_from={plan.init_from!r}"
+            load_upcycled_weights(model, plan.init_from, label)
+        else:
+            load_model_weights(model, plan.init_from, plan.init_label)
     if plan.adapter is not None:  # 3
         model = apply_adapter(model, plan.adapter)
     spec = get_strategy(plan.strategy.name)

@@ -72,6 +72,7 @@ class CausalLMModule(L.LightningModule):
         init_optimizer: Also start from the optimizer state of ``init_from`` (a Lightning
             checkpoint): AdamW moments carry over, learning rates and the schedule come
             from ``optim`` and ``scheduler`` (see :func:`load_optimizer_moments`).
+        upcycle: ``init_from`` is a dense model; each expert starts as its layer's MLP.
         adapter, precision, strategy: how the model is built (:mod:`.build`): LoRA or
             QLoRA (only the adapters train), float8 layers, sharding.
         guard: what a non-finite or spiking update does (:mod:`.guard`).
@@ -93,6 +94,7 @@ class CausalLMModule(L.LightningModule):
         document_mask: bool = False,
         init_from: str | None = None,
         init_optimizer: bool = False,
+        upcycle: bool = False,
         adapter: AdapterConfig | None = None,
         precision: PrecisionConfig | None = None,
         strategy: StrategyConfig | None = None,
@@ -121,6 +123,7 @@ class CausalLMModule(L.LightningModule):
         self.document_mask = document_mask
         self.init_from = init_from
         self.init_optimizer = init_optimizer
+        self.upcycle = upcycle
         chunk = self.kernels_config.loss_chunk_size
         if chunk is not None and chunk < 1:
             raise ConfigError(f"kernels.loss_chunk_size={chunk} must be positive or null")
@@ -137,6 +140,7 @@ class CausalLMModule(L.LightningModule):
                 "document_mask": document_mask,
                 "init_from": init_from,
                 "init_optimizer": init_optimizer,
+                "upcycle": upcycle,
                 "adapter": asdict(self.adapter_config),
                 "precision": asdict(self.precision_config),
                 "strategy": asdict(self.strategy_config),
@@ -166,6 +170,7 @@ class CausalLMModule(L.LightningModule):
             document_mask=cfg.data.document_mask,
             init_from=cfg.stage.init_from,
             init_optimizer=cfg.stage.init_optimizer,
+            upcycle=cfg.stage.upcycle,
             adapter=cfg.adapter,
             precision=cfg.precision,
             strategy=cfg.strategy,
@@ -178,11 +183,11 @@ class CausalLMModule(L.LightningModule):
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
         """Build the model once (:func:`recipes_lib.stages.build.build_model`), on the
-        device :meth:`_build_device` names; later calls (a second ``fit``) keep it."""
+        device :meth:`_placement` names; later calls (a second ``fit``) keep it."""
         if self.model is not None:
             return
-        mesh = self._data_parallel_mesh()
-        self.model = build_model(self.policy_build(), device=self._build_device(mesh), mesh=mesh)
+        device, mesh = self._placement()
+        self.model = build_model(self.policy_build(), device=device, mesh=mesh)
         if self.kernels_config.compile:
             # fuses the fp32 upcast with log-softmax: the fp32 logits are never stored
             self._loss_fn = torch.compile(causal_lm_loss)
@@ -196,23 +201,21 @@ class CausalLMModule(L.LightningModule):
             strategy=self.strategy_config,
             init_from=self.init_from,
             adapter=self.adapter_config,
+            upcycle=self.upcycle,
         )
 
-    def _build_device(self, mesh) -> torch.device:
-        """The context's default device; sharded: the root device, or the CPU to offload."""
-        if mesh is None:
-            return torch.get_default_device()
-        if self.strategy_config.cpu_offload:
-            return torch.device("cpu")
-        return self.trainer.strategy.root_device
-
-    def _data_parallel_mesh(self):
-        """The data-parallel mesh under FSDP2 (``ModelParallelStrategy``), else None."""
+    def _placement(self) -> tuple[torch.device, Any]:
+        """Where a model is built, and the data-parallel mesh under FSDP2 (else None): the
+        context's default device; sharded, the root device (the CPU to offload)."""
         try:
             mesh = self.device_mesh
         except (AttributeError, RuntimeError):
-            return None
-        return mesh["data_parallel"] if mesh is not None else None
+            mesh = None
+        if mesh is None:
+            return torch.get_default_device(), None
+        offload = self.strategy_config.cpu_offload
+        device = torch.device("cpu") if offload else self.trainer.strategy.root_device
+        return device, mesh["data_parallel"]
 
     def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Next-token logits ``(B, T, V)``."""

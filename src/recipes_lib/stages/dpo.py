@@ -194,14 +194,10 @@ class DPOModule(CausalLMModule):
             init_label=f"{key}={source!r}" if source is not None else None,
             adapter=None,
             trains=False,
+            upcycle=self.upcycle and not settings.reference_from,  # as the policy started
         )
-        mesh = self._data_parallel_mesh()
-        reference = build_model(
-            plan,
-            device=self._build_device(mesh),
-            mesh=mesh,
-            attention=policy.attention_backend,
-        )
+        device, mesh = self._placement()
+        reference = build_model(plan, device=device, mesh=mesh, attention=policy.attention_backend)
         if source is not None:
             self.reference_source = str(Path(source).expanduser().resolve())
         return FrozenReference(model=reference)
