@@ -188,3 +188,29 @@ def test_a_gemma3_under_fsdp_reaches_the_single_process_weights(runs, tmp_path):
     _assert_same_weights(
         load_weights(single.weights_path), load_weights(tmp_path / "fsdp" / "model.safetensors")
     )
+
+
+MOE = (
+    "model.family=qwen3_moe",
+    "model.qk_norm=head",
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_dim=64",
+    "model.moe_router=sigmoid",
+    "model.moe_bias_update_rate=0.01",
+    "model.moe_z_loss_coef=0.001",
+)
+
+
+def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(runs, tmp_path):
+    """The stacked experts shard and train under FSDP as on one process, and the sigmoid
+    router's bias, moved by the token counts summed over both ranks, is the one
+    process's. (The balance loss is left out: each rank computes it on its own rows,
+    which is not the loss of the whole batch.)"""
+    single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *MOE)))
+    _torchrun(tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *MOE)
+    ours = load_weights(tmp_path / "fsdp" / "model.safetensors")
+    theirs = load_weights(single.weights_path)
+    _assert_same_weights(theirs, ours)
+    biases = [name for name in ours if name.endswith("expert_bias")]
+    assert len(biases) == 2 and all(ours[b].abs().sum() > 0 for b in biases)
