@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES, tiny_model_config
 
 from recipes_lib.checkpoint.upcycle import load_upcycled_weights
+from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models import Transformer
@@ -123,6 +124,13 @@ def test_a_pipeline_goes_from_dense_to_experts(tmp_path, shared_cache, monkeypat
             "stages": {
                 "dense": {"recipe": "pretrain/tiny"},
                 "experts": {"recipe": "pretrain/tiny", "init": "upcycle", "overrides": MIXTRAL},
+                # anneal: its output the mean of its last two checkpoints, experts included
+                "anneal": {
+                    "recipe": "pretrain/tiny",
+                    "overrides": MIXTRAL,
+                    "stage": {"average_last_k": 2},
+                    "run": {"checkpoint_every_n_steps": 2},
+                },
             },
         }
     )
@@ -130,3 +138,10 @@ def test_a_pipeline_goes_from_dense_to_experts(tmp_path, shared_cache, monkeypat
     manifest = result["experts"].manifest
     assert manifest.model["moe_experts"] == 4 and manifest.model["family"] == "mixtral"
     assert manifest.global_step == 4 and manifest.weights_path.is_file()
+    anneal = result["anneal"].manifest
+    assert len(anneal.averaged_from) == 2
+    averaged = load_weights(anneal.weights_path)
+    steps = [load_weights(anneal.directory / path) for path in anneal.averaged_from]
+    name = "layers.0.feed_forward.experts.w1.weight"
+    assert averaged[name].shape == (4, 384, 128)
+    torch.testing.assert_close(averaged[name], (steps[0][name] + steps[1][name]) / 2)

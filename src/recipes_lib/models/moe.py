@@ -194,9 +194,11 @@ class MoEFeedForward(nn.Module):
         token = order // self.top_k  # (N * k,): the token of each sorted assignment
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device)
         counts.scatter_add_(0, assignments, torch.ones_like(assignments))  # (E,): static shape
-        y = self.experts(flat[token], counts)  # (N * k, C)
-        y = y * weights.flatten()[order, None].to(y.dtype)
-        out = torch.zeros_like(flat, dtype=y.dtype).index_add_(0, token, y)  # (N, C)
+        y = self.experts(flat[token], counts)  # (N * k, C), by expert
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        y = y[back].view(-1, self.top_k, C)  # (N, k, C): each token's experts, in its order
+        out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # (N, C), no atomic adds
         if self.shared is not None:
             out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
