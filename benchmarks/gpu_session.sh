@@ -27,6 +27,7 @@
 #                                              # the MoE and family GPU tests
 #   bash benchmarks/gpu_session.sh moe2        # transformers' other experts kernels on moe_1b,
 #                                              # the grouped GEMM at fewer tokens per expert
+#   bash benchmarks/gpu_session.sh moe3        # moe_1b against the plain loop again, MoE tests
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
@@ -150,6 +151,14 @@ moe2)
       --out $OUT/throughput_moe_1b_hf_batched_mm.json"
   job moe_experts 1 "$PY benchmarks/moe_experts.py --tokens 4096 --cases 8x2,64x8,128x8 \
       --out $OUT/moe_experts_4k.json"
+  wait ;;
+moe3)
+  job moe_throughput 0 "$PY benchmarks/pretrain_throughput.py --models moe_1b --warmup-steps 6 \
+      --steps 15 --trainers recipes_lib,plain_pytorch --batch-size 8 \
+      --out $OUT/throughput_moe_1b_gather.json"
+  job moe_tests 1 "$PY -m pytest -q -rs tests/gpu/test_moe_gpu.py -p no:cacheprovider;
+    $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -k qwen3_moe \
+      -p no:cacheprovider"
   wait ;;
 peer)
   job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"
