@@ -329,6 +329,28 @@ def _device_count(devices: object) -> int | None:
     return None
 
 
+def check_expert_parallel(cfg: RunConfig, spec, devices: int | None) -> None:
+    """``strategy.expert_parallel``: a strategy that can, a mixture of experts, and
+    experts that divide over the ranks."""
+    if not spec.expert_parallel:
+        able = ", ".join(s for s, other in STRATEGIES.items() if other.expert_parallel)
+        raise ConfigError(
+            f"strategy.expert_parallel=true needs strategy={able}; strategy={spec.name} "
+            "keeps every expert on every rank"
+        )
+    experts = cfg.model.moe_experts
+    if not experts:
+        raise ConfigError(
+            "strategy.expert_parallel=true needs a mixture of experts (model.moe_experts)"
+        )
+    ranks = None if devices is None else devices * cfg.trainer.num_nodes
+    if ranks and experts % ranks:
+        raise ConfigError(
+            f"strategy.expert_parallel=true: model.moe_experts={experts} does not divide over "
+            f"{ranks} ranks (trainer.devices x trainer.num_nodes)"
+        )
+
+
 def check_strategy(cfg: RunConfig) -> None:
     """Refuse a strategy that cannot run as set, from what its spec declares."""
     spec = get_strategy(cfg.strategy.name)
@@ -351,6 +373,8 @@ def check_strategy(cfg: RunConfig) -> None:
             f"strategy.async_checkpoint=true writes sharded checkpoint folders in the "
             f"background ({writers}); strategy={name} saves its checkpoints in the foreground"
         )
+    if cfg.strategy.expert_parallel:
+        check_expert_parallel(cfg, spec, count)
     if spec.needs_package is not None:
         package, hint = spec.needs_package
         if importlib.util.find_spec(package) is None:

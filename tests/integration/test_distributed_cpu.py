@@ -202,14 +202,23 @@ MOE = (
 )
 
 
-def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(runs, tmp_path):
-    """The stacked experts shard and train under FSDP as on one process, and the sigmoid
-    router's bias, moved by the token counts summed over both ranks, is the one
-    process's. (The balance loss is left out: each rank computes it on its own rows,
-    which is not the loss of the whole batch.)"""
+@pytest.mark.parametrize("experts", ["gathered", "expert_parallel"])
+def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
+    runs, tmp_path, experts
+):
+    """The stacked experts shard and train under FSDP as on one process, gathered like
+    every weight or each rank keeping two of the four (expert parallelism, the tokens
+    sent to them and back), and the sigmoid router's bias, moved by the token counts
+    summed over both ranks, is the one process's. (The balance loss is left out: each
+    rank computes it on its own rows, which is not the loss of the whole batch.)"""
     single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *MOE)))
-    _torchrun(tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *MOE)
+    parallel = ["strategy.expert_parallel=true"] if experts == "expert_parallel" else []
+    _torchrun(
+        tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *MOE, *parallel
+    )
     ours = load_weights(tmp_path / "fsdp" / "model.safetensors")
+    log = (tmp_path / "fsdp" / "cli.log").read_text()
+    assert ("each of 2 ranks holds 2 experts" in log) == (experts == "expert_parallel")
     theirs = load_weights(single.weights_path)
     _assert_same_weights(theirs, ours)
     biases = [name for name in ours if name.endswith("expert_bias")]

@@ -259,6 +259,9 @@ class StrategyConfig:
     # fsdp: sharded checkpoints written in the background (torch.distributed.checkpoint's
     # async_save); training waits only while the shards are copied to host memory
     async_checkpoint: bool = False
+    # fsdp: a mixture of experts' experts spread over the ranks (each keeps E / ranks of
+    # them whole) with the tokens sent to them by all-to-all, instead of gathered
+    expert_parallel: bool = False
 
 
 @dataclass

@@ -27,7 +27,7 @@ Shapes: N tokens (B * T), C model dim, E experts, k experts per token, F expert 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -117,6 +117,7 @@ class Experts(nn.Module):
         # grouped: one grouped GEMM per weight; loop: one matmul per expert; auto:
         # grouped on CUDA, the loop elsewhere
         self.path = "auto"
+        self.parallel: ExpertParallel | None = None  # set by expert-parallel sharding
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """``(M, C)`` rows sorted by expert -> ``(M, C)``."""
@@ -124,30 +125,91 @@ class Experts(nn.Module):
             return self._grouped(x, counts)
         return self._loop(x, counts)
 
+    def weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """``w1``, ``w3``, ``w2`` in ``dtype``: under expert parallelism this rank's
+        experts only (see :class:`ExpertParallel`)."""
+        found = []
+        for linear in (self.w1, self.w3, self.w2):
+            w = linear.weight
+            if self.parallel is not None:
+                w = self.parallel.local(w)
+            found.append(w.to(dtype))
+        return found[0], found[1], found[2]
+
     def _loop(self, x: Tensor, counts: Tensor) -> Tensor:
+        w1, w3, w2 = self.weights(x.dtype)
         out = torch.empty_like(x)
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
                 rows = x[start : start + n]
-                h = gated_mlp(
-                    F.linear(rows, self.w1.weight[e]),
-                    F.linear(rows, self.w3.weight[e]),
-                    self.activation,
-                )
-                out[start : start + n] = F.linear(h, self.w2.weight[e])
+                h = gated_mlp(F.linear(rows, w1[e]), F.linear(rows, w3[e]), self.activation)
+                out[start : start + n] = F.linear(h, w2[e])
             start += n
         return out
 
     def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
         dtype = _compute_dtype(x)  # autocast does not reach _grouped_mm: cast as it would
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        w1, w3, w2 = self.weights(dtype)
         x = x.to(dtype)
 
-        def mm(a: Tensor, w: GroupedLinear) -> Tensor:
-            return torch._grouped_mm(a, w.weight.to(dtype).transpose(-2, -1), offs=offsets)
+        def mm(a: Tensor, w: Tensor) -> Tensor:
+            return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
 
-        return mm(gated_mlp(mm(x, self.w1), mm(x, self.w3), self.activation), self.w2)
+        return mm(gated_mlp(mm(x, w1), mm(x, w3), self.activation), w2)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """The identity, its gradient times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class ExpertParallel:
+    """Expert parallelism over a process group of ``size`` ranks: rank ``r`` holds experts
+    ``r * E / size`` up to the next rank's (its dim-0 shard of the stacked weights, a
+    ``DTensor`` placed ``Shard(0)``), and the tokens travel to their experts' rank and
+    back by two all-to-alls.
+
+    Every rank's tokens add to its experts' gradients, which are therefore a sum over the
+    ranks; they are divided by ``size`` to be the mean that data parallelism takes of
+    every other gradient.
+    """
+
+    def __init__(self, group: Any, size: int):
+        self.group, self.size = group, size
+
+    def local(self, weight: Tensor) -> Tensor:
+        """This rank's experts of a stacked weight, gradients scaled by ``1 / size``."""
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        return _ScaleGrad.apply(local, 1.0 / self.size)
+
+    def exchange(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
+        """The experts' outputs for rows ``x`` sorted by expert (``counts`` per expert),
+        computed on the ranks that hold them."""
+        from torch.distributed import all_to_all_single
+        from torch.distributed.nn.functional import all_to_all_single as exchange
+
+        per_rank = counts.view(self.size, -1)  # (ranks, local experts): rows to send
+        received = torch.empty_like(per_rank)  # rows from each rank for each local expert
+        all_to_all_single(received, per_rank.contiguous(), group=self.group)
+        send, receive = per_rank.sum(1).tolist(), received.sum(1).tolist()
+        rows = exchange(x.new_empty(sum(receive), x.shape[1]), x, receive, send, self.group)
+        local = received.shape[1]
+        expert = torch.arange(local, device=x.device).repeat(self.size)
+        order = torch.argsort(torch.repeat_interleave(expert, received.flatten()), stable=True)
+        y = experts(rows[order], received.sum(0))  # by local expert
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return exchange(x.new_empty(x.shape), y[back].contiguous(), send, receive, self.group)
 
 
 class MoEFeedForward(nn.Module):
@@ -194,7 +256,10 @@ class MoEFeedForward(nn.Module):
         token = order // self.top_k  # (N * k,): the token of each sorted assignment
         counts = torch.zeros(self.n_experts, dtype=torch.long, device=x.device)
         counts.scatter_add_(0, assignments, torch.ones_like(assignments))  # (E,): static shape
-        y = self.experts(flat[token], counts)  # (N * k, C), by expert
+        if self.experts.parallel is None:
+            y = self.experts(flat[token], counts)  # (N * k, C), by expert
+        else:  # to the ranks holding the experts and back
+            y = self.experts.parallel.exchange(self.experts, flat[token], counts)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
         y = y[back].view(-1, self.top_k, C)  # (N, k, C): each token's experts, in its order

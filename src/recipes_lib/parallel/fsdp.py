@@ -9,15 +9,20 @@ Sharded checkpoints are read back whole by
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from recipes_lib.config.schema import PrecisionConfig, StrategyConfig
+from recipes_lib.errors import ConfigError
+from recipes_lib.models.moe import ExpertParallel, moe_layers
 
+log = logging.getLogger(__name__)
 _MIXED = ("bf16-mixed", "fp8")  # precisions whose compute runs in bf16 over fp32 weights
 
 
@@ -67,6 +72,8 @@ def shard_model(
     if strategy.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     ignored = _quantized_params(model)
+    if strategy.expert_parallel:  # the experts stay on their rank, outside FSDP
+        ignored |= shard_experts(model, mesh)
     if ignored:
         kwargs["ignored_params"] = ignored
     blocks = _blocks(model)
@@ -76,6 +83,37 @@ def shard_model(
         fully_shard(block, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=strategy.reshard_after_forward, **kwargs)
     return model
+
+
+def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
+    """Expert parallelism over ``mesh``: each mixture layer's stacked expert weights
+    become ``DTensor`` shards along the experts (``Shard(0)``: rank ``r`` keeps its
+    ``E / ranks`` experts whole) and its tokens travel to them by all-to-all
+    (:class:`recipes_lib.models.moe.ExpertParallel`); returns those parameters, which
+    ``fully_shard`` must leave alone (it would gather them).
+
+    Raises:
+        ConfigError: a layer's experts do not divide over the ranks.
+    """
+    size = mesh.size()
+    moved: set[nn.Parameter] = set()
+    for layer in moe_layers(model):
+        if layer.n_experts % size:
+            raise ConfigError(
+                f"strategy.expert_parallel=true: model.moe_experts={layer.n_experts} does not "
+                f"divide over {size} ranks"
+            )
+        experts = layer.experts
+        for linear in (experts.w1, experts.w3, experts.w2):
+            weight = linear.weight
+            shard = distribute_tensor(weight.detach(), mesh, [Shard(0)])
+            linear.weight = nn.Parameter(shard, requires_grad=weight.requires_grad)
+            moved.add(linear.weight)
+        experts.parallel = ExpertParallel(mesh.get_group(), size)
+    if moved:
+        experts_per_rank = moe_layers(model)[0].n_experts // size
+        log.info("expert parallelism: each of %d ranks holds %d experts", size, experts_per_rank)
+    return moved
 
 
 def is_sharded(model: nn.Module) -> bool:

@@ -234,6 +234,8 @@ class StrategySpec:
             skip an update, nor a batch ramp vary the accumulation.
         async_checkpoint: it writes checkpoints in the background
             (``strategy.async_checkpoint``; FSDP2's sharded folders, through DCP).
+        expert_parallel: it can spread a mixture's experts over the ranks
+            (``strategy.expert_parallel``).
         needs_package: the package it imports, with its install hint.
         needs_cuda: it runs on CUDA GPUs only.
         build: the Lightning strategy (or ``"auto"``) for a ``strategy`` config and
@@ -254,6 +256,7 @@ class StrategySpec:
     sharded_state: tuple[str, ...] = ()
     steps_in_engine: bool = False
     async_checkpoint: bool = False
+    expert_parallel: bool = False
     needs_package: tuple[str, str] | None = None
     needs_cuda: bool = False
     shard: Callable[..., nn.Module] | None = None
@@ -302,6 +305,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             shard=shard_model,
             sharded_state=_ALL_STATE,
             async_checkpoint=True,
+            expert_parallel=True,
         ),
         StrategySpec(
             name="deepspeed_zero2",
