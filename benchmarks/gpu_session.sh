@@ -28,6 +28,8 @@
 #   bash benchmarks/gpu_session.sh moe2        # transformers' other experts kernels on moe_1b,
 #                                              # the grouped GEMM at fewer tokens per expert
 #   bash benchmarks/gpu_session.sh moe3        # moe_1b against the plain loop again, MoE tests
+#   bash benchmarks/gpu_session.sh ep          # expert parallelism: the 2-GPU test, moe_1b
+#                                              # scaling 1 -> 2 GPUs (fsdp and fsdp+ep)
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
@@ -159,6 +161,14 @@ moe3)
   job moe_tests 1 "$PY -m pytest -q -rs tests/gpu/test_moe_gpu.py -p no:cacheprovider;
     $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -k qwen3_moe \
       -p no:cacheprovider"
+  wait ;;
+ep)
+  job ep_test 0,1 "$PY -m pytest -q -rs -m multigpu tests/gpu/test_family_gpu.py \
+      -k expert_parallel -p no:cacheprovider"
+  wait
+  job ep_scaling 0,1 "$PY benchmarks/scaling.py --recipe pretrain/moe_1b --gpus 1,2 \
+      --strategies fsdp,fsdp+ep --no-single-baseline --warmup-steps 6 --steps 15 \
+      --timeout-s 120 --budget-s 440 --out $OUT/scaling_moe_1b.json"
   wait ;;
 peer)
   job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"

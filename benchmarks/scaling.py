@@ -64,6 +64,7 @@ GPU_RECIPE = "pretrain/llama_1b"
 SMOKE_RECIPE = "pretrain/tiny"
 STRATEGIES = ("single", "ddp", "fsdp")
 GC_SUFFIX = "+autogc"  # NAME+autogc: NAME without the GarbageCollection callback
+EP_SUFFIX = "+ep"  # fsdp+ep: fsdp with a mixture's experts spread over the ranks
 LOG_TAIL_CHARS = 3000
 
 
@@ -71,8 +72,10 @@ LOG_TAIL_CHARS = 3000
 def worker_overrides(args, world_size: int, run_dir: str) -> list[str]:
     from _library import measured_run_overrides
 
-    recipe = SMOKE_RECIPE if args.smoke else GPU_RECIPE
+    recipe = SMOKE_RECIPE if args.smoke else args.recipe
     extra = ["precision=32-true", "kernels.compile=false"] if args.smoke else []
+    if args.expert_parallel:
+        extra.append("strategy.expert_parallel=true")
     if args.auto_gc:
         extra.append("~callbacks.gc")
     else:
@@ -158,7 +161,9 @@ def run_worker(args) -> dict:
     return {
         "device": name,
         "world_size": world_size,
-        "strategy": args.strategy + (GC_SUFFIX if args.auto_gc else ""),
+        "strategy": args.strategy
+        + (EP_SUFFIX if args.expert_parallel else "")
+        + (GC_SUFFIX if args.auto_gc else ""),
         "trainer_strategy": type(fit.trainer.strategy).__name__,
         "tokens_per_sec": round(tokens_per_sec, 1),
         "tokens_per_sec_per_gpu": round(tokens_per_sec / world_size, 1),
@@ -177,18 +182,21 @@ def run_worker(args) -> dict:
 
 
 # ---------------------------------------------------------------------------- driver
-def split_strategy(name: str) -> tuple[str, bool]:
-    """``fsdp+autogc`` -> (``fsdp``, True); ``fsdp`` -> (``fsdp``, False)."""
-    if name.endswith(GC_SUFFIX):
-        return name[: -len(GC_SUFFIX)], True
-    return name, False
+def split_strategy(name: str) -> tuple[str, bool, bool]:
+    """``fsdp+autogc`` -> (``fsdp``, True, False); ``fsdp+ep`` -> (``fsdp``, False, True):
+    the strategy, whether under Python's automatic GC, whether expert-parallel."""
+    auto_gc = name.endswith(GC_SUFFIX)
+    name = name.removesuffix(GC_SUFFIX)
+    return name.removesuffix(EP_SUFFIX), auto_gc, name.endswith(EP_SUFFIX)
 
 
 def launch(args, strategy: str, gpus: int, timeout_s: float) -> dict:
     """One ``torchrun`` job; its rank-0 fragment, or an error with the log's tail."""
-    base, auto_gc = split_strategy(strategy)
+    base, auto_gc, expert_parallel = split_strategy(strategy)
     arguments = [
         f"--strategy={base}",
+        f"--recipe={args.recipe}",
+        *(["--expert-parallel"] if expert_parallel else []),
         f"--gc-every-n-steps={args.gc_every_n_steps}",
         *(["--auto-gc"] if auto_gc else []),
         f"--micro-batch={args.micro_batch}",
@@ -261,7 +269,7 @@ def driver_main(args) -> dict:
         "versions": package_versions("lightning", "recipes-lib"),
         "command": command_line(),
         "settings": {
-            "recipe": SMOKE_RECIPE if args.smoke else GPU_RECIPE,
+            "recipe": SMOKE_RECIPE if args.smoke else args.recipe,
             "precision": "32-true" if args.smoke else "bf16-mixed (the recipe's)",
             "compile": "off" if args.smoke else "each block (the recipe's sdpa_compiled)",
             "micro_batch_per_gpu": args.micro_batch,
@@ -329,6 +337,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_false",
         help="skip strategy=single on 1 GPU (the efficiency_vs_single baseline)",
     )
+    p.add_argument("--recipe", default=GPU_RECIPE, help="the recipe measured on GPUs")
+    p.add_argument("--expert-parallel", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--warmup-steps", type=int, default=8)
