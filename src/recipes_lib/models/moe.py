@@ -192,6 +192,7 @@ class ExpertParallel:
         local = weight.to_local() if hasattr(weight, "to_local") else weight
         return _ScaleGrad.apply(local, 1.0 / self.size)
 
+    @torch.compiler.disable  # host-side split sizes and collectives: run eagerly
     def exchange(self, experts: Experts, x: Tensor, counts: Tensor) -> Tensor:
         """The experts' outputs for rows ``x`` sorted by expert (``counts`` per expert),
         computed on the ranks that hold them."""
