@@ -28,8 +28,9 @@
 #   bash benchmarks/gpu_session.sh moe2        # transformers' other experts kernels on moe_1b,
 #                                              # the grouped GEMM at fewer tokens per expert
 #   bash benchmarks/gpu_session.sh moe3        # moe_1b against the plain loop again, MoE tests
-#   bash benchmarks/gpu_session.sh ep          # expert parallelism: the 2-GPU test, moe_1b
-#                                              # scaling 1 -> 2 GPUs (fsdp and fsdp+ep)
+#   bash benchmarks/gpu_session.sh ep          # expert parallelism: the 2-GPU test, the
+#                                              # grouped GEMM against the loop, moe_1b on
+#                                              # 1 and 2 GPUs (fsdp) and 2 (fsdp+ep)
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
@@ -166,9 +167,15 @@ ep)
   job ep_test 0,1 "$PY -m pytest -q -rs -m multigpu tests/gpu/test_family_gpu.py \
       -k expert_parallel -p no:cacheprovider"
   wait
-  job ep_scaling 0,1 "$PY benchmarks/scaling.py --recipe pretrain/moe_1b --gpus 1,2 \
-      --strategies fsdp,fsdp+ep --no-single-baseline --warmup-steps 6 --steps 15 \
-      --timeout-s 120 --budget-s 440 --out $OUT/scaling_moe_1b.json"
+  job moe_experts 0 "$PY benchmarks/moe_experts.py --out $OUT/moe_experts.json;
+    $PY benchmarks/moe_experts.py --tokens 4096 --cases 8x2,64x8,128x8 \
+      --out $OUT/moe_experts_4k.json"
+  wait
+  SCALE="--recipe pretrain/moe_1b --no-single-baseline --warmup-steps 6 --steps 12 \
+    --timeout-s 110 --out $OUT/scaling_moe_1b.json"
+  job ep_scaling 0,1 "$PY benchmarks/scaling.py $SCALE --gpus 1,2 --strategies fsdp --budget-s 230;
+    $PY benchmarks/scaling.py $SCALE --gpus 2 --strategies fsdp+ep --budget-s 120 \
+      --resume $OUT/scaling_moe_1b.json"
   wait ;;
 peer)
   job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"

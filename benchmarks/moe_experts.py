@@ -28,9 +28,9 @@ from recipes_lib.models.moe import MoEFeedForward
 
 
 def time_layer(
-    layer: MoEFeedForward, x: torch.Tensor, grouped: bool, args
+    layer: MoEFeedForward, x: torch.Tensor, path: str, args
 ) -> tuple[dict, torch.Tensor]:
-    layer.experts.grouped = grouped
+    layer.experts.path = path
     device = x.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     times, out = [], None

@@ -6,7 +6,8 @@ keys, or on a key and this machine, is checked here, in this order, and the firs
 problem stops the run with one line naming the keys:
 
 1. every ``_target_`` at any depth against the allowlist (before anything is imported);
-2. the model against the weights ``stage.init_from`` holds (every difference at once);
+2. the model against the weights ``stage.init_from`` holds (every difference at once;
+   upcycling: a dense model);
 3. the schema's single values (:func:`recipes_lib.config.validate.check_values`);
 4. what the stage starts from and what it writes (``init_optimizer``, ``ckpt_path``,
    ``average_last_k`` / ``ema_decay``);
@@ -180,25 +181,19 @@ def check_precision(
     cuda_capability: tuple[int, int] | None | Detect = "detect",
     cpu_bf16: bool | Detect = "detect",
 ) -> None:
-    """Refuse a precision that cannot run here or with the rest of the config.
-
-    The device follows ``trainer.accelerator`` as everywhere else: ``cpu``, ``gpu``
-    (``cuda``), or ``auto``, which is a GPU when one is visible.
-
-    Args:
-        cfg: the run config.
-        cuda_capability: compute capability of the GPU the run trains on, None where
-            there is none; detected from the machine unless given.
-        cpu_bf16: whether the CPU has native bf16 kernels; detected unless given.
-
-    Raises:
-        ConfigError: an unknown ``precision.name``; bf16 on a CPU without native bf16;
-            fp8 on a CPU, on a GPU older than compute capability 8.9, without torchao,
-            with ``adapter.kind=qlora`` or a strategy without float8, with bad float8
-            settings, or where no Linear layer of the model would be converted.
-    """
+    """Refuse a precision that cannot run here (``trainer.accelerator``: ``auto`` is a
+    GPU when one is visible) or with the rest of the config: an unknown name, bf16 on a
+    CPU without native bf16 (``cpu_bf16``), fp8 on a CPU, below compute capability 8.9
+    (``cuda_capability``; both detected unless given), without torchao, with QLoRA or a
+    strategy without float8, with bad float8 settings or no Linear to convert; a
+    sigmoid router's bias steps in bf16."""
     precision = cfg.precision
     check_precision_name(precision.name)
+    if precision.name == "bf16-true" and cfg.model.moe_bias_update_rate:
+        raise ConfigError(
+            "model.moe_bias_update_rate with precision=bf16-true: the router's bias would be "
+            "bf16, which rounds its small steps away; use precision=bf16-mixed"
+        )
     detect = cuda_capability == "detect"
     # the capability is read only for fp8: reading it initialises CUDA in this process
     gpu_visible = torch.cuda.is_available() if detect else cuda_capability is not None
@@ -330,8 +325,7 @@ def _device_count(devices: object) -> int | None:
 
 
 def check_expert_parallel(cfg: RunConfig, spec, devices: int | None) -> None:
-    """``strategy.expert_parallel``: a strategy that can, a mixture of experts, and
-    experts that divide over the ranks."""
+    """A strategy that can, a mixture of experts, experts that divide over the ranks."""
     if not spec.expert_parallel:
         able = ", ".join(s for s, other in STRATEGIES.items() if other.expert_parallel)
         raise ConfigError(

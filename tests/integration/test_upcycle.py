@@ -30,6 +30,8 @@ EXPERTS = dict(moe_experts=4, moe_top_k=2, moe_ffn_dim=64)
         ("llama", {"family": "mixtral"}),
         # a layer that keeps its dense MLP beside one with experts
         ("qwen3", {"family": "qwen3_moe", "moe_dense_layers": [1]}),
+        # shared experts start adding nothing
+        ("qwen3", {"family": "qwen3_moe", "moe_shared_experts": 1}),
     ],
 )
 def test_the_upcycled_mixture_computes_the_dense_model(tmp_path, dense_family, moe):
@@ -145,3 +147,21 @@ def test_a_pipeline_goes_from_dense_to_experts(tmp_path, shared_cache, monkeypat
     name = "layers.0.feed_forward.experts.w1.weight"
     assert averaged[name].shape == (4, 384, 128)
     torch.testing.assert_close(averaged[name], (steps[0][name] + steps[1][name]) / 2)
+
+
+def test_a_sigmoid_router_bias_in_bf16_is_refused():
+    from recipes_lib.config import to_run_config
+    from recipes_lib.preflight import check_precision
+
+    cfg = to_run_config(
+        compose_config(
+            [
+                "recipe=pretrain/moe_tiny",
+                "precision=bf16-true",
+                "model.moe_router=sigmoid",
+                "model.moe_bias_update_rate=0.001",
+            ]
+        )
+    )
+    with pytest.raises(ConfigError, match="model.moe_bias_update_rate with precision=bf16-true"):
+        check_precision(cfg, cuda_capability=None, cpu_bf16=True)

@@ -4,8 +4,10 @@ Every expert of a layer starts as a copy of that layer's dense MLP (``w1``, ``w3
 ``w2``); the routers (and the sigmoid router's bias, and any shared experts) keep their
 fresh initialisation; everything else is the dense model's. With the top-k weights
 renormalised (``model.moe_renormalize``) the upcycled model computes exactly what the
-dense one did, whichever experts the router picks: training then lets the copies drift
-apart (Komatsuzaki et al., "Sparse Upcycling", 2022).
+dense one did, whichever experts the router picks (shared experts start adding nothing:
+their ``w2`` is zero); without, each token's MLP output is scaled by its k experts'
+probabilities. Training then lets the copies drift apart (Komatsuzaki et al., "Sparse
+Upcycling", 2022).
 
 The two models must agree on everything but the experts: the family may change to its
 mixture (``llama`` -> ``mixtral``, ``qwen3`` -> ``qwen3_moe``) as long as every other
@@ -30,7 +32,16 @@ from recipes_lib.config.model import ModelConfig, resolved_model_fields
 from recipes_lib.errors import CheckpointError
 
 # what may differ between the dense source and its mixture
-_EXPERT_FIELDS = ("family", "moe_experts", "moe_ffn_dim", "moe_dense_layers", "moe_shared_experts")
+_EXPERT_FIELDS = (
+    "family",
+    "moe_experts",
+    "moe_ffn_dim",
+    "moe_dense_layers",
+    "moe_shared_experts",
+    "moe_router",
+    "moe_top_k",
+    "moe_renormalize",
+)
 _EXPERT = re.compile(r"(layers\.\d+\.feed_forward)\.experts\.(w[123])\.weight")
 
 
@@ -39,8 +50,9 @@ def upcycle_mismatches(model: ModelConfig, source_model: Mapping[str, Any] | Non
     (empty when it can, or when the source records no model), a line each."""
     if source_model is None:
         return []
-    ours = resolved_model_fields(model, "shape")
-    theirs = resolved_model_fields(source_model, "shape")
+    # all that decides what the weights compute: a checkpoint's RoPE and norms included
+    ours = resolved_model_fields(model, "shape", "compute")
+    theirs = resolved_model_fields(source_model, "shape", "compute")
     problems = [
         f"model.{key}={ours[key]!r} vs {theirs[key]!r}"
         for key in ours
@@ -73,8 +85,8 @@ def upcycled_state(model: nn.Module, dense: Mapping[str, Tensor]) -> dict[str, T
             fits = tuple(source.shape) == tuple(tensor.shape[1:])
             # one that does not fit is left as it is, for the load to name both shapes
             state[name] = source.to(tensor.dtype).expand_as(tensor).clone() if fits else source
-        elif not match:  # fresh: the router, its bias, shared experts
-            state[name] = tensor
+        elif not match:  # fresh: the router, its bias, shared experts (adding nothing yet)
+            state[name] = torch.zeros_like(tensor) if ".shared.w2." in name else tensor
     # a dense layer's MLP left over (its layer kept experts) is no tensor of the model
     return state
 

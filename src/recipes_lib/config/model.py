@@ -114,7 +114,7 @@ class ModelConfig:
     moe_shared_experts: int = field(default=0, metadata=SHAPE)
     # the router's scores: softmax (over every expert) | sigmoid (each expert on its own,
     # chosen with a per-expert bias that moe_bias_update_rate moves: DeepSeek-V3)
-    moe_router: str = field(default="softmax", metadata=COMPUTE)
+    moe_router: str = field(default="softmax", metadata=SHAPE)  # sigmoid has a bias buffer
     # divide the chosen experts' weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     moe_renormalize: bool = field(default=True, metadata=COMPUTE)
     # training only, free to change between stages: the load-balancing loss's and the

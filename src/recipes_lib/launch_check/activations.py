@@ -35,17 +35,27 @@ class DecoderShape:
     qkv_bias: bool
     qk_norm: str = "none"
     norm_placement: str = "pre"
+    # a mixture of experts, averaged over the layers: the MLP width a token's activations
+    # take (k experts and the shared ones; None: ffn_dim, which then counts every
+    # expert's weights), the router's outputs, and the routed rows a token adds (its k
+    # gathered inputs and outputs, C wide each)
+    ffn_active: int | None = None
+    router_width: int = 0
+    routed: int = 0
 
     @classmethod
     def of(cls, cfg: RunConfig) -> DecoderShape:
         m = cfg.model
-        return cls(
+        return cls(**_moe_widths(m), **cls._attention(m))
+
+    @staticmethod
+    def _attention(m) -> dict:
+        return dict(
             dim=m.dim,
             n_layers=m.n_layers,
             n_heads=m.n_heads,
             n_kv_heads=m.n_kv_heads or m.n_heads,
             head_dim=m.head_dim or m.dim // m.n_heads,
-            ffn_dim=m.ffn_dim,
             vocab_size=m.vocab_size,
             max_seq_len=m.max_seq_len,
             tie_embeddings=m.tie_embeddings,
@@ -73,6 +83,7 @@ class DecoderShape:
             "w1": (c, f),
             "w3": (c, f),
             "w2": (f, c),
+            **({"router": (c, self.router_width)} if self.router_width else {}),
         }
 
     @property
@@ -103,6 +114,27 @@ class DecoderShape:
     def num_params(self) -> int:
         """Every parameter (a tied head counted once), as ``Transformer.num_params``."""
         return self.n_layers * self.block_params() + self.outer_params()
+
+
+def _moe_widths(m) -> dict[str, int]:
+    """``ffn_dim`` (as wide as the layers' MLP weights, every expert's counted) and the
+    mixture fields of :class:`DecoderShape`, averaged over the layers (exact when every
+    layer has experts)."""
+    if not m.moe_experts:
+        return {"ffn_dim": m.ffn_dim}
+    width = m.moe_ffn_dim or m.ffn_dim
+    layers, dense = m.n_layers, len(m.moe_dense_layers)
+    sparse, shared = layers - dense, m.moe_shared_experts * width
+
+    def mean(dense_value: int, sparse_value: int) -> int:
+        return round((dense * dense_value + sparse * sparse_value) / layers)
+
+    return {
+        "ffn_dim": mean(m.ffn_dim, m.moe_experts * width + shared),
+        "ffn_active": mean(m.ffn_dim, m.moe_top_k * width + shared),
+        "router_width": mean(0, m.moe_experts),
+        "routed": mean(0, 2 * m.moe_top_k * m.dim),
+    }
 
 
 @dataclass(frozen=True)
@@ -169,7 +201,7 @@ def block_bytes_per_token(
         quantized: QLoRA's 4-bit base linears.
         compiled: the block is compiled.
     """
-    c, f, a, r = shape.dim, shape.ffn_dim, dt.compute, dt.residual
+    c, f, a, r = shape.dim, shape.ffn_active or shape.ffn_dim, dt.compute, dt.residual
     q, kv = shape.q_width, shape.kv_width
     total = 2 * (r * c + RSTD_BYTES)  # the norms' inputs
     if shape.block_norms == 4:  # the output norms, on the sublayers' (compute) outputs
@@ -178,6 +210,7 @@ def block_bytes_per_token(
         per = shape.n_heads + shape.n_kv_heads if shape.qk_norm == "head" else 2
         total += (q + kv) * a + RSTD_BYTES * per
     total += (2 * q + 2 * kv) * a + LSE_BYTES * shape.n_heads  # q, k, v, output, lse
+    total += shape.routed * a  # a mixture's gathered rows and their outputs
     mlp = 4 if (quantized and dt.casts) else a
     total += 3 * f * mlp  # w1's output, SiLU's output, w3's output
     if compiled:

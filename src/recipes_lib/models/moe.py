@@ -15,8 +15,10 @@ gated MLPs for each token; their outputs, weighted by the router, are summed.
 - Shared experts (``model.moe_shared_experts``): one dense MLP every token also goes through.
 
 A training forward leaves on the module what the objective and the logs need:
-``balance_loss`` (Switch Transformer's ``E * sum_e f_e * P_e``, 1 when balanced; ``f``
-the share of the token-expert assignments, ``P`` the mean router probability),
+``balance_loss`` (Switch Transformer's ``E * sum_e f_e * P_e`` with ``f_e`` the tokens
+expert ``e`` took over the tokens and ``P_e`` its mean router probability: ``k`` when
+balanced, transformers' convention, so a checkpoint's ``router_aux_loss_coef`` means here
+what it meant there),
 ``z_loss`` (the mean squared log-sum-exp of the router logits) and
 ``expert_counts`` (tokens per expert). :func:`moe_losses` weighs and collects them;
 they are not returned, so the block's signature stays one tensor in, one out (compiled
@@ -121,9 +123,19 @@ class Experts(nn.Module):
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """``(M, C)`` rows sorted by expert -> ``(M, C)``."""
-        if self.path == "grouped" or (self.path == "auto" and x.is_cuda):
+        if self.path == "grouped" or (self.path == "auto" and self._grouped_fits(x)):
             return self._grouped(x, counts)
         return self._loop(x, counts)
+
+    def _grouped_fits(self, x: Tensor) -> bool:
+        """Whether CUDA's grouped GEMM takes these rows: bf16, widths of whole 16 bytes."""
+        widths = (self.w1.weight.shape[-1], self.w1.weight.shape[-2])
+        return (
+            x.is_cuda
+            and hasattr(torch, "_grouped_mm")
+            and _compute_dtype(x) == torch.bfloat16
+            and all(w % 8 == 0 for w in widths)
+        )
 
     def weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
         """``w1``, ``w3``, ``w2`` in ``dtype``: under expert parallelism this rank's
@@ -268,7 +280,7 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
-            share = counts.float() / assignments.numel()  # f_e
+            share = counts.float() / flat.shape[0]  # f_e: they sum to k
             balance = self.n_experts * (share * probs.mean(0)).sum()
             z = torch.logsumexp(logits.float(), dim=-1).square().mean()
             # all three at once: activation checkpointing's recomputation may stop early

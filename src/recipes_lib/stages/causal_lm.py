@@ -37,7 +37,6 @@ from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
 from recipes_lib.models import Transformer
-from recipes_lib.models.moe import moe_losses
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel.precision import compute_dtype
@@ -59,19 +58,16 @@ class CausalLMModule(L.LightningModule):
     (used only when ``document_mask``).
 
     Args:
-        model: The decoder's shape.
-        kernels: Attention backend, per-block compilation and the chunked loss.
-        optim: AdamW settings.
-        scheduler: Learning-rate schedule.
+        model, kernels, optim, scheduler: the decoder's shape; the attention backend,
+            per-block compilation and chunked loss; AdamW; the learning-rate schedule.
         total_steps: Optimizer steps of the run (the schedule's length).
         tokens_per_step: Tokens per optimizer step over all ranks and accumulated
             micro-batches (for token-denominated schedules).
         document_mask: Attend only within each document of a packed row.
         init_from: Weights to start from (see :func:`load_model_weights`); a resumed
             checkpoint overrides them.
-        init_optimizer: Also start from the optimizer state of ``init_from`` (a Lightning
-            checkpoint): AdamW moments carry over, learning rates and the schedule come
-            from ``optim`` and ``scheduler`` (see :func:`load_optimizer_moments`).
+        init_optimizer: Also take the AdamW moments of ``init_from`` (a Lightning
+            checkpoint); learning rates and schedule stay this run's.
         upcycle: ``init_from`` is a dense model; each expert starts as its layer's MLP.
         adapter, precision, strategy: how the model is built (:mod:`.build`): LoRA or
             QLoRA (only the adapters train), float8 layers, sharding.
@@ -182,8 +178,8 @@ class CausalLMModule(L.LightningModule):
 
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
-        """Build the model once (:func:`recipes_lib.stages.build.build_model`), on the
-        device :meth:`_placement` names; later calls (a second ``fit``) keep it."""
+        """Build the model once (:func:`~recipes_lib.stages.build.build_model`), where
+        :meth:`_placement` says; later calls (a second ``fit``) keep it."""
         if self.model is not None:
             return
         device, mesh = self._placement()
@@ -289,8 +285,7 @@ class CausalLMModule(L.LightningModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, metrics = self.compute_loss(batch)
         # a mixture of experts' balance and z-losses join the objective's (not its log)
-        aux, moe_metrics = moe_losses(self._built_model(), self.model_config)
-        self.expert_load.add(self._built_model())
+        aux, moe_metrics = self.expert_load.after_forward(self._built_model())
         metrics = {**metrics, **moe_metrics}
         loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), batch_idx)
         self.guard.add_loss(loss)

@@ -14,7 +14,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from recipes_lib.config.schema import ModelConfig
-from recipes_lib.models.moe import load_metrics, moe_layers, take_expert_counts
+from recipes_lib.models.moe import load_metrics, moe_layers, moe_losses, take_expert_counts
 
 
 class ExpertLoad:
@@ -23,14 +23,17 @@ class ExpertLoad:
     returns the per-layer balance to log."""
 
     def __init__(self, config: ModelConfig):
-        self.rate = config.moe_bias_update_rate
+        self.config, self.rate = config, config.moe_bias_update_rate
         self.counts: Tensor | None = None  # (MoE layers, E)
 
-    def add(self, model: nn.Module) -> None:
-        """Add the counts of the forward just run (nothing for a dense model)."""
+    def after_forward(self, model: nn.Module) -> tuple[Tensor | None, dict[str, Tensor]]:
+        """After a training forward: the auxiliary loss to add to the objective's and the
+        metrics to log (:func:`~recipes_lib.models.moe.moe_losses`; None and none for a
+        dense model), the forward's token counts added to the step's."""
         counts = take_expert_counts(model)
         if counts is not None:
             self.counts = counts if self.counts is None else self.counts + counts
+        return moe_losses(model, self.config)
 
     def step(self, model: nn.Module, strategy: Any) -> dict[str, Tensor]:
         """The step's ``moe/load_max_mean/L`` and ``moe/load_min_mean/L`` (``L`` counting

@@ -50,6 +50,11 @@ def meta_params(cfg) -> int:
         "gemma3_1b",
         "qwen3_4b",
         "olmo2_7b",
+        "moe_tiny",
+        "moe_1b",
+        "olmoe_1b_7b",
+        "qwen3_30b_a3b",
+        "mixtral_8x7b",
     ],
 )
 def test_shapes_count_the_parameters_the_model_has(model):

@@ -74,13 +74,14 @@ def test_topk_renormalisation_and_the_sigmoid_bias_choose_as_documented():
     assert sigmoid.expert_bias.tolist() == [0.0, 0.5, 99.5, 100.5]
 
 
-def test_balanced_routing_gives_a_balance_loss_of_one():
+def test_routing_gives_the_balance_loss_of_transformers():
     layer = _layer().train()
     with torch.no_grad():
         layer.router.weight.zero_()  # every probability 1/4, ties broken by index
     layer(torch.randn(2, 8, 32))
-    # experts 0 and 1 take every token: f = (1/2, 1/2, 0, 0), P = 1/4 each
-    assert layer.balance_loss.item() == pytest.approx(1.0)
+    # two experts take every token: f = (1, 1, 0, 0) (tokens over tokens), P = 1/4 each:
+    # 4 * (1/4 + 1/4) = 2, what a balanced router also scores (k)
+    assert layer.balance_loss.item() == pytest.approx(2.0)
     assert sorted(layer.expert_counts.tolist()) == [0, 0, 16, 16]
     assert layer.z_loss.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2)
     metrics = load_metrics(layer.expert_counts[None])

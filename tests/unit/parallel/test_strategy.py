@@ -50,6 +50,18 @@ def test_strategy_group_composes_and_single_means_one_device():
         (("strategy=fsdp", "kernels.loss_chunk_size=64"), ["kernels.loss_chunk_size"]),
         (("strategy=fsdp", "stage.average_last_k=2"), ["stage.average_last_k"]),
         (("strategy=fsdp", "stage.ema_decay=0.99"), ["stage.ema_decay"]),
+        (("strategy=ddp", "strategy.expert_parallel=true"), ["strategy.expert_parallel"]),
+        (("strategy=fsdp", "strategy.expert_parallel=true"), ["model.moe_experts"]),
+        (
+            (
+                "strategy=fsdp",
+                "strategy.expert_parallel=true",
+                "model=moe_tiny",
+                "model.moe_experts=6",
+                "trainer.devices=4",
+            ),
+            ["model.moe_experts=6", "4 ranks"],
+        ),
     ],
 )
 def test_impossible_strategies_fail_naming_the_keys(overrides, keys):
