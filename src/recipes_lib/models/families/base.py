@@ -344,3 +344,15 @@ def moe_hf_fields(config: ModelConfig, family: str, experts_key: str) -> dict[st
         "router_aux_loss_coef": config.moe_aux_loss_coef,
         "output_router_logits": False,
     }
+
+
+def needs_experts(family: str) -> Callable[[ModelConfig], None]:
+    """A family check refusing a model without experts (every layer of ``family`` has)."""
+
+    def check(config: ModelConfig) -> None:
+        if config.moe_experts < 1:
+            raise refuse(
+                family, "moe_experts", config.moe_experts, f"every {family} layer has experts"
+            )
+
+    return check

@@ -28,7 +28,7 @@ from recipes_lib.models.families.base import (
     moe_from_hf,
     moe_hf_fields,
     moe_names,
-    refuse,
+    needs_experts,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
@@ -61,13 +61,6 @@ def _to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _check(config: ModelConfig) -> None:
-    if config.moe_experts < 1:
-        raise refuse(
-            "mixtral", "moe_experts", config.moe_experts, "every mixtral layer has experts"
-        )
-
-
 def _sliding_window(config: Mapping[str, Any]) -> int | None:
     window = config.get("sliding_window")
     return None if window is None else int(window)
@@ -81,6 +74,6 @@ MIXTRAL = Family(
     from_hf=_from_hf,
     to_hf=_to_hf,
     reads=("moe_experts", "moe_top_k", "moe_ffn_dim"),
-    check=_check,
+    check=needs_experts("mixtral"),
     sliding_window=_sliding_window,
 )

@@ -30,7 +30,7 @@ from recipes_lib.models.families.base import (
     moe_from_hf,
     moe_hf_fields,
     moe_names,
-    refuse,
+    needs_experts,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
@@ -69,11 +69,6 @@ def _to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
-def _check(config: ModelConfig) -> None:
-    if config.moe_experts < 1:
-        raise refuse("olmoe", "moe_experts", config.moe_experts, "every olmoe layer has experts")
-
-
 OLMOE = Family(
     name="olmoe",
     hf_model_types=("olmoe",),
@@ -83,5 +78,5 @@ OLMOE = Family(
     to_hf=_to_hf,
     fixed={"qk_norm": "full"},
     reads=MOE_READS,
-    check=_check,
+    check=needs_experts("olmoe"),
 )
