@@ -97,6 +97,10 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
     """
     size = mesh.size()
     moved: set[nn.Parameter] = set()
+    # the exchange gets a communicator of its own: its all-to-alls would otherwise share
+    # one with FSDP's all-gathers and reduce-scatters, which run on other CUDA streams
+    # and NCCL does not order between streams (a collective call on every rank)
+    group = torch.distributed.new_group(mesh.mesh.flatten().tolist()) if moe_layers(model) else None
     for layer in moe_layers(model):
         if layer.n_experts % size:
             raise ConfigError(
@@ -109,7 +113,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
             shard = distribute_tensor(weight.detach(), mesh, [Shard(0)])
             linear.weight = nn.Parameter(shard, requires_grad=weight.requires_grad)
             moved.add(linear.weight)
-        experts.parallel = ExpertParallel(mesh.get_group(), size)
+        experts.parallel = ExpertParallel(group, size)
     if moved:
         experts_per_rank = moe_layers(model)[0].n_experts // size
         log.info("expert parallelism: each of %d ranks holds %d experts", size, experts_per_rank)
