@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+
+import pytest
 import torch
 from integration_helpers import tiny_overrides
 from lightning.pytorch.callbacks import Callback
@@ -74,3 +77,42 @@ def test_resumed_run_matches_uninterrupted(tmp_path, shared_cache):
         ck_resumed["lr_schedulers"][0]["last_epoch"]
         == ck_straight["lr_schedulers"][0]["last_epoch"]
     )
+
+
+OPTIMIZERS = {
+    "muon": ["optim=muon", "+optim.args.momentum=0.9"],
+    "adafactor": ["optim=adafactor", "optim.lr=0.03"],
+    "sgd": ["optim.name=SGD", "optim.lr=0.3", "+optim.args.momentum=0.9"],
+}
+
+
+HAS_BNB = importlib.util.find_spec("bitsandbytes") is not None
+OPTIMIZERS["adamw_8bit"] = ["optim=adamw_8bit"]
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                name == "adamw_8bit" and not HAS_BNB, reason="needs bitsandbytes (qlora extra)"
+            ),
+        )
+        for name in OPTIMIZERS
+    ],
+)
+def test_each_optimizer_trains_and_resumes_bitwise(tmp_path, shared_cache, optimizer):
+    chosen = OPTIMIZERS[optimizer]
+    straight = run(compose_config(tiny_overrides(tmp_path / "straight", shared_cache, *chosen)))
+    assert straight.metrics["val/loss"] < 6.0  # ln(512) = 6.24 at the start
+    split = tmp_path / "split"
+    run(compose_config(tiny_overrides(split, shared_cache, *chosen)), callbacks=[StopAtStep(8)])
+    resumed = run(
+        compose_config(tiny_overrides(split, shared_cache, *chosen, "run.ckpt_path=last"))
+    )
+    assert resumed.global_step == straight.global_step == 16
+    ours, _ = _weights(resumed.last_checkpoint)
+    theirs, _ = _weights(straight.last_checkpoint)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name

@@ -211,14 +211,18 @@ class PreferenceConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with decoupled weight decay; norms, biases and embeddings are not decayed."""
+    """The optimizer (``name``: adamw | adamw_8bit | adafactor | muon | any ``torch.optim``
+    class; ``args``: its further keyword arguments, see ``recipes_lib.optim.choices``),
+    with decoupled weight decay; norms, biases and embeddings are not decayed."""
 
+    name: str = "adamw"
     lr: float = 3e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
     decay_embeddings: bool = False
     fused: bool | None = None  # None: fused on CUDA, for-each elsewhere
+    args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

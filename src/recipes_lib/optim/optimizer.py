@@ -1,8 +1,9 @@
-"""AdamW with decoupled weight decay applied only to weight matrices.
+"""The optimizer, with decoupled weight decay applied only to weight matrices.
 
 Norm weights, biases and (unless ``decay_embeddings``) embedding tables are left
-undecayed. Parameters are classified by the module that owns them, not only by their
-shape, so the split stays right when a sharding strategy flattens parameters.
+undecayed; ``optim.name`` chooses the optimizer (:mod:`recipes_lib.optim.choices`).
+Parameters are classified by the module that owns them, not only by their shape, so
+the split stays right when a sharding strategy flattens parameters.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 
 from recipes_lib.config.schema import OptimConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.optim.choices import bind, common_kwargs, muon_and_adamw, optimizer_class
 
 DECAY_GROUP = "decay"
 NO_DECAY_GROUP = "no_decay"
@@ -73,31 +75,28 @@ def split_parameters(module: nn.Module, decay_embeddings: bool = False) -> Param
     return groups
 
 
-FUSED_DEVICE_TYPES = {"cuda", "cpu"}  # where torch's fused AdamW kernel runs
+def build_optimizer(module: nn.Module, config: OptimConfig) -> torch.optim.Optimizer:
+    """Build the optimizer ``optim.name`` chooses (:mod:`recipes_lib.optim.choices`)
+    over the trainable parameters of ``module``.
 
-
-def build_optimizer(module: nn.Module, config: OptimConfig) -> torch.optim.AdamW:
-    """Build AdamW over the trainable parameters of ``module``.
-
-    The optimizer has up to two parameter groups, named by their ``"name"`` key:
-    ``"decay"`` (weight decay ``config.weight_decay``) and ``"no_decay"`` (weight decay 0);
-    an empty group is left out.
+    The parameters come in up to two groups, named by their ``"name"`` key: ``"decay"``
+    (weight decay ``config.weight_decay``) and ``"no_decay"`` (weight decay 0); an empty
+    group is left out. ``fused=None`` picks AdamW's fused kernel when every parameter is
+    on one kind of device that has it (CUDA, or the CPU: offloaded optimizer steps run
+    there), the for-each one otherwise.
 
     Args:
         module: The module whose parameters to optimize (under a distributed strategy,
             the wrapped model, so the optimizer sees the parameters that are trained).
-        config: Learning rate, betas, epsilon, weight decay and kernel choice.
-            ``fused=None`` picks the fused kernel when every parameter is on one kind of
-            device that has it (CUDA, or the CPU: offloaded optimizer steps run there,
-            where the fused kernel is several times faster than the for-each one), and
-            the for-each kernel otherwise.
+        config: the optimizer, its learning rate, decay and further arguments.
 
     Raises:
-        ConfigError: if ``optim.betas`` is not two values or ``module`` has no trainable
-            parameter.
+        ConfigError: ``optim.betas`` is not two values, ``module`` has no trainable
+            parameter, or the optimizer or one of its arguments is unknown.
     """
     if len(config.betas) != 2:
         raise ConfigError(f"optim.betas must hold two values, got {list(config.betas)}")
+    cls = optimizer_class(config.name)
     groups = split_parameters(module, decay_embeddings=config.decay_embeddings)
     param_groups = [
         {"params": params, "weight_decay": weight_decay, "name": name}
@@ -111,16 +110,6 @@ def build_optimizer(module: nn.Module, config: OptimConfig) -> torch.optim.AdamW
         raise ConfigError(
             f"{type(module).__name__} has no trainable parameter (requires_grad=True) to optimize"
         )
-    fused = config.fused
-    if fused is None:
-        kinds = {p.device.type for group in param_groups for p in group["params"]}
-        fused = len(kinds) == 1 and kinds <= FUSED_DEVICE_TYPES
-    kernel = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(
-        param_groups,
-        lr=config.lr,
-        betas=(float(config.betas[0]), float(config.betas[1])),
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        **kernel,
-    )
+    if config.name == "muon":
+        return muon_and_adamw(module, param_groups, config)
+    return bind(cls, param_groups, common_kwargs(config, param_groups), dict(config.args))

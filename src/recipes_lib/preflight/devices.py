@@ -1,45 +1,17 @@
-"""The pre-flight: every check a run needs before data or weights are touched, once.
-
-A single value is checked where it is consumed (a constructor checks its own arguments;
-:mod:`recipes_lib.config.validate` the schema's plain numbers). What depends on two
-keys, or on a key and this machine, is checked here, in this order, and the first
-problem stops the run with one line naming the keys:
-
-1. every ``_target_`` at any depth against the allowlist (before anything is imported);
-2. the model against the weights ``stage.init_from`` holds (every difference at once;
-   upcycling: a dense model);
-3. the schema's single values (:func:`recipes_lib.config.validate.check_values`);
-4. what the stage starts from and what it writes (``init_optimizer``, ``ckpt_path``,
-   ``average_last_k`` / ``ema_decay``);
-5. the data against the model (sequence length, a new tokenizer's vocabulary) and the
-   attention kernel (document masking);
-6. the adapter, the precision and the strategy on this machine;
-7. the training guard and the batch ramp against the strategy.
-
-Domains declare what they support (:class:`~recipes_lib.parallel.StrategySpec`,
-:class:`~recipes_lib.kernels.AttentionCapabilities`); these checks read those
-declarations instead of comparing names.
-"""
+"""The pre-flight's checks of the machine a run trains on: the precision (and float8),
+the optimizer, expert parallelism and the strategy."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
-from pathlib import Path
 from typing import Literal
 
 import torch
 
-from recipes_lib.adapters import check_adapter_config
-from recipes_lib.checkpoint.source import init_model_mismatches, read_init_source
-from recipes_lib.checkpoint.upcycle import upcycle_mismatches
-from recipes_lib.config.instantiate import check_targets
 from recipes_lib.config.schema import RunConfig
-from recipes_lib.config.validate import check_values
 from recipes_lib.errors import ConfigError
-from recipes_lib.kernels import get_attention_backend
-from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
+from recipes_lib.optim.choices import check_optimizer
 from recipes_lib.parallel.fp8 import check_fp8_settings, float8_all_gather, fp8_plan
 from recipes_lib.parallel.precision import (
     FP8_INSTALL_HINT,
@@ -50,129 +22,8 @@ from recipes_lib.parallel.precision import (
     device_type,
 )
 from recipes_lib.parallel.strategy import STRATEGIES, get_strategy
-from recipes_lib.stages.guard import check_guard_config
 
 Detect = Literal["detect"]
-
-
-def check_run(cfg: RunConfig, objectives: tuple[str, ...]) -> None:
-    """Every check of a run, in the order of the module docstring.
-
-    Args:
-        cfg: the typed run config (``precision=auto`` and ``kernels.compile=null``
-            already resolved for the device).
-        objectives: the objectives a LightningModule exists for (``stage.objective``).
-
-    Raises:
-        ConfigError: the first problem found, naming its keys.
-        CheckpointError: ``stage.init_from`` is missing or unreadable.
-    """
-    check_targets(dataclasses.asdict(cfg), "", cfg.run.allowed_targets)
-    check_init_source(cfg)
-    check_values(cfg, objectives)
-    check_stage_io(cfg)
-    check_data_and_kernels(cfg)
-    check_adapter(cfg)
-    check_precision(cfg)
-    check_strategy(cfg)
-    check_guard(cfg)
-    check_batch_ramp(cfg)
-
-
-def check_init_source(cfg: RunConfig) -> None:
-    """Read what ``stage.init_from`` holds and refuse a model that does not fit it, with
-    every difference named at once."""
-    if cfg.stage.init_from is None:
-        return
-    source = read_init_source(cfg.stage.init_from)
-    if cfg.stage.upcycle:
-        differences = upcycle_mismatches(cfg.model, source.model)
-        if differences:
-            raise ConfigError(
-                f"stage.upcycle=true from stage.init_from={cfg.stage.init_from!r}: "
-                + "; ".join(differences)
-            )
-        return
-    differences = init_model_mismatches(cfg.model, source)
-    if differences:
-        raise ConfigError(
-            f"stage.init_from={cfg.stage.init_from!r}: the configured model does not fit it "
-            f"({len(differences)} difference(s)): {'; '.join(differences)}; set those model "
-            "keys to its values, or take its whole shape with model=from_init"
-        )
-
-
-def check_stage_io(cfg: RunConfig) -> None:
-    """What a stage starts from and what it writes as its output weights."""
-    stage = cfg.stage
-    if stage.average_last_k is not None and stage.ema_decay is not None:
-        raise ConfigError(
-            f"stage.average_last_k={stage.average_last_k} and stage.ema_decay={stage.ema_decay} "
-            "both choose the stage's output weights; set one of them"
-        )
-    if stage.upcycle and (stage.init_from is None or stage.init_optimizer):
-        raise ConfigError(
-            "stage.upcycle=true starts a mixture of experts from a dense model's weights: "
-            "it needs stage.init_from and no stage.init_optimizer (the moments do not fit)"
-        )
-    if stage.init_optimizer:
-        source = stage.init_from
-        if source is None:
-            raise ConfigError(
-                "stage.init_optimizer=true needs stage.init_from, a Lightning .ckpt whose "
-                "optimizer state starts this stage"
-            )
-        if Path(source).suffix == ".safetensors" or Path(source).expanduser().is_dir():
-            raise ConfigError(
-                f"stage.init_optimizer=true needs a Lightning .ckpt as stage.init_from; "
-                f"{source!r} holds weights only"
-            )
-    if cfg.run.ckpt_path is not None and stage.init_from is not None:
-        raise ConfigError(
-            "run.ckpt_path (resume this stage) and stage.init_from (start from other weights) "
-            "are both set; choose one"
-        )
-
-
-def check_data_and_kernels(cfg: RunConfig) -> None:
-    """The sequences against the model, a new tokenizer against the vocabulary, and the
-    document mask against the attention kernel."""
-    if cfg.data.seq_len > cfg.model.max_seq_len:
-        raise ConfigError(
-            f"data.seq_len={cfg.data.seq_len} is above model.max_seq_len={cfg.model.max_seq_len}"
-        )
-    # a stage that starts from weights uses their tokenizer (checked against the model
-    # when it is loaded); vocab_size only sizes a tokenizer trained from scratch
-    trains_tokenizer = cfg.data.tokenizer.path is None and cfg.stage.init_from is None
-    if trains_tokenizer and cfg.data.tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"data.tokenizer.vocab_size={cfg.data.tokenizer.vocab_size} does not fit "
-            f"model.vocab_size={cfg.model.vocab_size}"
-        )
-    backend = get_attention_backend(cfg.kernels.attention)
-    if cfg.data.document_mask and not backend.capabilities.document_mask:
-        raise ConfigError(
-            f"data.document_mask=true needs an attention backend with document masking; "
-            f"kernels.attention={cfg.kernels.attention} has none (use kernels.attention=flex)"
-        )
-
-
-def check_adapter(cfg: RunConfig) -> None:
-    """The adapter's own settings, and QLoRA's CUDA GPU."""
-    adapter = cfg.adapter
-    check_adapter_config(adapter)
-    if adapter.kind != "qlora":
-        return
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "adapter.kind=qlora needs a CUDA GPU (bitsandbytes 4-bit kernels), and none is "
-            "available; use adapter=lora on this machine"
-        )
-    if cfg.trainer.accelerator not in ("auto", "cuda", "gpu"):
-        raise ConfigError(
-            f"adapter.kind=qlora needs a CUDA GPU, but trainer.accelerator="
-            f"{cfg.trainer.accelerator}"
-        )
 
 
 def check_precision(
@@ -288,29 +139,6 @@ def _check_fp8_layers(cfg: RunConfig) -> None:
         )
 
 
-def check_guard(cfg: RunConfig) -> None:
-    """The guard's own settings, and a strategy that lets it skip updates."""
-    check_guard_config(cfg.guard)
-    spec = get_strategy(cfg.strategy.name)
-    if cfg.guard.policy not in ("off", "auto") and spec.steps_in_engine:
-        raise ConfigError(
-            f"guard.policy={cfg.guard.policy} with strategy={cfg.strategy.name}: DeepSpeed "
-            "keeps the gradients and the optimizer step inside its engine, so bad updates "
-            "cannot be judged or skipped; set guard.policy=off"
-        )
-
-
-def check_batch_ramp(cfg: RunConfig) -> None:
-    """A batch ramp's own settings, and a strategy whose accumulation Lightning runs."""
-    check_ramp_config(cfg.stage.batch_ramp, cfg.trainer.accumulate_grad_batches)
-    if cfg.stage.batch_ramp.tokens and get_strategy(cfg.strategy.name).steps_in_engine:
-        raise ConfigError(
-            f"stage.batch_ramp.tokens with strategy={cfg.strategy.name}: DeepSpeed fixes "
-            "its gradient accumulation when its engine is built; ramp the batch under "
-            "ddp or fsdp, or set stage.batch_ramp.tokens=0"
-        )
-
-
 def _device_count(devices: object) -> int | None:
     """How many devices ``trainer.devices`` names, when that is known without hardware."""
     if isinstance(devices, int) and devices > 0:
@@ -322,6 +150,20 @@ def _device_count(devices: object) -> int | None:
     if isinstance(devices, str) and "," in devices:
         return len([d for d in devices.split(",") if d.strip()])
     return None
+
+
+def check_optimizer_choice(cfg: RunConfig, spec) -> None:
+    """The optimizer and its arguments; Muon's whole matrices; moments to carry over."""
+    check_optimizer(cfg.optim)
+    if cfg.optim.name == "muon" and (spec.shards or spec.steps_in_engine):
+        raise ConfigError(
+            f"optim.name=muon orthogonalises whole weight matrices, which strategy={spec.name} "
+            "shards or steps itself; use strategy=single or ddp"
+        )
+    if cfg.stage.init_optimizer and cfg.optim.name != "adamw":
+        raise ConfigError(
+            f"stage.init_optimizer=true carries AdamW's moments; optim.name={cfg.optim.name}"
+        )
 
 
 def check_expert_parallel(cfg: RunConfig, spec, devices: int | None) -> None:
@@ -367,6 +209,7 @@ def check_strategy(cfg: RunConfig) -> None:
             f"strategy.async_checkpoint=true writes sharded checkpoint folders in the "
             f"background ({writers}); strategy={name} saves its checkpoints in the foreground"
         )
+    check_optimizer_choice(cfg, spec)
     if cfg.strategy.expert_parallel:
         check_expert_parallel(cfg, spec, count)
     if spec.needs_package is not None:

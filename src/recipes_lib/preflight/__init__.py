@@ -1,0 +1,83 @@
+"""The pre-flight: every check a run needs before data or weights are touched, once.
+
+A single value is checked where it is consumed (a constructor checks its own arguments;
+:mod:`recipes_lib.config.validate` the schema's plain numbers). What depends on two
+keys, or on a key and this machine, is checked here, in this order, and the first
+problem stops the run with one line naming the keys:
+
+1. every ``_target_`` at any depth against the allowlist (before anything is imported);
+2. the model against the weights ``stage.init_from`` holds (every difference at once;
+   upcycling: a dense model);
+3. the schema's single values (:func:`recipes_lib.config.validate.check_values`);
+4. what the stage starts from and what it writes (``init_optimizer``, ``ckpt_path``,
+   ``average_last_k`` / ``ema_decay``);
+5. the data against the model (sequence length, a new tokenizer's vocabulary) and the
+   attention kernel (document masking);
+6. the adapter, the precision and the strategy on this machine;
+7. the training guard and the batch ramp against the strategy.
+
+Domains declare what they support (:class:`~recipes_lib.parallel.StrategySpec`,
+:class:`~recipes_lib.kernels.AttentionCapabilities`); these checks read those
+declarations instead of comparing names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from recipes_lib.config.instantiate import check_targets
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.config.validate import check_values
+from recipes_lib.preflight.devices import (
+    check_expert_parallel,
+    check_optimizer_choice,
+    check_precision,
+    check_strategy,
+)
+from recipes_lib.preflight.stage import (
+    check_adapter,
+    check_batch_ramp,
+    check_data_and_kernels,
+    check_guard,
+    check_init_source,
+    check_stage_io,
+)
+
+
+def check_run(cfg: RunConfig, objectives: tuple[str, ...]) -> None:
+    """Every check of a run, in the order of the module docstring.
+
+    Args:
+        cfg: the typed run config (``precision=auto`` and ``kernels.compile=null``
+            already resolved for the device).
+        objectives: the objectives a LightningModule exists for (``stage.objective``).
+
+    Raises:
+        ConfigError: the first problem found, naming its keys.
+        CheckpointError: ``stage.init_from`` is missing or unreadable.
+    """
+    check_targets(dataclasses.asdict(cfg), "", cfg.run.allowed_targets)
+    check_init_source(cfg)
+    check_values(cfg, objectives)
+    check_stage_io(cfg)
+    check_data_and_kernels(cfg)
+    check_adapter(cfg)
+    check_precision(cfg)
+    check_strategy(cfg)
+    check_guard(cfg)
+    check_batch_ramp(cfg)
+
+
+__all__ = [
+    "check_adapter",
+    "check_batch_ramp",
+    "check_data_and_kernels",
+    "check_expert_parallel",
+    "check_guard",
+    "check_init_source",
+    "check_optimizer_choice",
+    "check_precision",
+    "check_run",
+    "check_stage_io",
+    "check_strategy",
+]

@@ -1,0 +1,138 @@
+"""The pre-flight's checks of what a stage starts from, writes and reads: the weights
+``stage.init_from`` holds, the stage's inputs and outputs, the data against the model
+and the attention kernel, the adapter, the guard and the batch ramp."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from recipes_lib.adapters import check_adapter_config
+from recipes_lib.checkpoint.source import init_model_mismatches, read_init_source
+from recipes_lib.checkpoint.upcycle import upcycle_mismatches
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.errors import ConfigError
+from recipes_lib.kernels import get_attention_backend
+from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
+from recipes_lib.parallel.strategy import get_strategy
+from recipes_lib.stages.guard import check_guard_config
+
+
+def check_init_source(cfg: RunConfig) -> None:
+    """Read what ``stage.init_from`` holds and refuse a model that does not fit it, with
+    every difference named at once."""
+    if cfg.stage.init_from is None:
+        return
+    source = read_init_source(cfg.stage.init_from)
+    if cfg.stage.upcycle:
+        differences = upcycle_mismatches(cfg.model, source.model)
+        if differences:
+            raise ConfigError(
+                f"stage.upcycle=true from stage.init_from={cfg.stage.init_from!r}: "
+                + "; ".join(differences)
+            )
+        return
+    differences = init_model_mismatches(cfg.model, source)
+    if differences:
+        raise ConfigError(
+            f"stage.init_from={cfg.stage.init_from!r}: the configured model does not fit it "
+            f"({len(differences)} difference(s)): {'; '.join(differences)}; set those model "
+            "keys to its values, or take its whole shape with model=from_init"
+        )
+
+
+def check_stage_io(cfg: RunConfig) -> None:
+    """What a stage starts from and what it writes as its output weights."""
+    stage = cfg.stage
+    if stage.average_last_k is not None and stage.ema_decay is not None:
+        raise ConfigError(
+            f"stage.average_last_k={stage.average_last_k} and stage.ema_decay={stage.ema_decay} "
+            "both choose the stage's output weights; set one of them"
+        )
+    if stage.upcycle and (stage.init_from is None or stage.init_optimizer):
+        raise ConfigError(
+            "stage.upcycle=true starts a mixture of experts from a dense model's weights: "
+            "it needs stage.init_from and no stage.init_optimizer (the moments do not fit)"
+        )
+    if stage.init_optimizer:
+        source = stage.init_from
+        if source is None:
+            raise ConfigError(
+                "stage.init_optimizer=true needs stage.init_from, a Lightning .ckpt whose "
+                "optimizer state starts this stage"
+            )
+        if Path(source).suffix == ".safetensors" or Path(source).expanduser().is_dir():
+            raise ConfigError(
+                f"stage.init_optimizer=true needs a Lightning .ckpt as stage.init_from; "
+                f"{source!r} holds weights only"
+            )
+    if cfg.run.ckpt_path is not None and stage.init_from is not None:
+        raise ConfigError(
+            "run.ckpt_path (resume this stage) and stage.init_from (start from other weights) "
+            "are both set; choose one"
+        )
+
+
+def check_data_and_kernels(cfg: RunConfig) -> None:
+    """The sequences against the model, a new tokenizer against the vocabulary, and the
+    document mask against the attention kernel."""
+    if cfg.data.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} is above model.max_seq_len={cfg.model.max_seq_len}"
+        )
+    # a stage that starts from weights uses their tokenizer (checked against the model
+    # when it is loaded); vocab_size only sizes a tokenizer trained from scratch
+    trains_tokenizer = cfg.data.tokenizer.path is None and cfg.stage.init_from is None
+    if trains_tokenizer and cfg.data.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer.vocab_size={cfg.data.tokenizer.vocab_size} does not fit "
+            f"model.vocab_size={cfg.model.vocab_size}"
+        )
+    backend = get_attention_backend(cfg.kernels.attention)
+    if cfg.data.document_mask and not backend.capabilities.document_mask:
+        raise ConfigError(
+            f"data.document_mask=true needs an attention backend with document masking; "
+            f"kernels.attention={cfg.kernels.attention} has none (use kernels.attention=flex)"
+        )
+
+
+def check_adapter(cfg: RunConfig) -> None:
+    """The adapter's own settings, and QLoRA's CUDA GPU."""
+    adapter = cfg.adapter
+    check_adapter_config(adapter)
+    if adapter.kind != "qlora":
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "adapter.kind=qlora needs a CUDA GPU (bitsandbytes 4-bit kernels), and none is "
+            "available; use adapter=lora on this machine"
+        )
+    if cfg.trainer.accelerator not in ("auto", "cuda", "gpu"):
+        raise ConfigError(
+            f"adapter.kind=qlora needs a CUDA GPU, but trainer.accelerator="
+            f"{cfg.trainer.accelerator}"
+        )
+
+
+def check_guard(cfg: RunConfig) -> None:
+    """The guard's own settings, and a strategy that lets it skip updates."""
+    check_guard_config(cfg.guard)
+    spec = get_strategy(cfg.strategy.name)
+    if cfg.guard.policy not in ("off", "auto") and spec.steps_in_engine:
+        raise ConfigError(
+            f"guard.policy={cfg.guard.policy} with strategy={cfg.strategy.name}: DeepSpeed "
+            "keeps the gradients and the optimizer step inside its engine, so bad updates "
+            "cannot be judged or skipped; set guard.policy=off"
+        )
+
+
+def check_batch_ramp(cfg: RunConfig) -> None:
+    """A batch ramp's own settings, and a strategy whose accumulation Lightning runs."""
+    check_ramp_config(cfg.stage.batch_ramp, cfg.trainer.accumulate_grad_batches)
+    if cfg.stage.batch_ramp.tokens and get_strategy(cfg.strategy.name).steps_in_engine:
+        raise ConfigError(
+            f"stage.batch_ramp.tokens with strategy={cfg.strategy.name}: DeepSpeed fixes "
+            "its gradient accumulation when its engine is built; ramp the batch under "
+            "ddp or fsdp, or set stage.batch_ramp.tokens=0"
+        )
