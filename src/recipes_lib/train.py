@@ -62,6 +62,7 @@ from recipes_lib.stages.dpo import build_dpo_module
 from recipes_lib.stages.outputs import OutputWeights, export_weights, prepare_averaging
 from recipes_lib.stages.rollback import plan_rollback
 from recipes_lib.stages.sft import SFTModule
+from recipes_lib.trackers import attach_files, trackers_of
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,8 @@ class RunResult:
     skipped_records: dict[str, int] = field(default_factory=dict)
     # what the training guard did: updates skipped, rollbacks (each with the data skipped)
     guard: dict[str, Any] = field(default_factory=dict)
+    # the experiment trackers among its loggers (W&B, MLflow: recipes_lib.trackers)
+    trackers: list[Any] = field(default_factory=list, repr=False)
 
 
 def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
@@ -266,6 +269,9 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         weights_path, averaged_from = export_weights(cfg, trainer, module, out, fit.saver, fit.ema)
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    trackers = trackers_of(trainer.loggers)
+    if trainer.is_global_zero:  # the resolved config, beside the metrics (W&B, MLflow)
+        attach_files(trackers, [RunDir(out).config], "config")
     last = RunDir(out).last_checkpoint
     prepared = datamodule.prepared
     return RunResult(
@@ -282,6 +288,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         averaged_from=averaged_from,
         skipped_records=datamodule.skipped_records(),
         guard={"skipped_updates": skipped, "rollbacks": rollbacks},
+        trackers=trackers,
     )
 
 

@@ -64,6 +64,7 @@ from recipes_lib.pipeline.report import (
     write_summary,
 )
 from recipes_lib.pipeline.spec import PipelineSpec, parse_pipeline
+from recipes_lib.trackers import attach_files, finish
 from recipes_lib.train import RunResult, run
 
 log = logging.getLogger("recipes_lib")
@@ -211,7 +212,7 @@ def _finish_stage(
         guard=result.guard,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
-    write_manifest(manifest, stage_dir)
+    attach_files(result.trackers, [write_manifest(manifest, stage_dir)], "manifest")
     return manifest
 
 
@@ -315,6 +316,8 @@ def run_pipeline(
                 pipeline, plan, manifests, callbacks.get(stage.name, ())
             )
         manifests[stage.name] = manifest
+        if run_result is not None and plan is not plans[-1]:
+            finish(run_result.trackers)  # the report goes to the last stage's run
         result.stages.append(
             StageResult(
                 stage.name,
@@ -339,8 +342,12 @@ def run_pipeline(
         )
         for r, plan, logged in zip(result.stages, plans, series, strict=True)
     ]
+    last = result.stages[-1].run if result.stages else None
+    trackers = last.trackers if last is not None else []
     if rank_zero:
         result.report_dir = _write_report(pipeline, result, series, console)
+        attach_files(trackers, sorted(result.report_dir.iterdir()), "report")
+    finish(trackers)
     return result
 
 
