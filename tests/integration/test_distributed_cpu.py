@@ -62,8 +62,8 @@ def _launch(*cli_args: str, processes: int = 2) -> None:
     )
 
 
-def _torchrun(run_dir: Path, cache: Path, *extra: str) -> None:
-    _launch(*_overrides(run_dir, cache, *extra))
+def _torchrun(run_dir: Path, cache: Path, *extra: str, processes: int = 2) -> None:
+    _launch(*_overrides(run_dir, cache, *extra), processes=processes)
 
 
 @pytest.fixture(scope="module")
@@ -223,3 +223,30 @@ def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
     _assert_same_weights(theirs, ours)
     biases = [name for name in ours if name.endswith("expert_bias")]
     assert len(biases) == 2 and all(ours[b].abs().sum() > 0 for b in biases)
+
+
+def test_hsdp_on_two_by_two_processes_reaches_the_single_process_weights(runs, tmp_path):
+    """Two copies of the model, each sharded over two processes (FSDP2's 2-D mesh), with
+    a quarter of the global batch each: the one-process weights, and sharded checkpoints
+    that read back as FSDP's do."""
+    _torchrun(
+        tmp_path / "hsdp",
+        runs["cache"],
+        "strategy=hsdp",
+        "strategy.replicas=2",
+        "data.batch_size=1",
+        processes=4,
+    )
+    _assert_same_weights(
+        load_weights(runs["single"] / "model.safetensors"),
+        load_weights(tmp_path / "hsdp" / "model.safetensors"),
+    )
+    assert (
+        "hsdp: 2 copies of the model, each sharded over 2 ranks"
+        in (tmp_path / "hsdp" / "cli.log").read_text()
+    )
+    step = f"step{STEPS // 2:06d}.ckpt"
+    hsdp = read_sharded_checkpoint(tmp_path / "hsdp" / "checkpoints" / step)
+    fsdp = read_sharded_checkpoint(runs["fsdp"] / "checkpoints" / step)
+    assert hsdp.keys() == fsdp.keys() and any(k.startswith(MODEL_PREFIX) for k in hsdp)
+    _assert_same_weights(hsdp, fsdp)

@@ -248,7 +248,8 @@ class StrategyConfig:
 
     ``name``: ``single`` (one device) | ``ddp`` (replicated weights, all-reduced
     gradients) | ``fsdp`` (FSDP2: each block's parameters, gradients and optimizer state
-    sharded with ``fully_shard`` through Lightning's ``ModelParallelStrategy``) |
+    sharded with ``fully_shard`` through Lightning's ``ModelParallelStrategy``) | ``hsdp``
+    (FSDP2 over a 2-D mesh: ``replicas`` copies, each sharded over its ranks) |
     ``deepspeed_zero2`` | ``deepspeed_zero3`` (Lightning's ``DeepSpeedStrategy``; needs
     the ``deepspeed`` extra).
     """
@@ -266,6 +267,9 @@ class StrategyConfig:
     # fsdp: a mixture of experts' experts spread over the ranks (each keeps E / ranks of
     # them whole) with the tokens sent to them by all-to-all, instead of gathered
     expert_parallel: bool = False
+    # hsdp: the copies of the model, each sharded over world / replicas ranks (FSDP2's
+    # 2-D mesh: replicate across, shard within); None: trainer.num_nodes (one per node)
+    replicas: int | None = None
 
 
 @dataclass

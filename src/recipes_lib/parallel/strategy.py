@@ -31,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
@@ -40,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from recipes_lib.checkpoint.io import VerifiedCheckpointIO
 from recipes_lib.checkpoint.resume import check_checkpoint
@@ -51,6 +53,23 @@ from recipes_lib.parallel.fsdp import full_state_dict, shard_model
 log = logging.getLogger(__name__)
 
 BuildStrategy = Callable[[StrategyConfig, int | None], "str | Strategy"]
+
+
+def hsdp_mesh(replicas: int, world_size: int, device: torch.device) -> DeviceMesh:
+    """FSDP2's 2-D mesh for hybrid sharding: ``replicas`` copies of the model (the
+    ``replicate`` dimension, gradients all-reduced across), each sharded over
+    ``world_size / replicas`` consecutive ranks (``shard``: one node's GPUs).
+
+    Raises:
+        ConfigError: ``replicas`` does not divide the world size.
+    """
+    if replicas < 1 or world_size % replicas:
+        raise ConfigError(
+            f"strategy.replicas={replicas} does not divide the {world_size} ranks of strategy=hsdp"
+        )
+    shape = (replicas, world_size // replicas)
+    log.info("hsdp: %d copies of the model, each sharded over %d ranks", *shape)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -87,6 +106,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         # parallelism inside it); here every process is a data-parallel rank.
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        if self.config.name == "hsdp":  # the mesh the model shards over: 2-D
+            self.lightning_module.sharding_mesh = hsdp_mesh(
+                self.config.replicas or self.num_nodes, self.world_size, self.root_device
+            )
 
     def model_to_device(self) -> None:
         # With CPU offload, FSDP2 keeps the sharded parameters on the CPU by design.
@@ -306,6 +329,19 @@ STRATEGIES: dict[str, StrategySpec] = {
             sharded_state=_ALL_STATE,
             async_checkpoint=True,
             expert_parallel=True,
+        ),
+        StrategySpec(  # fsdp's sharding over a 2-D mesh; its checkpoints are fsdp's
+            name="hsdp",
+            shards=True,
+            multi_device=True,
+            cpu_offload=True,
+            float8=True,
+            float8_all_gather=True,
+            quantized_weights=True,
+            build=_fsdp,
+            shard=shard_model,
+            sharded_state=_ALL_STATE,
+            async_checkpoint=True,
         ),
         StrategySpec(
             name="deepspeed_zero2",

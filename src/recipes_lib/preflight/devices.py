@@ -187,6 +187,23 @@ def check_expert_parallel(cfg: RunConfig, spec, devices: int | None) -> None:
         )
 
 
+def check_replicas(cfg: RunConfig, devices: int | None) -> None:
+    """``strategy.replicas``: hsdp's only, and dividing the ranks."""
+    replicas = cfg.strategy.replicas
+    if replicas is not None and cfg.strategy.name != "hsdp":
+        raise ConfigError(
+            f"strategy.replicas={replicas} is hsdp's (copies of a model sharded within each); "
+            f"strategy={cfg.strategy.name} has none"
+        )
+    ranks = None if devices is None else devices * cfg.trainer.num_nodes
+    copies = replicas or cfg.trainer.num_nodes
+    if cfg.strategy.name == "hsdp" and ranks and (copies < 1 or ranks % copies):
+        raise ConfigError(
+            f"strategy.replicas={copies} does not divide the {ranks} ranks "
+            "(trainer.devices x trainer.num_nodes) of strategy=hsdp"
+        )
+
+
 def check_strategy(cfg: RunConfig) -> None:
     """Refuse a strategy that cannot run as set, from what its spec declares."""
     spec = get_strategy(cfg.strategy.name)
@@ -210,6 +227,7 @@ def check_strategy(cfg: RunConfig) -> None:
             f"background ({writers}); strategy={name} saves its checkpoints in the foreground"
         )
     check_optimizer_choice(cfg, spec)
+    check_replicas(cfg, count)
     if cfg.strategy.expert_parallel:
         check_expert_parallel(cfg, spec, count)
     if spec.needs_package is not None:

@@ -211,7 +211,7 @@ class CausalLMModule(L.LightningModule):
             return torch.get_default_device(), None
         offload = self.strategy_config.cpu_offload
         device = torch.device("cpu") if offload else self.trainer.strategy.root_device
-        return device, mesh["data_parallel"]
+        return device, getattr(self, "sharding_mesh", None) or mesh["data_parallel"]  # hsdp: 2-D
 
     def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Next-token logits ``(B, T, V)``."""
