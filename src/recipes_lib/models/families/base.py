@@ -297,15 +297,25 @@ def refuse(family: str, key: str, value: Any, why: str) -> ConfigError:
 MOE_READS = ("moe_experts", "moe_top_k", "moe_ffn_dim", "moe_renormalize")
 
 
-def moe_names(mlp: str, gate: str, up: str, down: str) -> tuple[dict[str, str], dict[str, str]]:
-    """The router's rename and the experts' table of a layer whose MoE block is ``mlp``
-    (``mlp.gate`` <-> ``feed_forward.router``; ``mlp.experts.{}.<gate>`` <->
-    ``feed_forward.experts.w1``, ``up`` w3, ``down`` w2)."""
+def with_experts(
+    base: TensorNames, mlp: str, gate: str, up: str, down: str, *, dense_layers: bool = False
+) -> TensorNames:
+    """``base``'s tensor names for a model whose layers route their MLP: the router
+    ``<mlp>.gate`` <-> ``feed_forward.router``, and one Hugging Face tensor per expert
+    (``<mlp>.experts.{}.<gate>`` <-> ``feed_forward.experts.w1``, ``up`` w3, ``down`` w2).
+    ``base``'s dense MLP names stay only with ``dense_layers`` (layers that keep one)."""
     experts = {
         f"{mlp}.experts.{{}}.{hf}": f"feed_forward.experts.{native}"
         for hf, native in ((gate, "w1"), (up, "w3"), (down, "w2"))
     }
-    return {f"{mlp}.gate": "feed_forward.router"}, experts
+    layer = {
+        hf: native
+        for hf, native in base.layer.items()
+        if dense_layers or not native.startswith("feed_forward.")
+    }
+    return TensorNames(
+        layer={**layer, f"{mlp}.gate": "feed_forward.router"}, top=base.top, experts=experts
+    )
 
 
 def moe_from_hf(config: Mapping[str, Any], experts_key: str, renormalize: bool) -> dict[str, Any]:

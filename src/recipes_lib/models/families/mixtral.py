@@ -23,26 +23,16 @@ from typing import Any
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.models.families.base import (
     Family,
-    TensorNames,
     common_from_hf,
     moe_from_hf,
     moe_hf_fields,
-    moe_names,
     needs_experts,
+    with_experts,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
 
-_ROUTER, _EXPERTS = moe_names("block_sparse_moe", "w1", "w3", "w2")
-_DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-MIXTRAL_NAMES = TensorNames(
-    layer={
-        **{hf: native for hf, native in LLAMA_NAMES.layer.items() if hf not in _DENSE_MLP},
-        **_ROUTER,
-    },
-    top=LLAMA_NAMES.top,
-    experts=_EXPERTS,
-)
+MIXTRAL_NAMES = with_experts(LLAMA_NAMES, "block_sparse_moe", "w1", "w3", "w2")
 
 
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -29,23 +29,19 @@ from recipes_lib.models.families.base import (
     common_from_hf,
     moe_from_hf,
     moe_hf_fields,
-    moe_names,
     needs_experts,
+    with_experts,
     without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
 from recipes_lib.models.families.qwen3 import QK_NORM_NAMES
 
-_ROUTER, _EXPERTS = moe_names("mlp", "gate_proj", "up_proj", "down_proj")
-_DENSE_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-OLMOE_NAMES = TensorNames(
-    layer={
-        **{hf: native for hf, native in LLAMA_NAMES.layer.items() if hf not in _DENSE_MLP},
-        **QK_NORM_NAMES,
-        **_ROUTER,
-    },
-    top=LLAMA_NAMES.top,
-    experts=_EXPERTS,
+OLMOE_NAMES = with_experts(
+    TensorNames(layer={**LLAMA_NAMES.layer, **QK_NORM_NAMES}, top=LLAMA_NAMES.top),
+    "mlp",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
 )
 
 

@@ -26,20 +26,18 @@ from recipes_lib.config.schema import ModelConfig
 from recipes_lib.models.families.base import (
     MOE_READS,
     Family,
-    TensorNames,
     common_from_hf,
     moe_from_hf,
     moe_hf_fields,
-    moe_names,
     required,
+    with_experts,
     without_attention_bias,
 )
 from recipes_lib.models.families.qwen2 import qwen_sliding_window
 from recipes_lib.models.families.qwen3 import QWEN3_NAMES
 
-_ROUTER, _EXPERTS = moe_names("mlp", "gate_proj", "up_proj", "down_proj")
-QWEN3_MOE_NAMES = TensorNames(
-    layer={**QWEN3_NAMES.layer, **_ROUTER}, top=QWEN3_NAMES.top, experts=_EXPERTS
+QWEN3_MOE_NAMES = with_experts(
+    QWEN3_NAMES, "mlp", "gate_proj", "up_proj", "down_proj", dense_layers=True
 )
 
 
