@@ -1,10 +1,11 @@
-"""Shared by the integration and GPU tests: the CSV metrics a run logs, and ``torchrun``
-jobs."""
+"""Shared by the tests: the CSV metrics a run logs, ``torchrun`` jobs, and a benchmark's
+``--smoke`` run."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -64,3 +65,23 @@ def torchrun(
             f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-8000:]}"
         )
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def benchmark_smoke(script: str, out: Path, *, timeout: float, stdout_json: bool = False) -> dict:
+    """``python benchmarks/<script> --smoke --out <out>``: the JSON it wrote. Fails the test
+    with the end of its stderr when it exits non-zero; with ``stdout_json``, also when its
+    standard output holds anything but that same JSON."""
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    figures = json.loads(out.read_text())
+    if stdout_json:
+        assert json.loads(proc.stdout) == figures  # stdout holds the JSON and nothing else
+    return figures

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from run_helpers import benchmark_smoke
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "pretrain_throughput.py"
 TRAINERS = ("recipes_lib", "plain_pytorch", "hf_transformers")
@@ -17,15 +18,7 @@ TRAINERS = ("recipes_lib", "plain_pytorch", "hf_transformers")
 
 def test_pretrain_throughput_smoke_reports_all_trainers(tmp_path):
     out = tmp_path / "figures.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    figures = json.loads(proc.stdout)  # stdout holds the JSON and nothing else
-    assert json.loads(out.read_text()) == figures
+    figures = benchmark_smoke("pretrain_throughput.py", out, timeout=120, stdout_json=True)
 
     tiny = figures["models"]["tiny"]
     assert tiny["tokens_per_step"] == tiny["batch_size"] * figures["settings"]["seq_len"]

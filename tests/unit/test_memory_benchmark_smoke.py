@@ -3,13 +3,11 @@ strategy choice stops (``--smoke``: the tiny preset with ``single`` on CPU)."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from run_helpers import benchmark_smoke
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
 
@@ -17,15 +15,7 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
 @pytest.mark.slow
 def test_memory_smoke_trains_the_tiny_preset_in_a_subprocess(tmp_path):
     out = tmp_path / "memory.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    figures = json.loads(proc.stdout)  # stdout holds the JSON and nothing else
-    assert json.loads(out.read_text()) == figures
+    figures = benchmark_smoke("memory.py", out, timeout=180, stdout_json=True)
     assert [step["model"] for step in figures["ladder"]] == ["tiny"]
     assert list(figures["choices"]) == ["single"]
     single = figures["choices"]["single"]

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "posttrain.py"
+from run_helpers import benchmark_smoke
 
 
 @pytest.mark.slow
 def test_posttrain_smoke_reports_packing_dpo_cost_and_adapter_memory(tmp_path):
     out = tmp_path / "figures.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    figures = json.loads(proc.stdout)  # stdout holds the JSON and nothing else
-    assert json.loads(out.read_text()) == figures
+    figures = benchmark_smoke("posttrain.py", out, timeout=300, stdout_json=True)
     steps = figures["settings"]["steps"]
 
     def check_run(report: dict) -> None:

@@ -4,24 +4,14 @@ makes trains through the on-ramp, and TRL is measured where it is installed."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
-import sys
-from pathlib import Path
 
-BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "sft_peer.py"
+from run_helpers import benchmark_smoke
 
 
 def test_sft_peer_smoke(tmp_path):
     out = tmp_path / "sft_peer.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    sides = json.loads(out.read_text())["sides"]
+    figures = benchmark_smoke("sft_peer.py", out, timeout=600)
+    sides = figures["sides"]
     ours = sides["recipes_lib"]
     assert ours["tokens_per_sec"] > 0 and ours["timed_steps"] == 2
     assert 0 < ours["tokens_per_step"] <= 2 * 256  # real tokens of two packed rows
