@@ -299,12 +299,13 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def moe_losses(model: nn.Module, config: ModelConfig) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """After a training forward: the auxiliary loss to add to the objective's
-    (``moe_aux_loss_coef`` times the mean balance loss of the layers plus
-    ``moe_z_loss_coef`` times their mean z-loss; None for a dense model or outside
-    training) and the two means to log."""
-    layers = moe_layers(model)
+def moe_losses(
+    layers: list[MoEFeedForward], config: ModelConfig
+) -> tuple[Tensor | None, dict[str, Tensor]]:
+    """After a training forward of a model's mixture ``layers`` (:func:`moe_layers`): the
+    auxiliary loss to add to the objective's (``moe_aux_loss_coef`` times the mean
+    balance loss of the layers plus ``moe_z_loss_coef`` times their mean z-loss; None
+    for a dense model or outside training) and the two means to log."""
     if not layers or any(m.balance_loss is None for m in layers):
         for m in layers:
             m.balance_loss = m.z_loss = None
@@ -317,12 +318,12 @@ def moe_losses(model: nn.Module, config: ModelConfig) -> tuple[Tensor | None, di
     return aux, {"moe_balance_loss": balance.detach(), "moe_z_loss": z.detach()}
 
 
-def take_expert_counts(model: nn.Module) -> Tensor | None:
+def take_expert_counts(layers: list[MoEFeedForward]) -> Tensor | None:
     """Tokens per expert of each layer's last training forward, ``(layers, E)``, or None."""
-    counts = [m.expert_counts for m in moe_layers(model)]
+    counts = [m.expert_counts for m in layers]
     if not counts or any(c is None for c in counts):
         return None
-    for m in moe_layers(model):
+    for m in layers:
         m.expert_counts = None
     return torch.stack(counts)
 

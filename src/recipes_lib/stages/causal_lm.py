@@ -284,8 +284,7 @@ class CausalLMModule(L.LightningModule):
     # ------------------------------------------------------------ train / val
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, metrics = self.compute_loss(batch)
-        # a mixture of experts' balance and z-losses join the objective's (not its log)
-        aux, moe_metrics = self.expert_load.after_forward(self._built_model())
+        aux, moe_metrics = self.expert_load.after_forward(self._built_model())  # MoE losses
         metrics = {**metrics, **moe_metrics}
         loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), batch_idx)
         self.guard.add_loss(loss)

@@ -18,9 +18,9 @@ from recipes_lib.models.moe import load_metrics, moe_layers, moe_losses, take_ex
 
 
 class ExpertLoad:
-    """Counts the tokens per expert of a step's training forwards (:meth:`add`) and, once
-    per optimizer step (:meth:`step`), sums them over ranks, moves the router biases and
-    returns the per-layer balance to log."""
+    """Counts the tokens per expert of a step's training forwards (:meth:`after_forward`)
+    and, once per optimizer step (:meth:`step`), sums them over ranks, moves the router
+    biases and returns the per-layer balance to log."""
 
     def __init__(self, config: ModelConfig):
         self.config, self.rate = config, config.moe_bias_update_rate
@@ -30,10 +30,13 @@ class ExpertLoad:
         """After a training forward: the auxiliary loss to add to the objective's and the
         metrics to log (:func:`~recipes_lib.models.moe.moe_losses`; None and none for a
         dense model), the forward's token counts added to the step's."""
-        counts = take_expert_counts(model)
+        if not self.config.moe_experts:  # a dense model: nothing to look for
+            return None, {}
+        layers = moe_layers(model)
+        counts = take_expert_counts(layers)
         if counts is not None:
             self.counts = counts if self.counts is None else self.counts + counts
-        return moe_losses(model, self.config)
+        return moe_losses(layers, self.config)
 
     def step(self, model: nn.Module, strategy: Any) -> dict[str, Tensor]:
         """The step's ``moe/load_max_mean/L`` and ``moe/load_min_mean/L`` (``L`` counting

@@ -91,9 +91,9 @@ def test_routing_gives_the_balance_loss_of_transformers():
 
 def _aux_grads(model: Transformer, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     model.zero_grad()
-    aux, _ = moe_losses(model, model.config)  # clears anything earlier
+    aux, _ = moe_losses(moe_layers(model), model.config)  # clears anything earlier
     logits = model(x)
-    aux, metrics = moe_losses(model, model.config)
+    aux, metrics = moe_losses(moe_layers(model), model.config)
     (logits.square().mean() + aux).backward()
     return aux.detach(), [m.router.weight.grad.clone() for m in moe_layers(model)]
 
@@ -122,7 +122,7 @@ def test_compiled_and_checkpointed_blocks_keep_the_auxiliary_losses():
 def test_no_losses_are_left_outside_training():
     model = Transformer(tiny_model_config(**MOE)).eval()
     model(torch.randint(0, 64, (1, 8)))
-    assert moe_losses(model, model.config) == (None, {})
+    assert moe_losses(moe_layers(model), model.config) == (None, {})
 
 
 def test_flops_count_the_active_experts():
