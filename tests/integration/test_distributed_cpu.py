@@ -202,16 +202,22 @@ MOE = (
 )
 
 
+@pytest.fixture(scope="module")
+def moe_single(runs, tmp_path_factory) -> Path:
+    """The mixture's one-process weights, for both of its FSDP runs to reach."""
+    folder = tmp_path_factory.mktemp("moe-single")
+    return run(compose_config(_overrides(folder / "single", runs["cache"], *MOE))).weights_path
+
+
 @pytest.mark.parametrize("experts", ["gathered", "expert_parallel"])
 def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
-    runs, tmp_path, experts
+    runs, moe_single, tmp_path, experts
 ):
     """The stacked experts shard and train under FSDP as on one process, gathered like
     every weight or each rank keeping two of the four (expert parallelism, the tokens
     sent to them and back), and the sigmoid router's bias, moved by the token counts
     summed over both ranks, is the one process's. (The balance loss is left out: each
     rank computes it on its own rows, which is not the loss of the whole batch.)"""
-    single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *MOE)))
     parallel = ["strategy.expert_parallel=true"] if experts == "expert_parallel" else []
     _torchrun(
         tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *MOE, *parallel
@@ -219,7 +225,7 @@ def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
     ours = load_weights(tmp_path / "fsdp" / "model.safetensors")
     log = (tmp_path / "fsdp" / "cli.log").read_text()
     assert ("each of 2 ranks holds 2 experts" in log) == (experts == "expert_parallel")
-    theirs = load_weights(single.weights_path)
+    theirs = load_weights(moe_single)
     _assert_same_weights(theirs, ours)
     biases = [name for name in ours if name.endswith("expert_bias")]
     assert len(biases) == 2 and all(ours[b].abs().sum() > 0 for b in biases)
