@@ -31,6 +31,13 @@
 #   bash benchmarks/gpu_session.sh ep          # expert parallelism: the 2-GPU test, the
 #                                              # grouped GEMM against the loop, moe_1b on
 #                                              # 1 and 2 GPUs (fsdp) and 2 (fsdp+ep)
+#   bash benchmarks/gpu_session.sh optim       # the optim choices' step time and memory at 1B,
+#                                              # AdamW against Muon on the same tokens, the
+#                                              # expert-parallel test and moe_1b's EP scaling
+#                                              # on 1 and 2 GPUs (4 GPUs)
+#   bash benchmarks/gpu_session.sh hsdp        # HSDP 2 x 2 against one GPU's loss curve, then
+#                                              # llama_1b fsdp and hsdp (2 x 2) on 4 GPUs
+#   bash benchmarks/gpu_session.sh ep4         # moe_1b fsdp on 1 and 4 GPUs, fsdp+ep on 4
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
@@ -176,6 +183,30 @@ ep)
   job ep_scaling 0,1 "$PY benchmarks/scaling.py $SCALE --gpus 1,2 --strategies fsdp --budget-s 230;
     $PY benchmarks/scaling.py $SCALE --gpus 2 --strategies fsdp+ep --budget-s 120 \
       --resume $OUT/scaling_moe_1b.json"
+  wait ;;
+optim)
+  job optim_step 2 "$PY benchmarks/optimizers.py --part step --out $OUT/optimizers_step.json"
+  job optim_loss 3 "$PY benchmarks/optimizers.py --part loss --out $OUT/optimizers_loss.json"
+  SCALE="--recipe pretrain/moe_1b --no-single-baseline --warmup-steps 6 --steps 12 \
+    --timeout-s 110 --out $OUT/scaling_moe_1b.json"
+  job ep 0,1 "timeout -s INT 240 $PY -m pytest -q -rs -m multigpu tests/gpu/test_family_gpu.py \
+      -k expert_parallel -p no:cacheprovider;
+    $PY benchmarks/scaling.py $SCALE --gpus 1,2 --strategies fsdp --budget-s 200;
+    $PY benchmarks/scaling.py $SCALE --gpus 2 --strategies fsdp+ep --budget-s 110 \
+      --resume $OUT/scaling_moe_1b.json"
+  wait ;;
+hsdp)
+  job hsdp_test 0,1,2,3 "timeout -s INT 200 $PY -m pytest -q -rs tests/gpu/test_multigpu.py -k hsdp \
+      -p no:cacheprovider;
+    $PY benchmarks/scaling.py --gpus 4 --strategies fsdp,hsdp --warmup-steps 6 --steps 12 \
+      --timeout-s 100 --budget-s 330 --out $OUT/scaling_hsdp.json"
+  wait ;;
+ep4)
+  SCALE="--recipe pretrain/moe_1b --no-single-baseline --warmup-steps 6 --steps 12 \
+    --timeout-s 110 --out $OUT/scaling_moe_1b_4.json"
+  job ep4 0,1,2,3 "$PY benchmarks/scaling.py $SCALE --gpus 1,4 --strategies fsdp --budget-s 240;
+    $PY benchmarks/scaling.py $SCALE --gpus 4 --strategies fsdp+ep --budget-s 120 \
+      --resume $OUT/scaling_moe_1b_4.json"
   wait ;;
 peer)
   job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"

@@ -24,7 +24,9 @@ configuration::
 Runs use the library's ``GarbageCollection`` callback (``callbacks=minimal`` has it:
 automatic collection off, a collection every ``--gc-every-n-steps`` steps on all ranks
 at once). A strategy written ``NAME+autogc`` (``fsdp+autogc``) runs NAME without it,
-under Python's automatic collector, so the two can be compared in one run.
+under Python's automatic collector, so the two can be compared in one run. ``hsdp``
+runs with ``strategy.replicas=2`` on an even number of GPUs: two replicas, each sharded
+over half the GPUs, as two nodes would be (one node's links are faster than two's).
 
 On a machine with 4 GPUs::
 
@@ -62,7 +64,7 @@ from _jobs import launch_torchrun, worker_main
 HERE = Path(__file__).resolve()
 GPU_RECIPE = "pretrain/llama_1b"
 SMOKE_RECIPE = "pretrain/tiny"
-STRATEGIES = ("single", "ddp", "fsdp")
+STRATEGIES = ("single", "ddp", "fsdp", "hsdp")
 GC_SUFFIX = "+autogc"  # NAME+autogc: NAME without the GarbageCollection callback
 EP_SUFFIX = "+ep"  # fsdp+ep: fsdp with a mixture's experts spread over the ranks
 LOG_TAIL_CHARS = 3000
@@ -76,6 +78,8 @@ def worker_overrides(args, world_size: int, run_dir: str) -> list[str]:
     extra = ["precision=32-true", "kernels.compile=false"] if args.smoke else []
     if args.expert_parallel:
         extra.append("strategy.expert_parallel=true")
+    if args.strategy == "hsdp":  # one node here: two replicas stand for two nodes
+        extra.append(f"strategy.replicas={2 if world_size % 2 == 0 else 1}")
     if args.auto_gc:
         extra.append("~callbacks.gc")
     else:

@@ -59,6 +59,10 @@ def torchrun(
             os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         status = f"timed out after {timeout} s"
+    except BaseException:  # an interrupt (timeout -s INT pytest ...): no worker outlives it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     if proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(command)}\n{status}\n"

@@ -34,7 +34,7 @@ CURVE_ABS, CURVE_REL = 0.02, 0.01
 # residual stream is bf16), where one GPU under bf16 autocast keeps fp32 weights: the
 # curves agree to bf16 rounding, which compounds over the steps. (In fp32 the two agree
 # to 2e-5 in the weights: tests/integration/test_distributed_cpu.py.)
-TOLERANCE = {"ddp": (CURVE_ABS, CURVE_REL), "fsdp": (0.03, 0.025)}
+TOLERANCE = {"ddp": (CURVE_ABS, CURVE_REL), "fsdp": (0.03, 0.025), "hsdp": (0.03, 0.025)}
 RESUME_ABS = 0.01  # same card, same world size: only non-deterministic kernels differ
 
 
@@ -108,11 +108,12 @@ def runs(tmp_path_factory, cache):
             pytest.fail(f"the {name} run failed in an earlier test:\n{failed[name]}")
         if name not in done:
             folder = root / name
-            processes = 1 if name == "single" else 2
+            processes = {"single": 1, "hsdp": 4}.get(name, 2)
             extra = [
                 f"strategy={name}",
                 f"trainer.devices={processes}",
                 f"data.batch_size={GLOBAL_BATCH // processes}",
+                *(["strategy.replicas=2"] if name == "hsdp" else []),  # 2 x 2
             ]
             overrides = _overrides(folder / "run", cache, *extra)
             try:
@@ -140,6 +141,17 @@ def test_two_gpus_follow_the_one_gpu_loss_curve(runs, strategy):
     # the CSV log (rank 0) has every step
     logged = metric_series(read_metrics(Path(two["output_dir"])), "train/loss")
     assert len(logged) == STEPS and all(math.isfinite(v) for _, v in logged)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="HSDP 2 x 2 needs 4 GPUs")
+def test_hsdp_on_four_gpus_follows_the_one_gpu_loss_curve(runs):
+    """Two replicas, each sharded over two GPUs (4 rows per GPU): the one-GPU curve."""
+    single, hsdp = runs("single"), runs("hsdp")
+    assert hsdp["world_size"] == 4 and hsdp["global_step"] == STEPS
+    _assert_curves_match(_losses(hsdp), _losses(single), *TOLERANCE["hsdp"])
+    assert hsdp["metrics"]["val/loss"] == pytest.approx(
+        single["metrics"]["val/loss"], abs=TOLERANCE["hsdp"][0], rel=TOLERANCE["hsdp"][1]
+    )
 
 
 def test_fsdp_resumes_from_a_sharded_checkpoint(runs, tmp_path, cache):
