@@ -58,6 +58,15 @@ def _report_preempted(err: SystemExit) -> None:
         print(f"error: {err} (exit status {err.code})", file=sys.stderr)
 
 
+def _join_submitit_job() -> None:
+    """A sweep job's process under ``hydra/launcher=slurm`` or ``local``: its rank and the
+    time-limit signal (:func:`recipes_lib.launch_check.sweep.join_submitit_job`)."""
+    if "SUBMITIT_EXECUTOR" in os.environ:
+        from recipes_lib.launch_check.sweep import join_submitit_job
+
+        join_submitit_job()
+
+
 def _launch_check(cfg: DictConfig) -> None:
     """The pre-launch check of ``cfg``: its table on stdout (rank 0), then exit status 1
     if any check failed."""
@@ -77,6 +86,7 @@ def _launch_check(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
 def _train(cfg: DictConfig) -> float | None:
     configure_console()
+    _join_submitit_job()
     if cfg.run.preflight:  # the pre-launch check instead of a run
         _launch_check(cfg)
         return None
@@ -132,6 +142,7 @@ def _check(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="pipeline_root")
 def _pipeline(cfg: DictConfig) -> float | None:
     configure_console()
+    _join_submitit_job()
     from recipes_lib.callbacks.preemption import Preempted
     from recipes_lib.pipeline import run_pipeline
 

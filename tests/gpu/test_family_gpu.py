@@ -119,36 +119,46 @@ def test_compiled_flex_windows_match_each_document_alone():
     torch.testing.assert_close(packed, alone, atol=2e-4, rtol=2e-4)
 
 
+def _curve(tmp_path: Path, cache: Path, family: str, name: str, *more: str, **kw) -> dict:
+    """The per-step losses (averaged over the ranks) of twelve steps of ``family`` on one
+    GPU (``name`` single) or two (fsdp), fp32 unless ``precision`` says otherwise."""
+    processes = 1 if name.startswith("single") else 2
+    folder = tmp_path / name
+    folder.mkdir()
+    out = folder / "result.json"
+    overrides = _overrides(
+        folder / "run",
+        cache,
+        family,
+        f"strategy={name.split('_')[0]}",
+        f"trainer.devices={processes}",
+        f"data.batch_size={16 // processes}",
+        "trainer.max_steps=12",
+        "kernels.compile=false",
+        f"precision={kw.get('precision', '32-true')}",
+        *more,
+    )
+    torchrun(processes, str(WORKER), f"--out={out}", *overrides)
+    return {int(step): loss for step, loss in json.loads(out.read_text())["losses"].items()}
+
+
+def _assert_curves_agree(got: dict, expected: dict, label: str) -> None:
+    """At every step within 0.01 + 1% of ``expected``."""
+    assert sorted(got) == sorted(expected)
+    far = [
+        (step, round(got[step], 4), round(loss, 4))
+        for step, loss in sorted(expected.items())
+        if abs(got[step] - loss) > 0.01 + 0.01 * abs(loss)
+    ]
+    assert not far, f"(step, {label}) beyond tolerance: {far}; all: {got} vs {expected}"
+
+
 def _fsdp_against_one_gpu(tmp_path: Path, cache: Path, family: str, *extra: str) -> None:
     """Twelve fp32 steps of ``family`` under FSDP on two GPUs (with ``extra``) against
     one GPU: the loss curves agree within 0.01 + 1% at every step."""
-    curves = {}
-    for name, processes, more in (("single", 1, ()), ("fsdp", 2, extra)):
-        folder = tmp_path / name
-        folder.mkdir()
-        out = folder / "result.json"
-        overrides = _overrides(
-            folder / "run",
-            cache,
-            family,
-            f"strategy={name}",
-            f"trainer.devices={processes}",
-            f"data.batch_size={16 // processes}",
-            "trainer.max_steps=12",
-            "kernels.compile=false",
-            "precision=32-true",
-            *more,
-        )
-        torchrun(processes, str(WORKER), f"--out={out}", *overrides)
-        result = json.loads(out.read_text())
-        curves[name] = {int(step): loss for step, loss in result["losses"].items()}
-    assert sorted(curves["fsdp"]) == sorted(curves["single"])
-    far = [
-        (step, round(curves["fsdp"][step], 4), round(expected, 4))
-        for step, expected in sorted(curves["single"].items())
-        if abs(curves["fsdp"][step] - expected) > 0.01 + 0.01 * abs(expected)
-    ]
-    assert not far, f"(step, two GPUs, one GPU) beyond tolerance: {far}; all: {curves}"
+    single = _curve(tmp_path, cache, family, "single")
+    fsdp = _curve(tmp_path, cache, family, "fsdp", *extra)
+    _assert_curves_agree(fsdp, single, "two GPUs, one GPU")
 
 
 @pytest.mark.multigpu
@@ -160,10 +170,30 @@ def test_gemma3_under_fsdp_follows_one_gpu_in_fp32(tmp_path, cache):
 
 
 @pytest.mark.multigpu
-def test_expert_parallel_on_two_gpus_follows_one_gpu_in_fp32(tmp_path, cache):
+@pytest.mark.xfail(
+    strict=True,
+    reason="open defect: on two H100s the expert-parallel curve leaves the gathered one at "
+    "step 8 (6.636 against 6.327) after seven steps within 0.007; over gloo on the CPU "
+    "expert parallelism reaches the one-process weights",
+)
+def test_expert_parallel_on_two_gpus_follows_the_gathered_experts(tmp_path, cache):
     """A Qwen3-MoE with its 8 experts spread 4 and 4 over two GPUs (the tokens sent to
-    them by all-to-all) against all 8 on one GPU, fp32. The balance loss is off: each
-    rank computes it on its own rows, which is not the whole batch's."""
-    _fsdp_against_one_gpu(
-        tmp_path, cache, "qwen3_moe", "strategy.expert_parallel=true", "model.moe_aux_loss_coef=0"
+    them by all-to-all, each rank's experts one grouped GEMM) against the same two GPUs
+    with every expert gathered by FSDP, bf16-mixed: the same computation, so the curves
+    agree within 0.01 + 1% at every step. In fp32, where the experts run as a loop, the
+    expert-parallel run stops progressing with both ranks in the barrier of a step's
+    token-count reduction (also open). The balance loss is off: each rank computes it
+    on its own rows, which is not the whole batch's."""
+    no_balance = "model.moe_aux_loss_coef=0"
+    gathered = _curve(tmp_path, cache, "qwen3_moe", "fsdp", no_balance, precision="bf16-mixed")
+    parallel = _curve(
+        tmp_path,
+        cache,
+        "qwen3_moe",
+        "fsdp_ep",
+        no_balance,
+        "strategy.expert_parallel=true",
+        "callbacks.watchdog.minutes=2",  # a hang fails the test with every rank's stacks
+        precision="bf16-mixed",
     )
+    _assert_curves_agree(parallel, gathered, "expert-parallel, gathered")

@@ -9,6 +9,9 @@ dict.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,3 +259,32 @@ def test_hsdp_on_two_by_two_processes_reaches_the_single_process_weights(runs, t
     fsdp = read_sharded_checkpoint(runs["fsdp"] / "checkpoints" / step)
     assert hsdp.keys() == fsdp.keys() and any(k.startswith(MODEL_PREFIX) for k in hsdp)
     _assert_same_weights(hsdp, fsdp)
+
+
+def test_a_local_submitit_sweep_runs_each_job_on_two_processes(runs, tmp_path):
+    """``recipes-train -m hydra/launcher=local``: two jobs (two learning rates), each
+    submitit's job of two processes over gloo. The job at the recipe's own rate reaches
+    the one-process weights (its two processes were one data-parallel run), the other
+    does not (its override reached it)."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    root = tmp_path / "sweep"
+    overrides = _overrides(root, runs["cache"], "strategy=ddp", "data.batch_size=2")
+    lr = compose_config(overrides).optim.lr
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes_lib.cli", "-m", "hydra/launcher=local", *overrides]
+        + ["trainer.devices=2", f"optim.lr={lr},{lr * 3}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    single = load_weights(runs["single"] / "model.safetensors")
+    jobs = [root / "multirun" / str(n) for n in (0, 1)]
+    _assert_same_weights(single, load_weights(jobs[0] / "model.safetensors"))
+    other = load_weights(jobs[1] / "model.safetensors")
+    assert max((other[k] - single[k]).abs().max().item() for k in single) > 1e-3
+    # submitit's logs: two processes per job
+    logs = sorted(p.name for p in (root / "multirun" / ".submitit").rglob("*_log.out"))
+    assert len(logs) == 4 and sum(name.endswith("_1_log.out") for name in logs) == 2, logs

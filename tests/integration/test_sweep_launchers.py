@@ -1,0 +1,105 @@
+"""``recipes-train -m ... hydra/launcher=slurm``: what reaches ``sbatch``, and what is
+refused before it. ``srun`` and ``sbatch`` are stand-ins on ``PATH`` that record what
+they are given (``sbatch`` then fails, so nothing waits for a job); the local executor's
+real two-process jobs are in ``test_distributed_cpu.py``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+
+from recipes_lib.errors import ConfigError  # noqa: E402
+from recipes_lib.launch_check.sweep import check_submitit_options  # noqa: E402
+
+STAND_IN = """#!/bin/sh
+cp "$1" "{record}" 2>/dev/null || echo "$@" > "{record}"
+echo "{name}: stopped by the test" >&2
+exit 1
+"""
+
+
+def _sweep(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The sweep with stand-ins for SLURM's commands; its result and where ``sbatch``
+    would have recorded its script."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = tmp_path / "sbatch_script.sh"
+    for name in ("srun", "sbatch"):
+        path = bin_dir / name
+        path.write_text(
+            STAND_IN.format(record=record if name == "sbatch" else "/dev/null", name=name)
+        )
+        path.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    command = [sys.executable, "-m", "recipes_lib.cli", "-m", "hydra/launcher=slurm"]
+    command += ["recipe=pretrain/tiny", f"run.dir={tmp_path / 'run'}", *overrides]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    return proc, record
+
+
+def test_each_job_is_one_array_task_of_srun_processes_one_per_gpu(tmp_path):
+    proc, record = _sweep(
+        tmp_path,
+        "trainer.accelerator=gpu",
+        "trainer.devices=4",
+        "trainer.num_nodes=2",
+        "hydra.launcher.partition=gpu",
+        "hydra.launcher.account=lab",
+        "hydra.launcher.timeout_min=90",
+        "optim.lr=1e-3,2e-3",
+    )
+    assert record.is_file(), proc.stderr[-3000:]
+    script = record.read_text()
+    for line in (
+        "#SBATCH --array=0-1",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=lab",
+        "#SBATCH --time=90",
+        "#SBATCH --signal=USR2@120",
+    ):
+        assert line in script, f"{line!r} not in:\n{script}"
+    assert any(row.startswith("srun ") for row in script.splitlines()), script
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["trainer.devices=2", "hydra.launcher.tasks_per_node=4", "optim.lr=1e-3,2e-3"],
+            "sweep job #0 (optim.lr=0.001): hydra.launcher.tasks_per_node=4 but trainer.devices=2",
+        ),
+        (
+            ["trainer.devices=auto", "optim.lr=1e-3,2e-3"],
+            "trainer.devices=auto: a sweep job's processes are fixed when it is submitted",
+        ),
+        (
+            ["trainer.devices=1", "optim.lr=1e-3,-1"],
+            "sweep job #1 (optim.lr=-1): optim.lr",
+        ),
+    ],
+    ids=["processes", "auto_devices", "bad_job_value"],
+)
+def test_a_sweep_that_cannot_run_is_refused_before_anything_is_submitted(
+    tmp_path, overrides, expected
+):
+    proc, record = _sweep(tmp_path, *overrides)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
+    assert not record.exists()
+    assert not (tmp_path / "run" / "multirun" / ".submitit").exists()
+
+
+def test_an_option_the_installed_submitit_does_not_take_is_named():
+    with pytest.raises(ConfigError, match=r"^hydra.launcher.srun_argz: the installed submitit"):
+        check_submitit_options("slurm", {"partition": "gpu", "srun_argz": ["-v"]})
+    check_submitit_options("slurm", {"partition": "gpu", "tasks_per_node": 2, "timeout_min": 5})
