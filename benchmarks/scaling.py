@@ -236,9 +236,10 @@ def _one_gpu_key(runs: dict, strategy: str) -> str:
     return own if own in runs else f"{split_strategy(strategy)[0]}/1"
 
 
-def summarize(runs: dict, strategies: list[str], gpus: list[int]) -> dict:
+def summarize(runs: dict, strategies: list[str]) -> dict:
     """Scaling efficiency of each run against 1 GPU of its strategy and of ``single``."""
     table: dict = {}
+    gpus = sorted({int(key.split("/")[1]) for key in runs})
     for strategy in strategies:
         for n in gpus:
             key = f"{strategy}/{n}"
@@ -296,7 +297,6 @@ def driver_main(args) -> dict:
         earlier = json.loads(Path(args.resume).read_text())
         result["runs"] = {k: v for k, v in earlier.get("runs", {}).items() if "tokens_per_sec" in v}
         result["device"] = earlier.get("device")
-    all_gpus = sorted({*args.gpus, *(int(k.split("/")[1]) for k in result["runs"])})
     started = time.perf_counter()
     for strategy, n in configs:
         key = f"{strategy}/{n}"
@@ -312,13 +312,11 @@ def driver_main(args) -> dict:
             result["runs"][key] = launch(args, strategy, n, min(args.timeout_s, left))
             print(f"[scaling] {key}: {result['runs'][key]}", file=sys.stderr, flush=True)
             result["device"] = result["device"] or result["runs"][key].get("device")
-        result["summary"] = summarize(
-            result["runs"], _strategies_of(result["runs"], args), all_gpus
-        )
+        result["summary"] = summarize(result["runs"], _strategies_of(result["runs"], args))
         if args.out:  # keep what is measured so far
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    result["summary"] = summarize(result["runs"], _strategies_of(result["runs"], args), all_gpus)
+    result["summary"] = summarize(result["runs"], _strategies_of(result["runs"], args))
     emit(result, args.out)
     return result
 

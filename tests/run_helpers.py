@@ -74,12 +74,14 @@ def torchrun(
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def benchmark_smoke(script: str, out: Path, *, timeout: float, stdout_json: bool = False) -> dict:
-    """``python benchmarks/<script> --smoke --out <out>``: the JSON it wrote. Fails the test
-    with the end of its stderr when it exits non-zero; with ``stdout_json``, also when its
-    standard output holds anything but that same JSON."""
+def benchmark_smoke(
+    script: str, out: Path, *args: str, timeout: float, stdout_json: bool = False
+) -> dict:
+    """``python benchmarks/<script> --smoke --out <out> <args>``: the JSON it wrote. Fails
+    the test with the end of its stderr when it exits non-zero; with ``stdout_json``, also
+    when its standard output holds anything but that same JSON."""
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out)],
+        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out), *args],
         capture_output=True,
         text=True,
         timeout=timeout,

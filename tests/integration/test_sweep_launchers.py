@@ -24,11 +24,13 @@ exit 1
 """
 
 
-def _sweep(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
-    """The sweep with stand-ins for SLURM's commands; its result and where ``sbatch``
-    would have recorded its script."""
+def _sweep(
+    tmp_path: Path, *overrides: str, app: str = "train"
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """The sweep (``recipes-train``, or ``recipes-pipeline`` with ``app="pipeline"``) with
+    stand-ins for SLURM's commands; its result and where ``sbatch`` recorded its script."""
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     record = tmp_path / "sbatch_script.sh"
     for name in ("srun", "sbatch"):
         path = bin_dir / name
@@ -37,8 +39,13 @@ def _sweep(tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess
         )
         path.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    command = [sys.executable, "-m", "recipes_lib.cli", "-m", "hydra/launcher=slurm"]
-    command += ["recipe=pretrain/tiny", f"run.dir={tmp_path / 'run'}", *overrides]
+    entry = f"from recipes_lib.cli import {app}_main; {app}_main()"
+    command = [sys.executable, "-c", entry, "-m", "hydra/launcher=slurm"]
+    if app == "train":
+        command += ["recipe=pretrain/tiny", f"run.dir={tmp_path / 'run'}"]
+    else:
+        command += [f"dir={tmp_path / 'run'}"]
+    command += overrides
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     return proc, record
 
@@ -97,6 +104,19 @@ def test_a_sweep_that_cannot_run_is_refused_before_anything_is_submitted(
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
     assert not record.exists()
     assert not (tmp_path / "run" / "multirun" / ".submitit").exists()
+
+
+def test_a_pipeline_sweep_goes_to_sbatch_and_a_bad_stage_key_is_refused_first(tmp_path):
+    proc, record = _sweep(
+        tmp_path / "good", "pipeline=demo", "stages.anneal.trainer.max_steps=50,200", app="pipeline"
+    )
+    assert "#SBATCH --array=0-1" in record.read_text(), proc.stderr[-3000:]
+    proc, record = _sweep(
+        tmp_path / "bad", "pipeline=demo", "+stages.anneal.form=pretrain,sft", app="pipeline"
+    )
+    assert proc.returncode == 2 and not record.exists(), proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "sweep job #0" in errors[0] and "form" in errors[0], errors
 
 
 def test_an_option_the_installed_submitit_does_not_take_is_named():

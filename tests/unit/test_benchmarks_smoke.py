@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +13,28 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "pretrain_throu
 TRAINERS = ("recipes_lib", "plain_pytorch", "hf_transformers")
 
 
-def test_pretrain_throughput_smoke_reports_all_trainers(tmp_path):
-    out = tmp_path / "figures.json"
-    figures = benchmark_smoke("pretrain_throughput.py", out, timeout=120, stdout_json=True)
+@pytest.fixture(scope="module")
+def figures(tmp_path_factory) -> dict:
+    """One ``--smoke`` run for every test here: the three trainers, and recipes_lib once
+    per precision (bf16-mixed where this CPU has bf16 kernels) with activation
+    checkpointing, which recomputes the same numbers, so fp32 still trains as the plain
+    loop does."""
+    from recipes_lib.parallel.precision import detect_cpu_bf16
 
+    precisions = "32-true,bf16-mixed" if detect_cpu_bf16() else "32-true"
+    out = tmp_path_factory.mktemp("throughput") / "figures.json"
+    return benchmark_smoke(
+        "pretrain_throughput.py",
+        out,
+        "--precisions",
+        precisions,
+        "--activation-checkpointing",
+        timeout=180,
+        stdout_json=True,
+    )
+
+
+def test_pretrain_throughput_smoke_reports_all_trainers(figures):
     tiny = figures["models"]["tiny"]
     assert tiny["tokens_per_step"] == tiny["batch_size"] * figures["settings"]["seq_len"]
     assert tiny["flops_per_token"] > 6 * tiny["num_params"] * 0.5
@@ -46,35 +61,15 @@ def test_pretrain_throughput_smoke_reports_all_trainers(tmp_path):
     assert tiny["tokens_per_sec_ratios"]["recipes_lib/plain_pytorch"] > 0
 
 
-def test_pretrain_throughput_smoke_measures_each_precision_through_the_library(tmp_path):
+def test_pretrain_throughput_smoke_measures_each_precision_through_the_library(figures):
     """``--precisions`` measures recipes_lib once per precision in one process, built by
-    compose_config/build_trainer/build_stage; activation checkpointing recomputes the
-    same numbers in fp32, so the library still trains exactly as the plain loop."""
-    from recipes_lib.parallel.precision import detect_cpu_bf16
-
-    if not detect_cpu_bf16():
+    compose_config/build_trainer/build_stage."""
+    if figures["settings"]["recipes_lib"]["precisions"] == ["32-true"]:
         pytest.skip("this CPU has no native bf16 kernels; precision=bf16-mixed is refused")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARK),
-            "--smoke",
-            "--trainers",
-            "recipes_lib,plain_pytorch",
-            "--precisions",
-            "32-true,bf16-mixed",
-            "--activation-checkpointing",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    figures = json.loads(proc.stdout)
     assert figures["settings"]["recipes_lib"]["precisions"] == ["32-true", "bf16-mixed"]
     tiny = figures["models"]["tiny"]
     trainers = tiny["trainers"]
-    assert set(trainers) == {"recipes_lib", "recipes_lib_bf16-mixed", "plain_pytorch"}
+    assert set(trainers) == {*TRAINERS, "recipes_lib_bf16-mixed"}
     for key, precision in (("recipes_lib", "32-true"), ("recipes_lib_bf16-mixed", "bf16-mixed")):
         report = trainers[key]
         assert "error" not in report, report
