@@ -15,7 +15,11 @@ import pytest
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 from recipes_lib.errors import ConfigError  # noqa: E402
-from recipes_lib.launch_check.sweep import check_submitit_options  # noqa: E402
+from recipes_lib.launch_check.sweep import (  # noqa: E402
+    check_submitit_options,
+    check_sweep,
+    launcher_options,
+)
 
 STAND_IN = """#!/bin/sh
 cp "$1" "{record}" 2>/dev/null || echo "$@" > "{record}"
@@ -77,33 +81,49 @@ def test_each_job_is_one_array_task_of_srun_processes_one_per_gpu(tmp_path):
     assert any(row.startswith("srun ") for row in script.splitlines()), script
 
 
-@pytest.mark.parametrize(
-    ("overrides", "expected"),
-    [
-        (
-            ["trainer.devices=2", "hydra.launcher.tasks_per_node=4", "optim.lr=1e-3,2e-3"],
-            "sweep job #0 (optim.lr=0.001): hydra.launcher.tasks_per_node=4 but trainer.devices=2",
-        ),
-        (
-            ["trainer.devices=auto", "optim.lr=1e-3,2e-3"],
-            "trainer.devices=auto: a sweep job's processes are fixed when it is submitted",
-        ),
-        (
-            ["trainer.devices=1", "optim.lr=1e-3,-1"],
-            "sweep job #1 (optim.lr=-1): optim.lr",
-        ),
-    ],
-    ids=["processes", "auto_devices", "bad_job_value"],
-)
-def test_a_sweep_that_cannot_run_is_refused_before_anything_is_submitted(
-    tmp_path, overrides, expected
-):
+def test_a_sweep_that_cannot_run_is_refused_before_anything_is_submitted(tmp_path):
+    overrides = ["trainer.devices=2", "hydra.launcher.tasks_per_node=4", "optim.lr=1e-3,2e-3"]
     proc, record = _sweep(tmp_path, *overrides)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    expected = (
+        "sweep job #0 (optim.lr=0.001): hydra.launcher.tasks_per_node=4 but trainer.devices=2"
+    )
     assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
     assert not record.exists()
     assert not (tmp_path / "run" / "multirun" / ".submitit").exists()
+
+
+def _job(*overrides: str):
+    """A ``recipes-train`` job's config with ``hydra.launcher=slurm`` (Hydra's own
+    composition, as a sweep's job gets it)."""
+    from hydra import compose, initialize_config_module
+
+    from recipes_lib.config import register_schema
+
+    register_schema()
+    with initialize_config_module(config_module="recipes_lib.conf", version_base="1.3"):
+        return compose(
+            config_name="config",
+            overrides=["hydra/launcher=slurm", "recipe=pretrain/tiny", *overrides],
+            return_hydra_config=True,
+        )
+
+
+def test_each_job_is_checked_in_order_and_named_by_its_swept_keys():
+    good, bad = _job("trainer.devices=1", "optim.lr=1e-3"), _job("trainer.devices=1", "optim.lr=-1")
+    params = launcher_options(good)
+    assert params["tasks_per_node"] == params["gpus_per_node"] == 1 and params["nodes"] == 1
+    with pytest.raises(ConfigError, match=r"^sweep job #1 \(optim.lr=-1\): optim.lr"):
+        check_sweep("slurm", params, [("optim.lr=0.001", good), ("optim.lr=-1", bad)])
+    gpu = _job("trainer.devices=2", "trainer.accelerator=gpu", "hydra.launcher.gpus_per_node=1")
+    with pytest.raises(ConfigError, match=r"gpus_per_node=1 but trainer.devices=2"):
+        check_sweep("slurm", launcher_options(gpu), [("", gpu)])
+
+
+def test_devices_left_to_lightning_are_refused_for_a_sweep():
+    with pytest.raises(ConfigError, match=r"^trainer.devices=auto: a sweep job's processes"):
+        launcher_options(_job("trainer.devices=auto"))
 
 
 def test_a_pipeline_sweep_goes_to_sbatch_and_a_bad_stage_key_is_refused_first(tmp_path):

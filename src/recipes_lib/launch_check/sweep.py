@@ -61,7 +61,7 @@ class SweepCheck(Callback):
         overrides = list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
         name = kwargs.get("config_name")
         try:
-            params = _launcher_options(config)
+            params = launcher_options(config)
             jobs = [(swept, _compose(name, job)) for swept, job in _jobs(overrides)]
             check_sweep(executor, params, jobs)
         except RecipesError as err:
@@ -69,7 +69,7 @@ class SweepCheck(Callback):
             sys.exit(2)
 
 
-def _launcher_options(config: DictConfig) -> dict[str, Any]:
+def launcher_options(config: DictConfig) -> dict[str, Any]:
     """``hydra.launcher`` resolved (its resources follow ``trainer.devices`` and
     ``trainer.num_nodes``, which must then be numbers)."""
     if "trainer" in config:
