@@ -181,9 +181,10 @@ def test_expert_parallel_on_two_gpus_follows_the_gathered_experts(tmp_path, cach
     them by all-to-all, each rank's experts one grouped GEMM) against the same two GPUs
     with every expert gathered by FSDP, bf16-mixed: the same computation, so the curves
     agree within 0.01 + 1% at every step. In fp32, where the experts run as a loop, the
-    expert-parallel run stops progressing with both ranks in the barrier of a step's
-    token-count reduction (also open). The balance loss is off: each rank computes it
-    on its own rows, which is not the whole batch's."""
+    expert-parallel run stops progressing: both ranks wait in the first barrier after
+    the backward, behind a collective that never completes on the GPUs (also open). The
+    balance loss is off: each rank computes it on its own rows, which is not the whole
+    batch's."""
     no_balance = "model.moe_aux_loss_coef=0"
     gathered = _curve(tmp_path, cache, "qwen3_moe", "fsdp", no_balance, precision="bf16-mixed")
     parallel = _curve(
