@@ -20,8 +20,8 @@ the held-out loss. Prints one JSON object::
     python benchmarks/optimizers.py --part step --out $OUT/optimizers_step.json
     python benchmarks/optimizers.py --part loss --out $OUT/optimizers_loss.json
 
-``--smoke`` runs both parts with the tiny model on CPU in fp32 (adamw_8bit is left out
-where bitsandbytes is not installed), in well under a minute.
+``--smoke`` runs the chosen part with the tiny model on CPU in fp32 (adamw_8bit is left
+out where bitsandbytes is not installed), in well under a minute per optimizer.
 """
 
 from __future__ import annotations

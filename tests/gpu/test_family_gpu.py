@@ -170,12 +170,6 @@ def test_gemma3_under_fsdp_follows_one_gpu_in_fp32(tmp_path, cache):
 
 
 @pytest.mark.multigpu
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect: on two H100s the expert-parallel curve leaves the gathered one at "
-    "step 8 (6.636 against 6.327) after seven steps within 0.007; over gloo on the CPU "
-    "expert parallelism reaches the one-process weights",
-)
 def test_expert_parallel_on_two_gpus_follows_the_gathered_experts(tmp_path, cache):
     """A Qwen3-MoE with its 8 experts spread 4 and 4 over two GPUs (the tokens sent to
     them by all-to-all, each rank's experts one grouped GEMM) against the same two GPUs
@@ -197,4 +191,10 @@ def test_expert_parallel_on_two_gpus_follows_the_gathered_experts(tmp_path, cach
         "callbacks.watchdog.minutes=2",  # a hang fails the test with every rank's stacks
         precision="bf16-mixed",
     )
-    _assert_curves_agree(parallel, gathered, "expert-parallel, gathered")
+    try:
+        _assert_curves_agree(parallel, gathered, "expert-parallel, gathered")
+    except AssertionError as err:  # both runs trained: only the curves' distance is known
+        pytest.xfail(
+            "open defect: on two H100s the expert-parallel curve left the gathered one at "
+            f"step 8 (6.636 against 6.327) after seven steps within 0.007; now: {err}"
+        )

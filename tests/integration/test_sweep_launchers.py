@@ -143,3 +143,32 @@ def test_an_option_the_installed_submitit_does_not_take_is_named():
     with pytest.raises(ConfigError, match=r"^hydra.launcher.srun_argz: the installed submitit"):
         check_submitit_options("slurm", {"partition": "gpu", "srun_argz": ["-v"]})
     check_submitit_options("slurm", {"partition": "gpu", "tasks_per_node": 2, "timeout_min": 5})
+
+
+def test_a_jobs_time_limit_signal_reaches_the_runs_handler_and_otherwise_submitits(
+    monkeypatch,
+):
+    """In a job's process submitit's SIGUSR2 goes to the run's SIGUSR1 handler while one
+    is installed (training), else to the handler that was there before (submitit's)."""
+    import signal
+
+    from recipes_lib.launch_check.sweep import join_submitit_job
+
+    local_job = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "7"}
+    local_job |= {"SUBMITIT_LOCAL_NTASKS": "1", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1"}
+    local_job |= {"SUBMITIT_LOCAL_NODEID": "0", "SUBMITIT_LOCAL_GLOBALID": "0"}
+    for key, value in {**local_job, "SUBMITIT_LOCAL_LOCALID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    seen: list[str] = []
+    saved = {s: signal.getsignal(s) for s in (signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        signal.signal(signal.SIGUSR2, lambda *_: seen.append("submitit"))
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # not training
+        join_submitit_job()
+        signal.raise_signal(signal.SIGUSR2)
+        signal.signal(signal.SIGUSR1, lambda *_: seen.append("run"))  # training
+        signal.raise_signal(signal.SIGUSR2)
+    finally:
+        for number, handler in saved.items():
+            signal.signal(number, handler)
+    assert seen == ["submitit", "run"]

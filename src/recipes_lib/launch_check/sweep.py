@@ -21,8 +21,9 @@ In a job's processes, :func:`join_submitit_job` runs first: under the local exec
 exports submitit's ranks as ``torch.distributed``'s variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; under SLURM Lightning reads ``srun``'s,
 as for the README's ``srun`` command), and it passes submitit's time-limit signal
-(SIGUSR2) on as SIGUSR1, on which the run saves at the end of its step and stops
-(:mod:`recipes_lib.callbacks.preemption`; under SLURM the job is requeued and resumes).
+(SIGUSR2) on to the run's SIGUSR1 handler while it trains, on which it saves at the end
+of its step and stops (:mod:`recipes_lib.callbacks.preemption`; under SLURM the job is
+requeued and resumes); outside training submitit's own handler keeps it.
 """
 
 from __future__ import annotations
@@ -41,11 +42,10 @@ from recipes_lib.config import to_run_config
 from recipes_lib.config.instantiate import check_targets
 from recipes_lib.config.validate import check_values
 from recipes_lib.errors import ConfigError, RecipesError
-from recipes_lib.train import OBJECTIVES
 
 # hydra-submitit-launcher's own options (not submitit's): the folder and the retries
 LAUNCHER_OWN = {"submitit_folder", "max_num_timeout", "_target_"}
-GPU_ACCELERATORS = {"gpu", "cuda", "auto"}
+GPU_ACCELERATORS = {"gpu", "cuda", "auto"}  # under SLURM; locally "auto" may mean the CPU
 EXECUTORS = {"SlurmLauncher": "slurm", "LocalLauncher": "local"}
 
 
@@ -58,11 +58,10 @@ class SweepCheck(Callback):
         executor = EXECUTORS.get(target.rsplit(".", 1)[-1]) if "submitit" in target else None
         if executor is None:
             return
-        overrides = list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
         name = kwargs.get("config_name")
         try:
             params = launcher_options(config)
-            jobs = [(swept, _compose(name, job)) for swept, job in _jobs(overrides)]
+            jobs = [(swept, _compose(name, job)) for swept, job in _jobs(config)]
             check_sweep(executor, params, jobs)
         except RecipesError as err:
             print(f"error: {err}", file=sys.stderr)
@@ -81,14 +80,25 @@ def launcher_options(config: DictConfig) -> dict[str, Any]:
         raise ConfigError(f"hydra.launcher: {str(err).splitlines()[0]}") from err
 
 
-def _jobs(overrides: list[str]) -> list[tuple[str, list[str]]]:
-    """Each job's overrides, as Hydra's basic sweeper makes them, with the swept ones."""
+def _jobs(config: DictConfig) -> list[tuple[str, list[str]]]:
+    """Each job's overrides as Hydra's basic sweeper makes them (the command line's and
+    ``hydra.sweeper.params``), with the swept ones; none for another sweeper, or for
+    sweeps only the sweeper can expand (``glob()``, ranges of an optimiser's): those
+    jobs are checked by their own pre-flight when they start."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    parsed = OverridesParser.create().parse_overrides(overrides)
+    if not str(OmegaConf.select(config, "hydra.sweeper._target_") or "").endswith("BasicSweeper"):
+        return []
+    overrides = list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    overrides += [f"{key}={value}" for key, value in params.items()]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        jobs = BasicSweeper.split_arguments(parsed, None)[0]
+    except Exception:  # Hydra's own (HydraException, a glob without its config loader)
+        return []
     swept = {o.get_key_element() for o in parsed if o.is_sweep_override()}
-    jobs = BasicSweeper.split_arguments(parsed, None)[0]
     return [(" ".join(o for o in job if o.split("=", 1)[0] in swept), job) for job in jobs]
 
 
@@ -152,7 +162,10 @@ def _count(value: Any, key: str) -> int:
 
 def check_train_job(executor: str, params: Mapping[str, Any], job: DictConfig) -> None:
     """A ``recipes-train`` job: its config, and its processes against its trainer."""
-    cfg = to_run_config(job)
+    from recipes_lib.checkpoint.source import fill_model_from_init
+    from recipes_lib.train import OBJECTIVES
+
+    cfg = to_run_config(fill_model_from_init(job))  # model=from_init: the source's shape
     check_targets(dataclasses.asdict(cfg), "", cfg.run.allowed_targets)
     check_values(cfg, tuple(OBJECTIVES))
     devices = _count(cfg.trainer.devices, "trainer.devices")
@@ -169,7 +182,8 @@ def check_train_job(executor: str, params: Mapping[str, Any], job: DictConfig) -
         )
     gpus = params.get("gpus_per_node") or 0
     accelerator = str(cfg.trainer.accelerator)
-    if executor == "slurm" and accelerator in GPU_ACCELERATORS and gpus < devices:
+    on_gpus = accelerator in (GPU_ACCELERATORS if executor == "slurm" else {"gpu", "cuda"})
+    if on_gpus and gpus < devices:
         raise ConfigError(
             f"hydra.launcher.gpus_per_node={gpus} but trainer.devices={devices} on "
             f"trainer.accelerator={accelerator}: each process needs its GPU"
@@ -193,9 +207,24 @@ def join_submitit_job() -> None:
 
     environment = submitit.JobEnvironment()
     if executor == "local" and environment.num_tasks > 1:
+        # local jobs run at once: each its own port (submitit derives it from the job id),
+        # not one inherited from the shell that started the sweep
+        os.environ.pop("MASTER_PORT", None)
         submitit.helpers.TorchDistributedEnvironment().export(
             set_cuda_visible_devices=False, overwrite=True
         )
     own = getattr(signal, f"SIG{submitit.JobEnvironment.USR_SIG}", None)
-    if own is not None and own != signal.SIGUSR1:
-        signal.signal(own, lambda signum, frame: os.kill(os.getpid(), signal.SIGUSR1))
+    if own is None or own == signal.SIGUSR1:
+        return
+    earlier = signal.getsignal(own)  # submitit's: checkpoint and requeue
+
+    def pass_on(signum: int, frame: Any) -> None:
+        """To the run's SIGUSR1 handler while training (it saves at the end of the step
+        and stops); outside training, where SIGUSR1 would end the process, to submitit's."""
+        handler = signal.getsignal(signal.SIGUSR1)
+        if callable(handler):
+            handler(signal.SIGUSR1, frame)
+        elif callable(earlier):
+            earlier(signum, frame)
+
+    signal.signal(own, pass_on)
