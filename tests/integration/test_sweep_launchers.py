@@ -94,7 +94,7 @@ def test_a_sweep_that_cannot_run_is_refused_before_anything_is_submitted(tmp_pat
     assert not (tmp_path / "run" / "multirun" / ".submitit").exists()
 
 
-def _job(*overrides: str):
+def _job(*overrides: str, recipe: str = "pretrain/tiny"):
     """A ``recipes-train`` job's config with ``hydra.launcher=slurm`` (Hydra's own
     composition, as a sweep's job gets it)."""
     from hydra import compose, initialize_config_module
@@ -105,7 +105,7 @@ def _job(*overrides: str):
     with initialize_config_module(config_module="recipes_lib.conf", version_base="1.3"):
         return compose(
             config_name="config",
-            overrides=["hydra/launcher=slurm", "recipe=pretrain/tiny", *overrides],
+            overrides=["hydra/launcher=slurm", f"recipe={recipe}", *overrides],
             return_hydra_config=True,
         )
 
@@ -119,6 +119,19 @@ def test_each_job_is_checked_in_order_and_named_by_its_swept_keys():
     gpu = _job("trainer.devices=2", "trainer.accelerator=gpu", "hydra.launcher.gpus_per_node=1")
     with pytest.raises(ConfigError, match=r"gpus_per_node=1 but trainer.devices=2"):
         check_sweep("slurm", launcher_options(gpu), [("", gpu)])
+
+
+def test_a_job_starting_from_a_folder_is_checked_with_the_folders_model(hf_folder, tmp_path):
+    """``recipe=sft/full stage.init_from=DIR``: the model's shape is the folder's, read
+    before the check (as the run reads it), not an unresolved ``from_init`` field."""
+    data = tmp_path / "chat.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    job = _job(
+        f"stage.init_from={hf_folder}", f"data.path={data}", "trainer.devices=1", recipe="sft/full"
+    )
+    check_sweep("slurm", launcher_options(job), [("", job)])
+    with pytest.raises(ConfigError, match=r"^sweep job #0 \(\): hydra.launcher.tasks_per_node"):
+        check_sweep("slurm", {**launcher_options(job), "tasks_per_node": 2}, [("", job)])
 
 
 def test_devices_left_to_lightning_are_refused_for_a_sweep():
