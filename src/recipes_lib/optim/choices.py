@@ -162,7 +162,7 @@ class CombinedOptimizer(torch.optim.Optimizer):
     """Several optimizers over disjoint parameters, stepped as one (Muon and AdamW).
 
     Its ``param_groups`` are the parts' own group dicts, so a learning-rate schedule
-    sets both; ``state_dict`` holds each part's under its name.
+    sets both; its ``state`` reads and writes through to the part that owns a parameter.
     """
 
     def __init__(self, parts: dict[str, torch.optim.Optimizer]):
@@ -198,11 +198,30 @@ class CombinedOptimizer(torch.optim.Optimizer):
         return loss
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: part.state_dict() for name, part in self.parts.items()}
+        """One optimizer's layout over the parts' groups in order (``state`` by parameter
+        index, ``param_groups``), which ``torch.distributed.checkpoint`` reads under
+        FSDP as any optimizer's."""
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        for name, part in self.parts.items():
-            part.load_state_dict(state_dict[name])
+        """Each part gets its groups (in :meth:`state_dict`'s order) and their state,
+        indexed from 0 again; a state dict of one entry per part (earlier checkpoints)
+        is read too."""
+        if set(state_dict) == set(self.parts):
+            for name, part in self.parts.items():
+                part.load_state_dict(state_dict[name])
+            return
+        groups, state, start = state_dict["param_groups"], state_dict["state"], 0
+        for part in self.parts.values():
+            own = groups[start : start + len(part.param_groups)]
+            start += len(own)
+            local = {index: i for i, index in enumerate(p for g in own for p in g["params"])}
+            part.load_state_dict(
+                {
+                    "state": {local[k]: v for k, v in state.items() if k in local},
+                    "param_groups": [{**g, "params": [local[p] for p in g["params"]]} for g in own],
+                }
+            )
 
 
 def muon_and_adamw(

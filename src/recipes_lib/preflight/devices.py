@@ -155,10 +155,10 @@ def _device_count(devices: object) -> int | None:
 def check_optimizer_choice(cfg: RunConfig, spec) -> None:
     """The optimizer and its arguments; Muon's whole matrices; moments to carry over."""
     check_optimizer(cfg.optim)
-    if cfg.optim.name == "muon" and (spec.shards or spec.steps_in_engine):
+    if cfg.optim.name == "muon" and spec.steps_in_engine:
         raise ConfigError(
-            f"optim.name=muon orthogonalises whole weight matrices, which strategy={spec.name} "
-            "shards or steps itself; use strategy=single or ddp"
+            f"optim.name=muon is torch.optim.Muon, and strategy={spec.name} steps its own "
+            "optimizer; use strategy=single, ddp, fsdp or hsdp"
         )
     if cfg.stage.init_optimizer and cfg.optim.name != "adamw":
         raise ConfigError(

@@ -95,7 +95,10 @@ def test_muon_given_a_1d_parameter_is_refused_by_name():
 @pytest.mark.parametrize(
     ("overrides", "match"),
     [
-        (["optim=muon", "strategy=fsdp"], "optim.name=muon orthogonalises whole weight matrices"),
+        (
+            ["optim=muon", "strategy=deepspeed_zero2"],
+            "optim.name=muon is torch.optim.Muon, and strategy=deepspeed_zero2 steps its own",
+        ),
         (
             ["optim.name=SGD", "+optim.args.lr_decay=1"],
             "optim.args.lr_decay is not an argument of SGD",
