@@ -113,3 +113,36 @@ def test_the_preflight_refuses_an_optimizer_that_cannot_run(overrides, match):
     cfg = to_run_config(compose_config(["recipe=pretrain/tiny", *overrides]))
     with pytest.raises(ConfigError, match=match):
         check_strategy(cfg)
+
+
+def _stepped_muon(seed: int) -> tuple[torch.nn.Module, CombinedOptimizer]:
+    model = _model()
+    optimizer = build_optimizer(model, OptimConfig(name="muon"))
+    generator = torch.Generator().manual_seed(seed)  # another batch: another state
+    tokens = torch.randint(0, model.config.vocab_size, (2, 8), generator=generator)
+    model(tokens).float().square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_muons_state_dict_is_one_optimizers_layout_and_loads_either_layout():
+    """One ``state`` by parameter index over the parts' groups in order (what
+    torch.distributed.checkpoint reads); loaded into a fresh Muon+AdamW, every part's
+    state is the saved one; a dict of one entry per part (earlier checkpoints) too."""
+    _, saved = _stepped_muon(0)
+    layout = saved.state_dict()
+    assert set(layout) == {"state", "param_groups"}
+    indices = [i for g in layout["param_groups"] for i in g["params"]]
+    assert indices == list(range(len(indices))) and set(layout["state"]) == set(indices)
+    per_part = {name: part.state_dict() for name, part in saved.parts.items()}
+    for given in (layout, per_part):
+        _, fresh = _stepped_muon(1)
+        before = fresh.parts["muon"].state_dict()["state"][0]["momentum_buffer"].clone()
+        assert not torch.equal(before, per_part["muon"]["state"][0]["momentum_buffer"])
+        fresh.load_state_dict(given)
+        for name, part in saved.parts.items():
+            theirs, ours = part.state_dict()["state"], fresh.parts[name].state_dict()["state"]
+            assert theirs.keys() == ours.keys()
+            for index, entry in theirs.items():
+                for key, value in entry.items():
+                    torch.testing.assert_close(ours[index][key], value, rtol=0, atol=0)
