@@ -60,6 +60,13 @@ job() {  # job NAME GPUS COMMAND: run COMMAND in the background, log to $OUT/NAM
    echo "$name exit $?" >>"$OUT/status.txt") &
 }
 ONE_GPU_TESTS="-m 'gpu and not multigpu' tests -p no:cacheprovider"
+moe_scaling() {  # moe_scaling FILE FSDP_GPUS EP_GPUS FSDP_BUDGET EP_BUDGET: the command that
+  # scales moe_1b under fsdp on each of FSDP_GPUS, then fsdp+ep on EP_GPUS, into $OUT/FILE
+  local scale="$PY benchmarks/scaling.py --recipe pretrain/moe_1b --no-single-baseline \
+    --warmup-steps 6 --steps 12 --timeout-s 110 --out $OUT/$1"
+  echo "$scale --gpus $2 --strategies fsdp --budget-s $4;
+    $scale --gpus $3 --strategies fsdp+ep --budget-s $5 --resume $OUT/$1"
+}
 
 case "${1:-tests}" in
 tests)
@@ -178,22 +185,14 @@ ep)
     $PY benchmarks/moe_experts.py --tokens 4096 --cases 8x2,64x8,128x8 \
       --out $OUT/moe_experts_4k.json"
   wait
-  SCALE="--recipe pretrain/moe_1b --no-single-baseline --warmup-steps 6 --steps 12 \
-    --timeout-s 110 --out $OUT/scaling_moe_1b.json"
-  job ep_scaling 0,1 "$PY benchmarks/scaling.py $SCALE --gpus 1,2 --strategies fsdp --budget-s 230;
-    $PY benchmarks/scaling.py $SCALE --gpus 2 --strategies fsdp+ep --budget-s 120 \
-      --resume $OUT/scaling_moe_1b.json"
+  job ep_scaling 0,1 "$(moe_scaling scaling_moe_1b.json 1,2 2 230 120)"
   wait ;;
 optim)
   job optim_step 2 "$PY benchmarks/optimizers.py --part step --out $OUT/optimizers_step.json"
   job optim_loss 3 "$PY benchmarks/optimizers.py --part loss --out $OUT/optimizers_loss.json"
-  SCALE="--recipe pretrain/moe_1b --no-single-baseline --warmup-steps 6 --steps 12 \
-    --timeout-s 110 --out $OUT/scaling_moe_1b.json"
   job ep 0,1 "timeout -s INT 240 $PY -m pytest -q -rs -m multigpu tests/gpu/test_family_gpu.py \
       -k expert_parallel -p no:cacheprovider;
-    $PY benchmarks/scaling.py $SCALE --gpus 1,2 --strategies fsdp --budget-s 200;
-    $PY benchmarks/scaling.py $SCALE --gpus 2 --strategies fsdp+ep --budget-s 110 \
-      --resume $OUT/scaling_moe_1b.json"
+    $(moe_scaling scaling_moe_1b.json 1,2 2 200 110)"
   wait ;;
 hsdp)
   job hsdp_test 0,1,2,3 "timeout -s INT 200 $PY -m pytest -q -rs tests/gpu/test_multigpu.py -k hsdp \
@@ -202,11 +201,7 @@ hsdp)
       --timeout-s 100 --budget-s 330 --out $OUT/scaling_hsdp.json"
   wait ;;
 ep4)
-  SCALE="--recipe pretrain/moe_1b --no-single-baseline --warmup-steps 6 --steps 12 \
-    --timeout-s 110 --out $OUT/scaling_moe_1b_4.json"
-  job ep4 0,1,2,3 "$PY benchmarks/scaling.py $SCALE --gpus 1,4 --strategies fsdp --budget-s 240;
-    $PY benchmarks/scaling.py $SCALE --gpus 4 --strategies fsdp+ep --budget-s 120 \
-      --resume $OUT/scaling_moe_1b_4.json"
+  job ep4 0,1,2,3 "$(moe_scaling scaling_moe_1b_4.json 1,4 4 240 120)"
   wait ;;
 peer)
   job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"
