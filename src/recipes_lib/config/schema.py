@@ -30,9 +30,11 @@ from recipes_lib.config.model import resolved_model_fields as resolved_model_fie
 class KernelsConfig:
     """Kernel choices; ``attention`` is one of ``sdpa`` | ``flex`` | ``flash_attn``.
 
-    ``loss_chunk_size`` fuses the output projection with the cross-entropy
-    (:func:`recipes_lib.losses.chunked_cross_entropy`) so the full ``(B*T, V)`` fp32
-    logits never exist; worth it for large vocabularies. Not with FSDP strategies.
+    ``loss_chunk_size`` fuses the output projection with the loss of every objective
+    (:class:`recipes_lib.models.head.OutputHead`: the cross-entropy, or the label
+    log-probs of preference objectives) so the full ``(B*T, V)`` logits never exist;
+    worth it for large vocabularies. On in the post-training recipes. Not under
+    DeepSpeed.
     """
 
     attention: str = "sdpa"

@@ -378,6 +378,8 @@ def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> l
         notes.append("compiled blocks with an adapter: the adapters counted as eager")
     if cfg.stage.objective == "dpo":
         notes.append("dpo: each pair counted as two rows of data.seq_len tokens")
+        if cfg.kernels.loss_chunk_size is not None:  # it keeps no gradient from the forward
+            notes.append("dpo: its fused log-probs counted as the fused cross-entropy (at most)")
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         notes.append("PYTORCH_CUDA_ALLOC_CONF is set: the allocator's slack may differ")
     return notes

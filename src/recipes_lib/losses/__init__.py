@@ -6,6 +6,11 @@ from recipes_lib.losses.cross_entropy import (
     causal_lm_loss,
     chunked_cross_entropy,
 )
+from recipes_lib.losses.logprobs import (
+    linear_token_logprobs,
+    sequence_logprobs,
+    token_logprobs,
+)
 from recipes_lib.losses.preference import (
     PREFERENCE_LOSSES,
     PairLogps,
@@ -14,9 +19,7 @@ from recipes_lib.losses.preference import (
     hinge_loss,
     ipo_loss,
     orpo_loss,
-    sequence_logprobs,
     simpo_loss,
-    token_logprobs,
 )
 
 __all__ = [
@@ -30,6 +33,7 @@ __all__ = [
     "dpo_sigmoid_loss",
     "hinge_loss",
     "ipo_loss",
+    "linear_token_logprobs",
     "orpo_loss",
     "simpo_loss",
     "sequence_logprobs",

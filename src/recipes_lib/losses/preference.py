@@ -25,10 +25,7 @@ per response token (``pc / nc``, ``pr / nr``):
 :data:`PREFERENCE_LOSSES` holds each loss as a :class:`PreferenceLoss`, called with the
 pairs' :class:`PairLogps`, which says whether it needs the reference's log-probs.
 
-:func:`sequence_logprobs` turns logits and next-token labels into those sums in fp32
-without holding an fp32 copy of the whole ``(B, T, V)`` logits: the log-normaliser is
-computed a block of rows at a time, and the backward pass rebuilds the softmax block by
-block from the saved (low-precision) logits.
+The summed log-probabilities come from :mod:`recipes_lib.losses.logprobs`.
 """
 
 from __future__ import annotations
@@ -39,10 +36,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from recipes_lib.losses.cross_entropy import IGNORE_INDEX
-
-LOGPROB_CHUNK_ROWS = 1024  # rows of logits upcast to fp32 at once
 
 LossOutput = tuple[Tensor, Tensor, Tensor]
 
@@ -242,90 +235,3 @@ def get_preference_loss(name: str) -> PreferenceLoss:
         raise ValueError(
             f"unknown preference loss {name!r}; choose one of {sorted(PREFERENCE_LOSSES)}"
         ) from None
-
-
-class _TokenLogProbs(torch.autograd.Function):
-    """``log softmax(logits)[label]`` per row, fp32, with an fp32 copy of one block at a time."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, valid: Tensor, chunk_rows: int) -> Tensor:  # type: ignore[override]
-        n_rows = logits.size(0)
-        log_normalizer = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        for start in range(0, n_rows, chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            log_normalizer[rows] = torch.logsumexp(logits[rows].float(), dim=-1)
-        target = logits.gather(1, labels.unsqueeze(1)).squeeze(1).float()  # (N,)
-        ctx.save_for_backward(logits, labels, valid, log_normalizer)
-        ctx.chunk_rows = chunk_rows
-        return (target - log_normalizer) * valid
-
-    @staticmethod
-    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
-        logits, labels, valid, log_normalizer = ctx.saved_tensors
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None
-        scale = grad_output.float() * valid  # (N,)
-        grad_logits = torch.empty_like(logits)
-        chunk_rows = ctx.chunk_rows
-        for start in range(0, logits.size(0), chunk_rows):
-            rows = slice(start, start + chunk_rows)
-            # d logp[label] / d logits = one_hot(label) - softmax(logits)
-            block = logits[rows].to(torch.float32, copy=True)  # never in place on the saved logits
-            block.sub_(log_normalizer[rows].unsqueeze(1)).exp_()
-            block.mul_(-scale[rows].unsqueeze(1))
-            block.scatter_add_(1, labels[rows].unsqueeze(1), scale[rows].unsqueeze(1))
-            grad_logits[rows] = block.to(logits.dtype)
-        return grad_logits, None, None, None
-
-
-def token_logprobs(
-    logits: Tensor,
-    labels: Tensor,
-    ignore_index: int = IGNORE_INDEX,
-    chunk_rows: int = LOGPROB_CHUNK_ROWS,
-) -> Tensor:
-    """Log-probability of each label token, fp32, 0 where the label is ``ignore_index``.
-
-    Labels are aligned with the logits (``labels[..., t]`` follows position ``t``).
-
-    Args:
-        logits: ``(..., V)`` scores in any floating dtype.
-        labels: ``(...)`` target ids, ``ignore_index`` where nothing counts.
-        ignore_index: label value that contributes nothing.
-        chunk_rows: rows of logits upcast to fp32 at once.
-
-    Returns:
-        ``(...)`` float32 log-probabilities.
-    """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match"
-        )
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be positive, got {chunk_rows}")
-    flat_logits = logits.reshape(-1, logits.size(-1))  # (N, V)
-    flat_labels = labels.reshape(-1)
-    valid = flat_labels != ignore_index
-    safe_labels = flat_labels.masked_fill(~valid, 0)
-    out = _TokenLogProbs.apply(flat_logits, safe_labels, valid, chunk_rows)
-    return out.view(labels.shape)
-
-
-def sequence_logprobs(
-    logits: Tensor,
-    labels: Tensor,
-    ignore_index: int = IGNORE_INDEX,
-    chunk_rows: int = LOGPROB_CHUNK_ROWS,
-) -> Tensor:
-    """Summed log-probability of each row's non-ignored label tokens, fp32.
-
-    Args:
-        logits: ``(B, T, V)`` scores.
-        labels: ``(B, T)`` next-token ids, ``ignore_index`` on prompt and padding tokens.
-        ignore_index: label value that contributes nothing.
-        chunk_rows: rows of logits upcast to fp32 at once.
-
-    Returns:
-        ``(B,)`` float32: ``sum_t log p(labels[b, t] | logits[b, t])`` over counted tokens.
-    """
-    return token_logprobs(logits, labels, ignore_index, chunk_rows).sum(dim=-1)

@@ -33,6 +33,7 @@ from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.models.blocks import TransformerBlock
 from recipes_lib.models.families import check_family
+from recipes_lib.models.head import OutputHead, head_loss
 from recipes_lib.models.kv_cache import KVCache, causal_offset_mask
 from recipes_lib.models.moe import MoEFeedForward, check_moe
 from recipes_lib.models.norms import check_norm_options, make_norm
@@ -98,7 +99,7 @@ class Transformer(nn.Module):
         self._windows = {layer.attention.window for layer in self.layers}
         self._ropes = {layer.attention.local_rope for layer in self.layers}
         self.norm = make_norm(config, config.dim)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = OutputHead(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
@@ -254,12 +255,32 @@ class Transformer(nn.Module):
         *,
         cache: KVCache | None = None,
         start_pos: int | None = None,
+        labels: Tensor | None = None,
+        per_token: bool = False,
+        loss_chunk_size: int | None = None,
     ) -> Tensor:
         """Next-token logits, ``(B, T, V)``; ``cache``/``start_pos`` as in
-        :meth:`forward_hidden`."""
-        return self.output(
-            self.forward_hidden(input_ids, doc_ids, cache=cache, start_pos=start_pos)
-        )
+        :meth:`forward_hidden`.
+
+        With ``labels`` (``(B, T)``, aligned with the logits, ``-100`` where nothing
+        counts) the head's loss instead: the mean cross-entropy (0-d), or with
+        ``per_token`` each label's log-probability (``(B, T)``, fp32, 0 where ignored).
+        With ``loss_chunk_size`` the output projection is fused with it
+        (:class:`~recipes_lib.models.head.OutputHead`): at most that many rows of logits
+        exist at once. The loss is computed inside the forward passes of the model and
+        of its head, so that a sharded model gathers the head's weight as for the logits.
+        """
+        hidden = self.forward_hidden(input_ids, doc_ids, cache=cache, start_pos=start_pos)
+        if labels is None:
+            return self.output(hidden)
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
+        if loss_chunk_size is None:  # any head (a float8 one too), then its loss
+            return head_loss(self.output(hidden), labels, per_token)
+        return self.output(hidden, labels, per_token=per_token, loss_chunk_size=loss_chunk_size)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Number of parameters (a tied output head counted once).

@@ -41,6 +41,7 @@ from torch import nn
 from recipes_lib.callbacks.step import OptimizerStepCallback
 from recipes_lib.config.schema import PrecisionConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.models.head import OutputHead
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 FP8_ALIGNMENT = 16  # both dimensions of a float8 matmul must be multiples of this
@@ -83,8 +84,8 @@ def fp8_skip_reason(
 
 
 def _plain_linear(module: nn.Module) -> bool:
-    # not subclasses: bitsandbytes' 4-bit layers and converted Float8Linear are ones
-    return type(module) is nn.Linear
+    # not other subclasses: bitsandbytes' 4-bit layers and converted Float8Linear are ones
+    return type(module) in (nn.Linear, OutputHead)
 
 
 def fp8_plan(model: nn.Module, precision: PrecisionConfig) -> dict[str, str | None]:

@@ -259,6 +259,9 @@ class StrategySpec:
             (``strategy.async_checkpoint``; FSDP2's sharded folders, through DCP).
         expert_parallel: it can spread a mixture's experts over the ranks
             (``strategy.expert_parallel``).
+        fused_head: the head's loss may be fused with it (``kernels.loss_chunk_size``).
+            The fused head computes the loss inside the head's forward, where FSDP
+            has gathered the head's weight; not tested under DeepSpeed's engine.
         needs_package: the package it imports, with its install hint.
         needs_cuda: it runs on CUDA GPUs only.
         build: the Lightning strategy (or ``"auto"``) for a ``strategy`` config and
@@ -280,6 +283,7 @@ class StrategySpec:
     steps_in_engine: bool = False
     async_checkpoint: bool = False
     expert_parallel: bool = False
+    fused_head: bool = True
     needs_package: tuple[str, str] | None = None
     needs_cuda: bool = False
     shard: Callable[..., nn.Module] | None = None
@@ -306,6 +310,7 @@ _ZERO = dict(
     needs_package=_DEEPSPEED,
     needs_cuda=True,
     steps_in_engine=True,
+    fused_head=False,
 )
 _ALL_STATE = ("parameters", "gradients", "optimizer")
 _REPLICATED = dict(

@@ -241,13 +241,13 @@ def check_strategy(cfg: RunConfig) -> None:
             f"adapter.kind=qlora with strategy={name}: it cannot partition 4-bit weights; "
             "use strategy=single, ddp or fsdp"
         )
+    if cfg.kernels.loss_chunk_size is not None and not spec.fused_head:
+        raise ConfigError(
+            f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size}: the fused head loss is "
+            f"not supported with strategy={name}; set it to null or use strategy=fsdp"
+        )
     if not spec.shards:
         return
-    if cfg.kernels.loss_chunk_size is not None:
-        raise ConfigError(
-            f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size} reads the output weight "
-            f"outside the model's forward, which strategy={name} shards; set it to null"
-        )
     for key, value in (
         ("stage.average_last_k", cfg.stage.average_last_k),
         ("stage.ema_decay", cfg.stage.ema_decay),

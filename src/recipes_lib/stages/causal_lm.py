@@ -35,7 +35,7 @@ from recipes_lib.config.schema import (
 )
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
-from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
+from recipes_lib.losses import causal_lm_loss
 from recipes_lib.models import Transformer
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
@@ -265,11 +265,8 @@ class CausalLMModule(L.LightningModule):
         chunk = self.kernels_config.loss_chunk_size
         if chunk is None:
             return self._loss_fn(model(input_ids, doc_ids), labels), {}
-        hidden = model.forward_hidden(input_ids, doc_ids)  # (B, T, C)
-        loss = chunked_cross_entropy(
-            hidden.flatten(0, 1), model.output.weight, labels.flatten(), chunk_size=chunk
-        )
-        return loss, {}
+        # the head fused with the loss, inside the model's forward (a sharded head too)
+        return model(input_ids, doc_ids, labels=labels, loss_chunk_size=chunk), {}
 
     def count_tokens(self, batch: Batch) -> int:
         """Tokens this rank trains on in ``batch`` (counted into ``tokens_seen``)."""

@@ -45,7 +45,8 @@ from recipes_lib.config.schema import PreferenceConfig, RunConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
-from recipes_lib.losses.preference import PREFERENCE_LOSSES, PairLogps, token_logprobs
+from recipes_lib.losses.logprobs import token_logprobs
+from recipes_lib.losses.preference import PREFERENCE_LOSSES, PairLogps
 from recipes_lib.stages.build import build_model
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
 from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
@@ -67,8 +68,7 @@ def pair_logprobs(logits: Tensor, labels: Tensor, sequence_ids: Tensor, n_pairs:
     Returns:
         Column 0 the chosen, column 1 the rejected log-probabilities.
     """
-    per_token = token_logprobs(logits, labels)  # (R, T), 0 where ignored
-    return _pair_sums(per_token, sequence_ids, n_pairs)
+    return _pair_sums(token_logprobs(logits, labels), sequence_ids, n_pairs)
 
 
 def pair_token_counts(labels: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
@@ -108,11 +108,16 @@ class FrozenReference:
         return self.adapted_policy is not None
 
     @torch.no_grad()
-    def logits(self, input_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+    def __call__(self, input_ids: Tensor, doc_ids: Tensor | None, **head: Any) -> Tensor:
+        """The reference's forward: logits, or with ``head`` (``labels``, ...) what the
+        model's forward gives for them."""
         if self.model is not None:
-            return self.model(input_ids, doc_ids)
+            return self.model(input_ids, doc_ids, **head)
         with adapters_disabled(self.adapted_policy) as base:  # type: ignore[arg-type]
-            return base(input_ids, doc_ids)
+            return base(input_ids, doc_ids, **head)
+
+    def logits(self, input_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+        return self(input_ids, doc_ids)
 
     def match_dtype(self, dtype: torch.dtype) -> None:
         """Cast a separate reference to ``dtype`` (the policy's, under ``*-true`` precision)."""
@@ -130,8 +135,7 @@ class DPOModule(CausalLMModule):
     tokenizer and chat template the pairs were rendered with, as after SFT.
 
     Raises:
-        ConfigError: an unknown loss, a non-positive beta, or ``kernels.loss_chunk_size``
-            (the preference loss needs per-sequence log-probs, not one mean loss).
+        ConfigError: an unknown loss or a non-positive beta.
     """
 
     def __init__(self, *args: Any, preference: PreferenceConfig | None = None, **kwargs: Any):
@@ -145,11 +149,6 @@ class DPOModule(CausalLMModule):
             )
         if not self.preference_config.beta > 0:
             raise ConfigError(f"preference.beta={self.preference_config.beta} must be positive")
-        if self.kernels_config.loss_chunk_size is not None:
-            raise ConfigError(
-                f"kernels.loss_chunk_size={self.kernels_config.loss_chunk_size} fuses a mean "
-                "cross-entropy; objective dpo needs per-sequence log-probs: set it to null"
-            )
         self._preference_loss = PREFERENCE_LOSSES[self.preference_config.loss]
         if self.preference_config.precompute_reference and not self.uses_reference:
             raise ConfigError(
@@ -240,14 +239,21 @@ class DPOModule(CausalLMModule):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
+    def label_logprobs(self, model: Any, batch: Batch) -> Tensor:
+        """``(R, T)`` fp32 log-probs of the batch's labels under ``model`` (0 where
+        ignored), through the model's head, fused with the loss when
+        ``kernels.loss_chunk_size`` is set: the full logits never exist then."""
+        input_ids, doc_ids = self.model_inputs(batch)
+        chunk = self.kernels_config.loss_chunk_size
+        return model(
+            input_ids, doc_ids, labels=batch["labels"], per_token=True, loss_chunk_size=chunk
+        )
+
     @torch.no_grad()
     def reference_logprobs(self, batch: Batch) -> Tensor:
         """``(P, 2)`` reference log-probs of the batch's pairs, computed now."""
-        input_ids, doc_ids = self.model_inputs(batch)
-        logits = self._reference().logits(input_ids, doc_ids)
-        return pair_logprobs(
-            logits, batch["labels"], batch["sequence_ids"], batch["pair_index"].numel()
-        )
+        per_token = self.label_logprobs(self._reference(), batch)
+        return _pair_sums(per_token, batch["sequence_ids"], batch["pair_index"].numel())
 
     def precompute_reference(self, batches: Iterable[Batch], n_pairs: int) -> Tensor:
         """``(n_pairs, 2)`` reference log-probs of every pair in ``batches``, placed by
@@ -293,10 +299,9 @@ class DPOModule(CausalLMModule):
     # ------------------------------------------------------------------ loss
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """The preference loss of a batch of pairs, and the reward metrics."""
-        input_ids, doc_ids = self.model_inputs(batch)
         n_pairs = batch["pair_index"].numel()
-        logits = self._built_model()(input_ids, doc_ids)  # (R, T, V): chosen and rejected
-        policy = pair_logprobs(logits, batch["labels"], batch["sequence_ids"], n_pairs)
+        per_token = self.label_logprobs(self._built_model(), batch)  # chosen and rejected rows
+        policy = _pair_sums(per_token, batch["sequence_ids"], n_pairs)
         reference = None
         if self.uses_reference:
             reference = batch.get("reference_logps")

@@ -7,14 +7,13 @@ import math
 import pytest
 import torch
 
+from recipes_lib.losses.logprobs import sequence_logprobs, token_logprobs
 from recipes_lib.losses.preference import (
     PairLogps,
     dpo_sigmoid_loss,
     get_preference_loss,
     hinge_loss,
     ipo_loss,
-    sequence_logprobs,
-    token_logprobs,
 )
 
 BETA = 0.5

@@ -20,6 +20,7 @@ from recipes_lib.adapters import apply_adapter
 from recipes_lib.config.schema import AdapterConfig, ModelConfig, PrecisionConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
+from recipes_lib.models.head import OutputHead
 from recipes_lib.parallel.fp8 import (
     Float8ScaleSync,
     convert_to_fp8,
@@ -105,7 +106,8 @@ def test_convert_swaps_exactly_the_planned_layers(torchao_float8):
     converted = convert_to_fp8(model, FP8, emulate=True)
     assert converted == planned == float8_layers(model)
     assert isinstance(model.layers[0].attention.wq, torchao_float8.float8_linear.Float8Linear)
-    for kept in (model.output, model.layers[0].attention.wk, model.layers[0].feed_forward.w2):
+    assert type(model.output) is OutputHead
+    for kept in (model.layers[0].attention.wk, model.layers[0].feed_forward.w2):
         assert type(kept) is nn.Linear
     # a second conversion finds nothing left to convert and changes nothing
     assert convert_to_fp8(model, FP8, emulate=True) == converted

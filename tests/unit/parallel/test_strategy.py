@@ -14,6 +14,7 @@ from recipes_lib.config.schema import ModelConfig, StrategyConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
 from recipes_lib.parallel import FSDP2Strategy, build_strategy, trainer_devices
+from recipes_lib.parallel.strategy import STRATEGIES
 from recipes_lib.preflight import check_strategy
 
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
@@ -34,6 +35,12 @@ def test_each_name_builds_its_lightning_strategy(name, expected):
         assert strategy == "auto"
 
 
+def test_the_fused_head_is_declared_for_the_strategies_it_is_tested_under():
+    fused = {name for name, spec in STRATEGIES.items() if spec.fused_head}
+    assert fused == {"single", "ddp", "fsdp", "hsdp"}
+    check_strategy(_cfg("strategy=fsdp", "kernels.loss_chunk_size=64"))  # allowed
+
+
 def test_strategy_group_composes_and_single_means_one_device():
     cfg = _cfg("strategy=fsdp", "strategy.cpu_offload=true")
     assert cfg.strategy.name == "fsdp" and cfg.strategy.cpu_offload
@@ -47,7 +54,6 @@ def test_strategy_group_composes_and_single_means_one_device():
         (("strategy.name=zero9",), ["strategy.name"]),
         (("trainer.devices=2",), ["strategy=single", "trainer.devices=2"]),
         (("strategy=ddp", "strategy.cpu_offload=true"), ["strategy.cpu_offload"]),
-        (("strategy=fsdp", "kernels.loss_chunk_size=64"), ["kernels.loss_chunk_size"]),
         (("strategy=fsdp", "stage.average_last_k=2"), ["stage.average_last_k"]),
         (("strategy=fsdp", "stage.ema_decay=0.99"), ["stage.ema_decay"]),
         (("strategy=ddp", "strategy.expert_parallel=true"), ["strategy.expert_parallel"]),

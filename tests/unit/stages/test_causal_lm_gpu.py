@@ -13,7 +13,12 @@ from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import ThroughputMonitor
 from recipes_lib.config.schema import KernelsConfig, ModelConfig, OptimConfig, SchedulerConfig
-from recipes_lib.losses import causal_lm_loss, chunked_cross_entropy
+from recipes_lib.losses import (
+    causal_lm_loss,
+    chunked_cross_entropy,
+    linear_token_logprobs,
+    token_logprobs,
+)
 from recipes_lib.stages import CausalLMModule
 
 pytestmark = [
@@ -117,6 +122,34 @@ def test_chunked_loss_in_bf16_matches_full_loss():
     torch.testing.assert_close(loss, expected, rtol=2e-3, atol=2e-3)
     torch.testing.assert_close(hidden.grad.float(), h_ref.grad.float(), rtol=5e-2, atol=1e-4)
     torch.testing.assert_close(weight.grad.float(), w_ref.grad.float(), rtol=5e-2, atol=1e-4)
+    full_fp32_logits = 4096 * 32000 * 4
+    assert peak < full_fp32_logits / 2
+
+
+def test_fused_label_logprobs_in_bf16_autocast_match_the_full_head():
+    """The preference objectives' fused head under bf16 autocast on a GPU: values and
+    both gradients as the materialised logits give them, at a fraction of their memory."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(4096, 256, device="cuda", generator=gen)
+    weight = torch.randn(32000, 256, device="cuda", generator=gen) * 0.05
+    labels = torch.randint(0, 32000, (4096,), device="cuda", generator=gen)
+    labels[::7] = -100
+    upstream = torch.randn(4096, device="cuda", generator=gen)
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = token_logprobs(h_ref @ w_ref.t(), labels)
+    (expected * upstream).sum().backward()
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = linear_token_logprobs(hidden, weight, labels, chunk_size=512)
+    (out * upstream).sum().backward()
+    peak = torch.cuda.max_memory_allocated() - before
+    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(hidden.grad, h_ref.grad, rtol=5e-2, atol=1e-3)
+    torch.testing.assert_close(weight.grad, w_ref.grad, rtol=5e-2, atol=1e-3)
     full_fp32_logits = 4096 * 32000 * 4
     assert peak < full_fp32_logits / 2
 

@@ -197,15 +197,38 @@ def test_bad_preference_settings_fail_at_construction():
         make_module(preference={"beta": 0.0})
     with pytest.raises(ConfigError, match="precompute_reference=true with preference.loss=simpo"):
         make_module(preference={"loss": "simpo", "precompute_reference": True})
-    with pytest.raises(ConfigError, match="kernels.loss_chunk_size"):
-        DPOModule(
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "orpo"])
+def test_the_fused_head_gives_the_materialised_heads_loss_gradients_and_reference(loss):
+    """``kernels.loss_chunk_size``: the policy's and the reference's log-probs come from
+    the head fused with the loss, a few rows at a time, and match the full logits'."""
+    batch = random_batch()
+    results = []
+    for chunk in (None, 5):
+        module = DPOModule(
             MODEL,
-            KernelsConfig(loss_chunk_size=64),
+            KernelsConfig(loss_chunk_size=chunk),
             OptimConfig(),
             SchedulerConfig(name="constant"),
             total_steps=2,
             tokens_per_step=8,
+            preference=PreferenceConfig(loss=loss),
         )
+        module.configure_model()
+        perturb(module.model)  # the policy away from its reference
+        value, metrics = module.compute_loss(batch)
+        value.backward()
+        grads = [p.grad.clone() for p in module.model.parameters()]
+        reference = module.reference_logprobs(batch) if module.uses_reference else None
+        results.append((value, metrics["logps/chosen"], grads, reference))
+    (full, full_logps, full_grads, full_ref), (fused, fused_logps, fused_grads, fused_ref) = results
+    torch.testing.assert_close(fused, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_logps, full_logps, atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(fused_grads, full_grads, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    if full_ref is not None:
+        torch.testing.assert_close(fused_ref, full_ref, atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------- under a Trainer
