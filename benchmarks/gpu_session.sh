@@ -38,6 +38,11 @@
 #   bash benchmarks/gpu_session.sh hsdp        # HSDP 2 x 2 against one GPU's loss curve, then
 #                                              # llama_1b fsdp and hsdp (2 x 2) on 4 GPUs
 #   bash benchmarks/gpu_session.sh ep4         # moe_1b fsdp on 1 and 4 GPUs, fsdp+ep on 4
+#   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
+#                                              # against TRL and TRL+Liger at 1B (trl and
+#                                              # liger-kernel wheels)
+#   bash benchmarks/gpu_session.sh posttrain_tests  # the fused head, DPO, recipe and stage
+#                                              # curve tests, then the multi-GPU tests
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
@@ -146,7 +151,8 @@ families)
   wait ;;
 families2)
   FAST="--warmup-steps 6 --steps 15 --trainers recipes_lib,plain_pytorch,hf_transformers"
-  job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json;
+  job sft_peer 0 "$PY benchmarks/posttrain_peer.py --model qwen3_1_7b --cases sft_full \
+      --sides recipes_lib,trl --out $OUT/posttrain_peer_qwen3_1_7b.json;
     $PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu/test_family_gpu.py -p no:cacheprovider"
   job fp8_gemma 1 "$PY -m pytest -q -rs tests/gpu/test_fp8_gpu.py -p no:cacheprovider;
     $PY benchmarks/pretrain_throughput.py --models gemma3_1b --attention flex $FAST \
@@ -204,8 +210,24 @@ ep4)
   job ep4 0,1,2,3 "$(moe_scaling scaling_moe_1b_4.json 1,4 4 240 120)"
   wait ;;
 peer)
-  job sft_peer 0 "$PY benchmarks/sft_peer.py --out $OUT/sft_peer_qwen3_1_7b.json"
+  job sft_peer 0 "$PY benchmarks/posttrain_peer.py --model qwen3_1_7b --cases sft_full \
+      --sides recipes_lib,trl --out $OUT/posttrain_peer_qwen3_1_7b.json"
   job fp8_tests 1 "$PY -m pytest -q -rs tests/gpu/test_fp8_gpu.py -p no:cacheprovider"
+  wait ;;
+posttrain)
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 170"
+  job peer_sft 0 "$PEER --cases sft_full,orpo --out $OUT/posttrain_peer_sft_orpo.json"
+  job peer_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_lora.json"
+  job peer_dpo 2 "$PEER --cases dpo_live --out $OUT/posttrain_peer_dpo_live.json"
+  job peer_dpo_pre 3 "$PEER --cases dpo_precomputed --out $OUT/posttrain_peer_dpo_pre.json"
+  wait ;;
+posttrain_tests)
+  job head_tests 0 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \
+      tests/gpu/test_dpo_gpu.py tests/gpu/test_gpu_recipes.py -p no:cacheprovider"
+  job curves 1 "env $REC $PY -m pytest -q -rs tests/gpu/test_stage_curves.py -p no:cacheprovider;
+    cp tests/gpu/reference_losses.json $OUT/"
+  job multigpu_tests 2,3 "timeout -s INT 400 $PY -m pytest -q -rs tests/gpu/test_multigpu.py \
+      -p no:cacheprovider"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"

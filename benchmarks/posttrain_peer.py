@@ -1,0 +1,409 @@
+r"""Post-training against TRL: SFT, LoRA, DPO and ORPO on the same folder, data and card.
+
+Every case trains the same Hugging Face folder on the same records with the same
+settings, each side in a process of its own (so each peak is its own), one after the
+other on this card:
+
+- the folder: a preset's shape (default ``llama_1b``) made by transformers at random
+  init and saved (bf16) with a tokenizer (a BPE trained on the records, with the ChatML
+  tokens) and a ChatML chat template: what a user's downloaded folder holds;
+- the data: the built-in instruction conversations (``stdlib_sft``) as ``chat.jsonl``,
+  and the built-in preference pairs (``stdlib_dpo``: a function's real body against a
+  corrupted copy) as ``pairs.jsonl``, both as chat messages;
+- the cases: ``sft_full``, ``sft_lora`` (r 16, alpha 32, dropout 0.05, every linear of
+  the blocks), ``dpo_live`` (a reference model in memory), ``dpo_precomputed`` (its
+  log-probs computed once before training) and ``orpo``;
+- recipes_lib: the recipe (``sft/full``, ``sft/lora``, ``dpo/full``) with
+  ``stage.init_from=FOLDER data.path=...`` and the sizes: packed rows, compiled blocks,
+  flex attention with the document mask, bf16 autocast over fp32 weights, the output
+  head fused with the loss (the recipes' default);
+- TRL: ``SFTTrainer`` (``packing=True``, padding-free), ``DPOTrainer`` (its own
+  chunked log-prob head), ``experimental.orpo.ORPOTrainer``; bf16 autocast over fp32
+  weights, SDPA, ``adamw_torch_fused``;
+- TRL with Liger (``use_liger_kernel=True``): Liger's RMSNorm, SwiGLU and RoPE kernels,
+  and for SFT its fused linear cross-entropy.
+
+Gradient checkpointing is the same on every side (``--checkpointing``, on by default as
+TRL's trainers default to it). Throughput counts the real (non-padding) tokens of the
+timed steps (after ``--warmup-steps``), both sequences of a pair for preference cases;
+the peak is CUDA's allocated peak over the run (the precomputation pass included); time
+to first step runs from the process start to the end of the first step. Prints one
+JSON object::
+
+    python benchmarks/posttrain_peer.py --out $OUT/posttrain_peer.json
+    python benchmarks/posttrain_peer.py --cases dpo_live,orpo --sides recipes_lib,trl
+
+A side that fails is recorded as ``{"error": ...}`` (exit status 1); TRL or Liger not
+installed is ``{"skipped": ...}``. ``--smoke`` runs a tiny shape on CPU in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+CASES = ("sft_full", "sft_lora", "dpo_live", "dpo_precomputed", "orpo")
+SIDES = ("recipes_lib", "trl", "trl_liger")
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHATML = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
+    "+ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+LORA = {"r": 16, "alpha": 32, "dropout": 0.05}
+HF_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+BETA = 0.1
+WORKER_ONLY = ("out", "worker", "case", "side", "root", "worker_out", "argv")
+
+
+# ---------------------------------------------------------------------------- data
+def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
+    """The model folder, ``chat.jsonl`` and ``pairs.jsonl`` every side trains on."""
+    import torch
+
+    from recipes_lib.checkpoint.hf import hf_config_from_model
+    from recipes_lib.config import compose_config, to_run_config
+    from recipes_lib.data.chat.instructions import stdlib_instruction_records
+    from recipes_lib.data.preference.stdlib_pairs import stdlib_preference_records
+    from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
+
+    folder, chat, pairs = root / "model", root / "chat.jsonl", root / "pairs.jsonl"
+    folder.mkdir(parents=True)
+    records = stdlib_instruction_records(args.records)
+    with open(chat, "w") as f:
+        for r in records:
+            turns = [
+                {"role": "user", "content": r["prompt"]},
+                {"role": "assistant", "content": r["response"]},
+            ]
+            f.write(json.dumps({"messages": turns}) + "\n")
+    with open(pairs, "w") as f:
+        for r in stdlib_preference_records(args.pairs):
+            row = {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "rejected": [{"role": "assistant", "content": r["rejected"]}],
+            }
+            f.write(json.dumps(row) + "\n")
+    texts = [r["prompt"] + r["response"] for r in records]
+    tokenizer = train_bpe_tokenizer(texts, args.vocab_size - 2, PAD)
+    tokenizer.add_special_tokens([IM_START, IM_END])
+    save_tokenizer(tokenizer, folder / "tokenizer.json")
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": IM_END,
+        "pad_token": PAD,
+        "chat_template": CHATML,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = to_run_config(compose_config([f"model={args.model}"])).model
+    if args.smoke:
+        model = replace(model, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
+        model = replace(model, ffn_dim=128)
+    model = replace(model, vocab_size=args.vocab_size, max_seq_len=max(args.seq_len, 2048))
+    fields = hf_config_from_model(model, eos_token_id=tokenizer.token_to_id(IM_END))
+    for key in ("architectures", "torch_dtype", "dtype"):
+        fields.pop(key, None)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(args.seed)
+    hf = AutoModelForCausalLM.from_config(config)
+    hf.to(torch.float32 if args.smoke else torch.bfloat16).save_pretrained(folder)
+    return folder, chat, pairs
+
+
+# ------------------------------------------------------------------------ figures
+def figures(ends: list[float], tokens: list[int], warmup: int, start: float) -> dict:
+    """Tokens/s and step time over the steps after ``warmup``; time to the first step."""
+    import torch
+
+    timed = len(ends) - warmup - 1
+    if timed < 1:
+        raise RuntimeError(f"only {len(ends)} steps ran; {warmup + 2} needed")
+    seconds = ends[-1] - ends[warmup]
+    counted = sum(tokens[warmup + 1 :])
+    cuda = torch.cuda.is_available()
+    return {
+        "tokens_per_sec": round(counted / seconds, 1),
+        "step_time_ms": round(seconds / timed * 1000, 2),
+        "timed_steps": timed,
+        "tokens_per_step": round(counted / timed, 1),
+        "time_to_first_step_s": round(ends[0] - start, 1),
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+    }
+
+
+def _sync() -> float:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.time()
+
+
+# -------------------------------------------------------------------- recipes_lib
+def run_recipes_lib(args, case: str, root: Path, start: float) -> dict:
+    from lightning.pytorch.callbacks import Callback
+
+    from recipes_lib.config import compose_config
+    from recipes_lib.train import run
+
+    class Clock(Callback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.tokens: list[int] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.ends.append(_sync())
+            self.tokens.append(pl_module.count_tokens(batch))
+
+    preference = case.startswith("dpo") or case == "orpo"
+    recipe = {"sft_full": "sft/full", "sft_lora": "sft/lora"}.get(case, "dpo/full")
+    overrides = [
+        f"recipe={recipe}",
+        f"stage.init_from={root / 'model'}",
+        f"data.path={root / ('pairs.jsonl' if preference else 'chat.jsonl')}",
+        f"data.seq_len={args.seq_len}",
+        f"data.batch_size={args.pair_batch if preference else args.batch_size}",
+        f"trainer.max_steps={args.warmup_steps + args.steps + 1}",
+        "trainer.val_check_interval=null",
+        "trainer.limit_val_batches=0",
+        "trainer.enable_progress_bar=false",
+        "data.val_fraction=0",
+        f"optim.lr={args.lr}",
+        "scheduler.warmup=1",
+        "run.checkpoint_every_n_steps=0",
+        f"run.dir={root / 'runs' / case}",
+        f"data.cache_dir={root / 'cache'}",
+        "callbacks=minimal",
+        f"kernels.activation_checkpointing={str(args.checkpointing).lower()}",
+        *(["trainer=cpu"] if args.smoke else []),
+    ]
+    if case == "sft_lora":
+        overrides += [f"adapter.r={LORA['r']}", f"adapter.alpha={LORA['alpha']}"]
+    if preference:
+        loss = "orpo" if case == "orpo" else "sigmoid"
+        overrides += [f"preference.loss={loss}", f"preference.beta={BETA}"]
+        overrides.append(f"preference.precompute_reference={case == 'dpo_precomputed'}".lower())
+    clock = Clock()
+    result = run(compose_config(overrides), callbacks=[clock])
+    report = figures(clock.ends, clock.tokens, args.warmup_steps, start)
+    return {**report, "final_loss": result.metrics.get("train/loss"), "overrides": overrides}
+
+
+# --------------------------------------------------------------------------- TRL
+def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
+    try:
+        import trl
+    except ImportError as err:
+        return {"skipped": f"trl is not installed ({err})"}
+    if liger:
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError as err:
+            return {"skipped": f"liger-kernel is not installed ({err})"}
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoTokenizer, TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.ends: list[float] = []
+            self.seen: list[int] = []
+
+        def on_step_end(self, targs, state, control, **kwargs):
+            self.ends.append(_sync())
+            self.seen.append(int(state.num_input_tokens_seen))
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    preference = case.startswith("dpo") or case == "orpo"
+    common = {
+        "output_dir": str(root / "trl" / case),
+        "per_device_train_batch_size": args.pair_batch if preference else args.batch_size,
+        "max_steps": args.warmup_steps + args.steps + 1,
+        "learning_rate": args.lr,
+        "lr_scheduler_type": "constant_with_warmup",
+        "warmup_steps": 1,
+        "bf16": cuda,
+        "use_cpu": not cuda,
+        "optim": "adamw_torch_fused" if cuda else "adamw_torch",
+        "weight_decay": 0.0,
+        "max_grad_norm": 1.0,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "include_num_input_tokens_seen": "non_padding",
+        "model_init_kwargs": {"dtype": torch.float32, "attn_implementation": "sdpa"},
+        "dataloader_num_workers": 0,
+        "seed": args.seed,
+        "gradient_checkpointing": args.checkpointing,
+        "use_liger_kernel": liger,
+    }
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    data = load_dataset(
+        "json", data_files=str(root / ("pairs.jsonl" if preference else "chat.jsonl"))
+    )
+    dataset = data["train"]
+    peft_config = None
+    if case == "sft_lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=LORA["r"],
+            lora_alpha=LORA["alpha"],
+            lora_dropout=LORA["dropout"],
+            target_modules=HF_LORA_TARGETS,
+            task_type="CAUSAL_LM",
+        )
+    if case.startswith("sft"):
+        config = trl.SFTConfig(max_length=args.seq_len, packing=True, **common)
+        trainer_class = trl.SFTTrainer
+    elif case == "orpo":
+        from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+        config = ORPOConfig(max_length=args.seq_len, beta=BETA, **common)
+        trainer_class = ORPOTrainer
+    else:
+        config = trl.DPOConfig(
+            max_length=args.seq_len,
+            beta=BETA,
+            precompute_ref_log_probs=case == "dpo_precomputed",
+            **common,
+        )
+        trainer_class = trl.DPOTrainer
+    clock = Clock()
+    kwargs = {"peft_config": peft_config} if peft_config is not None else {}
+    trainer = trainer_class(
+        model=str(root / "model"),
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[clock],
+        **kwargs,
+    )
+    output = trainer.train()
+    tokens = [b - a for a, b in zip([0, *clock.seen], clock.seen, strict=False)]
+    report = figures(clock.ends, tokens, args.warmup_steps, start)
+    return {**report, "final_loss": output.training_loss, "trl": trl.__version__}
+
+
+# ------------------------------------------------------------------------ driver
+def worker(args) -> int:
+    """One side of one case, in this process; its figures to ``--worker-out``."""
+    start = float(os.environ.get("PEER_START", time.time()))
+    root, case, side = Path(args.root), args.case, args.side
+    try:
+        if side == "recipes_lib":
+            result = run_recipes_lib(args, case, root, start)
+        else:
+            result = run_trl(args, case, root, start, liger=side == "trl_liger")
+        status = 0
+    except Exception as err:  # recorded; the other sides still run
+        result, status = {"error": f"{type(err).__name__}: {err}"[:2000]}, 1
+    Path(args.worker_out).write_text(json.dumps(result))
+    return status
+
+
+def spawn(args, case: str, side: str, root: Path) -> dict:
+    out = root / f"{case}.{side}.json"
+    command = [sys.executable, __file__, *args.argv, "--worker"]
+    command += ["--case", case, "--side", side, "--root", str(root), "--worker-out", str(out)]
+    env = {**os.environ, "PEER_START": repr(time.time())}
+    done = subprocess.run(command, env=env, timeout=args.side_timeout, check=False)
+    if out.is_file():
+        return json.loads(out.read_text())
+    return {"error": f"the {side} process exited with status {done.returncode} and no figures"}
+
+
+def summary(sides: dict) -> dict:
+    """recipes_lib's throughput and peak relative to each peer side."""
+    ours = sides.get("recipes_lib", {})
+    ratios = {}
+    for side in ("trl", "trl_liger"):
+        theirs = sides.get(side, {})
+        if "tokens_per_sec" in ours and "tokens_per_sec" in theirs:
+            ratios[f"speed_vs_{side}"] = round(ours["tokens_per_sec"] / theirs["tokens_per_sec"], 3)
+            if ours.get("peak_memory_gib") and theirs.get("peak_memory_gib"):
+                ratios[f"memory_vs_{side}"] = round(
+                    ours["peak_memory_gib"] / theirs["peak_memory_gib"], 3
+                )
+    return ratios
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama_1b", help="a preset of conf/model/")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--batch-size", type=int, default=4, help="SFT rows of --seq-len")
+    p.add_argument("--pair-batch", type=int, default=8, help="preference pairs per step")
+    p.add_argument("--records", type=int, default=4000)
+    p.add_argument("--pairs", type=int, default=2000)
+    p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--warmup-steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--checkpointing", type=lambda s: s.lower() in ("1", "true", "on"), default=True)
+    p.add_argument("--side-timeout", type=int, default=900)
+    p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, fp32")
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--side", help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.seq_len, args.batch_size, args.pair_batch = 256, 2, 2
+        args.records, args.pairs, args.vocab_size = 200, 60, 512
+        args.warmup_steps, args.steps = 1, 2
+    for name, allowed in (("cases", CASES), ("sides", SIDES)):
+        unknown = set(getattr(args, name).split(",")) - set(allowed)
+        if unknown:
+            p.error(f"--{name}: unknown {sorted(unknown)}; choose from {list(allowed)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(args)
+    args.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
+    sys.path.insert(0, str(Path(__file__).parent))
+    import torch
+    from _common import emit, package_versions
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    result: dict = {
+        "settings": {k: v for k, v in vars(args).items() if k not in WORKER_ONLY},
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "versions": package_versions(
+            "torch", "transformers", "trl", "liger-kernel", "peft", "lightning"
+        ),
+        "cases": {},
+    }
+    status = 0
+    with tempfile.TemporaryDirectory(prefix="posttrain-peer-") as tmp:
+        root = Path(tmp)
+        make_inputs(args, root)
+        for case in args.cases.split(","):
+            sides = {side: spawn(args, case, side, root) for side in args.sides.split(",")}
+            status |= any("error" in figures for figures in sides.values())
+            result["cases"][case] = {"sides": sides, **summary(sides)}
+    emit(result, args.out)
+    return int(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
