@@ -215,7 +215,7 @@ peer)
   job fp8_tests 1 "$PY -m pytest -q -rs tests/gpu/test_fp8_gpu.py -p no:cacheprovider"
   wait ;;
 posttrain)
-  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 170"
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 170 --warmup-steps 3 --steps 10"
   job peer_sft 0 "$PEER --cases sft_full,orpo --out $OUT/posttrain_peer_sft_orpo.json"
   job peer_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_lora.json"
   job peer_dpo 2 "$PEER --cases dpo_live --out $OUT/posttrain_peer_dpo_live.json"
