@@ -221,6 +221,14 @@ posttrain)
   job peer_dpo 2 "$PEER --cases dpo_live --out $OUT/posttrain_peer_dpo_live.json"
   job peer_dpo_pre 3 "$PEER --cases dpo_precomputed --out $OUT/posttrain_peer_dpo_pre.json"
   wait ;;
+posttrain2)  # the cases again, one per GPU; DPO's fused head at 256 rows a chunk
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 170 --warmup-steps 3 --steps 10"
+  job peer_sft 0 "$PEER --cases sft_full --out $OUT/posttrain_peer_sft.json"
+  job peer_orpo 1 "$PEER --cases orpo --out $OUT/posttrain_peer_orpo.json"
+  job peer_lora 2 "$PEER --cases sft_lora --out $OUT/posttrain_peer_lora.json"
+  job peer_dpo_256 3 "$PEER --cases dpo_live,dpo_precomputed --sides recipes_lib \
+      --override kernels.loss_chunk_size=256 --out $OUT/posttrain_peer_dpo_chunk256.json"
+  wait ;;
 posttrain_tests)
   job head_tests 0 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \
       tests/gpu/test_dpo_gpu.py tests/gpu/test_gpu_recipes.py -p no:cacheprovider"

@@ -187,6 +187,7 @@ def run_recipes_lib(args, case: str, root: Path, start: float) -> dict:
         "callbacks=minimal",
         f"kernels.activation_checkpointing={str(args.checkpointing).lower()}",
         *(["trainer=cpu"] if args.smoke else []),
+        *args.override,
     ]
     if case == "sft_lora":
         overrides += [f"adapter.r={LORA['r']}", f"adapter.alpha={LORA['alpha']}"]
@@ -218,11 +219,10 @@ def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
     class Clock(TrainerCallback):
         def __init__(self):
             self.ends: list[float] = []
-            self.seen: list[int] = []
+            self.tokens: list[int] = []
 
         def on_step_end(self, targs, state, control, **kwargs):
             self.ends.append(_sync())
-            self.seen.append(int(state.num_input_tokens_seen))
 
     cuda = torch.cuda.is_available() and not args.smoke
     preference = case.startswith("dpo") or case == "orpo"
@@ -241,7 +241,6 @@ def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
         "logging_steps": 1,
         "save_strategy": "no",
         "report_to": [],
-        "include_num_input_tokens_seen": "non_padding",
         "model_init_kwargs": {"dtype": torch.float32, "attn_implementation": "sdpa"},
         "dataloader_num_workers": 0,
         "seed": args.seed,
@@ -281,8 +280,14 @@ def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
         )
         trainer_class = trl.DPOTrainer
     clock = Clock()
+
+    class Counted(trainer_class):  # real tokens of each step's batch (one micro-batch)
+        def training_step(self, model, inputs, *args, **kwargs):
+            clock.tokens.append(real_tokens(inputs))
+            return super().training_step(model, inputs, *args, **kwargs)
+
     kwargs = {"peft_config": peft_config} if peft_config is not None else {}
-    trainer = trainer_class(
+    trainer = Counted(
         model=str(root / "model"),
         args=config,
         train_dataset=dataset,
@@ -291,9 +296,19 @@ def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
         **kwargs,
     )
     output = trainer.train()
-    tokens = [b - a for a, b in zip([0, *clock.seen], clock.seen, strict=False)]
-    report = figures(clock.ends, tokens, args.warmup_steps, start)
+    report = figures(clock.ends, clock.tokens, args.warmup_steps, start)
     return {**report, "final_loss": output.training_loss, "trl": trl.__version__}
+
+
+def real_tokens(inputs: dict) -> int:
+    """Non-padding tokens of a TRL batch: both sequences of preference pairs (their
+    attention masks), else the attention mask, else every id (padding-free packing)."""
+    pairs = [inputs[k] for k in ("chosen_attention_mask", "rejected_attention_mask") if k in inputs]
+    if pairs:
+        return int(sum(int(mask.sum()) for mask in pairs))
+    if inputs.get("attention_mask") is not None:
+        return int(inputs["attention_mask"].sum())
+    return int(inputs["input_ids"].numel())
 
 
 # ------------------------------------------------------------------------ driver
@@ -330,7 +345,7 @@ def summary(sides: dict) -> dict:
     ratios = {}
     for side in ("trl", "trl_liger"):
         theirs = sides.get(side, {})
-        if "tokens_per_sec" in ours and "tokens_per_sec" in theirs:
+        if ours.get("tokens_per_sec") and theirs.get("tokens_per_sec"):
             ratios[f"speed_vs_{side}"] = round(ours["tokens_per_sec"] / theirs["tokens_per_sec"], 3)
             if ours.get("peak_memory_gib") and theirs.get("peak_memory_gib"):
                 ratios[f"memory_vs_{side}"] = round(
@@ -356,6 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--checkpointing", type=lambda s: s.lower() in ("1", "true", "on"), default=True)
     p.add_argument("--side-timeout", type=int, default=900)
+    p.add_argument("--override", action="append", default=[], help="a further recipes_lib override")
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, fp32")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

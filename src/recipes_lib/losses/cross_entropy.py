@@ -71,8 +71,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
         else:
             scale = torch.ones((), dtype=torch.float32, device=hidden.device)
+        need_weight = ctx.needs_input_grad[1]  # a frozen head (LoRA) gets none
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            if need_weight
+            else None
+        )
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.size(0), chunk_size):
             rows = slice(start, start + chunk_size)
@@ -83,18 +88,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             loss += chunk_loss
             grad_logits = grad_logits.mul_(scale).to(hidden.dtype)  # (C, V)
             grad_hidden[rows] = grad_logits @ weight  # (C, D)
+            if grad_weight is None:
+                continue
             if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
                 grad_weight.addmm_(grad_logits.t(), hidden_chunk)  # (V, D)
             else:
                 grad_weight += grad_logits.t() @ hidden_chunk  # (V, D), low precision product
-        ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        if grad_weight is None:
+            ctx.save_for_backward(grad_hidden)
+        else:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
         return loss * scale
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, *weight_part = ctx.saved_tensors
         grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
-        grad_weight = grad_weight * grad_output.to(grad_weight.dtype)
+        grad_weight = None
+        if weight_part:
+            grad_weight = weight_part[0] * grad_output.to(weight_part[0].dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 
