@@ -136,3 +136,20 @@ def write_preference_records(path: Path, n: int = 120) -> Path:
             record = {"prompt": r["prompt"], "chosen": r["response"], "rejected": rejected}
             f.write(json.dumps(record) + "\n")
     return path
+
+
+def write_unpaired_records(path: Path, n: int = 120) -> Path:
+    """``n`` KTO examples as chat messages: the real function body desirable (even
+    records), its lines reversed undesirable (odd records); no two share a prompt."""
+    with open(path, "w") as f:
+        for i, r in enumerate(stdlib_instruction_records(n)):
+            completion = r["response"]
+            if i % 2:
+                completion = "\n".join(reversed(completion.splitlines())) + "\n    return None"
+            record = {
+                "prompt": [{"role": "user", "content": r["prompt"]}],
+                "completion": [{"role": "assistant", "content": completion}],
+                "label": i % 2 == 0,
+            }
+            f.write(json.dumps(record) + "\n")
+    return path

@@ -140,3 +140,25 @@ def test_reference_free_objectives_learn_held_out_preferences(
     else:  # ORPO's loss, its chosen answers' NLL plus the odds-ratio term, falls
         loss = [value for _, value in metric_series(rows, "val/loss")]
         assert loss[-1] < loss[1] < loss[0]
+
+
+def test_kto_learns_to_tell_desirable_from_undesirable_completions(
+    tmp_path, shared_cache, pretrained
+):
+    """KTO on the built-in unpaired examples, from pretrained weights that are also its
+    reference: the held-out margin between desirable and undesirable rewards starts near
+    0 and grows, and the KL estimate stays non-negative."""
+    overrides = [
+        o.replace("stdlib_dpo.max_documents=400", "stdlib_kto.max_documents=800")
+        for o in dpo_overrides(tmp_path, shared_cache, pretrained, recipe="kto/tiny")
+    ]
+    result = run(compose_config(overrides))
+    assert result.global_step == 16
+    rows = read_metrics(result.output_dir)
+    margin = metric_series(rows, "val/rewards/margin")
+    assert [step for step, _ in margin] == [3, 7, 11, 15]
+    assert margin[-1][1] > margin[0][1] and margin[-1][1] > 0.1
+    assert all(value >= 0 for _, value in metric_series(rows, "val/kl"))
+    desirable = metric_series(rows, "val/rewards/desirable")[-1][1]
+    undesirable = metric_series(rows, "val/rewards/undesirable")[-1][1]
+    assert desirable - undesirable == pytest.approx(margin[-1][1], abs=1e-5)

@@ -1,8 +1,8 @@
 """The on-ramp: a Hugging Face folder and a data file, and nothing else.
 
 ``recipes-train recipe=sft/full stage.init_from=DIR data.path=chat.jsonl`` (and
-``sft/lora``, ``dpo/full``, ``dpo/lora``; ``trainer=cpu`` here) takes the model's shape,
-tokenizer and chat template from the folder, reads the user's records, and refuses a
+``sft/lora``, ``dpo/full``, ``dpo/lora``, ``kto/full``; ``trainer=cpu`` here) takes the
+model's shape, tokenizer and chat template from the folder, reads the user's records, and refuses a
 bad record with its file and line. The runs here are a few steps long: the on-ramp is
 what is tested, not learning (the stage tests show that).
 """
@@ -21,7 +21,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_folders import TEMPLATE, write_chat_records, write_preference_records
+from hf_folders import (
+    TEMPLATE,
+    write_chat_records,
+    write_preference_records,
+    write_unpaired_records,
+)
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.config import compose_config
@@ -39,6 +44,7 @@ def records(tmp_path_factory) -> dict[str, Path]:
     return {
         "chat": write_chat_records(folder / "chat.jsonl"),
         "pairs": write_preference_records(folder / "pairs.jsonl"),
+        "examples": write_unpaired_records(folder / "examples.jsonl"),
     }
 
 
@@ -49,7 +55,8 @@ def _run(tmp_path, *overrides: str):
 
 
 @pytest.mark.parametrize(
-    "recipe,data", [("sft/full", "chat"), ("sft/lora", "chat"), ("dpo/full", "pairs")]
+    "recipe,data",
+    [("sft/full", "chat"), ("sft/lora", "chat"), ("dpo/full", "pairs"), ("kto/full", "examples")],
 )
 def test_a_folder_and_a_data_file_are_enough(tmp_path, hf_folder, records, recipe, data):
     result = _run(

@@ -81,7 +81,8 @@ class ChatFormatConfig:
 
     A chat record is a ``messages_field`` list of ``{role, content}`` turns, or a
     ``prompt_field``/``response_field`` pair; a preference record adds
-    ``chosen_field``/``rejected_field`` (plain strings or message lists).
+    ``chosen_field``/``rejected_field`` (plain strings or message lists); an unpaired
+    (KTO) record a ``completion_field`` and a boolean ``label_field``.
     """
 
     messages_field: str = "messages"
@@ -89,6 +90,8 @@ class ChatFormatConfig:
     response_field: str = "response"
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    completion_field: str = "completion"  # KTO: one completion of the prompt
+    label_field: str = "label"  # KTO: true where the completion is desirable
     chat_template: str | None = None  # Jinja template; None: the tokenizer's, else built in
     packing: bool = True  # several conversations per sequence, with document masking
     truncation: str = "right"  # right | left | drop: what to do with over-long samples
@@ -201,12 +204,15 @@ class AdapterConfig:
 @dataclass
 class PreferenceConfig:
     """Preference optimisation on pairs (objective ``dpo``): against a frozen reference
-    (``sigmoid``, DPO; ``ipo``; ``hinge``) or without one (``simpo``, ``orpo``)."""
+    (``sigmoid``, DPO; ``ipo``; ``hinge``) or without one (``simpo``, ``orpo``); on
+    unpaired desirable and undesirable completions (objective ``kto``, loss ``kto``)."""
 
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | simpo | orpo
-    # DPO's inverse temperature; SimPO's reward scale; ORPO's odds-ratio weight (lambda)
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | simpo | orpo; kto (objective kto)
+    # DPO's and KTO's inverse temperature; SimPO's reward scale; ORPO's odds-ratio weight
     beta: float = 0.1
     gamma: float = 0.5  # SimPO's target reward margin (unused by the other losses)
+    desirable_weight: float = 1.0  # KTO's lambda_D
+    undesirable_weight: float = 1.0  # KTO's lambda_U
     reference_from: str | None = None  # weights of the frozen reference; None: init_from
     precompute_reference: bool = False  # one pass of reference log-probs, then free it
 

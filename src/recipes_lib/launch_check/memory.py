@@ -47,7 +47,7 @@ from recipes_lib.launch_check.activations import (
     DecoderShape,
     block_bytes_per_token,
 )
-from recipes_lib.losses.preference import runs_reference
+from recipes_lib.losses.preference import TWO_SEQUENCE_OBJECTIVES, runs_reference
 from recipes_lib.parallel.precision import device_type
 from recipes_lib.parallel.strategy import StrategySpec, get_strategy
 
@@ -192,7 +192,7 @@ def adapted_linears(cfg: RunConfig) -> dict[str, int] | None:
 
 def rows_per_micro_batch(cfg: RunConfig) -> int:
     """Sequences in one micro-batch: a preference pair is two rows (chosen, rejected)."""
-    return cfg.data.batch_size * (2 if cfg.stage.objective == "dpo" else 1)
+    return cfg.data.batch_size * (2 if cfg.stage.objective in TWO_SEQUENCE_OBJECTIVES else 1)
 
 
 @dataclass(frozen=True)
@@ -376,10 +376,13 @@ def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> l
         notes.append("precision=fp8: activations counted as bf16 (float8 copies are smaller)")
     if cfg.kernels.compile and lora:
         notes.append("compiled blocks with an adapter: the adapters counted as eager")
-    if cfg.stage.objective == "dpo":
-        notes.append("dpo: each pair counted as two rows of data.seq_len tokens")
+    if cfg.stage.objective in TWO_SEQUENCE_OBJECTIVES:
+        objective = cfg.stage.objective
+        notes.append(f"{objective}: each example counted as two rows of data.seq_len tokens")
         if cfg.kernels.loss_chunk_size is not None:  # it keeps no gradient from the forward
-            notes.append("dpo: its fused log-probs counted as the fused cross-entropy (at most)")
+            notes.append(
+                f"{objective}: its fused log-probs counted as the fused cross-entropy (at most)"
+            )
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         notes.append("PYTORCH_CUDA_ALLOC_CONF is set: the allocator's slack may differ")
     return notes

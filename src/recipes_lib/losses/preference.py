@@ -13,6 +13,9 @@ Every loss returns ``(loss, chosen_rewards, rejected_rewards)``: the batch mean 
 per-pair losses and the implicit rewards ``beta * (pc - rc)`` and ``beta * (pr - rr)``
 (detached, one per pair) that the stage logs.
 
+:func:`kto_loss` (objective ``kto``) scores unpaired completions, each desirable or
+not, against the reference and a KL estimate.
+
 Two losses need no reference model. With ``ac, ar`` the policy's mean log-probability
 per response token (``pc / nc``, ``pr / nr``):
 
@@ -152,6 +155,49 @@ def orpo_loss(
     return loss, beta * chosen.detach(), beta * rejected.detach()
 
 
+def kto_loss(
+    policy: Tensor,
+    reference: Tensor,
+    policy_kl: Tensor,
+    reference_kl: Tensor,
+    desirable: Tensor,
+    beta: float,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """KTO (Ethayarajh et al. 2024) on unpaired completions, each desirable or not.
+
+    With ``r = policy - reference`` each completion's log-ratio and ``z`` the batch's
+    estimate of ``KL(policy || reference)`` (the mean log-ratio of completions paired
+    with another example's prompt, clamped at 0, without gradient), a desirable
+    completion costs ``desirable_weight * (1 - sigmoid(beta * (r - z)))`` and an
+    undesirable one ``undesirable_weight * (1 - sigmoid(beta * (z - r)))``.
+
+    Args:
+        policy: ``(N,)`` the policy's summed log-probs of each completion.
+        reference: ``(N,)`` the reference's.
+        policy_kl: ``(N,)`` the policy's summed log-probs of the mismatched completions.
+        reference_kl: ``(N,)`` the reference's.
+        desirable: ``(N,)`` bool, whether each completion is desirable.
+        beta: the inverse temperature.
+        desirable_weight: ``lambda_D``; undesirable_weight: ``lambda_U``.
+
+    Returns:
+        The mean loss, the rewards ``beta * r`` (detached, ``(N,)``) and ``z`` (0-d).
+    """
+    _check_beta(beta)
+    rewards = policy.float() - reference.float()  # (N,)
+    kl = (policy_kl.float() - reference_kl.float()).mean().clamp(min=0).detach()
+    gain = torch.where(desirable, rewards - kl, kl - rewards)
+    weight = torch.where(
+        desirable,
+        torch.tensor(desirable_weight, device=rewards.device),
+        torch.tensor(undesirable_weight, device=rewards.device),
+    )
+    losses = weight * (1.0 - torch.sigmoid(beta * gain))  # (N,)
+    return losses.mean(), beta * rewards.detach(), kl
+
+
 @dataclass(frozen=True)
 class PairLogps:
     """What a preference loss reads of a batch of ``P`` pairs (column 0 the chosen
@@ -216,11 +262,20 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 }
 
 
+# objectives whose examples are two sequences each (a pair; a KTO completion and its
+# mismatched twin for the KL estimate), all compared with a frozen reference or not
+TWO_SEQUENCE_OBJECTIVES = ("dpo", "kto")
+
+
 def runs_reference(objective: str, loss: str, precomputed: bool) -> bool:
     """Whether a run computes a reference model's forward during training: a ``dpo``
-    objective whose ``preference.loss`` compares with one, not precomputed."""
+    objective whose ``preference.loss`` compares with one, or ``kto``; not precomputed."""
+    if precomputed:
+        return False
+    if objective == "kto":
+        return True
     entry = PREFERENCE_LOSSES.get(loss)
-    return objective == "dpo" and entry is not None and entry.needs_reference and not precomputed
+    return objective == "dpo" and entry is not None and entry.needs_reference
 
 
 def get_preference_loss(name: str) -> PreferenceLoss:

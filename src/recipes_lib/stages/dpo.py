@@ -46,7 +46,7 @@ from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.logprobs import token_logprobs
-from recipes_lib.losses.preference import PREFERENCE_LOSSES, PairLogps
+from recipes_lib.losses.preference import PREFERENCE_LOSSES, PairLogps, PreferenceLoss
 from recipes_lib.stages.build import build_model
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
 from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
@@ -68,15 +68,15 @@ def pair_logprobs(logits: Tensor, labels: Tensor, sequence_ids: Tensor, n_pairs:
     Returns:
         Column 0 the chosen, column 1 the rejected log-probabilities.
     """
-    return _pair_sums(token_logprobs(logits, labels), sequence_ids, n_pairs)
+    return pair_sums(token_logprobs(logits, labels), sequence_ids, n_pairs)
 
 
 def pair_token_counts(labels: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
     """The response tokens counted in each of :func:`pair_logprobs`' sums, ``(P, 2)``."""
-    return _pair_sums((labels != IGNORE_INDEX).long(), sequence_ids, n_pairs)
+    return pair_sums((labels != IGNORE_INDEX).long(), sequence_ids, n_pairs)
 
 
-def _pair_sums(values: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
+def pair_sums(values: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
     """``values`` (``(R, T)``) summed over each pair's chosen and rejected sequence,
     padding (``sequence_ids`` -1) left out: ``(P, 2)``."""
     real = sequence_ids >= 0
@@ -142,14 +142,9 @@ class DPOModule(CausalLMModule):
         super().__init__(*args, **kwargs)
         config = preference if preference is not None else PreferenceConfig()
         self.preference_config: PreferenceConfig = as_config(PreferenceConfig, config, "preference")
-        if self.preference_config.loss not in PREFERENCE_LOSSES:
-            raise ConfigError(
-                f"preference.loss={self.preference_config.loss!r} is not one of "
-                f"{sorted(PREFERENCE_LOSSES)}"
-            )
         if not self.preference_config.beta > 0:
             raise ConfigError(f"preference.beta={self.preference_config.beta} must be positive")
-        self._preference_loss = PREFERENCE_LOSSES[self.preference_config.loss]
+        self._preference_loss = self.resolve_loss(self.preference_config.loss)
         if self.preference_config.precompute_reference and not self.uses_reference:
             raise ConfigError(
                 f"preference.precompute_reference=true with preference.loss="
@@ -158,6 +153,16 @@ class DPOModule(CausalLMModule):
         self.hparams["preference"] = asdict(self.preference_config)
         self.reference: FrozenReference | None = None
         self.reference_source: str | None = None  # the file a separate reference came from
+
+    def resolve_loss(self, name: str) -> PreferenceLoss:
+        """The ``preference.loss`` this objective computes.
+
+        Raises:
+            ConfigError: a name this objective does not take.
+        """
+        if name not in PREFERENCE_LOSSES:
+            raise ConfigError(f"preference.loss={name!r} is not one of {sorted(PREFERENCE_LOSSES)}")
+        return PREFERENCE_LOSSES[name]
 
     # ------------------------------------------------------------- reference
     @property
@@ -253,7 +258,7 @@ class DPOModule(CausalLMModule):
     def reference_logprobs(self, batch: Batch) -> Tensor:
         """``(P, 2)`` reference log-probs of the batch's pairs, computed now."""
         per_token = self.label_logprobs(self._reference(), batch)
-        return _pair_sums(per_token, batch["sequence_ids"], batch["pair_index"].numel())
+        return pair_sums(per_token, batch["sequence_ids"], batch["pair_index"].numel())
 
     def precompute_reference(self, batches: Iterable[Batch], n_pairs: int) -> Tensor:
         """``(n_pairs, 2)`` reference log-probs of every pair in ``batches``, placed by
@@ -301,7 +306,7 @@ class DPOModule(CausalLMModule):
         """The preference loss of a batch of pairs, and the reward metrics."""
         n_pairs = batch["pair_index"].numel()
         per_token = self.label_logprobs(self._built_model(), batch)  # chosen and rejected rows
-        policy = _pair_sums(per_token, batch["sequence_ids"], n_pairs)
+        policy = pair_sums(per_token, batch["sequence_ids"], n_pairs)
         reference = None
         if self.uses_reference:
             reference = batch.get("reference_logps")

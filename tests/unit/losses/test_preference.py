@@ -14,6 +14,7 @@ from recipes_lib.losses.preference import (
     get_preference_loss,
     hinge_loss,
     ipo_loss,
+    kto_loss,
 )
 
 BETA = 0.5
@@ -178,3 +179,25 @@ def test_orpo_log_odds_stay_finite_near_certainty():
     loss, _, _ = get_preference_loss("orpo")(PairLogps(policy, torch.tensor([[3, 3]])), 0.1)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(policy.grad).all()
+
+
+def test_kto_scores_each_completion_against_the_clamped_kl_estimate():
+    policy = torch.tensor([-10.0, -12.0], requires_grad=True)
+    reference = torch.tensor([-11.0, -11.0])
+    policy_kl = torch.tensor([-5.0, -6.0], requires_grad=True)
+    reference_kl = torch.tensor([-6.0, -6.0])
+    desirable = torch.tensor([True, False])
+    loss, rewards, kl = kto_loss(
+        policy, reference, policy_kl, reference_kl, desirable, beta=0.5, undesirable_weight=2.0
+    )
+    # log-ratios 1 and -1; KL estimate (1 + 0) / 2
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    expected = ((1 - sigmoid(0.5 * (1 - 0.5))) + 2 * (1 - sigmoid(0.5 * (0.5 + 1)))) / 2
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert rewards.tolist() == pytest.approx([0.5, -0.5]) and kl.item() == pytest.approx(0.5)
+    loss.backward()
+    assert policy.grad[0] < 0 < policy.grad[1]  # raise the desirable, lower the undesirable
+    assert policy_kl.grad is None  # the reference point takes no gradient
+    # a negative KL estimate is clamped at 0
+    _, _, kl = kto_loss(policy, reference, reference_kl - 1, reference_kl, desirable, beta=0.5)
+    assert kl.item() == 0

@@ -29,6 +29,7 @@ from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
 from recipes_lib.stages.dpo import DPOModule, pair_logprobs
+from recipes_lib.stages.kto import KTOModule
 
 VOCAB = 320
 MODEL = tiny_model_config(vocab_size=VOCAB, n_kv_heads=None, max_seq_len=64)
@@ -339,3 +340,24 @@ def test_reference_free_losses_build_no_reference_and_train_the_policy(loss):
     assert torch.isfinite(value)
     assert all(p.grad is not None for p in module.model.parameters() if p.requires_grad)
     assert metrics["rewards/chosen"].shape == ()
+
+
+def test_kto_takes_only_its_own_loss_and_non_negative_weights():
+    def kto(**preference):
+        return KTOModule(
+            MODEL,
+            KernelsConfig(),
+            OptimConfig(),
+            SchedulerConfig(name="constant"),
+            total_steps=2,
+            tokens_per_step=8,
+            preference=PreferenceConfig(**{"loss": "kto", **preference}),
+        )
+
+    assert kto().uses_reference
+    with pytest.raises(ConfigError, match="preference.loss='sigmoid' with stage.objective=kto"):
+        kto(loss="sigmoid")
+    with pytest.raises(ConfigError, match="preference.undesirable_weight=-1.0 must be >= 0"):
+        kto(undesirable_weight=-1.0)
+    with pytest.raises(ConfigError, match="preference.loss='kto' is not one of"):
+        make_module(preference={"loss": "kto"})

@@ -11,6 +11,8 @@ A batch of ``P`` pairs (``collate_pairs``) is::
     num_tokens    int            real (non-padding) input tokens of the batch
     reference_logps (P, 2) fp32  precomputed reference log-probs (chosen, rejected),
                                  when the dataset holds them
+    desirable     (P,)   bool    KTO: whether each completion (the "chosen" sequence;
+                                 the "rejected" one is its mismatched twin) is desirable
 
 Without packing (``data.chat.packing=false``) every sequence has its own row, padded
 to the longest of the batch: rows ``0..P-1`` are the chosen sequences and ``P..2P-1``
@@ -52,6 +54,8 @@ class PreferencePairDataset(Dataset):
         }
         if self.reference_logps is not None:
             item["reference_logps"] = self.reference_logps[index]
+        if pair.desirable is not None:
+            item["desirable"] = pair.desirable
         return item
 
 
@@ -118,6 +122,8 @@ def collate_pairs(
         "pair_index": torch.tensor([int(it["index"]) for it in items], dtype=torch.long),
         "num_tokens": sum(lengths),  # an int: counting needs no device sync
     }
+    if n_pairs and all("desirable" in it for it in items):
+        batch["desirable"] = torch.tensor([bool(it["desirable"]) for it in items])
     if n_pairs and all("reference_logps" in it for it in items):
         batch["reference_logps"] = torch.stack([it["reference_logps"] for it in items]).float()
     return batch

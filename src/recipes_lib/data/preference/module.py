@@ -25,9 +25,14 @@ from recipes_lib.data.chat_records import (
 )
 from recipes_lib.data.module import check_batch_shape, rank_zero_warning
 from recipes_lib.data.preference.collate import PairCollator, PreferencePairDataset
-from recipes_lib.data.preference.pairs import EncodedPair, PairEncoder, encode_records
+from recipes_lib.data.preference.pairs import (
+    EncodedPair,
+    EncodedPairs,
+    PairEncoder,
+    encode_records,
+)
 from recipes_lib.data.preference.stdlib_pairs import stdlib_preference_records
-from recipes_lib.data.records import RecordBuiltin
+from recipes_lib.data.records import RecordBuiltin, RecordSource
 from recipes_lib.data.sources import check_val_fraction, source_key
 from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id, init_tokenizer_path
 from recipes_lib.errors import ConfigError, DataError
@@ -68,6 +73,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
     """
 
     default_sources = DEFAULT_PREFERENCE_SOURCES
+    builtin_records: dict[str, RecordBuiltin] = PREFERENCE_BUILTINS
 
     def __init__(
         self,
@@ -91,7 +97,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
             model_vocab_size,
             model_max_seq_len,
             total_train_samples,
-            builtins=PREFERENCE_BUILTINS,
+            builtins=self.builtin_records,
             tokenizer_path=tokenizer_path,
         )
         self.prepared: PreparedPairs | None = None
@@ -132,7 +138,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
             records = self._source_records(name)
             for split, indices in zip(("train", "val"), self._split(name), strict=True):
                 where = self._record_source(name)
-                encoded = encode_records([records[i] for i in indices], encoder, where, indices)
+                encoded = self.encode([records[i] for i in indices], encoder, where, indices)
                 splits[split].extend(encoded.pairs)
                 skipped.update(encoded.skipped)
                 total += encoded.total
@@ -159,6 +165,13 @@ class PreferenceDataModule(ChatRecordsDataModule):
             skipped=dict(self.skipped),
             chat_template=template,
         )
+
+    def encode(
+        self, records: list, encoder: PairEncoder, where: RecordSource, indices: list[int]
+    ) -> EncodedPairs:
+        """Validate and encode the records of one split of a source (``indices``: their
+        positions in it, named in errors)."""
+        return encode_records(records, encoder, where, indices)
 
     def skipped_records(self) -> dict[str, int]:
         """Pairs left out, by reason (malformed ones with ``data.chat.on_bad_record=skip``,

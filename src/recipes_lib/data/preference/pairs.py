@@ -26,6 +26,7 @@ inputs and their next-token labels):
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class EncodedPair:
     chosen_mask: np.ndarray  # (n_c,) bool
     rejected_ids: np.ndarray  # (n_r,) int64
     rejected_mask: np.ndarray  # (n_r,) bool
+    desirable: bool | None = None  # KTO: the completion (``chosen``) is desirable
 
     @property
     def max_len(self) -> int:
@@ -97,7 +99,7 @@ def _check_messages(value: list, field: str, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
-def _field(record: Mapping, field: str, where: str, *, required: bool = True) -> Text | None:
+def text_field(record: Mapping, field: str, where: str, *, required: bool = True) -> Text | None:
     value = record.get(field)
     if value is None:
         if required:
@@ -133,11 +135,11 @@ def parse_record(record: Mapping, chat: ChatFormatConfig, where: str) -> Prefere
     """
     if not isinstance(record, Mapping):
         raise BadRecord(f"{where}: is a {type(record).__name__}, not a mapping", "not a mapping")
-    chosen = _field(record, chat.chosen_field, where)
-    rejected = _field(record, chat.rejected_field, where)
-    prompt = _field(record, chat.prompt_field, where, required=False)
+    chosen = text_field(record, chat.chosen_field, where)
+    rejected = text_field(record, chat.rejected_field, where)
+    prompt = text_field(record, chat.prompt_field, where, required=False)
     if prompt is None:
-        prompt = _field(record, chat.messages_field, where, required=False)
+        prompt = text_field(record, chat.messages_field, where, required=False)
     if prompt is None:
         if not (isinstance(chosen, list) and isinstance(rejected, list)):
             raise BadRecord(
@@ -287,6 +289,7 @@ class EncodedPairs:
     pairs: list[EncodedPair]
     total: int
     skipped: Counter
+    kept: list[int] = dataclasses.field(default_factory=list)  # the source positions of ``pairs``
 
     def skip_summary(self) -> str:
         reasons = ", ".join(f"{n} {reason}" for reason, n in self.skipped.most_common())
@@ -311,6 +314,7 @@ def encode_records(
     chat = encoder.chat
     pairs: list[EncodedPair] = []
     skipped: Counter = Counter()
+    kept: list[int] = []
     total = 0
     positions = iter(indices) if indices is not None else None
     for count, raw in enumerate(records):
@@ -326,9 +330,10 @@ def encode_records(
             continue
         try:
             pairs.append(encoder.encode(record, where))
+            kept.append(index)
         except BadRecord as bad:
             truncation = "data.chat.truncation" in bad.reason
             if chat.on_bad_record == "error" and not truncation:
                 raise bad_record_error(bad) from None
             skipped[bad.reason] += 1
-    return EncodedPairs(pairs=pairs, total=total, skipped=skipped)
+    return EncodedPairs(pairs=pairs, total=total, skipped=skipped, kept=kept)

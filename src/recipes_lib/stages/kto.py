@@ -1,0 +1,114 @@
+"""Kahneman-Tversky optimisation: the ``kto`` objective, on unpaired completions.
+
+:class:`KTOModule` is a :class:`~recipes_lib.stages.dpo.DPOModule` (same frozen
+reference, built, precomputed or bypassed the same way) whose batches come from
+:mod:`recipes_lib.data.preference.unpaired`: each example is a completion of its prompt,
+labelled desirable or not, beside a mismatched twin (another example's completion after
+this prompt). One forward pass of the policy covers both; the twins' log-ratios give the
+batch's estimate of ``KL(policy || reference)``, the reference point of
+:func:`~recipes_lib.losses.preference.kto_loss` (without gradient, as in the paper).
+
+Logged as ``train/...`` and ``val/...``: ``loss``, ``rewards/desirable`` and
+``rewards/undesirable`` (the mean ``beta`` times log-ratio of each kind in the batch, 0
+when the batch has none), ``rewards/margin`` (their difference: it grows as the policy
+learns), ``kl`` and the policy's ``logps/desirable`` and ``logps/undesirable``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.errors import ConfigError
+from recipes_lib.losses.preference import PREFERENCE_LOSSES, PreferenceLoss, kto_loss
+from recipes_lib.stages.causal_lm import Batch
+from recipes_lib.stages.dpo import DPOModule, pair_sums
+
+KTO_LOSS = "kto"
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+class KTOModule(DPOModule):
+    """KTO of a causal LM against a frozen reference (``preference.loss=kto``; ``beta``,
+    ``desirable_weight`` and ``undesirable_weight`` from ``preference``).
+
+    Raises:
+        ConfigError: another ``preference.loss``, a non-positive beta or a negative
+            weight.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        settings = self.preference_config
+        for key in ("desirable_weight", "undesirable_weight"):
+            if not getattr(settings, key) >= 0:
+                raise ConfigError(f"preference.{key}={getattr(settings, key)} must be >= 0")
+
+    def resolve_loss(self, name: str) -> PreferenceLoss:
+        if name != KTO_LOSS:
+            raise ConfigError(
+                f"preference.loss={name!r} with stage.objective=kto: KTO's loss is "
+                f"preference.loss=kto (the paired losses {sorted(PREFERENCE_LOSSES)} are "
+                "objective dpo's)"
+            )
+        return PreferenceLoss(self._unpaired_only, needs_reference=True)
+
+    @staticmethod
+    def _unpaired_only(*_: Any) -> Any:
+        raise TypeError("KTO's loss reads labelled completions: see KTOModule.compute_loss")
+
+    def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """KTO's loss of a batch of labelled completions, and its reward metrics."""
+        if "desirable" not in batch:
+            raise ConfigError(
+                "stage.objective=kto needs batches of labelled completions (its data module "
+                "gives them: data=stdlib_kto or data=unpaired)"
+            )
+        n = batch["pair_index"].numel()
+        per_token = self.label_logprobs(self._built_model(), batch)
+        policy = pair_sums(per_token, batch["sequence_ids"], n)  # (N, 2): completion, twin
+        reference = batch.get("reference_logps")
+        if reference is None:
+            reference = self.reference_logprobs(batch)
+        reference = reference.to(policy.dtype)
+        settings = self.preference_config
+        desirable = batch["desirable"].to(policy.device)
+        loss, rewards, kl = kto_loss(
+            policy[:, 0],
+            reference[:, 0],
+            policy[:, 1].detach(),
+            reference[:, 1],
+            desirable,
+            settings.beta,
+            settings.desirable_weight,
+            settings.undesirable_weight,
+        )
+        wanted, unwanted = desirable.float(), (~desirable).float()
+        logps = policy[:, 0].detach()
+        metrics = {
+            "rewards/desirable": _masked_mean(rewards, wanted),
+            "rewards/undesirable": _masked_mean(rewards, unwanted),
+            "kl": kl,
+            "logps/desirable": _masked_mean(logps, wanted),
+            "logps/undesirable": _masked_mean(logps, unwanted),
+        }
+        metrics["rewards/margin"] = metrics["rewards/desirable"] - metrics["rewards/undesirable"]
+        return loss, metrics
+
+
+def build_kto_module(
+    cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
+) -> KTOModule:
+    """The LightningModule of the ``kto`` objective from the typed run config."""
+    return KTOModule.from_run_config(
+        cfg,
+        total_steps=total_steps,
+        tokens_per_step=tokens_per_step,
+        preference=cfg.preference,
+        **extra,
+    )
