@@ -229,6 +229,15 @@ posttrain2)  # the cases again, one per GPU; DPO's fused head at 256 rows a chun
   job peer_dpo_256 3 "$PEER --cases dpo_live,dpo_precomputed --sides recipes_lib \
       --override kernels.loss_chunk_size=256 --out $OUT/posttrain_peer_dpo_chunk256.json"
   wait ;;
+posttrain_memory)  # what is alive at each side's peak (allocation history on)
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 170 --warmup-steps 2 --steps 3 \
+    --memory-breakdown"
+  job mem_sft 0 "$PEER --cases sft_full --out $OUT/posttrain_peer_memory_sft.json"
+  job mem_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_memory_lora.json"
+  job mem_dpo 2 "$PEER --cases dpo_live --out $OUT/posttrain_peer_memory_dpo.json"
+  job head_tests 3 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \
+      tests/gpu/test_dpo_gpu.py tests/gpu/test_stage_curves.py -p no:cacheprovider"
+  wait ;;
 posttrain_tests)
   job head_tests 0 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \
       tests/gpu/test_dpo_gpu.py tests/gpu/test_gpu_recipes.py -p no:cacheprovider"

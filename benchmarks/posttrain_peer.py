@@ -316,12 +316,19 @@ def worker(args) -> int:
     """One side of one case, in this process; its figures to ``--worker-out``."""
     start = float(os.environ.get("PEER_START", time.time()))
     root, case, side = Path(args.root), args.case, args.side
+    if args.memory_breakdown:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import _peak
+
+        _peak.record()
     try:
         if side == "recipes_lib":
             result = run_recipes_lib(args, case, root, start)
         else:
             result = run_trl(args, case, root, start, liger=side == "trl_liger")
         status = 0
+        if args.memory_breakdown:
+            result["memory_breakdown"] = _peak.peak_breakdown()
     except Exception as err:  # recorded; the other sides still run
         result, status = {"error": f"{type(err).__name__}: {err}"[:2000]}, 1
     Path(args.worker_out).write_text(json.dumps(result))
@@ -372,6 +379,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpointing", type=lambda s: s.lower() in ("1", "true", "on"), default=True)
     p.add_argument("--side-timeout", type=int, default=900)
     p.add_argument("--override", action="append", default=[], help="a further recipes_lib override")
+    p.add_argument(
+        "--memory-breakdown",
+        action="store_true",
+        help="record allocations and report what is alive at each side's peak (CUDA)",
+    )
     p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, fp32")
     p.add_argument("--out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
