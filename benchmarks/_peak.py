@@ -17,12 +17,13 @@ SKIP = ("torch/", "lightning/", "<frozen", "contextlib", "threading")
 
 
 def record(max_entries: int = 500_000) -> None:
-    torch.cuda.memory._record_memory_history(max_entries=max_entries)
+    torch.cuda.memory._record_memory_history(stacks="python", max_entries=max_entries)
 
 
 def _where(frames: list[dict], depth: int = 3) -> str:
-    mine = [f for f in frames if not any(s in f["filename"] for s in SKIP)]
-    chosen = mine[:depth] or frames[:depth]
+    python = [f for f in frames if f["filename"].endswith(".py")]
+    mine = [f for f in python if not any(s in f["filename"] for s in SKIP)]
+    chosen = mine[:depth] or python[:depth] or frames[:depth]
     return " < ".join(f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']}:{f['name']}" for f in chosen)
 
 

@@ -238,6 +238,24 @@ posttrain_memory)  # what is alive at each side's peak (allocation history on)
   job head_tests 3 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \
       tests/gpu/test_dpo_gpu.py tests/gpu/test_stage_curves.py -p no:cacheprovider"
   wait ;;
+posttrain_memory2)  # the peaks' breakdown for full SFT and live DPO, and the head test
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 170 --warmup-steps 2 --steps 3 \
+    --memory-breakdown --sides recipes_lib,trl_liger"
+  job mem_sft 0 "$PEER --cases sft_full --out $OUT/posttrain_peer_memory_sft.json"
+  job mem_dpo 1 "$PEER --cases dpo_live --out $OUT/posttrain_peer_memory_dpo.json"
+  job head_test 2 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py -k fused \
+      -p no:cacheprovider"
+  wait ;;
+posttrain3)  # after the fused head's memory changes: each case against TRL+Liger
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 150 --warmup-steps 3 --steps 10 \
+    --sides recipes_lib,trl_liger"
+  job peer_sft 0 "$PEER --cases sft_full --out $OUT/posttrain_peer_sft.json"
+  job peer_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_lora.json"
+  job peer_dpo 2 "$PEER --cases dpo_live --out $OUT/posttrain_peer_dpo_live.json"
+  job peer_dpo_pre 3 "$PEER --cases dpo_precomputed --out $OUT/posttrain_peer_dpo_pre.json;
+    $PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py -k 'fused or chunked' \
+      -p no:cacheprovider"
+  wait ;;
 posttrain_tests)
   job head_tests 0 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \
       tests/gpu/test_dpo_gpu.py tests/gpu/test_gpu_recipes.py -p no:cacheprovider"

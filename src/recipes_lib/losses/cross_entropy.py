@@ -41,6 +41,31 @@ def causal_lm_loss(logits: Tensor, labels: Tensor, ignore_index: int = IGNORE_IN
     return loss_sum / n_tokens
 
 
+def matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
+    """The dtype ``hidden @ weight.T`` runs in here: autocast's when it is on."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden.dtype, weight.dtype)
+
+
+def accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` into an fp32 ``acc``, without rounding a low-precision product
+    to its inputs' dtype first (on CUDA the product is accumulated in fp32 by the
+    matmul itself; elsewhere the inputs are upcast). Summing chunk products rounded to
+    bf16 would bias a weight gradient that is the sum of many chunks."""
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):  # a build without mixed-dtype matmuls
+            pass
+    acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
 def _chunk_loss_and_logit_grad(
     hidden: Tensor, weight: Tensor, labels: Tensor, ignore_index: int, with_grad: bool
 ) -> tuple[Tensor, Tensor | None]:
@@ -79,21 +104,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             else None
         )
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        dtype = matmul_dtype(hidden, weight)  # autocast's, cast once for every chunk
+        w = weight.to(dtype)
         for start in range(0, hidden.size(0), chunk_size):
             rows = slice(start, start + chunk_size)
-            hidden_chunk = hidden[rows]  # (C, D)
+            hidden_chunk = hidden[rows].to(dtype)  # (C, D)
             chunk_loss, grad_logits = _chunk_loss_and_logit_grad(
-                hidden_chunk, weight, labels[rows], ignore_index, with_grad=True
+                hidden_chunk, w, labels[rows], ignore_index, with_grad=True
             )
             loss += chunk_loss
-            grad_logits = grad_logits.mul_(scale).to(hidden.dtype)  # (C, V)
-            grad_hidden[rows] = grad_logits @ weight  # (C, D)
-            if grad_weight is None:
-                continue
-            if weight.dtype == torch.float32 and hidden.dtype == torch.float32:
-                grad_weight.addmm_(grad_logits.t(), hidden_chunk)  # (V, D)
-            else:
-                grad_weight += grad_logits.t() @ hidden_chunk  # (V, D), low precision product
+            grad_logits = grad_logits.mul_(scale).to(dtype)  # (C, V)
+            grad_hidden[rows] = (grad_logits @ w).to(grad_hidden.dtype)  # (C, D)
+            if grad_weight is not None:
+                accumulate_product(grad_weight, grad_logits.t(), hidden_chunk)  # (V, D)
         if grad_weight is None:
             ctx.save_for_backward(grad_hidden)
         else:
@@ -102,11 +125,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
+        # scaled in place, so no second copy of the (V, D) gradient exists at once; the
+        # saved gradients are then spent, and a second backward pass is refused
+        if getattr(ctx, "spent", False):
+            raise RuntimeError("chunked_cross_entropy's graph can be backpropagated once")
+        ctx.spent = True
         grad_hidden, *weight_part = ctx.saved_tensors
-        grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
+        grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
         grad_weight = None
         if weight_part:
-            grad_weight = weight_part[0] * grad_output.to(weight_part[0].dtype)
+            grad_weight = weight_part[0].mul_(grad_output.to(weight_part[0].dtype))
         return grad_hidden, grad_weight, None, None, None, None
 
 

@@ -17,17 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recipes_lib.losses.cross_entropy import IGNORE_INDEX
+from recipes_lib.losses.cross_entropy import IGNORE_INDEX, accumulate_product, matmul_dtype
 
 LOGPROB_CHUNK_ROWS = 1024  # rows of logits upcast to fp32 at once
-
-
-def _matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
-    """The dtype ``hidden @ weight.T`` runs in here: autocast's when it is on."""
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return torch.promote_types(hidden.dtype, weight.dtype)
 
 
 class _LinearTokenLogProbs(torch.autograd.Function):
@@ -35,7 +27,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, valid, chunk_size):  # type: ignore[override]
-        dtype = _matmul_dtype(hidden, weight)
+        dtype = matmul_dtype(hidden, weight)
         w = weight.to(dtype)
         n_rows = hidden.size(0)
         out = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
@@ -75,10 +67,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[rows] = (block @ w).to(hidden.dtype)  # (C, D)
             if grad_weight is not None:
-                if dtype == torch.float32:
-                    grad_weight.addmm_(block.t(), h)  # (V, D)
-                else:
-                    grad_weight += block.t() @ h  # low-precision product, fp32 sum
+                accumulate_product(grad_weight, block.t(), h)  # (V, D)
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None

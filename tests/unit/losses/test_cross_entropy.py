@@ -91,3 +91,16 @@ def test_chunked_rejects_unflattened_inputs():
     hidden, weight, labels = make_inputs()
     with pytest.raises(ValueError, match=r"hidden \(N, D\)"):
         chunked_cross_entropy(hidden.view(1, 37, 16), weight, labels)
+
+
+def test_chunked_gradients_are_spent_by_one_backward_and_a_frozen_head_gets_none():
+    torch.manual_seed(0)
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.randn(20, 8)  # frozen
+    labels = torch.randint(0, 20, (12,))
+    loss = chunked_cross_entropy(hidden, weight, labels, chunk_size=5)
+    (2.0 * loss).backward(retain_graph=True)
+    expected = torch.autograd.grad(2.0 * causal_lm_loss(hidden @ weight.t(), labels), hidden)[0]
+    torch.testing.assert_close(hidden.grad, expected, atol=1e-6, rtol=1e-6)
+    with pytest.raises(RuntimeError, match="backpropagated once"):
+        loss.backward()

@@ -128,28 +128,35 @@ def test_chunked_loss_in_bf16_matches_full_loss():
 
 def test_fused_label_logprobs_in_bf16_autocast_match_the_full_head():
     """The preference objectives' fused head under bf16 autocast on a GPU: values and
-    both gradients as the materialised logits give them, at a fraction of their memory."""
+    both gradients as close to fp32's as the materialised bf16 logits give them, at a
+    fraction of their memory."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(4096, 256, device="cuda", generator=gen)
     weight = torch.randn(32000, 256, device="cuda", generator=gen) * 0.05
     labels = torch.randint(0, 32000, (4096,), device="cuda", generator=gen)
     labels[::7] = -100
     upstream = torch.randn(4096, device="cuda", generator=gen)
-    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        expected = token_logprobs(h_ref @ w_ref.t(), labels)
-    (expected * upstream).sum().backward()
-    hidden.requires_grad_()
-    weight.requires_grad_()
+
+    def head(fused: bool, autocast: bool):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            if fused:
+                out = linear_token_logprobs(h, w, labels, chunk_size=512)
+            else:
+                out = token_logprobs(h @ w.t(), labels)
+        (out * upstream).sum().backward()
+        return out, h.grad, w.grad
+
+    exact = head(fused=False, autocast=False)  # fp32
+    materialised = head(fused=False, autocast=True)
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        out = linear_token_logprobs(hidden, weight, labels, chunk_size=512)
-    (out * upstream).sum().backward()
+    fused = head(fused=True, autocast=True)
     peak = torch.cuda.max_memory_allocated() - before
-    torch.testing.assert_close(out, expected, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(hidden.grad, h_ref.grad, rtol=5e-2, atol=1e-3)
-    torch.testing.assert_close(weight.grad, w_ref.grad, rtol=5e-2, atol=1e-3)
+    for ours, theirs, truth in zip(fused, materialised, exact, strict=True):
+        ours_error = (ours.float() - truth).abs().max().item()
+        their_error = (theirs.float() - truth).abs().max().item()
+        assert ours_error <= 1.5 * their_error + 1e-6, (ours_error, their_error)
     full_fp32_logits = 4096 * 32000 * 4
     assert peak < full_fp32_logits / 2
 
