@@ -340,7 +340,10 @@ def spawn(args, case: str, side: str, root: Path) -> dict:
     command = [sys.executable, __file__, *args.argv, "--worker"]
     command += ["--case", case, "--side", side, "--root", str(root), "--worker-out", str(out)]
     env = {**os.environ, "PEER_START": repr(time.time())}
-    done = subprocess.run(command, env=env, timeout=args.side_timeout, check=False)
+    try:
+        done = subprocess.run(command, env=env, timeout=args.side_timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"the {side} process ran past --side-timeout={args.side_timeout} s"}
     if out.is_file():
         return json.loads(out.read_text())
     return {"error": f"the {side} process exited with status {done.returncode} and no figures"}
