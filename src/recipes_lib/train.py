@@ -43,7 +43,7 @@ from recipes_lib.checkpoint.retention import retention_of
 from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
 from recipes_lib.data import PretrainDataModule
-from recipes_lib.data.chat.module import build_chat_data
+from recipes_lib.data.chat.module import build_chat_data, build_distill_data
 from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.data.preference.unpaired import build_unpaired_data
 from recipes_lib.data.tokenizer import init_tokenizer_path
@@ -60,6 +60,7 @@ from recipes_lib.parallel.precision import lightning_precision, resolve_device_c
 from recipes_lib.preflight import check_run
 from recipes_lib.stages.causal_lm import CausalLMModule
 from recipes_lib.stages.dpo import build_dpo_module
+from recipes_lib.stages.distill import build_distill_module
 from recipes_lib.stages.kto import build_kto_module
 from recipes_lib.stages.outputs import OutputWeights, export_weights, prepare_averaging
 from recipes_lib.stages.rollback import plan_rollback
@@ -184,6 +185,7 @@ OBJECTIVES: dict[str, Objective] = {
     "sft": Objective(module=SFTModule.from_run_config, data=build_chat_data),
     "dpo": Objective(module=build_dpo_module, data=build_preference_data),
     "kto": Objective(module=build_kto_module, data=build_unpaired_data),
+    "distill": Objective(module=build_distill_module, data=build_distill_data),
 }
 
 

@@ -162,3 +162,34 @@ def test_kto_learns_to_tell_desirable_from_undesirable_completions(
     desirable = metric_series(rows, "val/rewards/desirable")[-1][1]
     undesirable = metric_series(rows, "val/rewards/undesirable")[-1][1]
     assert desirable - undesirable == pytest.approx(margin[-1][1], abs=1e-5)
+
+
+def test_distillation_into_a_smaller_student_lowers_the_held_out_divergence(
+    tmp_path, shared_cache, pretrained
+):
+    """A half-width student from scratch learns the pretrained teacher's next-token
+    distributions on the built-in instructions: the held-out forward KL falls."""
+    result = run(
+        compose_config(
+            [
+                "recipe=distill/tiny",
+                f"distill.teacher_from={pretrained.output_dir}",
+                f"data.tokenizer.path={pretrained.tokenizer_path}",
+                f"run.dir={tmp_path}",
+                f"data.cache_dir={shared_cache}",
+                *SMALL_VOCAB_OVERRIDES,
+                "data.seq_len=128",
+                "data.batch_size=4",
+                "data.sources.stdlib_sft.max_documents=300",
+                "scheduler.warmup=2",
+                "trainer.max_steps=16",
+                "trainer.val_check_interval=4",
+                "trainer.limit_val_batches=4",
+                *QUIET_OVERRIDES,
+                "callbacks=minimal",
+            ]
+        )
+    )
+    assert result.global_step == 16
+    val = [value for _, value in metric_series(read_metrics(result.output_dir), "val/loss")]
+    assert len(val) == 4 and val[-1] < 0.8 * val[0]

@@ -207,6 +207,21 @@ def _as_model(model: dict[str, Any]) -> ModelConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), model))  # type: ignore[return-value]
 
 
+def recorded_model_config(path: str | os.PathLike, key: str) -> ModelConfig:
+    """The model the weights at ``path`` were made for (``key`` names it in errors).
+
+    Raises:
+        CheckpointError: the path cannot be read, or records no model shape.
+    """
+    source = read_init_source(path, key)
+    if source.model is None:
+        raise CheckpointError(
+            f"{key}={str(path)!r} records no model shape ({source.kind}): give a stage "
+            "folder, a manifest, a Hugging Face folder or a .ckpt"
+        )
+    return _as_model(source.model)
+
+
 def load_model_weights(model: nn.Module, path: str | os.PathLike, label: str | None = None) -> None:
     """Load the weights ``path`` holds into ``model`` (any kind of :func:`read_init_source`).
 

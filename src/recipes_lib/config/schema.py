@@ -218,6 +218,18 @@ class PreferenceConfig:
 
 
 @dataclass
+class DistillConfig:
+    """Distillation (objective ``distill``): the student learns a teacher's next-token
+    distributions on SFT data (``loss``: ``forward_kl`` | ``jsd``, GKD's generalised
+    Jensen-Shannon with ``beta``), both at ``temperature``."""
+
+    teacher_from: str | None = None  # any weights stage.init_from takes; same vocabulary
+    loss: str = "forward_kl"
+    beta: float = 0.5
+    temperature: float = 1.0
+
+
+@dataclass
 class OptimConfig:
     """The optimizer (``name``: adamw | adamw_8bit | adafactor | muon | any ``torch.optim``
     class; ``args``: its further keyword arguments, see ``recipes_lib.optim.choices``),
@@ -381,6 +393,7 @@ class RunConfig:
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     data: DataConfig = field(default_factory=DataConfig)
     stage: StageConfig = field(default_factory=StageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -259,20 +259,23 @@ def tokenizer_beside(weights: str | None) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def init_tokenizer_path(config: DataConfig, init_from: str | None) -> str | None:
+def init_tokenizer_path(
+    config: DataConfig, init_from: str | None, key: str = "stage.init_from"
+) -> str | None:
     """The tokenizer of a run: ``data.tokenizer.path`` when set; else, for a stage that
-    starts from weights (``stage.init_from``), the ``tokenizer.json`` beside them (a
-    Hugging Face folder's, a stage's); else None (a tokenizer is trained on the data).
+    starts from weights (``stage.init_from``, or the weights ``key`` names), the
+    ``tokenizer.json`` beside them (a Hugging Face folder's, a stage's); else None (a
+    tokenizer is trained on the data).
 
     Raises:
-        ConfigError: ``stage.init_from`` is set but has no tokenizer beside it.
+        ConfigError: ``init_from`` is set but has no tokenizer beside it.
     """
     if config.tokenizer.path is not None or init_from is None:
         return config.tokenizer.path
     found = tokenizer_beside(init_from)
     if found is None:
         raise ConfigError(
-            f"stage.init_from={init_from!r} has no tokenizer.json beside it; set "
+            f"{key}={init_from!r} has no tokenizer.json beside it; set "
             "data.tokenizer.path to the tokenizer its weights were trained with"
         )
     return str(found)

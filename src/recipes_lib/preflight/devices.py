@@ -248,6 +248,11 @@ def check_strategy(cfg: RunConfig) -> None:
         )
     if not spec.shards:
         return
+    if cfg.stage.objective == "distill":
+        raise ConfigError(
+            f"stage.objective=distill with strategy={name}: the teacher's head is read "
+            "outside its forward, which sharding would not gather; use strategy=ddp"
+        )
     for key, value in (
         ("stage.average_last_k", cfg.stage.average_last_k),
         ("stage.ema_decay", cfg.stage.ema_decay),

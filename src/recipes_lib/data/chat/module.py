@@ -166,3 +166,25 @@ def build_chat_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModu
         model_max_seq_len=cfg.model.max_seq_len,
         total_train_samples=total_train_samples,
     )
+
+
+def build_distill_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModule:
+    """The data module of the ``distill`` objective: SFT's conversations, tokenized with
+    ``data.tokenizer.path``, else the tokenizer beside the student's starting weights,
+    else the one beside the teacher (``distill.teacher_from``), whose vocabulary the
+    student must share.
+
+    Raises:
+        ConfigError: the weights the tokenizer is looked for beside have none.
+    """
+    if cfg.stage.init_from is not None:
+        return build_chat_data(cfg, total_train_samples=total_train_samples)
+    teacher = cfg.distill.teacher_from
+    tokenizer = init_tokenizer_path(cfg.data, teacher, key="distill.teacher_from")
+    data = replace(cfg.data, tokenizer=replace(cfg.data.tokenizer, path=tokenizer))
+    return ChatDataModule(
+        data,
+        model_vocab_size=cfg.model.vocab_size,
+        model_max_seq_len=cfg.model.max_seq_len,
+        total_train_samples=total_train_samples,
+    )

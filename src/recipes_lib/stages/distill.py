@@ -1,0 +1,147 @@
+"""Knowledge distillation: the ``distill`` objective.
+
+:class:`DistillModule` is an :class:`~recipes_lib.stages.sft.SFTModule` whose loss is a
+divergence between a frozen teacher's next-token distributions and the student's, on the
+assistant tokens of SFT data (:mod:`recipes_lib.losses.distill`: forward KL or GKD's
+generalised Jensen-Shannon divergence, at a temperature). The teacher is any checkpoint
+the library loads (``distill.teacher_from``: a stage folder, a manifest, a Hugging Face
+folder, a ``.ckpt``), of any shape, with the student's vocabulary. It is built as a
+frozen model beside the student (same kernels and precision; no adapter or
+compilation), outside the optimizer and the checkpoints, as DPO's reference is. Both
+models' heads are applied a chunk of rows at a time inside the loss
+(``kernels.loss_chunk_size``, default 256): neither's full logits exist.
+
+Logged as ``train/...`` and ``val/...``: ``loss`` (the divergence).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recipes_lib.checkpoint.source import recorded_model_config
+from recipes_lib.config.schema import DistillConfig, RunConfig
+from recipes_lib.config.store import as_config
+from recipes_lib.errors import ConfigError
+from recipes_lib.losses.cross_entropy import IGNORE_INDEX
+from recipes_lib.losses.distill import DISTILL_LOSSES, chunked_distill_loss
+from recipes_lib.stages.build import build_model
+from recipes_lib.stages.causal_lm import Batch
+from recipes_lib.stages.sft import SFTModule
+
+DEFAULT_CHUNK = 256
+
+
+def check_distill(settings: DistillConfig, student_vocab: int) -> None:
+    """``distill.*`` on their own and the teacher against the student's vocabulary.
+
+    Raises:
+        ConfigError: no teacher, an unknown loss, a beta outside [0, 1], a non-positive
+            temperature, or a teacher with another vocabulary size.
+        CheckpointError: the teacher cannot be read or records no shape.
+    """
+    if settings.teacher_from is None:
+        raise ConfigError(
+            "stage.objective=distill needs distill.teacher_from: the teacher's weights (a "
+            "stage folder, a Hugging Face folder, a manifest or a .ckpt)"
+        )
+    if settings.loss not in DISTILL_LOSSES:
+        raise ConfigError(f"distill.loss={settings.loss!r} is not one of {list(DISTILL_LOSSES)}")
+    if not 0.0 <= settings.beta <= 1.0:
+        raise ConfigError(f"distill.beta={settings.beta} must be in [0, 1]")
+    if not settings.temperature > 0:
+        raise ConfigError(f"distill.temperature={settings.temperature} must be positive")
+    teacher = recorded_model_config(settings.teacher_from, "distill.teacher_from")
+    if teacher.vocab_size != student_vocab:
+        raise ConfigError(
+            f"distill.teacher_from={settings.teacher_from!r} has a vocabulary of "
+            f"{teacher.vocab_size} tokens and the student (model.vocab_size) {student_vocab}: "
+            "distillation needs the same tokenizer"
+        )
+
+
+class DistillModule(SFTModule):
+    """Distils a frozen teacher into the trained model on SFT data (``distill``).
+
+    Raises:
+        ConfigError, CheckpointError: see :func:`check_distill`.
+    """
+
+    def __init__(self, *args: Any, distill: DistillConfig | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.distill_config: DistillConfig = as_config(
+            DistillConfig, distill or DistillConfig(), "distill"
+        )
+        check_distill(self.distill_config, self.model_config.vocab_size)
+        self.hparams["distill"] = asdict(self.distill_config)
+        self.teacher: Any = None  # a plain attribute: no optimizer, no checkpoint
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        super().configure_model()
+        source = self.distill_config.teacher_from
+        plan = dataclasses.replace(
+            self.policy_build(),
+            model=recorded_model_config(source, "distill.teacher_from"),
+            kernels=dataclasses.replace(self.kernels_config, compile=False),
+            init_from=str(Path(source).expanduser()),
+            init_label=f"distill.teacher_from={source!r}",
+            adapter=None,
+            trains=False,
+            upcycle=False,
+        )
+        device, mesh = self._placement()
+        attention = self._built_model().attention_backend
+        teacher = build_model(plan, device=device, mesh=mesh, attention=attention)
+        self.teacher = teacher.eval().requires_grad_(False)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        dtype = next(self._built_model().parameters()).dtype  # the student's, under *-true
+        if next(self.teacher.parameters()).dtype != dtype:
+            self.teacher.to(dtype=dtype)
+
+    def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The divergence on the batch's assistant tokens."""
+        input_ids, doc_ids = self.model_inputs(batch)
+        student = self._built_model()
+        hidden = student.forward_hidden(input_ids, doc_ids)  # (B, T, C)
+        with torch.no_grad():
+            teacher_hidden = self.teacher.forward_hidden(input_ids, doc_ids)  # (B, T, Ct)
+        settings = self.distill_config
+        loss = chunked_distill_loss(
+            hidden.flatten(0, 1),
+            student.output.weight,
+            teacher_hidden.flatten(0, 1),
+            self.teacher.output.weight,
+            (batch["labels"] != IGNORE_INDEX).flatten(),
+            loss=settings.loss,
+            beta=settings.beta,
+            temperature=settings.temperature,
+            chunk_size=self.kernels_config.loss_chunk_size or DEFAULT_CHUNK,
+        )
+        assistant = (batch["labels"] != IGNORE_INDEX).sum()
+        return loss, {"assistant_tokens": assistant.float()}
+
+    def on_validation_epoch_end(self) -> None:
+        # a divergence has no perplexity: drop the base module's running sums
+        self._val_loss_sum = self._val_batches = None
+
+
+def build_distill_module(
+    cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
+) -> DistillModule:
+    """The LightningModule of the ``distill`` objective from the typed run config."""
+    return DistillModule.from_run_config(
+        cfg,
+        total_steps=total_steps,
+        tokens_per_step=tokens_per_step,
+        distill=cfg.distill,
+        **extra,
+    )

@@ -1,0 +1,54 @@
+"""The distillation stage's checks: a teacher with the student's vocabulary, valid
+settings, and no sharded strategy."""
+
+from __future__ import annotations
+
+import pytest
+from tiny import tiny_model_config
+
+from recipes_lib.checkpoint.hf import export_hf_checkpoint
+from recipes_lib.config import compose_config, to_run_config
+from recipes_lib.config.schema import DistillConfig
+from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.models import Transformer
+from recipes_lib.preflight import check_strategy
+from recipes_lib.stages.distill import check_distill
+
+
+@pytest.fixture(scope="module")
+def teacher(tmp_path_factory):
+    config = tiny_model_config(vocab_size=320)
+    folder = tmp_path_factory.mktemp("teacher")
+    export_hf_checkpoint(Transformer(config), config, folder)
+    return str(folder)
+
+
+def test_the_teacher_must_share_the_students_vocabulary(teacher):
+    check_distill(DistillConfig(teacher_from=teacher), student_vocab=320)
+    with pytest.raises(ConfigError, match=r"distill.teacher_from=.* 320 tokens .* 512"):
+        check_distill(DistillConfig(teacher_from=teacher), student_vocab=512)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({}, "needs distill.teacher_from"),
+        ({"loss": "reverse"}, "distill.loss='reverse' is not one of"),
+        ({"beta": 1.5}, r"distill.beta=1.5 must be in \[0, 1\]"),
+        ({"temperature": 0.0}, "distill.temperature=0.0 must be positive"),
+    ],
+)
+def test_bad_settings_are_named(teacher, settings, message):
+    settings = {"teacher_from": teacher, **settings} if settings else {}
+    with pytest.raises(ConfigError, match=message):
+        check_distill(DistillConfig(**settings), student_vocab=320)
+
+
+def test_a_missing_teacher_and_a_sharded_strategy_are_refused(tmp_path, teacher):
+    with pytest.raises(CheckpointError, match="distill.teacher_from="):
+        check_distill(DistillConfig(teacher_from=str(tmp_path / "nowhere")), student_vocab=320)
+    cfg = to_run_config(
+        compose_config(["recipe=distill/tiny", f"distill.teacher_from={teacher}", "strategy=fsdp"])
+    )
+    with pytest.raises(ConfigError, match="stage.objective=distill with strategy=fsdp"):
+        check_strategy(cfg)
