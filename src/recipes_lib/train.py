@@ -59,8 +59,8 @@ from recipes_lib.parallel.fp8 import fp8_callbacks
 from recipes_lib.parallel.precision import lightning_precision, resolve_device_choices
 from recipes_lib.preflight import check_run
 from recipes_lib.stages.causal_lm import CausalLMModule
-from recipes_lib.stages.dpo import build_dpo_module
 from recipes_lib.stages.distill import build_distill_module
+from recipes_lib.stages.dpo import build_dpo_module
 from recipes_lib.stages.kto import build_kto_module
 from recipes_lib.stages.outputs import OutputWeights, export_weights, prepare_averaging
 from recipes_lib.stages.rollback import plan_rollback
