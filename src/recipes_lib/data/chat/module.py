@@ -148,17 +148,26 @@ class ChatDataModule(ChatRecordsDataModule):
         return None if self.config.chat.packing else pad_collate(self.pad_id)
 
 
-def build_chat_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModule:
+def build_chat_data(
+    cfg: RunConfig,
+    *,
+    total_train_samples: int,
+    weights: str | None = None,
+    weights_key: str = "stage.init_from",
+) -> ChatDataModule:
     """The data module of the ``sft`` objective.
 
     Without ``data.tokenizer.path``, a stage that starts from weights
-    (``stage.init_from``) uses the ``tokenizer.json`` beside them; one that starts from
-    scratch trains a tokenizer on its records.
+    (``stage.init_from``, or the ``weights`` that ``weights_key`` names) uses the
+    ``tokenizer.json`` beside them; one that starts from scratch trains a tokenizer on
+    its records.
 
     Raises:
-        ConfigError: ``stage.init_from`` is set but no tokenizer for its weights is known.
+        ConfigError: the weights are set but no tokenizer for them is known.
     """
-    tokenizer = init_tokenizer_path(cfg.data, cfg.stage.init_from)
+    if weights is None:
+        weights, weights_key = cfg.stage.init_from, "stage.init_from"
+    tokenizer = init_tokenizer_path(cfg.data, weights, key=weights_key)
     data = replace(cfg.data, tokenizer=replace(cfg.data.tokenizer, path=tokenizer))
     return ChatDataModule(
         data,
@@ -179,12 +188,9 @@ def build_distill_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataM
     """
     if cfg.stage.init_from is not None:
         return build_chat_data(cfg, total_train_samples=total_train_samples)
-    teacher = cfg.distill.teacher_from
-    tokenizer = init_tokenizer_path(cfg.data, teacher, key="distill.teacher_from")
-    data = replace(cfg.data, tokenizer=replace(cfg.data.tokenizer, path=tokenizer))
-    return ChatDataModule(
-        data,
-        model_vocab_size=cfg.model.vocab_size,
-        model_max_seq_len=cfg.model.max_seq_len,
+    return build_chat_data(
+        cfg,
         total_train_samples=total_train_samples,
+        weights=cfg.distill.teacher_from,
+        weights_key="distill.teacher_from",
     )
