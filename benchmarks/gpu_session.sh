@@ -41,6 +41,11 @@
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
 #                                              # against TRL and TRL+Liger at 1B (trl and
 #                                              # liger-kernel wheels)
+#   bash benchmarks/gpu_session.sh posttrain2  # the cases again one per GPU, DPO at 256 rows
+#   bash benchmarks/gpu_session.sh posttrain3  # each case against TRL+Liger after the fused
+#                                              # head's memory changes, and its GPU test
+#   bash benchmarks/gpu_session.sh posttrain_memory   # what is alive at each side's peak
+#   bash benchmarks/gpu_session.sh posttrain_memory2  # the same, full SFT and live DPO
 #   bash benchmarks/gpu_session.sh posttrain_tests  # the fused head, DPO, recipe and stage
 #                                              # curve tests, then the multi-GPU tests
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
