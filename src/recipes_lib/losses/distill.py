@@ -99,6 +99,9 @@ class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         # scaled in place: the graph is backpropagated once, as a training step does
+        if getattr(ctx, "spent", False):
+            raise RuntimeError("chunked_distill_loss's graph can be backpropagated once")
+        ctx.spent = True
         saved = list(ctx.saved_tensors)
         grad_hidden = saved.pop(0) if ctx.has[0] else None
         grad_weight = saved.pop(0) if ctx.has[1] else None

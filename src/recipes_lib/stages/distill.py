@@ -79,7 +79,7 @@ class DistillModule(SFTModule):
         )
         check_distill(self.distill_config, self.model_config.vocab_size)
         self.hparams["distill"] = asdict(self.distill_config)
-        self.teacher: Any = None  # a plain attribute: no optimizer, no checkpoint
+        self.teacher: Any = None  # set past nn.Module: no optimizer, state dict or broadcast
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -99,7 +99,8 @@ class DistillModule(SFTModule):
         device, mesh = self._placement()
         attention = self._built_model().attention_backend
         teacher = build_model(plan, device=device, mesh=mesh, attention=attention)
-        self.teacher = teacher.eval().requires_grad_(False)
+        # not a submodule: outside the state dict (checkpoints), DDP's broadcast and .to()
+        object.__setattr__(self, "teacher", teacher.eval().requires_grad_(False))
 
     def on_fit_start(self) -> None:
         super().on_fit_start()

@@ -106,3 +106,19 @@ def test_builtin_examples_are_the_pairs_two_sides_unpaired():
     assert [r["label"] for r in records] == [True, False] * 3
     assert records[0]["prompt"] == records[1]["prompt"]
     assert records[0]["completion"] != records[1]["completion"]
+
+
+def test_only_the_examples_own_sequence_decides_its_truncation(small_tokenizer_path):
+    """A long twin neither drops an example that fits nor cuts its prompt: the twin is cut
+    to the room left after the example's prompt."""
+    renderer = ChatRenderer(load_tokenizer(small_tokenizer_path), "plain")
+    long_answer = " ".join(["word"] * 200)
+    for policy in ("left", "drop", "right"):
+        settings = ChatFormatConfig(chat_template="plain", packing=False, truncation=policy)
+        encoder = PairEncoder(renderer, 48, settings)
+        records = [example(0), example(1, completion=long_answer), example(2)]
+        encoded = encode_unpaired(records, encoder, KEY, [0, 1, 2])
+        first = encoded.pairs[encoded.kept.index(0)]  # its twin is the long answer
+        alone = encode_unpaired([example(0), example(2)], encoder, KEY, [0, 2]).pairs[0]
+        assert first.chosen_ids.tolist() == alone.chosen_ids.tolist(), policy
+        assert len(first.rejected_ids) <= 49 and first.rejected_mask.any()

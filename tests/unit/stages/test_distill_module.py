@@ -52,3 +52,24 @@ def test_a_missing_teacher_and_a_sharded_strategy_are_refused(tmp_path, teacher)
     )
     with pytest.raises(ConfigError, match="stage.objective=distill with strategy=fsdp"):
         check_strategy(cfg)
+
+
+def test_the_teacher_is_frozen_and_outside_the_students_state_and_parameters(teacher):
+    from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
+    from recipes_lib.stages.distill import DistillModule
+
+    module = DistillModule(
+        tiny_model_config(vocab_size=320),
+        KernelsConfig(),
+        OptimConfig(),
+        SchedulerConfig(name="constant"),
+        total_steps=2,
+        tokens_per_step=8,
+        distill=DistillConfig(teacher_from=teacher),
+    )
+    module.configure_model()
+    assert module.teacher is not None and not module.teacher.training
+    assert not any(p.requires_grad for p in module.teacher.parameters())
+    assert not any(key.startswith("teacher") for key in module.state_dict())
+    teacher_ids = {id(p) for p in module.teacher.parameters()}
+    assert not teacher_ids & {id(p) for p in module.parameters()}

@@ -176,14 +176,19 @@ class PairEncoder:
         renderer: renders conversations with the run's chat template and tokenizer.
         seq_len: ``data.seq_len``; a full sequence may hold ``seq_len + 1`` tokens.
         chat: field names and policies.
+        twin: the rejected response is a stand-in that must not decide whether or how
+            the chosen sequence is kept (KTO's mismatched completion).
     """
 
-    def __init__(self, renderer: ChatRenderer, seq_len: int, chat: ChatFormatConfig) -> None:
+    def __init__(
+        self, renderer: ChatRenderer, seq_len: int, chat: ChatFormatConfig, *, twin: bool = False
+    ) -> None:
         check_chat_format(chat)
         self.renderer = renderer
         self.max_tokens = seq_len + 1
         self.seq_len = seq_len
         self.chat = chat
+        self.twin = twin
 
     def _render(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
         try:
@@ -214,57 +219,40 @@ class PairEncoder:
     def encode(self, record: PreferenceRecord, where: str) -> EncodedPair:
         """Token ids and counted-token masks of both sequences, truncated to fit.
 
+        With ``twin`` (see the class), only the chosen sequence decides the truncation;
+        the rejected one is then cut on the right to the room left after the prompt.
+
         Raises:
             BadRecord: the template fails, a response has no counted token, or the pair
                 does not fit under the truncation policy.
         """
         prompt, (chosen, chosen_mask), (rejected, rejected_mask) = self.split(record, where)
-        for field, mask in (
-            (self.chat.chosen_field, chosen_mask),
-            (self.chat.rejected_field, rejected_mask),
-        ):
+        checked = [(self.chat.chosen_field, chosen_mask)]
+        if not self.twin:
+            checked.append((self.chat.rejected_field, rejected_mask))
+        for field, mask in checked:
             if not any(mask):
                 raise BadRecord(
                     f"{where}: field {field!r} has no response tokens", f"empty field {field!r}"
                 )
-        longest = len(prompt) + max(len(chosen), len(rejected))
-        limit = self.max_tokens
-        if longest > limit:
-            policy = self.chat.truncation
-            if policy == "drop":
+        sized = (
+            [(chosen, chosen_mask)]
+            if self.twin
+            else [(chosen, chosen_mask), (rejected, rejected_mask)]
+        )
+        prompt, sized = self._fit(prompt, sized, where)
+        chosen, chosen_mask = sized[0]
+        if self.twin:
+            room = self.max_tokens - len(prompt)
+            rejected, rejected_mask = rejected[:room], rejected_mask[:room]
+            if not any(rejected_mask):
                 raise BadRecord(
-                    f"{where}: {longest} tokens, longer than data.seq_len + 1 = {limit}",
-                    "too long (data.chat.truncation=drop)",
+                    f"{where}: no token of field {self.chat.rejected_field!r} fits after the "
+                    f"prompt in data.seq_len + 1 = {self.max_tokens}",
+                    f"no room for field {self.chat.rejected_field!r}",
                 )
-            if policy == "right":
-                if len(prompt) >= limit:
-                    raise BadRecord(
-                        f"{where}: the prompt alone has {len(prompt)} tokens, no room for a "
-                        f"response in data.seq_len + 1 = {limit}",
-                        "prompt too long (data.chat.truncation=right)",
-                    )
-                room = limit - len(prompt)
-                chosen, chosen_mask = chosen[:room], chosen_mask[:room]
-                rejected, rejected_mask = rejected[:room], rejected_mask[:room]
-                # the first response token is predicted from the last prompt token
-                if not any(chosen_mask) or not any(rejected_mask):
-                    raise BadRecord(
-                        f"{where}: no response token is left after truncating to {limit} tokens",
-                        "prompt too long (data.chat.truncation=right)",
-                    )
-            else:  # left: cut the shared prompt's start
-                if max(len(chosen), len(rejected)) >= limit:
-                    raise BadRecord(
-                        f"{where}: a response alone has {max(len(chosen), len(rejected))} "
-                        f"tokens, more than fit after a prompt token in {limit}",
-                        "response too long (data.chat.truncation=left)",
-                    )
-                prompt = prompt[longest - limit :]
-            if chosen == rejected:
-                raise BadRecord(
-                    f"{where}: the responses are identical once truncated to {limit} tokens",
-                    f"identical after truncation (data.chat.truncation={policy})",
-                )
+        else:
+            rejected, rejected_mask = sized[1]
         if not prompt:
             raise BadRecord(
                 f"{where}: the prompt renders to no tokens",
@@ -276,6 +264,49 @@ class PairEncoder:
             rejected_ids=np.asarray(prompt + rejected, dtype=np.int64),
             rejected_mask=np.asarray([False] * len(prompt) + rejected_mask, dtype=bool),
         )
+
+    def _fit(self, prompt: list[int], responses: list[tuple], where: str) -> tuple[list, list]:
+        """The prompt and responses cut by ``data.chat.truncation`` to fit together."""
+        longest = len(prompt) + max(len(ids) for ids, _ in responses)
+        limit = self.max_tokens
+        if longest <= limit:
+            return prompt, responses
+        policy = self.chat.truncation
+        if policy == "drop":
+            raise BadRecord(
+                f"{where}: {longest} tokens, longer than data.seq_len + 1 = {limit}",
+                "too long (data.chat.truncation=drop)",
+            )
+        if policy == "right":
+            if len(prompt) >= limit:
+                raise BadRecord(
+                    f"{where}: the prompt alone has {len(prompt)} tokens, no room for a "
+                    f"response in data.seq_len + 1 = {limit}",
+                    "prompt too long (data.chat.truncation=right)",
+                )
+            room = limit - len(prompt)
+            responses = [(ids[:room], mask[:room]) for ids, mask in responses]
+            # the first response token is predicted from the last prompt token
+            if not all(any(mask) for _, mask in responses):
+                raise BadRecord(
+                    f"{where}: no response token is left after truncating to {limit} tokens",
+                    "prompt too long (data.chat.truncation=right)",
+                )
+        else:  # left: cut the shared prompt's start
+            response = max(len(ids) for ids, _ in responses)
+            if response >= limit:
+                raise BadRecord(
+                    f"{where}: a response alone has {response} tokens, more than fit after a "
+                    f"prompt token in {limit}",
+                    "response too long (data.chat.truncation=left)",
+                )
+            prompt = prompt[longest - limit :]
+        if len(responses) == 2 and responses[0][0] == responses[1][0]:
+            raise BadRecord(
+                f"{where}: the responses are identical once truncated to {limit} tokens",
+                f"identical after truncation (data.chat.truncation={policy})",
+            )
+        return prompt, responses
 
 
 def _as_messages(part: Text, role: str) -> list[dict]:

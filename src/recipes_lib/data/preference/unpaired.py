@@ -10,7 +10,8 @@ Each example becomes a pair of the preference pipeline
 (:mod:`recipes_lib.data.preference.pairs`): its own completion in the ``chosen`` slot
 and, in the ``rejected`` slot, the completion of the next example of its split that has
 another prompt and another completion, after this example's prompt. That mismatched
-twin is what KTO's estimate of ``KL(policy || reference)`` reads. So truncation,
+twin is what KTO's estimate of ``KL(policy || reference)`` reads. Only the example's own
+sequence decides whether and how it is truncated; the twin is cut to the room left. So truncation,
 packing, the held-out split, precomputed reference log-probs and resuming work as for
 DPO, and the label travels with the encoded pair (``EncodedPair.desirable``).
 """
@@ -92,6 +93,14 @@ def encode_unpaired(
             if chat.on_bad_record == "error":
                 raise bad_record_error(bad) from None
             skipped[bad.reason] += 1
+    # the example's completion is the "chosen" sequence; the twin only fills the room left
+    # after the example's prompt, and messages name them as the user's record does
+    pair_chat = dataclasses.replace(
+        chat,
+        chosen_field=chat.completion_field,
+        rejected_field=f"{chat.completion_field} (of the next example: the KL twin)",
+    )
+    twin_encoder = PairEncoder(encoder.renderer, encoder.seq_len, pair_chat, twin=True)
     as_pairs, positions, desirable = [], [], {}
     n = len(parsed)
     for k, (index, prompt, completion, label) in enumerate(parsed):
@@ -101,11 +110,15 @@ def encode_unpaired(
             skipped[NO_TWIN] += 1
             continue
         as_pairs.append(
-            {chat.prompt_field: prompt, chat.chosen_field: completion, chat.rejected_field: twin}
+            {
+                pair_chat.prompt_field: prompt,
+                pair_chat.chosen_field: completion,
+                pair_chat.rejected_field: twin,
+            }
         )
         positions.append(index)
         desirable[index] = label
-    encoded = encode_records(as_pairs, encoder, key, positions)
+    encoded = encode_records(as_pairs, twin_encoder, key, positions)
     pairs = [
         dataclasses.replace(pair, desirable=desirable[index])
         for pair, index in zip(encoded.pairs, encoded.kept, strict=True)
