@@ -49,6 +49,24 @@ def matmul_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+def head_grad_buffer(weight: Tensor, needed: bool) -> Tensor | None:
+    """An fp32 zero ``(V, D)`` buffer for the head weight's gradient, or None when the
+    weight takes none (a frozen head under LoRA)."""
+    if not needed:
+        return None
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+
+
+def spend_saved_gradients(ctx, grad_output: Tensor, name: str) -> list[Tensor]:
+    """The gradients a fused loss saved in its forward pass, scaled by ``grad_output``
+    in place, so no second copy of a ``(V, D)`` gradient exists at once. They are then
+    spent: a second backward pass over the graph is refused."""
+    if getattr(ctx, "spent", False):
+        raise RuntimeError(f"{name}'s graph can be backpropagated once")
+    ctx.spent = True
+    return [g.mul_(grad_output.to(g.dtype)) for g in ctx.saved_tensors]
+
+
 def accumulate_product(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """``acc += a @ b`` into an fp32 ``acc``, without rounding a low-precision product
     to its inputs' dtype first (on CUDA the product is accumulated in fp32 by the
@@ -96,13 +114,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
         else:
             scale = torch.ones((), dtype=torch.float32, device=hidden.device)
-        need_weight = ctx.needs_input_grad[1]  # a frozen head (LoRA) gets none
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if need_weight
-            else None
-        )
+        grad_weight = head_grad_buffer(weight, ctx.needs_input_grad[1])
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         dtype = matmul_dtype(hidden, weight)  # autocast's, cast once for every chunk
         w = weight.to(dtype)
@@ -125,16 +138,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        # scaled in place, so no second copy of the (V, D) gradient exists at once; the
-        # saved gradients are then spent, and a second backward pass is refused
-        if getattr(ctx, "spent", False):
-            raise RuntimeError("chunked_cross_entropy's graph can be backpropagated once")
-        ctx.spent = True
-        grad_hidden, *weight_part = ctx.saved_tensors
-        grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
-        grad_weight = None
-        if weight_part:
-            grad_weight = weight_part[0].mul_(grad_output.to(weight_part[0].dtype))
+        grad_hidden, *weight_part = spend_saved_gradients(ctx, grad_output, "chunked_cross_entropy")
+        grad_weight = weight_part[0] if weight_part else None
         return grad_hidden, grad_weight, None, None, None, None
 
 

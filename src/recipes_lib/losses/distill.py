@@ -25,7 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recipes_lib.losses.cross_entropy import accumulate_product, matmul_dtype
+from recipes_lib.losses.cross_entropy import (
+    accumulate_product,
+    head_grad_buffer,
+    matmul_dtype,
+    spend_saved_gradients,
+)
 
 DISTILL_LOSSES = ("forward_kl", "jsd")
 
@@ -58,17 +63,14 @@ def divergence(
 class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, mask, settings):  # type: ignore[override]
-        chunk_size, loss_name, beta, temperature = settings
+        chunk_size, loss_name, beta, temperature, with_grad = settings
         dtype = matmul_dtype(hidden, weight)
         w, tw = weight.to(dtype), teacher_weight.to(dtype)
         count = mask.sum().clamp(min=1).float()
-        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        # under no_grad (evaluation) nothing is computed for a backward pass
+        need_hidden, need_weight = (with_grad and need for need in ctx.needs_input_grad[:2])
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if need_weight
-            else None
-        )
+        grad_weight = head_grad_buffer(weight, need_weight)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         rows_counted = mask.nonzero().squeeze(1)  # only rows that count are computed
         for start in range(0, rows_counted.numel(), chunk_size):
@@ -90,25 +92,16 @@ class _ChunkedDistill(torch.autograd.Function):
                 grad_hidden[rows] = (grad_logits @ w).to(grad_hidden.dtype)
             if grad_weight is not None:
                 accumulate_product(grad_weight, grad_logits.t(), h)
-        saved = [g for g in (grad_hidden, grad_weight) if g is not None]
-        ctx.save_for_backward(*saved)
+        ctx.save_for_backward(*[g for g in (grad_hidden, grad_weight) if g is not None])
         ctx.has = (grad_hidden is not None, grad_weight is not None)
         ctx.weight_dtype = weight.dtype
         return total / count
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        # scaled in place: the graph is backpropagated once, as a training step does
-        if getattr(ctx, "spent", False):
-            raise RuntimeError("chunked_distill_loss's graph can be backpropagated once")
-        ctx.spent = True
-        saved = list(ctx.saved_tensors)
+        saved = spend_saved_gradients(ctx, grad_output, "chunked_distill_loss")
         grad_hidden = saved.pop(0) if ctx.has[0] else None
-        grad_weight = saved.pop(0) if ctx.has[1] else None
-        if grad_hidden is not None:
-            grad_hidden = grad_hidden.mul_(grad_output.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight = grad_weight.mul_(grad_output).to(ctx.weight_dtype)
+        grad_weight = saved.pop(0).to(ctx.weight_dtype) if ctx.has[1] else None
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -157,21 +150,7 @@ def chunked_distill_loss(
             f"beta={beta} must be in [0, 1], temperature={temperature} positive and "
             f"chunk_size={chunk_size} positive"
         )
-    settings = (chunk_size, loss, beta, temperature)
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _ChunkedDistill.apply(
-            hidden, weight, teacher_hidden.detach(), teacher_weight.detach(), mask, settings
-        )
-    with torch.no_grad():
-        return _ChunkedDistill.forward(
-            _NoGrad(), hidden, weight, teacher_hidden, teacher_weight, mask, settings
-        )
-
-
-class _NoGrad:
-    """A stand-in ``ctx`` for evaluation: nothing needs a gradient, nothing is kept."""
-
-    needs_input_grad = (False, False, False, False, False, False)
-
-    def save_for_backward(self, *tensors: Tensor) -> None:
-        pass
+    settings = (chunk_size, loss, beta, temperature, torch.is_grad_enabled())
+    return _ChunkedDistill.apply(
+        hidden, weight, teacher_hidden.detach(), teacher_weight.detach(), mask, settings
+    )

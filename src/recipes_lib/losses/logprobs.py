@@ -17,7 +17,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recipes_lib.losses.cross_entropy import IGNORE_INDEX, accumulate_product, matmul_dtype
+from recipes_lib.losses.cross_entropy import (
+    IGNORE_INDEX,
+    accumulate_product,
+    head_grad_buffer,
+    matmul_dtype,
+)
 
 LOGPROB_CHUNK_ROWS = 1024  # rows of logits upcast to fp32 at once
 
@@ -50,11 +55,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         w = weight.to(dtype)
         scale = grad_output.float() * valid  # (N,)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-            if need_weight
-            else None
-        )
+        grad_weight = head_grad_buffer(weight, need_weight)
         for start in range(0, hidden.size(0), chunk_size):
             rows = slice(start, start + chunk_size)
             h = hidden[rows].to(dtype)  # (C, D)
