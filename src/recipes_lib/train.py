@@ -59,9 +59,9 @@ from recipes_lib.parallel.fp8 import fp8_callbacks
 from recipes_lib.parallel.precision import lightning_precision, resolve_device_choices
 from recipes_lib.preflight import check_run
 from recipes_lib.stages.causal_lm import CausalLMModule
-from recipes_lib.stages.distill import build_distill_module
-from recipes_lib.stages.dpo import build_dpo_module
-from recipes_lib.stages.kto import build_kto_module
+from recipes_lib.stages.distill import DistillModule
+from recipes_lib.stages.dpo import DPOModule
+from recipes_lib.stages.kto import KTOModule
 from recipes_lib.stages.outputs import OutputWeights, export_weights, prepare_averaging
 from recipes_lib.stages.rollback import plan_rollback
 from recipes_lib.stages.sft import SFTModule
@@ -183,9 +183,9 @@ class Objective:
 OBJECTIVES: dict[str, Objective] = {
     "pretrain": Objective(module=CausalLMModule.from_run_config, data=_pretrain_data),
     "sft": Objective(module=SFTModule.from_run_config, data=build_chat_data),
-    "dpo": Objective(module=build_dpo_module, data=build_preference_data),
-    "kto": Objective(module=build_kto_module, data=build_unpaired_data),
-    "distill": Objective(module=build_distill_module, data=build_distill_data),
+    "dpo": Objective(module=DPOModule.from_run_config, data=build_preference_data),
+    "kto": Objective(module=KTOModule.from_run_config, data=build_unpaired_data),
+    "distill": Objective(module=DistillModule.from_run_config, data=build_distill_data),
 }
 
 

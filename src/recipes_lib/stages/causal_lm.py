@@ -78,6 +78,8 @@ class CausalLMModule(L.LightningModule):
             schedule and the square-root learning-rate rule follow it).
     """
 
+    config_groups: tuple[str, ...] = ()  # run config groups a subclass also takes
+
     def __init__(
         self,
         model: ModelConfig,
@@ -155,7 +157,7 @@ class CausalLMModule(L.LightningModule):
     def from_run_config(
         cls, cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
     ) -> CausalLMModule:
-        """The module of a typed run config; ``extra`` adds a subclass's own arguments."""
+        """The module of a typed run config, given its ``config_groups`` and ``extra``."""
         module = cls(
             cfg.model,
             cfg.kernels,
@@ -171,6 +173,7 @@ class CausalLMModule(L.LightningModule):
             precision=cfg.precision,
             strategy=cfg.strategy,
             guard=cfg.guard,
+            **{group: getattr(cfg, group) for group in cls.config_groups},
             **extra,
         )
         module.guard.checkpoint_every = cfg.run.checkpoint_every_n_steps

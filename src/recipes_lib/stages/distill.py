@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from recipes_lib.checkpoint.source import recorded_model_config
-from recipes_lib.config.schema import DistillConfig, RunConfig
+from recipes_lib.config.schema import DistillConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
@@ -71,6 +71,8 @@ class DistillModule(SFTModule):
     Raises:
         ConfigError, CheckpointError: see :func:`check_distill`.
     """
+
+    config_groups = ("distill",)
 
     def __init__(self, *args: Any, distill: DistillConfig | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -133,16 +135,3 @@ class DistillModule(SFTModule):
     def on_validation_epoch_end(self) -> None:
         # a divergence has no perplexity: drop the base module's running sums
         self._val_loss_sum = self._val_batches = None
-
-
-def build_distill_module(
-    cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
-) -> DistillModule:
-    """The LightningModule of the ``distill`` objective from the typed run config."""
-    return DistillModule.from_run_config(
-        cfg,
-        total_steps=total_steps,
-        tokens_per_step=tokens_per_step,
-        distill=cfg.distill,
-        **extra,
-    )

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from recipes_lib.adapters import adapters_disabled, has_adapter
 from recipes_lib.checkpoint.source import load_model_weights
-from recipes_lib.config.schema import PreferenceConfig, RunConfig
+from recipes_lib.config.schema import PreferenceConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
@@ -137,6 +137,8 @@ class DPOModule(CausalLMModule):
     Raises:
         ConfigError: an unknown loss or a non-positive beta.
     """
+
+    config_groups = ("preference",)
 
     def __init__(self, *args: Any, preference: PreferenceConfig | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -346,16 +348,3 @@ class DPOModule(CausalLMModule):
 
     def on_fit_end(self) -> None:
         save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
-
-
-def build_dpo_module(
-    cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
-) -> DPOModule:
-    """The LightningModule of the ``dpo`` objective from the typed run config."""
-    return DPOModule.from_run_config(
-        cfg,
-        total_steps=total_steps,
-        tokens_per_step=tokens_per_step,
-        preference=cfg.preference,
-        **extra,
-    )

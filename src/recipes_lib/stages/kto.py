@@ -20,7 +20,6 @@ from typing import Any
 
 from torch import Tensor
 
-from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import PREFERENCE_LOSSES, PreferenceLoss, kto_loss
 from recipes_lib.stages.causal_lm import Batch
@@ -99,16 +98,3 @@ class KTOModule(DPOModule):
         }
         metrics["rewards/margin"] = metrics["rewards/desirable"] - metrics["rewards/undesirable"]
         return loss, metrics
-
-
-def build_kto_module(
-    cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
-) -> KTOModule:
-    """The LightningModule of the ``kto`` objective from the typed run config."""
-    return KTOModule.from_run_config(
-        cfg,
-        total_steps=total_steps,
-        tokens_per_step=tokens_per_step,
-        preference=cfg.preference,
-        **extra,
-    )
