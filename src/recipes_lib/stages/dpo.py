@@ -156,8 +156,9 @@ class DPOModule(CausalLMModule):
         self.reference: FrozenReference | None = None
         self.reference_source: str | None = None  # the file a separate reference came from
 
-    def resolve_loss(self, name: str) -> PreferenceLoss:
-        """The ``preference.loss`` this objective computes.
+    def resolve_loss(self, name: str) -> PreferenceLoss | None:
+        """The ``preference.loss`` this objective computes (None: one it computes itself,
+        in its own ``compute_loss``).
 
         Raises:
             ConfigError: a name this objective does not take.

@@ -21,7 +21,7 @@ from typing import Any
 from torch import Tensor
 
 from recipes_lib.errors import ConfigError
-from recipes_lib.losses.preference import PREFERENCE_LOSSES, PreferenceLoss, kto_loss
+from recipes_lib.losses.preference import PREFERENCE_LOSSES, kto_loss
 from recipes_lib.stages.causal_lm import Batch
 from recipes_lib.stages.dpo import DPOModule, pair_sums
 
@@ -48,18 +48,19 @@ class KTOModule(DPOModule):
             if not getattr(settings, key) >= 0:
                 raise ConfigError(f"preference.{key}={getattr(settings, key)} must be >= 0")
 
-    def resolve_loss(self, name: str) -> PreferenceLoss:
+    def resolve_loss(self, name: str) -> None:
+        """Only ``kto``, computed by :meth:`compute_loss` on labelled completions."""
         if name != KTO_LOSS:
             raise ConfigError(
                 f"preference.loss={name!r} with stage.objective=kto: KTO's loss is "
                 f"preference.loss=kto (the paired losses {sorted(PREFERENCE_LOSSES)} are "
                 "objective dpo's)"
             )
-        return PreferenceLoss(self._unpaired_only, needs_reference=True)
 
-    @staticmethod
-    def _unpaired_only(*_: Any) -> Any:
-        raise TypeError("KTO's loss reads labelled completions: see KTOModule.compute_loss")
+    @property
+    def uses_reference(self) -> bool:
+        """KTO always compares with the frozen reference."""
+        return True
 
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """KTO's loss of a batch of labelled completions, and its reward metrics."""
