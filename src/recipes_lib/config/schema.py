@@ -24,6 +24,8 @@ from recipes_lib.config.model import ModelConfig as ModelConfig
 from recipes_lib.config.model import RopeScalingConfig as RopeScalingConfig
 from recipes_lib.config.model import model_fields as model_fields
 from recipes_lib.config.model import resolved_model_fields as resolved_model_fields
+from recipes_lib.config.objectives import DistillConfig as DistillConfig
+from recipes_lib.config.objectives import PreferenceConfig as PreferenceConfig
 
 
 @dataclass
@@ -199,34 +201,6 @@ class AdapterConfig:
     )
     double_quant: bool = True  # qlora: quantise the quantisation constants too
     compute_dtype: str = "bfloat16"  # qlora: dtype of the dequantised matmuls
-
-
-@dataclass
-class PreferenceConfig:
-    """Preference optimisation on pairs (objective ``dpo``): against a frozen reference
-    (``sigmoid``, DPO; ``ipo``; ``hinge``) or without one (``simpo``, ``orpo``); on
-    unpaired desirable and undesirable completions (objective ``kto``, loss ``kto``)."""
-
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | simpo | orpo; kto (objective kto)
-    # DPO's and KTO's inverse temperature; SimPO's reward scale; ORPO's odds-ratio weight
-    beta: float = 0.1
-    gamma: float = 0.5  # SimPO's target reward margin (unused by the other losses)
-    desirable_weight: float = 1.0  # KTO's lambda_D
-    undesirable_weight: float = 1.0  # KTO's lambda_U
-    reference_from: str | None = None  # weights of the frozen reference; None: init_from
-    precompute_reference: bool = False  # one pass of reference log-probs, then free it
-
-
-@dataclass
-class DistillConfig:
-    """Distillation (objective ``distill``): the student learns a teacher's next-token
-    distributions on SFT data (``loss``: ``forward_kl`` | ``jsd``, GKD's generalised
-    Jensen-Shannon with ``beta``), both at ``temperature``."""
-
-    teacher_from: str | None = None  # any weights stage.init_from takes; same vocabulary
-    loss: str = "forward_kl"
-    beta: float = 0.5
-    temperature: float = 1.0
 
 
 @dataclass
