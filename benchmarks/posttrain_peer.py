@@ -68,7 +68,7 @@ def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
     """The model folder, ``chat.jsonl`` and ``pairs.jsonl`` every side trains on."""
     import torch
 
-    from recipes_lib.checkpoint.hf import hf_config_from_model
+    from recipes_lib.checkpoint.hf_export import hf_config_from_model
     from recipes_lib.config import compose_config, to_run_config
     from recipes_lib.data.chat.instructions import stdlib_instruction_records
     from recipes_lib.data.preference.stdlib_pairs import stdlib_preference_records

@@ -72,7 +72,7 @@ from _library import (
     temporary_run_dir,
 )
 
-from recipes_lib.checkpoint.hf import hf_config_from_model
+from recipes_lib.checkpoint.hf_export import hf_config_from_model
 from recipes_lib.config import ModelConfig, OptimConfig, list_group_options
 from recipes_lib.kernels import ATTENTION_BACKENDS
 from recipes_lib.losses import causal_lm_loss

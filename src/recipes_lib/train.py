@@ -63,6 +63,7 @@ from recipes_lib.stages.distill import DistillModule
 from recipes_lib.stages.dpo import DPOModule
 from recipes_lib.stages.kto import KTOModule
 from recipes_lib.stages.outputs import OutputWeights, export_weights, prepare_averaging
+from recipes_lib.stages.reward import RewardModule
 from recipes_lib.stages.rollback import plan_rollback
 from recipes_lib.stages.sft import SFTModule
 from recipes_lib.trackers import attach_files, trackers_of
@@ -168,6 +169,11 @@ def _pretrain_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDa
     )
 
 
+def _reward_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDataModule:
+    # whole sequences: a score is read at a sequence's last token
+    return build_preference_data(cfg, total_train_samples=total_train_samples, shifted=False)
+
+
 @dataclass(frozen=True)
 class Objective:
     """What one ``stage.objective`` trains with: its LightningModule and its data.
@@ -186,6 +192,7 @@ OBJECTIVES: dict[str, Objective] = {
     "dpo": Objective(module=DPOModule.from_run_config, data=build_preference_data),
     "kto": Objective(module=KTOModule.from_run_config, data=build_unpaired_data),
     "distill": Objective(module=DistillModule.from_run_config, data=build_distill_data),
+    "reward": Objective(module=RewardModule.from_run_config, data=_reward_data),
 }
 
 

@@ -10,7 +10,7 @@ import torch
 from hf_folders import FAMILY_SETTINGS, make_hf_folder, write_chat_records, write_preference_records
 from tiny import QUIET_OVERRIDES
 
-from recipes_lib.checkpoint.hf import export_hf_checkpoint
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config, to_run_config

@@ -12,7 +12,7 @@ from hf_folders import EOS, VOCAB, tiny_hf_model, write_tokenizer
 from lightning.pytorch.callbacks import Callback
 from tiny import QUIET_OVERRIDES
 
-from recipes_lib.checkpoint.hf import export_hf_checkpoint
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.data.chat.instructions import stdlib_instruction_records

@@ -1,9 +1,9 @@
 """The on-ramp: a Hugging Face folder and a data file, and nothing else.
 
 ``recipes-train recipe=sft/full stage.init_from=DIR data.path=chat.jsonl`` (and
-``sft/lora``, ``dpo/full``, ``dpo/lora``, ``kto/full``; ``trainer=cpu`` here) takes the
-model's shape, tokenizer and chat template from the folder, reads the user's records, and refuses a
-bad record with its file and line. The runs here are a few steps long: the on-ramp is
+``sft/lora``, ``dpo/full``, ``dpo/lora``, ``kto/full``, ``reward/full``; ``trainer=cpu``
+here) takes the model's shape, tokenizer and chat template from the folder, reads the
+user's records, and refuses a bad record with its file and line. The runs here are a few steps long: the on-ramp is
 what is tested, not learning (the stage tests show that).
 """
 
@@ -56,7 +56,13 @@ def _run(tmp_path, *overrides: str):
 
 @pytest.mark.parametrize(
     "recipe,data",
-    [("sft/full", "chat"), ("sft/lora", "chat"), ("dpo/full", "pairs"), ("kto/full", "examples")],
+    [
+        ("sft/full", "chat"),
+        ("sft/lora", "chat"),
+        ("dpo/full", "pairs"),
+        ("kto/full", "examples"),
+        ("reward/full", "pairs"),
+    ],
 )
 def test_a_folder_and_a_data_file_are_enough(tmp_path, hf_folder, records, recipe, data):
     result = _run(

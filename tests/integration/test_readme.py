@@ -19,7 +19,7 @@ import pytest
 from integration_helpers import metric_series, read_metrics
 from omegaconf import OmegaConf
 
-from recipes_lib.checkpoint.hf import export_hf_checkpoint
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import to_run_config
 from recipes_lib.data.chat.messages import record_messages

@@ -8,7 +8,7 @@ from omegaconf import OmegaConf
 from tiny import quiet_trainer, tiny_model_config
 from torch.utils.data import DataLoader
 
-from recipes_lib.checkpoint.hf import export_hf_checkpoint
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.weights import save_weights
 from recipes_lib.config.schema import (
     KernelsConfig,

@@ -145,7 +145,8 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
     Call after the base weights are loaded. ``kind=none`` returns ``model`` untouched.
 
     Returns:
-        ``model``, whose only trainable parameters are the ``lora_A``/``lora_B`` weights.
+        ``model``, whose only trainable parameters are the ``lora_A``/``lora_B`` weights
+        (and a score head, ``model.head=score``: a reward model's head is trained whole).
 
     Raises:
         ConfigError: a bad adapter config (see :func:`check_adapter_config`) or a model
@@ -186,9 +187,20 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
             "attention: [wq, wk, wv, wo]"
         )
     inject_adapter_in_model(lora_config(config, linears), model, adapter_name=ADAPTER_NAME)
+    trained_head = SCORE_HEAD if has_score_head(model) else None  # a reward model's head
     for name, param in model.named_parameters():
-        param.requires_grad_(_LORA_MARK in name)
+        param.requires_grad_(_LORA_MARK in name or name == trained_head)
     return model
+
+
+SCORE_HEAD = "output.weight"
+
+
+def has_score_head(model: nn.Module) -> bool:
+    """Whether ``model``'s head is a score head (a reward model's), which an adapter
+    leaves trainable: it starts fresh, so no adapter over it could learn it."""
+    config = getattr(model, "config", None)
+    return getattr(config, "head", "lm") == "score"
 
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:

@@ -27,6 +27,8 @@ from torch import Tensor, nn
 from recipes_lib.adapters.lora import (
     ADAPTER_NAME,
     HF_TO_NATIVE_TARGET,
+    SCORE_HEAD,
+    has_score_head,
     lora_config,
     lora_layers,
     native_targets,
@@ -120,7 +122,9 @@ def save_adapter(
     state: Mapping[str, Tensor] | None = None,
     base_model_name_or_path: str | None = None,
 ) -> Path:
-    """Write ``model``'s adapters as a PEFT folder loadable by ``PeftModel.from_pretrained``.
+    """Write ``model``'s adapters as a PEFT folder loadable by ``PeftModel.from_pretrained``
+    (a reward model's: over ``...ForSequenceClassification``, its trained score head
+    saved whole as PEFT's ``modules_to_save``).
 
     Args:
         model: the adapted native model.
@@ -140,10 +144,15 @@ def save_adapter(
     folder.mkdir(parents=True, exist_ok=True)
     targets = sorted({key.removeprefix(PEFT_PREFIX).split(".")[-3] for key in tensors})
     peft_config = lora_config(config, targets)
+    peft_config.task_type = "CAUSAL_LM"
+    if has_score_head(model):  # trained whole: saved beside the factors, as PEFT saves it
+        head = (state or {}).get(SCORE_HEAD, model.get_parameter(SCORE_HEAD))
+        tensors[f"{PEFT_PREFIX}score.weight"] = head.detach().cpu().contiguous()
+        peft_config.modules_to_save = ["score"]
+        peft_config.task_type = "SEQ_CLS"
     # a fused module's adapter stacks k parts: rank k * r, alpha k * alpha keep alpha / r
     peft_config.rank_pattern = {name: k * config.r for name, k in stacked.items()}
     peft_config.alpha_pattern = {name: k * config.alpha for name, k in stacked.items()}
-    peft_config.task_type = "CAUSAL_LM"
     peft_config.base_model_name_or_path = base_model_name_or_path
     peft_config.inference_mode = True
     save_file(tensors, str(folder / ADAPTER_WEIGHTS_NAME), metadata={"format": "pt"})

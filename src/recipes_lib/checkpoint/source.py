@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,8 @@ from recipes_lib.checkpoint.weights import (
     load_weights,
     read_checkpoint,
 )
-from recipes_lib.config.model import block_option_defaults
-from recipes_lib.config.schema import ModelConfig, RopeScalingConfig, resolved_model_fields
+from recipes_lib.config.model import block_option_defaults, field_differences
+from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 from recipes_lib.config.store import fill_from_init, from_init_fields
 from recipes_lib.errors import CheckpointError, ConfigError
 
@@ -115,6 +116,7 @@ def recorded_model(model: Any) -> dict[str, Any] | None:
         model["family"] = "qwen2" if model.get("qkv_bias") else "llama"
     for name, default in BLOCK_OPTION_DEFAULTS.items():
         model.setdefault(name, copy.copy(default))
+    model.setdefault("head", "lm")  # every model before model.head had an LM head
     if isinstance(model.get("rope_scaling"), dict):
         model["rope_scaling"] = {**copy.deepcopy(ROPE_SCALING_DEFAULTS), **model["rope_scaling"]}
     return model
@@ -197,9 +199,8 @@ def init_model_mismatches(model: ModelConfig, source: InitSource) -> list[str]:
         return []
     if source.kind == "hf":
         return hf_config_mismatches(_as_model(source.model), model)
-    ours = resolved_model_fields(model, "shape")
-    theirs = resolved_model_fields(source.model, "shape")
-    return [f"model.{k}={ours[k]!r} vs {theirs[k]!r}" for k in ours if ours[k] != theirs[k]]
+    differences = field_differences(model, source.model, "shape")
+    return [f"model.{k}={ours!r} vs {theirs!r}" for k, ours, theirs in differences]
 
 
 def _as_model(model: dict[str, Any]) -> ModelConfig:
@@ -242,4 +243,20 @@ def load_model_weights(model: nn.Module, path: str | os.PathLike, label: str | N
         state = load_weights(path)
     except CheckpointError as err:
         raise CheckpointError(f"{label}: {err}") from err
+    config = getattr(model, "config", None)
+    if isinstance(config, ModelConfig) and config.head == "score" and _lm_head(state, config):
+        # a reward model starting from a language model: the body, and a fresh head
+        state = {name: t for name, t in state.items() if name != HEAD_WEIGHT}
+        load_state_into(model, state, label, keep=(HEAD_WEIGHT,))
+        return
     load_state_into(model, state, label)
+
+
+HEAD_WEIGHT = "output.weight"
+
+
+def _lm_head(state: Mapping[str, Any], config: ModelConfig) -> bool:
+    """Whether ``state`` is a language model's: its head projects to the vocabulary, or
+    is the embeddings (tied: not stored)."""
+    head = state.get(HEAD_WEIGHT)
+    return head is None or tuple(head.shape) == (config.vocab_size, config.dim)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -199,23 +199,29 @@ def _mismatches(expected: Mapping[str, Tensor], found: Mapping[str, Tensor]) -> 
     return mismatch_lines(shapes, missing, unexpected)
 
 
-def load_state_into(model: nn.Module, state: Mapping[str, Tensor], source: str) -> None:
+def load_state_into(
+    model: nn.Module, state: Mapping[str, Tensor], source: str, keep: Collection[str] = ()
+) -> None:
     """Copy ``state`` into ``model`` (strict), naming the first mismatches when it does not fit.
 
     Args:
         model: the module to load into.
         state: name -> tensor, names as in ``model.state_dict()``.
         source: how the caller names the weights in an error (``stage.init_from='...'``).
+        keep: the model's tensors ``state`` does not hold, which keep their values (a
+            reward model's fresh score head).
 
     Raises:
         CheckpointError: a name is missing or unexpected, or a shape differs.
     """
-    problems = _mismatches(model.state_dict(), state)
+    expected = {k: v for k, v in model.state_dict().items() if k not in keep}
+    problems = _mismatches(expected, state)
     if problems:
         raise CheckpointError(
             f"{source} does not fit the configured model: " + " | ".join(problems)
         )
-    model.load_state_dict(state, strict=True)
+    incompatible = model.load_state_dict(state, strict=False)
+    assert set(incompatible.missing_keys) <= set(keep) and not incompatible.unexpected_keys
 
 
 def average_checkpoints(paths: Iterable[str | os.PathLike]) -> dict[str, Tensor]:

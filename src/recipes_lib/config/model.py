@@ -100,7 +100,12 @@ class ModelConfig:
     # the fraction of each head's dims that RoPE rotates (the first int(hs * it); Phi-3's
     # partial rotation); 1: the whole head
     partial_rotary_factor: float = field(default=1.0, metadata=COMPUTE)
-    tie_embeddings: bool = field(default=False, metadata=SHAPE)
+    tie_embeddings: bool = field(default=False, metadata=SHAPE)  # an LM head only
+    # the output head: lm (next-token logits over the vocabulary) | score (one scalar per
+    # position, read at a sequence's last token: a reward model, Hugging Face's
+    # ...ForSequenceClassification with one label). A score head may start from a
+    # language model's weights: its body is loaded, the head starts fresh.
+    head: str = field(default="lm", metadata=SHAPE)
     init_std: float = field(default=0.02, metadata=LABEL)
     # Mixture of experts (recipes_lib.models.moe): 0 is a dense model; otherwise every
     # layer but moe_dense_layers replaces its MLP with moe_experts experts of
@@ -175,6 +180,38 @@ def model_fields(*roles: str) -> tuple[str, ...]:
 
 
 _DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
+
+
+HEADS = ("lm", "score")
+
+
+def head_tied(config: ModelConfig) -> bool:
+    """Whether the output head is the token embeddings (``tie_embeddings`` ties an LM
+    head; a score head is its own weight)."""
+    return config.tie_embeddings and config.head == "lm"
+
+
+def starts_fresh_head(model: Mapping[str, Any], source: Mapping[str, Any]) -> bool:
+    """Whether a model (its fields) with a score head starts from a language model's
+    weights (``source``): the body is handed on and the head starts fresh."""
+    return model.get("head") == "score" and source.get("head", "lm") == "lm"
+
+
+# the fields a score head starting from a language model is free to differ in
+FRESH_HEAD_FIELDS = ("head", "tie_embeddings")
+
+
+def field_differences(
+    model: ModelConfig | Mapping[str, Any], source: ModelConfig | Mapping[str, Any], *roles: str
+) -> list[tuple[str, Any, Any]]:
+    """``(field, ours, theirs)`` for each field of ``roles`` in which ``model`` differs
+    from the ``source`` whose weights it starts from (resolved as
+    :func:`resolved_model_fields`); a score head starting from a language model may
+    differ in :data:`FRESH_HEAD_FIELDS`."""
+    ours, theirs = resolved_model_fields(model, *roles), resolved_model_fields(source, *roles)
+    both = (resolved_model_fields(model, "shape"), resolved_model_fields(source, "shape"))
+    free = FRESH_HEAD_FIELDS if starts_fresh_head(*both) else ()
+    return [(k, ours[k], theirs[k]) for k in ours if k not in free and ours[k] != theirs[k]]
 
 
 def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -> dict[str, Any]:

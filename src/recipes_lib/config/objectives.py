@@ -1,7 +1,7 @@
 """The settings of the post-training objectives beyond the data and the model:
-``preference.*`` (objectives ``dpo`` and ``kto``) and ``distill.*`` (objective
-``distill``). Re-exported by :mod:`recipes_lib.config.schema`, whose ``RunConfig``
-holds them as groups.
+``preference.*`` (objectives ``dpo`` and ``kto``), ``reward.*`` (objective ``reward``)
+and ``distill.*`` (objective ``distill``). Re-exported by
+:mod:`recipes_lib.config.schema`, whose ``RunConfig`` holds them as groups.
 """
 
 from __future__ import annotations
@@ -35,3 +35,12 @@ class DistillConfig:
     loss: str = "forward_kl"
     beta: float = 0.5
     temperature: float = 1.0
+
+
+@dataclass
+class RewardConfig:
+    """A reward model (objective ``reward``, ``model.head=score``) trained with the
+    Bradley-Terry loss on preference pairs (:mod:`recipes_lib.losses.reward`)."""
+
+    # weight of mean((r_chosen + r_rejected)^2), which keeps the scores centred on 0
+    center_coef: float = 0.0

@@ -26,6 +26,7 @@ from recipes_lib.config.model import model_fields as model_fields
 from recipes_lib.config.model import resolved_model_fields as resolved_model_fields
 from recipes_lib.config.objectives import DistillConfig as DistillConfig
 from recipes_lib.config.objectives import PreferenceConfig as PreferenceConfig
+from recipes_lib.config.objectives import RewardConfig as RewardConfig
 
 
 @dataclass
@@ -368,6 +369,7 @@ class RunConfig:
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     stage: StageConfig = field(default_factory=StageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from recipes_lib.config.model import HEADS, head_tied
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.models.blocks import TransformerBlock
@@ -51,6 +52,8 @@ def _validate(config: ModelConfig) -> int:
     check_windows(config)
     check_moe(config)
     family = check_family(config)
+    if config.head not in HEADS:
+        raise ConfigError(f"model.head={config.head!r}: choose one of {list(HEADS)}")
     if config.head_dim is None and config.dim % config.n_heads != 0:
         raise ConfigError(
             f"model.dim={config.dim} is not divisible by model.n_heads={config.n_heads}; "
@@ -99,8 +102,10 @@ class Transformer(nn.Module):
         self._windows = {layer.attention.window for layer in self.layers}
         self._ropes = {layer.attention.local_rope for layer in self.layers}
         self.norm = make_norm(config, config.dim)
-        self.output = OutputHead(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
+        # a score head: one scalar per position (a reward model)
+        outputs = config.vocab_size if config.head == "lm" else 1
+        self.output = OutputHead(config.dim, outputs, bias=False)
+        if head_tied(config):
             self.output.weight = self.tok_embeddings.weight
 
         # RoPE tables, derived from the config: not saved in checkpoints, rebuilt by
@@ -120,7 +125,7 @@ class Transformer(nn.Module):
         # Moving a meta-device build (to_empty) gives each module a new Parameter,
         # which would untie the output head from the embeddings: tie them again.
         super()._apply(fn, recurse)
-        if self.config.tie_embeddings:
+        if head_tied(self.config):
             self.output.weight = self.tok_embeddings.weight
         return self
 
@@ -157,7 +162,7 @@ class Transformer(nn.Module):
             for norm in layer.norms():  # a gain of one: 1 - offset stored
                 nn.init.constant_(norm.weight, 1.0 - self.config.norm_gain_offset)
         nn.init.constant_(self.norm.weight, 1.0 - self.config.norm_gain_offset)
-        if not self.config.tie_embeddings:
+        if not head_tied(self.config):
             nn.init.normal_(self.output.weight, mean=0.0, std=std)
 
     def forward_hidden(
@@ -316,6 +321,6 @@ class Transformer(nn.Module):
         """
         c = self.config
         n = self.num_params(exclude_embeddings=True) - self.inactive_params()
-        if c.tie_embeddings:
+        if head_tied(c):
             n += self.output.weight.numel()  # the head is a matmul all the same
         return 6.0 * n + 12.0 * c.n_layers * c.n_heads * self.head_dim * seq_len

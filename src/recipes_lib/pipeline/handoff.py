@@ -30,7 +30,8 @@ from recipes_lib.config import (
     RunConfig,
     SourceConfig,
 )
-from recipes_lib.config.schema import model_fields, resolved_model_fields
+from recipes_lib.config.model import field_differences
+from recipes_lib.config.schema import model_fields
 from recipes_lib.data.text.prepare import DEFAULT_SOURCES
 from recipes_lib.data.tokenizer import TOKENIZER_FILE, resolve_tokenizer_file
 from recipes_lib.errors import CheckpointError, ConfigError, RecipesError
@@ -164,7 +165,8 @@ def check_model_compatible(
     stage: StageSpec, model: ModelConfig, source: Handoff | str, source_model: Mapping[str, Any]
 ) -> None:
     """Raise :class:`ConfigError` when the stage's model cannot take the source's weights:
-    every shape field (``model_fields("shape")`` of the schema) that differs is named.
+    every shape field (``model_fields("shape")`` of the schema) that differs is named (a
+    reward model's score head may start from a language model: ``field_differences``).
 
     Args:
         stage: the stage that starts from the source.
@@ -173,10 +175,9 @@ def check_model_compatible(
         source_model: the source's model config fields.
     """
     label = source.label if isinstance(source, Handoff) else source
-    ours = resolved_model_fields(model, "shape")
-    theirs = resolved_model_fields(source_model, "shape")
     differences = [
-        f"model.{key}={ours[key]} vs {theirs[key]}" for key in ours if ours[key] != theirs[key]
+        f"model.{key}={ours} vs {theirs}"
+        for key, ours, theirs in field_differences(model, source_model, "shape")
     ]
     if differences:
         free = ", ".join(model_fields("context"))
@@ -204,6 +205,8 @@ def check_weights_fit(stage: StageSpec, model: ModelConfig, weights: Path) -> No
             found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
     except Exception as err:
         raise CheckpointError(f"{stage.key}.from: '{weights}' is not readable: {err}") from err
+    if model.head == "score" and found.get("output.weight") == (model.vocab_size, model.dim):
+        del expected["output.weight"]  # a language model's head: the score head starts fresh
     common = sorted(set(expected) & set(found))
     if not common:
         raise ConfigError(

@@ -11,10 +11,11 @@ problem stops the run with one line naming the keys:
 3. the schema's single values (:func:`recipes_lib.config.validate.check_values`);
 4. what the stage starts from and what it writes (``init_optimizer``, ``ckpt_path``,
    ``average_last_k`` / ``ema_decay``);
-5. the data against the model (sequence length, a new tokenizer's vocabulary) and the
+5. the output head against the objective (a score head is the reward objective's);
+6. the data against the model (sequence length, a new tokenizer's vocabulary) and the
    attention kernel (document masking);
-6. the adapter, the precision and the strategy on this machine;
-7. the training guard and the batch ramp against the strategy.
+7. the adapter, the precision and the strategy on this machine;
+8. the training guard and the batch ramp against the strategy.
 
 Domains declare what they support (:class:`~recipes_lib.parallel.StrategySpec`,
 :class:`~recipes_lib.kernels.AttentionCapabilities`); these checks read those
@@ -39,6 +40,7 @@ from recipes_lib.preflight.stage import (
     check_batch_ramp,
     check_data_and_kernels,
     check_guard,
+    check_head,
     check_init_source,
     check_stage_io,
 )
@@ -60,6 +62,7 @@ def check_run(cfg: RunConfig, objectives: tuple[str, ...]) -> None:
     check_init_source(cfg)
     check_values(cfg, objectives)
     check_stage_io(cfg)
+    check_head(cfg)
     check_data_and_kernels(cfg)
     check_adapter(cfg)
     check_precision(cfg)
@@ -74,6 +77,7 @@ __all__ = [
     "check_data_and_kernels",
     "check_expert_parallel",
     "check_guard",
+    "check_head",
     "check_init_source",
     "check_optimizer_choice",
     "check_precision",

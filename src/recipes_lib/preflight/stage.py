@@ -136,3 +136,19 @@ def check_batch_ramp(cfg: RunConfig) -> None:
             "its gradient accumulation when its engine is built; ramp the batch under "
             "ddp or fsdp, or set stage.batch_ramp.tokens=0"
         )
+
+
+def check_head(cfg: RunConfig) -> None:
+    """A score head (``model.head=score``) is the reward objective's, and the reward
+    objective trains one; it has no vocabulary for the fused head loss."""
+    head, objective = cfg.model.head, cfg.stage.objective
+    if (head == "score") != (objective == "reward"):
+        raise ConfigError(
+            f"model.head={head} with stage.objective={objective}: a score head is trained "
+            "by stage.objective=reward, which trains one (set both, as recipe=reward/... does)"
+        )
+    if head == "score" and cfg.kernels.loss_chunk_size is not None:
+        raise ConfigError(
+            f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size} fuses the vocabulary "
+            "head with the loss; model.head=score has no vocabulary: set it to null"
+        )

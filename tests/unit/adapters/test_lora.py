@@ -19,7 +19,7 @@ from recipes_lib.adapters import (
     merge_adapter,
     save_adapter,
 )
-from recipes_lib.checkpoint.hf import export_hf_checkpoint
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.config.schema import AdapterConfig, OptimConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer

@@ -11,12 +11,12 @@ from tiny import tiny_model_config
 from tokenizers import Tokenizer
 
 from recipes_lib.checkpoint.hf import (
-    export_hf_checkpoint,
     is_hf_folder,
     load_hf_checkpoint,
     load_hf_weights_into,
     model_config_from_hf,
 )
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.hf_tokenizer import hf_eos_token_ids, load_hf_tokenizer
 from recipes_lib.config.schema import RopeScalingConfig
 from recipes_lib.data.tokenizer import save_tokenizer, save_tokenizer_folder, train_bpe_tokenizer

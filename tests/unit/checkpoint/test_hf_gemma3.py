@@ -11,11 +11,10 @@ from hf_parity import PROMPT, TINY_SHAPE, VOCAB, hf_greedy, logits_of, nudged_hf
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import (
-    export_hf_checkpoint,
-    hf_config_from_model,
     load_hf_checkpoint,
     model_config_from_hf,
 )
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint, hf_config_from_model
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.generate import generate
 from recipes_lib.models import Transformer

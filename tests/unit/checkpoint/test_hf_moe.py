@@ -11,7 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tiny import tiny_model_config
 
-from recipes_lib.checkpoint.hf import export_hf_checkpoint, load_hf_checkpoint
+from recipes_lib.checkpoint.hf import load_hf_checkpoint
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.generate import generate
 from recipes_lib.models import Transformer

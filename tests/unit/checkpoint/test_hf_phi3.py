@@ -12,12 +12,11 @@ from hf_parity import PROMPT, VOCAB, hf_greedy, logits_of, nudged_hf_model, toke
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import (
-    export_hf_checkpoint,
-    hf_config_from_model,
     load_hf_checkpoint,
     load_hf_weights_into,
     model_config_from_hf,
 )
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint, hf_config_from_model
 from recipes_lib.checkpoint.source import fill_model_from_init, recorded_model
 from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.config.schema import RopeScalingConfig, resolved_model_fields

@@ -240,7 +240,7 @@ def test_transformers_builds_the_preset_with_its_parameter_count(preset):
     transformers = pytest.importorskip("transformers")
     import torch
 
-    from recipes_lib.checkpoint.hf import hf_config_from_model
+    from recipes_lib.checkpoint.hf_export import hf_config_from_model
     from recipes_lib.models import Transformer
 
     ours = to_run_config(compose_config([f"model={preset}"])).model

@@ -263,3 +263,23 @@ def test_interrupted_stage_resumes_unless_changed(tmp_path):
     with pytest.raises(ConfigError, match=r"stage anneal changed since it started"):
         plan_pipeline(spec)
     assert (spec.dir / "pretrain" / MANIFEST_NAME).is_file()
+
+
+def test_a_reward_model_starts_from_a_language_model_and_hands_on_only_to_reward_stages(
+    tmp_path,
+):
+    """A reward stage takes a language model's body (its head starts fresh); a language
+    model stage cannot start from a reward model's weights."""
+    reward = {"recipe": "reward/tiny", "from": "pretrain", "init": "weights"}
+    plans = plan_pipeline(make_pipeline(tmp_path, {"pretrain": dict(PRETRAIN), "reward": reward}))
+    assert plans[1].config.model.head == "score"
+    assert plans[1].config.stage.objective == "reward"
+    spec = make_pipeline(
+        tmp_path / "back",
+        {
+            "pretrain": dict(PRETRAIN),
+            "reward": reward,
+            "sft": {"recipe": "sft/tiny", "from": "reward", "init": "weights"},
+        },
+    )
+    _fails_before_training(spec, ConfigError, r"stage sft: model\.head=lm vs score")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from tiny import tiny_model_config
 
-from recipes_lib.checkpoint.hf import export_hf_checkpoint
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.config.schema import DistillConfig
 from recipes_lib.errors import CheckpointError, ConfigError

@@ -14,6 +14,12 @@ A batch of ``P`` pairs (``collate_pairs``) is::
     desirable     (P,)   bool    KTO: whether each completion (the "chosen" sequence;
                                  the "rejected" one is its mismatched twin) is desirable
 
+Unshifted (``shifted=False``, a reward model's batches) every token of a sequence is an
+input, its labels are all -100, and ``score_index (2P,) int64`` holds where each
+sequence's score is read, as a flat index into ``(R * T)``: its last token that is not
+the padding id (as transformers' ``...ForSequenceClassification`` reads it), chosen
+sequences first.
+
 Without packing (``data.chat.packing=false``) every sequence has its own row, padded
 to the longest of the batch: rows ``0..P-1`` are the chosen sequences and ``P..2P-1``
 the rejected ones, so one forward pass sees both. With packing, sequences share rows
@@ -76,7 +82,11 @@ def _first_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
 
 
 def collate_pairs(
-    items: Sequence[Mapping], pad_id: int, packing: bool = False, seq_len: int | None = None
+    items: Sequence[Mapping],
+    pad_id: int,
+    packing: bool = False,
+    seq_len: int | None = None,
+    shifted: bool = True,
 ) -> dict[str, Tensor]:
     """Batch pairs as described in the module docstring.
 
@@ -85,11 +95,13 @@ def collate_pairs(
         pad_id: token id of padding (labels there are -100).
         packing: share rows of ``seq_len`` between sequences.
         seq_len: the row length when packing.
+        shifted: inputs and next-token labels; False: every token an input, and each
+            sequence's ``score_index``.
     """
     n_pairs = len(items)
     sequences = [(it["chosen_ids"], it["chosen_mask"]) for it in items]
     sequences += [(it["rejected_ids"], it["rejected_mask"]) for it in items]
-    lengths = [len(ids) - 1 for ids, _ in sequences]  # inputs per sequence
+    lengths = [len(ids) - int(shifted) for ids, _ in sequences]  # inputs per sequence
     if packing:
         if seq_len is None:
             raise ValueError("packing needs seq_len")
@@ -102,14 +114,21 @@ def collate_pairs(
     labels = torch.full(shape, -100, dtype=torch.long)
     sequence_ids = torch.full(shape, -1, dtype=torch.long)
     doc_ids = torch.zeros(shape, dtype=torch.int32)
+    score_index = torch.zeros(len(sequences), dtype=torch.long)
     for r, row in enumerate(rows):
         offset = 0
         for k, s in enumerate(row):
             ids, mask = sequences[s]
             n = lengths[s]
             cols = slice(offset, offset + n)
-            input_ids[r, cols] = ids[:-1]
-            labels[r, cols] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], -100))
+            if shifted:
+                input_ids[r, cols] = ids[:-1]
+                labels[r, cols] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], -100))
+            else:
+                input_ids[r, cols] = ids
+                real = (ids != pad_id).nonzero()
+                last = int(real[-1]) if len(real) else n - 1
+                score_index[s] = r * width + offset + last
             sequence_ids[r, cols] = s
             doc_ids[r, cols] = k
             offset += n
@@ -122,6 +141,8 @@ def collate_pairs(
         "pair_index": torch.tensor([int(it["index"]) for it in items], dtype=torch.long),
         "num_tokens": sum(lengths),  # an int: counting needs no device sync
     }
+    if not shifted:
+        batch["score_index"] = score_index
     if n_pairs and all("desirable" in it for it in items):
         batch["desirable"] = torch.tensor([bool(it["desirable"]) for it in items])
     if n_pairs and all("reference_logps" in it for it in items):
@@ -132,8 +153,9 @@ def collate_pairs(
 class PairCollator:
     """:func:`collate_pairs` with the run's padding id and packing (picklable for workers)."""
 
-    def __init__(self, pad_id: int, packing: bool, seq_len: int) -> None:
+    def __init__(self, pad_id: int, packing: bool, seq_len: int, shifted: bool = True) -> None:
         self.pad_id, self.packing, self.seq_len = pad_id, packing, seq_len
+        self.shifted = shifted
 
     def __call__(self, items: Sequence[Mapping]) -> dict[str, Tensor]:
-        return collate_pairs(items, self.pad_id, self.packing, self.seq_len)
+        return collate_pairs(items, self.pad_id, self.packing, self.seq_len, self.shifted)

@@ -67,6 +67,8 @@ class PreferenceDataModule(ChatRecordsDataModule):
         model_max_seq_len: ``data.seq_len`` must not exceed ``model.max_seq_len``.
         total_train_samples: pairs each rank draws over the run (``None``: one pass).
         tokenizer_path: overrides ``data.tokenizer.path``.
+        shifted: batches of inputs and next-token labels; False: of whole sequences
+            with each one's ``score_index`` (a reward model's).
 
     Raises:
         ConfigError: bad sizes or policies, or packing without document masking.
@@ -82,6 +84,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
         model_max_seq_len: int,
         total_train_samples: int | None = None,
         tokenizer_path: str | None = None,
+        shifted: bool = True,
     ) -> None:
         check_batch_shape(config, model_max_seq_len, min_seq_len=2)
         check_val_fraction(config.val_fraction)
@@ -105,6 +108,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
         self.train_dataset: PreferencePairDataset | None = None
         self.val_dataset: PreferencePairDataset | None = None
         self.skipped: Counter = Counter()
+        self.shifted = shifted
 
     # ------------------------------------------------------------- preparation
     def _resolve_sources(self) -> dict[str, SourceConfig]:
@@ -129,7 +133,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
         check_vocab_fits(tokenizer, self.model_vocab_size)
         eos_id = eos_token_id(tokenizer, config.tokenizer.eos_token)
         renderer = ChatRenderer.from_config(tokenizer, config, template)
-        encoder = PairEncoder(renderer, config.seq_len, config.chat)
+        encoder = PairEncoder(renderer, config.seq_len, config.chat, shifted=self.shifted)
         splits: dict[str, list[EncodedPair]] = {"train": [], "val": []}
         for name in self.sources:
             key = source_key(name)
@@ -182,7 +186,8 @@ class PreferenceDataModule(ChatRecordsDataModule):
     def collate_fn(self) -> PairCollator:
         if self.eos_id is None:
             raise RuntimeError("call setup() first")
-        return PairCollator(self.eos_id, self.config.chat.packing, self.config.seq_len)
+        chat = self.config.chat
+        return PairCollator(self.eos_id, chat.packing, self.config.seq_len, self.shifted)
 
     def split_dataset(self, split: str) -> PreferencePairDataset | None:
         if split not in ("train", "val"):
@@ -212,8 +217,10 @@ class PreferenceDataModule(ChatRecordsDataModule):
         dataset.reference_logps = table.detach().float().cpu()
 
 
-def build_preference_data(cfg: RunConfig, *, total_train_samples: int) -> PreferenceDataModule:
-    """The data module of the ``dpo`` objective.
+def build_preference_data(
+    cfg: RunConfig, *, total_train_samples: int, shifted: bool = True
+) -> PreferenceDataModule:
+    """The data module of the ``dpo`` objective (``shifted=False``: of ``reward``).
 
     Without ``data.tokenizer.path``, a stage that starts from weights uses the
     ``tokenizer.json`` beside them; one that starts from scratch trains a tokenizer on
@@ -229,4 +236,5 @@ def build_preference_data(cfg: RunConfig, *, total_train_samples: int) -> Prefer
         model_max_seq_len=cfg.model.max_seq_len,
         total_train_samples=total_train_samples,
         tokenizer_path=tokenizer,
+        shifted=shifted,
     )

@@ -178,14 +178,26 @@ class PairEncoder:
         chat: field names and policies.
         twin: the rejected response is a stand-in that must not decide whether or how
             the chosen sequence is kept (KTO's mismatched completion).
+        shifted: sequences are split into inputs and next-token labels, so a full one may
+            hold ``seq_len + 1`` tokens; False: the model reads every token (a reward
+            model's score), so at most ``seq_len``.
     """
 
     def __init__(
-        self, renderer: ChatRenderer, seq_len: int, chat: ChatFormatConfig, *, twin: bool = False
+        self,
+        renderer: ChatRenderer,
+        seq_len: int,
+        chat: ChatFormatConfig,
+        *,
+        twin: bool = False,
+        shifted: bool = True,
     ) -> None:
         check_chat_format(chat)
         self.renderer = renderer
-        self.max_tokens = seq_len + 1
+        self.max_tokens = seq_len + 1 if shifted else seq_len
+        self.limit = (
+            f"data.seq_len + 1 = {self.max_tokens}" if shifted else f"data.seq_len = {seq_len}"
+        )
         self.seq_len = seq_len
         self.chat = chat
         self.twin = twin
@@ -248,7 +260,7 @@ class PairEncoder:
             if not any(rejected_mask):
                 raise BadRecord(
                     f"{where}: no token of field {self.chat.rejected_field!r} fits after the "
-                    f"prompt in data.seq_len + 1 = {self.max_tokens}",
+                    f"prompt in {self.limit}",
                     f"no room for field {self.chat.rejected_field!r}",
                 )
         else:
@@ -274,14 +286,14 @@ class PairEncoder:
         policy = self.chat.truncation
         if policy == "drop":
             raise BadRecord(
-                f"{where}: {longest} tokens, longer than data.seq_len + 1 = {limit}",
+                f"{where}: {longest} tokens, longer than {self.limit}",
                 "too long (data.chat.truncation=drop)",
             )
         if policy == "right":
             if len(prompt) >= limit:
                 raise BadRecord(
                     f"{where}: the prompt alone has {len(prompt)} tokens, no room for a "
-                    f"response in data.seq_len + 1 = {limit}",
+                    f"response in {self.limit}",
                     "prompt too long (data.chat.truncation=right)",
                 )
             room = limit - len(prompt)

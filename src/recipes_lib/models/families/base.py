@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
@@ -67,6 +67,15 @@ class TensorNames:
         }
         object.__setattr__(self, "_hf_experts", hf_experts)
         object.__setattr__(self, "_native_experts", {v: k for k, v in self.experts.items()})
+
+    def for_head(self, head: str) -> TensorNames:
+        """These names for a model with ``head`` (``model.head``): a score head is
+        Hugging Face's ``score.weight`` (``...ForSequenceClassification``), an LM head
+        its ``lm_head.weight``."""
+        if head == "lm":
+            return self
+        top = {("score.weight" if v == "output.weight" else k): v for k, v in self.top.items()}
+        return replace(self, top=top)
 
     def is_stacked(self, name: str) -> bool:
         """Whether a native tensor stacks the experts' (one Hugging Face tensor each)."""
@@ -157,6 +166,9 @@ class Family:
         extended_rope: whether its models may rotate part of each head
             (``model.partial_rotary_factor`` < 1) and use ``rope_scaling.type=longrope``
             (transformers computes both for its model type: Phi-3).
+        hf_score_class: the ``architectures`` entry of a score head's export
+            (``model.head=score``); None: the ``...ForSequenceClassification`` of
+            ``hf_architecture``; empty: transformers has none for the family.
     """
 
     name: str
@@ -170,6 +182,16 @@ class Family:
     check: Callable[[ModelConfig], None] = lambda config: None
     sliding_window: Callable[[Mapping[str, Any]], int | None] = lambda config: None
     extended_rope: bool = False
+    hf_score_class: str | None = None
+
+    def architecture(self, head: str) -> str | None:
+        """The ``architectures`` entry of an export of a model with ``model.head=head``,
+        or None when transformers has no class for it."""
+        if head == "lm":
+            return self.hf_architecture
+        if self.hf_score_class is None:
+            return self.hf_architecture.replace("ForCausalLM", "ForSequenceClassification")
+        return self.hf_score_class or None
 
 
 def required(config: Mapping[str, Any], key: str) -> Any:

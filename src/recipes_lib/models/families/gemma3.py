@@ -181,6 +181,7 @@ GEMMA3 = Family(
     name="gemma3",
     hf_model_types=("gemma3_text",),
     hf_architecture="Gemma3ForCausalLM",
+    hf_score_class="Gemma3TextForSequenceClassification",
     names=GEMMA3_NAMES,
     from_hf=_from_hf,
     to_hf=_to_hf,

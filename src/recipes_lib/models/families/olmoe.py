@@ -69,6 +69,7 @@ OLMOE = Family(
     name="olmoe",
     hf_model_types=("olmoe",),
     hf_architecture="OlmoeForCausalLM",
+    hf_score_class="",  # transformers has no OlmoeForSequenceClassification
     names=OLMOE_NAMES,
     from_hf=_from_hf,
     to_hf=_to_hf,

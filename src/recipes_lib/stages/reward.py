@@ -1,0 +1,99 @@
+"""Reward models: the ``reward`` objective, a score head trained on preference pairs.
+
+A reward model is the decoder with a score head (``model.head=score``): one scalar per
+position, read at each sequence's last token that is not the padding id (as
+transformers' ``...ForSequenceClassification`` reads it, so an export gives the same
+scores; :mod:`recipes_lib.checkpoint.hf_export`). It usually starts from a language
+model's weights (an SFT stage's): the body is loaded and the head starts fresh.
+
+Batches are :mod:`recipes_lib.data.preference.collate`'s pairs, unshifted: every token
+of a sequence is an input, and ``score_index`` says where each sequence's score is read.
+The loss is Bradley-Terry (:func:`~recipes_lib.losses.reward.bradley_terry_loss`).
+
+Logged as ``train/...`` and ``val/...``: ``loss``, ``rewards/chosen`` and
+``rewards/rejected`` (the mean scores), ``rewards/margin`` (their mean difference) and
+``rewards/accuracy`` (the share of pairs whose chosen response scores higher).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from torch import Tensor, nn
+
+from recipes_lib.config.schema import RewardConfig
+from recipes_lib.config.store import as_config
+from recipes_lib.errors import ConfigError
+from recipes_lib.losses.reward import bradley_terry_loss
+from recipes_lib.stages.causal_lm import Batch, CausalLMModule
+from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
+
+
+def sequence_scores(
+    model: nn.Module, input_ids: Tensor, doc_ids: Tensor | None, score_index: Tensor
+) -> Tensor:
+    """Each sequence's score, fp32 ``(S,)``: the score head's output at ``score_index``
+    (flat indices into ``(R * T)``, one per sequence)."""
+    scores = model(input_ids, doc_ids)  # (R, T, 1)
+    return scores.flatten()[score_index.to(scores.device)].float()
+
+
+class RewardModule(CausalLMModule):
+    """A reward model trained with the Bradley-Terry loss on preference pairs.
+
+    Takes :class:`CausalLMModule`'s arguments plus ``reward`` (``center_coef``). When
+    fitting ends, the run's folder gets the tokenizer and chat template the pairs were
+    rendered with, as after SFT.
+
+    Raises:
+        ConfigError: a model without a score head, or a negative ``center_coef``.
+    """
+
+    config_groups = ("reward",)
+
+    def __init__(self, *args: Any, reward: RewardConfig | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.reward_config: RewardConfig = as_config(
+            RewardConfig, reward or RewardConfig(), "reward"
+        )
+        if self.model_config.head != "score":
+            raise ConfigError(
+                f"stage.objective=reward trains a score head, but model.head="
+                f"{self.model_config.head}: set model.head=score (the reward recipes do)"
+            )
+        if not self.reward_config.center_coef >= 0:
+            raise ConfigError(f"reward.center_coef={self.reward_config.center_coef} must be >= 0")
+        self.hparams["reward"] = asdict(self.reward_config)
+
+    def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The Bradley-Terry loss of a batch of pairs, and the reward metrics."""
+        if "score_index" not in batch:
+            raise ConfigError(
+                "stage.objective=reward needs batches of whole sequences with their "
+                "score_index (its data module gives them: data=stdlib_dpo or data=pairs)"
+            )
+        n_pairs = batch["pair_index"].numel()
+        input_ids, doc_ids = self.model_inputs(batch)
+        scores = sequence_scores(self._built_model(), input_ids, doc_ids, batch["score_index"])
+        chosen, rejected = scores[:n_pairs], scores[n_pairs:]
+        loss = bradley_terry_loss(chosen, rejected, self.reward_config.center_coef)
+        chosen, rejected = chosen.detach(), rejected.detach()
+        metrics = {
+            "rewards/chosen": chosen.mean(),
+            "rewards/rejected": rejected.mean(),
+            "rewards/margin": (chosen - rejected).mean(),
+            "rewards/accuracy": (chosen > rejected).float().mean(),
+        }
+        return loss, metrics
+
+    def count_tokens(self, batch: Batch) -> int:
+        """Real (non-padding) tokens of both sequences of every pair."""
+        return int(batch["num_tokens"])
+
+    def on_validation_epoch_end(self) -> None:
+        # a Bradley-Terry loss has no perplexity: drop the base module's running sums
+        self._val_loss_sum = self._val_batches = None
+
+    def on_fit_end(self) -> None:
+        save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
