@@ -42,38 +42,17 @@ from recipes_lib.data.tokenizer import TOKENIZER_FILE
 from recipes_lib.errors import CheckpointError, ConfigError, DataError, RecipesError
 from recipes_lib.models import KVCache, Transformer
 from recipes_lib.models.rope import longrope_restarts
+from recipes_lib.models.sampling import check_sampling, sample_next
 
 
 # -------------------------------------------------------------------- sampling
-def _check_sampling(temperature: float, top_p: float, max_new_tokens: int) -> None:
-    if temperature < 0:
-        raise ConfigError(f"temperature={temperature} must be >= 0 (0: greedy)")
-    if not 0 < top_p <= 1:
-        raise ConfigError(f"top_p={top_p} must be in (0, 1]")
-    if max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens={max_new_tokens} must be >= 0")
-
-
 def sample_token(
     logits: Tensor, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> int:
-    """One token from next-token ``logits`` ``(V,)``.
-
-    ``temperature == 0`` takes the most likely token. Otherwise the distribution
-    ``softmax(logits / temperature)`` is cut to its nucleus, the most likely tokens whose
-    probabilities first sum to at least ``top_p``, and sampled (on the CPU, so a seed
-    gives the same tokens on any device).
-    """
-    if temperature == 0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)  # (V,)
-    if top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the more likely tokens
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the first always stays
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token from next-token ``logits`` ``(V,)``, as
+    :func:`~recipes_lib.models.sampling.sample_next` draws it, on the CPU (so a seed
+    gives the same tokens on any device)."""
+    return int(sample_next(logits[None].float().cpu(), temperature, top_p, generator)[0])
 
 
 @torch.no_grad()
@@ -111,7 +90,7 @@ def generate(
         ConfigError: an empty prompt, bad sampling settings, or a prompt plus new tokens
             longer than ``model.max_seq_len``.
     """
-    _check_sampling(temperature, top_p, max_new_tokens)
+    check_sampling(temperature, top_p, max_new_tokens)
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ConfigError("generation needs a prompt of at least one token")

@@ -21,6 +21,20 @@ from torch import Tensor
 from recipes_lib.errors import ConfigError
 
 
+def padded_offset_mask(mask: Tensor | None, key_mask: Tensor, n_new: int, start_pos: int) -> Tensor:
+    """``mask`` (``(T, S')`` or None: all keys) limited, row by row, to the keys
+    ``key_mask`` (``(B, S')`` bool) marks real: ``(B, 1, T, S')``. A padding query still
+    sees itself, so no row of the softmax is empty (its output is never used)."""
+    end = start_pos + n_new
+    keys = key_mask[:, None, None, :end]  # (B, 1, 1, S')
+    own = (
+        torch.arange(end, device=keys.device)
+        == torch.arange(start_pos, end, device=keys.device)[:, None]
+    )
+    seen = keys if mask is None else keys & mask
+    return seen | own  # (B, 1, T, S')
+
+
 def causal_offset_mask(
     n_new: int, start_pos: int, device=None, window: int | None = None
 ) -> Tensor:
@@ -69,6 +83,12 @@ class KVCache:
     ``keys[i]`` and ``values[i]`` are ``(B, nkv, S, hs)`` buffers of layer ``i``;
     ``length`` counts the positions filled so far, where the next forward pass with
     this cache writes by default. Build one with :meth:`for_model`.
+
+    ``key_mask`` (``(B, S)`` bool, or None: every position) says which cached positions
+    hold a row's real tokens: rows of different lengths decode together left-padded,
+    each attending over its own tokens only (RoPE sees relative positions, so a row's
+    shift by its padding changes nothing). Set it before a forward pass writes the
+    positions it describes (:func:`recipes_lib.models.sampling.sample_completions`).
     """
 
     def __init__(
@@ -86,6 +106,7 @@ class KVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.length = 0
+        self.key_mask: Tensor | None = None  # (B, S): positions holding real tokens
 
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_len: int | None = None) -> KVCache:

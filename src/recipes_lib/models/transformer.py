@@ -35,7 +35,7 @@ from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.models.blocks import TransformerBlock
 from recipes_lib.models.families import check_family
 from recipes_lib.models.head import OutputHead, head_loss
-from recipes_lib.models.kv_cache import KVCache, causal_offset_mask
+from recipes_lib.models.kv_cache import KVCache, causal_offset_mask, padded_offset_mask
 from recipes_lib.models.moe import MoEFeedForward, check_moe
 from recipes_lib.models.norms import check_norm_options, make_norm
 from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
@@ -233,12 +233,15 @@ class Transformer(nn.Module):
         window: int | None,
     ) -> object | None:
         """The attention mask of layers attending to ``window`` keys (None: all before)."""
-        T, device = input_ids.shape[1], input_ids.device
+        B, T, device = *input_ids.shape, input_ids.device
         if cache is None:
             return self.attention_backend.build_mask(doc_ids, T, device=device, window=window)
-        if T == 1 and (window is None or start < window):
-            return None  # a single new token sees every cached position
-        return causal_offset_mask(T, start, device=device, window=window)
+        mask = None  # a single new token sees every cached position
+        if T > 1 or (window is not None and start >= window):
+            mask = causal_offset_mask(T, start, device=device, window=window)
+        if cache.key_mask is not None:  # left-padded rows: each sees its own tokens
+            mask = padded_offset_mask(mask, cache.key_mask[:B], T, start)
+        return mask
 
     def _check_cached(self, B: int, T: int, start: int, cache: KVCache) -> None:
         if T < 1 or not 0 <= start <= cache.length:
