@@ -29,7 +29,6 @@ higher) and the policy's ``logps/chosen`` and ``logps/rejected``.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -37,9 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from recipes_lib.adapters import adapters_disabled, has_adapter
 from recipes_lib.checkpoint.source import load_model_weights
 from recipes_lib.config.schema import PreferenceConfig
 from recipes_lib.config.store import as_config
@@ -47,8 +45,8 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.logprobs import token_logprobs
 from recipes_lib.losses.preference import PREFERENCE_LOSSES, PairLogps, PreferenceLoss
-from recipes_lib.stages.build import build_model
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
+from recipes_lib.stages.reference import FrozenReference, build_reference
 from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
 
 SPLITS = ("train", "val")
@@ -83,48 +81,6 @@ def pair_sums(values: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
     sums = torch.zeros(2 * n_pairs, dtype=values.dtype, device=values.device)
     sums = sums.index_add(0, sequence_ids.clamp(min=0).flatten(), (values * real).flatten())
     return sums.view(2, n_pairs).t()  # (P, 2)
-
-
-def _load_reference(reference: nn.Module, source: str, label: str) -> None:
-    load_model_weights(reference, source, label)  # any source stage.init_from takes
-
-
-class FrozenReference:
-    """The reference policy: a frozen model of its own, or an adapted policy run with its
-    adapters bypassed. A plain object, not a module: it is never registered on the
-    LightningModule, so it has no place in the optimizer, the state dict or a checkpoint.
-    """
-
-    def __init__(self, model: nn.Module | None = None, adapted_policy: nn.Module | None = None):
-        if (model is None) == (adapted_policy is None):
-            raise ValueError("give exactly one of model and adapted_policy")
-        self.model = model
-        self.adapted_policy = adapted_policy
-        if model is not None:
-            model.eval().requires_grad_(False)
-
-    @property
-    def shares_policy(self) -> bool:
-        return self.adapted_policy is not None
-
-    @torch.no_grad()
-    def __call__(self, input_ids: Tensor, doc_ids: Tensor | None, **head: Any) -> Tensor:
-        """The reference's forward: logits, or with ``head`` (``labels``, ...) what the
-        model's forward gives for them."""
-        if self.model is not None:
-            return self.model(input_ids, doc_ids, **head)
-        with adapters_disabled(self.adapted_policy) as base:  # type: ignore[arg-type]
-            return base(input_ids, doc_ids, **head)
-
-    def logits(self, input_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
-        return self(input_ids, doc_ids)
-
-    def match_dtype(self, dtype: torch.dtype) -> None:
-        """Cast a separate reference to ``dtype`` (the policy's, under ``*-true`` precision)."""
-        if self.model is not None:
-            first = next(self.model.parameters(), None)
-            if first is not None and first.dtype != dtype:
-                self.model.to(dtype=dtype)
 
 
 class DPOModule(CausalLMModule):
@@ -183,31 +139,17 @@ class DPOModule(CausalLMModule):
             self.reference = self._build_reference()
 
     def _build_reference(self) -> FrozenReference:
-        """The frozen reference: the adapted policy with its adapters bypassed, or a
-        model of its own built as the policy is (same seed, kernels, compilation and
-        sharding; no adapter, float8 or activation checkpointing: it does not train).
-        Without a source of its own it starts from the policy's initial weights, which
-        the shared seed already gives it."""
-        policy = self._built_model()
+        """The frozen reference (:func:`~recipes_lib.stages.reference.build_reference`):
+        ``preference.reference_from``, else the weights the policy started from."""
         settings = self.preference_config
         source = settings.reference_from or self.init_from
         same_base = settings.reference_from is None or settings.reference_from == self.init_from
-        if has_adapter(policy) and same_base:
-            return FrozenReference(adapted_policy=policy)
         key = "preference.reference_from" if settings.reference_from else "stage.init_from"
-        plan = dataclasses.replace(
-            self.policy_build(),
-            init_from=source,
-            init_label=f"{key}={source!r}" if source is not None else None,
-            adapter=None,
-            trains=False,
-            upcycle=self.upcycle and not settings.reference_from,  # as the policy started
-        )
-        device, mesh = self._placement()
-        reference = build_model(plan, device=device, mesh=mesh, attention=policy.attention_backend)
-        if source is not None:
+        upcycle = self.upcycle and not settings.reference_from  # as the policy started
+        reference = build_reference(self, source, key, same_base=same_base, upcycle=upcycle)
+        if source is not None and not reference.shares_policy:
             self.reference_source = str(Path(source).expanduser().resolve())
-        return FrozenReference(model=reference)
+        return reference
 
     # ----------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -224,7 +166,7 @@ class DPOModule(CausalLMModule):
             return
         if reference.model is None:  # the adapted policy's base: restored with the policy
             return
-        _load_reference(
+        load_model_weights(
             reference.model,
             saved,
             f"the reference of the resumed checkpoint ({saved!r}; set "

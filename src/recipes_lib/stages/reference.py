@@ -1,0 +1,85 @@
+"""The frozen reference a post-training objective compares its policy with (DPO's, KTO's,
+GRPO's KL term): the adapted policy with its adapters bypassed, or a model of its own
+built as the policy is."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from recipes_lib.adapters import adapters_disabled, has_adapter
+from recipes_lib.stages.build import build_model
+
+if TYPE_CHECKING:
+    from recipes_lib.stages.causal_lm import CausalLMModule
+
+
+class FrozenReference:
+    """The reference policy: a frozen model of its own, or an adapted policy run with its
+    adapters bypassed. A plain object, not a module: it is never registered on the
+    LightningModule, so it has no place in the optimizer, the state dict or a checkpoint.
+    """
+
+    def __init__(self, model: nn.Module | None = None, adapted_policy: nn.Module | None = None):
+        if (model is None) == (adapted_policy is None):
+            raise ValueError("give exactly one of model and adapted_policy")
+        self.model = model
+        self.adapted_policy = adapted_policy
+        if model is not None:
+            model.eval().requires_grad_(False)
+
+    @property
+    def shares_policy(self) -> bool:
+        return self.adapted_policy is not None
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Tensor, doc_ids: Tensor | None, **head: Any) -> Tensor:
+        """The reference's forward: logits, or with ``head`` (``labels``, ...) what the
+        model's forward gives for them."""
+        if self.model is not None:
+            return self.model(input_ids, doc_ids, **head)
+        with adapters_disabled(self.adapted_policy) as base:  # type: ignore[arg-type]
+            return base(input_ids, doc_ids, **head)
+
+    def logits(self, input_ids: Tensor, doc_ids: Tensor | None) -> Tensor:
+        return self(input_ids, doc_ids)
+
+    def match_dtype(self, dtype: torch.dtype) -> None:
+        """Cast a separate reference to ``dtype`` (the policy's, under ``*-true`` precision)."""
+        if self.model is not None:
+            first = next(self.model.parameters(), None)
+            if first is not None and first.dtype != dtype:
+                self.model.to(dtype=dtype)
+
+
+def build_reference(
+    module: CausalLMModule,
+    source: str | None,
+    key: str,
+    *,
+    same_base: bool = True,
+    upcycle: bool = False,
+) -> FrozenReference:
+    """The frozen reference of ``module``'s built policy: the adapted policy with its
+    adapters bypassed when it has adapters over ``source`` (``same_base``), else a model
+    of its own built as the policy is (same seed, kernels, compilation and sharding; no
+    adapter, float8 or activation checkpointing: it does not train) from ``source``
+    (``key`` names it in errors). Without a source it starts from the policy's initial
+    weights, which the shared seed already gives it."""
+    policy = module._built_model()
+    if has_adapter(policy) and same_base:
+        return FrozenReference(adapted_policy=policy)
+    plan = dataclasses.replace(
+        module.policy_build(),
+        init_from=source,
+        init_label=f"{key}={source!r}" if source is not None else None,
+        adapter=None,
+        trains=False,
+        upcycle=upcycle,
+    )
+    device, mesh = module._placement()
+    reference = build_model(plan, device=device, mesh=mesh, attention=policy.attention_backend)
+    return FrozenReference(model=reference)
