@@ -37,3 +37,8 @@ class CorruptCheckpointError(CheckpointError):
 
 class UnsupportedKernelError(ConfigError):
     """A kernel backend asked to do what it does not support, or that is not installed."""
+
+
+class RewardError(RecipesError):
+    """A reward function that raised, or returned something other than a finite number,
+    for a completion (named with the function and the record)."""
