@@ -46,6 +46,7 @@ from recipes_lib.data import PretrainDataModule
 from recipes_lib.data.chat.module import build_chat_data, build_distill_data
 from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.data.preference.unpaired import build_unpaired_data
+from recipes_lib.data.prompts.module import build_prompt_data
 from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
 from recipes_lib.files import write_text_atomic
@@ -61,6 +62,7 @@ from recipes_lib.preflight import check_run
 from recipes_lib.stages.causal_lm import CausalLMModule
 from recipes_lib.stages.distill import DistillModule
 from recipes_lib.stages.dpo import DPOModule
+from recipes_lib.stages.grpo import GRPOModule
 from recipes_lib.stages.kto import KTOModule
 from recipes_lib.stages.outputs import OutputWeights, export_weights, prepare_averaging
 from recipes_lib.stages.reward import RewardModule
@@ -193,6 +195,7 @@ OBJECTIVES: dict[str, Objective] = {
     "kto": Objective(module=KTOModule.from_run_config, data=build_unpaired_data),
     "distill": Objective(module=DistillModule.from_run_config, data=build_distill_data),
     "reward": Objective(module=RewardModule.from_run_config, data=_reward_data),
+    "grpo": Objective(module=GRPOModule.from_run_config, data=build_prompt_data),
 }
 
 

@@ -3,8 +3,8 @@
 ``recipes-train recipe=sft/full stage.init_from=DIR data.path=chat.jsonl`` (and
 ``sft/lora``, ``dpo/full``, ``dpo/lora``, ``kto/full``, ``reward/full``; ``trainer=cpu``
 here) takes the model's shape, tokenizer and chat template from the folder, reads the
-user's records, and refuses a bad record with its file and line. The runs here are a few steps long: the on-ramp is
-what is tested, not learning (the stage tests show that).
+user's records, and refuses a bad record with its file and line. The runs here are a few
+steps long: the on-ramp is what is tested, not learning (the stage tests show that).
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from recipes_lib.config.model import RopeScalingConfig as RopeScalingConfig
 from recipes_lib.config.model import model_fields as model_fields
 from recipes_lib.config.model import resolved_model_fields as resolved_model_fields
 from recipes_lib.config.objectives import DistillConfig as DistillConfig
+from recipes_lib.config.objectives import GRPOConfig as GRPOConfig
 from recipes_lib.config.objectives import PreferenceConfig as PreferenceConfig
 from recipes_lib.config.objectives import RewardConfig as RewardConfig
 
@@ -370,6 +371,7 @@ class RunConfig:
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     data: DataConfig = field(default_factory=DataConfig)
     stage: StageConfig = field(default_factory=StageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

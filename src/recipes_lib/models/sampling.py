@@ -84,7 +84,8 @@ def sample_completions(
     times, decoded together (see the module docstring).
 
     Args:
-        model: the decoder (in eval mode for the call; sharded models work too).
+        model: the decoder (in eval mode for the call; an FSDP-sharded one too: it runs
+            through the model's forward, which gathers the weights).
         prompts: token ids, at least one per prompt; lengths may differ.
         max_new_tokens: the most tokens a completion gets.
         completions_per_prompt: ``k``, the completions of each prompt.
@@ -132,9 +133,9 @@ def sample_completions(
     was_training = model.training
     model.eval()
     try:
-        hidden = model.forward_hidden(ids.to(device), cache=cache)  # (B, P, C)
+        # the model's own forward: a sharded model gathers its weights for it
+        logits = model(ids.to(device), cache=cache, last_only=True)[:, -1]  # (B, V)
         for step in range(max_new_tokens):
-            logits = model.output(hidden[:, -1])  # (B, V)
             token = sample_next(logits, temperature, top_p, generator)  # (B,)
             going = ~done
             token = token.masked_fill(done, 0)
@@ -144,7 +145,7 @@ def sample_completions(
             if step == max_new_tokens - 1 or bool(done.all()):
                 break
             cache.key_mask[:, P + step] = going  # a real position for rows still going
-            hidden = model.forward_hidden(token[:, None], cache=cache)  # (B, 1, C)
+            logits = model(token[:, None], cache=cache, last_only=True)[:, -1]  # (B, V)
     finally:
         model.train(was_training)
     lengths_list, new_rows = lengths.tolist(), new.tolist()

@@ -266,9 +266,12 @@ class Transformer(nn.Module):
         labels: Tensor | None = None,
         per_token: bool = False,
         loss_chunk_size: int | None = None,
+        last_only: bool = False,
     ) -> Tensor:
         """Next-token logits, ``(B, T, V)``; ``cache``/``start_pos`` as in
-        :meth:`forward_hidden`.
+        :meth:`forward_hidden`; with ``last_only``, the last position's alone
+        (``(B, 1, V)``: what decoding needs, through the model's own forward so that a
+        sharded model gathers its weights).
 
         With ``labels`` (``(B, T)``, aligned with the logits, ``-100`` where nothing
         counts) the head's loss instead: the mean cross-entropy (0-d), or with
@@ -280,7 +283,7 @@ class Transformer(nn.Module):
         """
         hidden = self.forward_hidden(input_ids, doc_ids, cache=cache, start_pos=start_pos)
         if labels is None:
-            return self.output(hidden)
+            return self.output(hidden[:, -1:] if last_only else hidden)
         if labels.shape != input_ids.shape:
             raise ValueError(
                 f"labels {tuple(labels.shape)} must have the shape of input_ids "

@@ -15,7 +15,7 @@ problem stops the run with one line naming the keys:
 6. the data against the model (sequence length, a new tokenizer's vocabulary) and the
    attention kernel (document masking);
 7. the adapter, the precision and the strategy on this machine;
-8. the training guard and the batch ramp against the strategy.
+8. the training guard, the batch ramp and GRPO's rollouts against the strategy.
 
 Domains declare what they support (:class:`~recipes_lib.parallel.StrategySpec`,
 :class:`~recipes_lib.kernels.AttentionCapabilities`); these checks read those
@@ -42,6 +42,7 @@ from recipes_lib.preflight.stage import (
     check_guard,
     check_head,
     check_init_source,
+    check_rollouts,
     check_stage_io,
 )
 
@@ -69,6 +70,7 @@ def check_run(cfg: RunConfig, objectives: tuple[str, ...]) -> None:
     check_strategy(cfg)
     check_guard(cfg)
     check_batch_ramp(cfg)
+    check_rollouts(cfg)
 
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "check_init_source",
     "check_optimizer_choice",
     "check_precision",
+    "check_rollouts",
     "check_run",
     "check_stage_io",
     "check_strategy",

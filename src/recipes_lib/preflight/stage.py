@@ -152,3 +152,22 @@ def check_head(cfg: RunConfig) -> None:
             f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size} fuses the vocabulary "
             "head with the loss; model.head=score has no vocabulary: set it to null"
         )
+
+
+def check_rollouts(cfg: RunConfig) -> None:
+    """GRPO's optimizer steps on one batch of completions follow the data stream one
+    batch per step, and its sampling runs through the model's own forward."""
+    if cfg.stage.objective != "grpo":
+        return
+    updates = cfg.grpo.updates_per_batch
+    if updates > 1 and (cfg.trainer.accumulate_grad_batches != 1 or cfg.stage.batch_ramp.tokens):
+        raise ConfigError(
+            f"grpo.updates_per_batch={updates} takes one batch of prompts per optimizer "
+            f"step; trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches} "
+            "and stage.batch_ramp split a step: raise data.batch_size instead"
+        )
+    if get_strategy(cfg.strategy.name).steps_in_engine:
+        raise ConfigError(
+            f"stage.objective=grpo with strategy={cfg.strategy.name}: sampling is not "
+            "supported inside DeepSpeed's engine; use ddp or fsdp"
+        )

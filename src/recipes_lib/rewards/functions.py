@@ -60,21 +60,25 @@ def python_syntax(
     completion: str, record: Mapping[str, Any], *, prefix_field: str | None = None
 ) -> float:
     """1.0 when the completion (after ``record[prefix_field]``, when given) parses as
-    Python; else 0.0."""
+    Python and holds a statement; else 0.0 (an empty completion is no answer)."""
     prefix = str(record[prefix_field]) if prefix_field else ""
-    return float(_parses(prefix + completion) is not None)
+    tree = _parses(prefix + completion)
+    return float(tree is not None and bool(tree.body) and bool(completion.strip()))
 
 
-def defines_function(completion: str, record: Mapping[str, Any], *, field: str = "name") -> float:
+def defines_function(
+    completion: str, record: Mapping[str, Any], *, field: str | None = "name"
+) -> float:
     """1.0 when the completion parses as Python and defines, at its top level, a function
-    named ``record[field]``; else 0.0."""
+    named ``record[field]`` (``field`` None: any function); else 0.0."""
     tree = _parses(completion)
     if tree is None:
         return 0.0
-    name = str(record[field])
+    name = None if field is None else str(record[field])
     return float(
         any(
-            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name
+            isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and (name is None or node.name == name)
             for node in tree.body
         )
     )

@@ -4,10 +4,10 @@ from pathlib import Path
 import recipes_lib.data
 
 DATA_DIR = Path(recipes_lib.data.__file__).parent
-PIPELINES = ("text", "chat", "preference")
-# What each pipeline may import of the others: preference pairs are rendered as chats
-# and the built-in pairs extend the built-in instructions.
-MAY_IMPORT = {"text": (), "chat": (), "preference": ("chat",)}
+PIPELINES = ("text", "chat", "preference", "prompts")
+# What each pipeline may import of the others: preference pairs and prompts are rendered
+# as chats, and the built-in pairs and task extend the built-in instructions.
+MAY_IMPORT = {"text": (), "chat": (), "preference": ("chat",), "prompts": ("chat",)}
 
 
 def _imports(path: Path) -> list[str]:

@@ -39,6 +39,8 @@ def test_python_checks():
     good = "def double(x):\n    return 2 * x\n"
     assert python_syntax(good, RECORD) == 1.0 and defines_function(good, RECORD) == 1.0
     assert python_syntax("def double(x):\n    return (", RECORD) == 0.0
+    assert python_syntax("  \n", RECORD) == 0.0  # no statement: no answer
+    assert defines_function("def triple(x):\n    return 3 * x\n", RECORD, field=None) == 1.0
     assert defines_function("def triple(x):\n    return 3 * x\n", RECORD) == 0.0
     body = "    return 2 * x\n"
     assert python_syntax(body, {"head": "def double(x):\n"}, prefix_field="head") == 1.0

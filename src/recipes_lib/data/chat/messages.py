@@ -18,6 +18,7 @@ from recipes_lib.errors import DataError
 ROLES = ("system", "user", "assistant")
 
 Message = dict[str, str]
+Text = str | list[dict]  # plain text, or chat messages
 
 
 def _bad(source: RecordSource, index: int, field: str, problem: str) -> DataError:
@@ -95,3 +96,54 @@ def _present(record: Mapping) -> list[str]:
     """The fields a record holds: ``datasets`` gives every record of a file every field
     any of them has, set to None where it lacks it."""
     return sorted(k for k, v in record.items() if v is not None)
+
+
+class BadRecord(Exception):
+    """A record that cannot be used; ``reason`` is what a skip is counted under."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _check_messages(value: list, field: str, where: str) -> list[dict]:
+    for i, message in enumerate(value):
+        if not isinstance(message, Mapping):
+            raise BadRecord(
+                f"{where}: field {field!r} message {i} is a {type(message).__name__}, not a "
+                "{role, content} mapping",
+                f"malformed field {field!r}",
+            )
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise BadRecord(
+                f"{where}: field {field!r} message {i} has unknown role {role!r} "
+                f"(expected one of {list(ROLES)})",
+                f"unknown role in field {field!r}",
+            )
+        if not isinstance(content, str):
+            raise BadRecord(
+                f"{where}: field {field!r} message {i} has no text content",
+                f"malformed field {field!r}",
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def text_field(record: Mapping, field: str, where: str, *, required: bool = True) -> Text | None:
+    value = record.get(field)
+    if value is None:
+        if required:
+            raise BadRecord(f"{where}: field {field!r} is missing", f"missing field {field!r}")
+        return None
+    if isinstance(value, str):
+        if not value.strip():
+            raise BadRecord(f"{where}: field {field!r} is empty", f"empty field {field!r}")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise BadRecord(f"{where}: field {field!r} is empty", f"empty field {field!r}")
+        return _check_messages(value, field, where)
+    raise BadRecord(
+        f"{where}: field {field!r} holds {type(value).__name__}, not text or a list of messages",
+        f"malformed field {field!r}",
+    )

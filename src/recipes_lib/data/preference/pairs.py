@@ -34,13 +34,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from recipes_lib.config.schema import ChatFormatConfig
-from recipes_lib.data.chat.messages import ROLES
+from recipes_lib.data.chat.messages import BadRecord, Text, text_field
 from recipes_lib.data.chat.template import ChatRenderer
 from recipes_lib.data.chat_records import bad_record_error, check_chat_format
 from recipes_lib.data.records import RecordSource, record_where
 from recipes_lib.errors import DataError
-
-Text = str | list[dict]  # plain text, or chat messages
 
 
 @dataclass(frozen=True)
@@ -66,57 +64,6 @@ class EncodedPair:
     @property
     def max_len(self) -> int:
         return max(len(self.chosen_ids), len(self.rejected_ids))
-
-
-class BadRecord(Exception):
-    """A record that cannot be used; ``reason`` is what a skip is counted under."""
-
-    def __init__(self, message: str, reason: str):
-        super().__init__(message)
-        self.reason = reason
-
-
-def _check_messages(value: list, field: str, where: str) -> list[dict]:
-    for i, message in enumerate(value):
-        if not isinstance(message, Mapping):
-            raise BadRecord(
-                f"{where}: field {field!r} message {i} is a {type(message).__name__}, not a "
-                "{role, content} mapping",
-                f"malformed field {field!r}",
-            )
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise BadRecord(
-                f"{where}: field {field!r} message {i} has unknown role {role!r} "
-                f"(expected one of {list(ROLES)})",
-                f"unknown role in field {field!r}",
-            )
-        if not isinstance(content, str):
-            raise BadRecord(
-                f"{where}: field {field!r} message {i} has no text content",
-                f"malformed field {field!r}",
-            )
-    return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-def text_field(record: Mapping, field: str, where: str, *, required: bool = True) -> Text | None:
-    value = record.get(field)
-    if value is None:
-        if required:
-            raise BadRecord(f"{where}: field {field!r} is missing", f"missing field {field!r}")
-        return None
-    if isinstance(value, str):
-        if not value.strip():
-            raise BadRecord(f"{where}: field {field!r} is empty", f"empty field {field!r}")
-        return value
-    if isinstance(value, list):
-        if not value:
-            raise BadRecord(f"{where}: field {field!r} is empty", f"empty field {field!r}")
-        return _check_messages(value, field, where)
-    raise BadRecord(
-        f"{where}: field {field!r} holds {type(value).__name__}, not text or a list of messages",
-        f"malformed field {field!r}",
-    )
 
 
 def _common_prefix(a: list[dict], b: list[dict]) -> int:

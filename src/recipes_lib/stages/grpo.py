@@ -1,0 +1,301 @@
+"""Online RL with verifiable rewards: the ``grpo`` objective.
+
+Each training batch is a batch of prompts (:mod:`recipes_lib.data.prompts.module`). The
+policy samples ``grpo.completions_per_prompt`` completions of each with the KV cache
+(:func:`~recipes_lib.models.sampling.sample_completions`, on the training devices: under
+FSDP the sharded model generates through its own forward), the rewards score them
+(:mod:`recipes_lib.rewards`), and each completion's advantage is its reward against its
+group's (:func:`~recipes_lib.losses.rl.group_advantages`). The clipped objective
+(:func:`~recipes_lib.losses.rl.grpo_loss`) is then minimised over
+``grpo.updates_per_batch`` optimizer steps on the same completions (the data module
+draws each batch that many times); the ratio is taken to the log-probs of the policy
+that sampled, kept with the completions. With ``grpo.kl_coef > 0`` a frozen reference
+(the starting weights; under LoRA the base with its adapters bypassed) adds the KL term.
+
+Sampling is seeded by ``run.seed`` and the optimizer step, and the completions a step
+left for the next ones are saved in checkpoints, so a resumed run continues as the
+uninterrupted one would.
+
+Logged as ``train/...``: ``loss``, ``reward`` (the mean weighted total),
+``rewards/<name>`` (each reward's mean), ``completion_length``, ``finished`` (the share
+of completions that ended with the EOS token), ``clip_fraction`` and ``kl``; validation
+decodes one greedy completion per held-out prompt and logs ``val/reward`` and
+``val/rewards/<name>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recipes_lib.config.schema import GRPOConfig
+from recipes_lib.config.store import as_config
+from recipes_lib.data.prompts.module import prompts_of
+from recipes_lib.errors import ConfigError
+from recipes_lib.losses.cross_entropy import IGNORE_INDEX
+from recipes_lib.losses.rl import LOSS_NORMS, group_advantages, grpo_loss
+from recipes_lib.models.sampling import Completions, sample_completions
+from recipes_lib.rewards import build_rewards, score_completions
+from recipes_lib.stages.causal_lm import Batch, CausalLMModule
+from recipes_lib.stages.reference import FrozenReference, build_reference
+from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
+
+ROLLOUT_KEY = "grpo_rollout"  # checkpoint entry: completions later steps train on
+
+
+@dataclass
+class Rollout:
+    """Sampled completions ready to train on: rows of prompt and completion, the
+    completion tokens as labels, and what the loss needs of them."""
+
+    key: list[int]  # the prompts' dataset indices
+    input_ids: Tensor  # (R, L) prompt + completion, all but the last token
+    labels: Tensor  # (R, L) the completion's tokens where they are next, -100 elsewhere
+    advantages: Tensor  # (R,)
+    old_logps: Tensor | None  # (R, L) under the sampling policy (None: one update)
+    ref_logps: Tensor | None  # (R, L) under the reference (None: no KL term)
+    metrics: dict[str, Tensor]
+
+    def to(self, device: torch.device) -> Rollout:
+        """This rollout with its tensors on ``device``."""
+        moved = {
+            f.name: getattr(self, f.name).to(device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), Tensor)
+        }
+        metrics = {k: v.to(device) for k, v in self.metrics.items()}
+        return replace(self, **moved, metrics=metrics)
+
+    def state(self) -> dict[str, Any]:
+        """Its fields, tensors on the CPU (for a checkpoint)."""
+        cpu = self.to(torch.device("cpu"))
+        return {f.name: getattr(cpu, f.name) for f in fields(cpu)}
+
+
+def check_grpo(settings: GRPOConfig) -> None:
+    """Refuse GRPO settings out of range, naming the key."""
+    checks = [
+        (settings.completions_per_prompt >= 2, "completions_per_prompt", "must be >= 2 (a group)"),
+        (settings.max_new_tokens >= 1, "max_new_tokens", "must be >= 1"),
+        (settings.temperature > 0, "temperature", "must be > 0 (training samples)"),
+        (0 < settings.top_p <= 1, "top_p", "must be in (0, 1]"),
+        (settings.updates_per_batch >= 1, "updates_per_batch", "must be >= 1"),
+        (0 < settings.clip_low < 1, "clip_low", "must be in (0, 1)"),
+        (settings.clip_high is None or settings.clip_high > 0, "clip_high", "must be > 0"),
+        (settings.kl_coef >= 0, "kl_coef", "must be >= 0"),
+        (settings.loss_norm in LOSS_NORMS, "loss_norm", f"must be one of {list(LOSS_NORMS)}"),
+    ]
+    for ok, key, problem in checks:
+        if not ok:
+            raise ConfigError(f"grpo.{key}={getattr(settings, key)!r} {problem}")
+
+
+class GRPOModule(CausalLMModule):
+    """GRPO of a causal LM on prompts with verifiable rewards (see the module docstring).
+
+    Takes :class:`CausalLMModule`'s arguments plus ``grpo`` (the settings),
+    ``allowed_targets`` (``run.allowed_targets``, for reward functions of your own) and
+    ``seed`` (``run.seed``, for sampling).
+
+    Raises:
+        ConfigError: a setting out of range or a reward that cannot be built.
+    """
+
+    config_groups = ("grpo",)
+
+    @classmethod
+    def from_run_config(cls, cfg, **kwargs: Any) -> GRPOModule:
+        extra = {"allowed_targets": tuple(cfg.run.allowed_targets), "seed": cfg.run.seed}
+        return super().from_run_config(cfg, **extra, **kwargs)  # type: ignore[return-value]
+
+    def __init__(
+        self,
+        *args: Any,
+        grpo: GRPOConfig | None = None,
+        allowed_targets: Sequence[str] = (),
+        seed: int = 0,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self.grpo_config: GRPOConfig = as_config(GRPOConfig, grpo or GRPOConfig(), "grpo")
+        check_grpo(self.grpo_config)
+        self.rewards = build_rewards(self.grpo_config.rewards, allowed_targets)
+        self.hparams["grpo"] = asdict(self.grpo_config)
+        self.seed = seed
+        self.reference: FrozenReference | None = None
+        self.rollout: Rollout | None = None
+
+    def configure_model(self) -> None:
+        """Build the policy, then (with ``grpo.kl_coef > 0``) its frozen reference."""
+        if self.model is not None:
+            return
+        super().configure_model()
+        if self.grpo_config.kl_coef > 0:
+            self.reference = build_reference(self, self.init_from, "stage.init_from")
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        if self.reference is not None:
+            self.reference.match_dtype(next(self._built_model().parameters()).dtype)
+
+    # -------------------------------------------------------------- rollouts
+    def _datamodule(self):
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is None or getattr(datamodule, "eos_id", None) is None:
+            raise ConfigError(
+                "stage.objective=grpo needs its prompt data module (data=stdlib_grpo or "
+                "data=prompts), set up before training"
+            )
+        return datamodule
+
+    def sample(self, batch: Batch, k: int, temperature: float, seed: int) -> Completions:
+        """``k`` completions of each prompt of ``batch``, stopping at the EOS token."""
+        settings = self.grpo_config
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        return sample_completions(
+            self._built_model(),
+            prompts_of(batch),
+            settings.max_new_tokens,
+            completions_per_prompt=k,
+            temperature=temperature,
+            top_p=settings.top_p if temperature > 0 else 1.0,
+            stop_ids=[self._datamodule().eos_id],
+            generator=generator,
+        )
+
+    def score(
+        self, batch: Batch, completions: Completions, k: int
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The completions' total rewards ``(R,)`` and each reward's values."""
+        datamodule = self._datamodule()
+        texts = [  # without the EOS token a finished completion ends with
+            datamodule.tokenizer.decode(tokens[:-1] if done else tokens)
+            for tokens, done in zip(completions.tokens, completions.finished, strict=True)
+        ]
+        records = [r for r in batch["records"] for _ in range(k)]
+        where = [w for w in batch["where"] for _ in range(k)]
+        return score_completions(self.rewards, texts, records, where)
+
+    def _rows(self, batch: Batch, completions: Completions, k: int) -> tuple[Tensor, Tensor]:
+        """``input_ids`` and ``labels`` ``(R, L)`` of prompt + completion rows."""
+        prompts = [p for p in prompts_of(batch) for _ in range(k)]
+        rows = [p + c for p, c in zip(prompts, completions.tokens, strict=True)]
+        width = max(len(row) for row in rows) - 1
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        for r, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
+            input_ids[r, : len(row) - 1] = torch.tensor(row[:-1])
+            # the token at position i + 1 is predicted at i: the completion's, from the
+            # prompt's last position on
+            labels[r, len(prompt) - 1 : len(row) - 1] = torch.tensor(row[len(prompt) :])
+        return input_ids.to(self.device), labels.to(self.device)
+
+    def token_logprobs(self, model: Any, input_ids: Tensor, labels: Tensor) -> Tensor:
+        """``(R, L)`` fp32 log-probs of ``labels`` under ``model`` (0 where ignored),
+        through the head fused with the loss when ``kernels.loss_chunk_size`` is set."""
+        chunk = self.kernels_config.loss_chunk_size
+        return model(input_ids, labels=labels, per_token=True, loss_chunk_size=chunk)
+
+    def make_rollout(self, batch: Batch) -> Rollout:
+        """Sample, score and prepare the completions of ``batch``'s prompts."""
+        settings = self.grpo_config
+        k = settings.completions_per_prompt
+        trainer = self._attached()
+        step, rank = (trainer.global_step, trainer.global_rank) if trainer else (0, 0)
+        seed = (self.seed * 1_000_003 + step) * 1009 + rank  # each step and rank its own
+        completions = self.sample(batch, k, settings.temperature, seed)
+        total, each = self.score(batch, completions, k)
+        advantages = group_advantages(total, k, scale=settings.scale_rewards)
+        input_ids, labels = self._rows(batch, completions, k)
+        old = ref = None
+        with torch.no_grad():
+            if settings.updates_per_batch > 1:
+                old = self.token_logprobs(self._built_model(), input_ids, labels)
+            if self.reference is not None:
+                ref = self.token_logprobs(self.reference, input_ids, labels)
+        lengths = torch.tensor([len(t) for t in completions.tokens], dtype=torch.float32)
+        metrics = {
+            "reward": total.mean(),
+            **{f"rewards/{name}": values.mean() for name, values in each.items()},
+            "completion_length": lengths.mean(),
+            "finished": torch.tensor(completions.finished, dtype=torch.float32).mean(),
+        }
+        return Rollout(
+            key=batch["index"].tolist(),
+            input_ids=input_ids,
+            labels=labels,
+            advantages=advantages.to(self.device),
+            old_logps=old,
+            ref_logps=ref,
+            metrics={name: value.to(self.device) for name, value in metrics.items()},
+        )
+
+    def _rollout_for(self, batch: Batch) -> Rollout:
+        """The completions this step trains on: new ones on the first of a batch's
+        ``updates_per_batch`` steps, else the ones kept from its first."""
+        repeat = self.trainer.global_step % self.grpo_config.updates_per_batch
+        kept = self.rollout
+        if repeat == 0 or kept is None or kept.key != batch["index"].tolist():
+            self.rollout = self.make_rollout(batch)
+        return self.rollout
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
+        """The clipped objective on the step's completions, and its metrics."""
+        settings = self.grpo_config
+        rollout = self._rollout_for(batch)
+        logps = self.token_logprobs(self._built_model(), rollout.input_ids, rollout.labels)
+        old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
+        loss, metrics = grpo_loss(
+            logps,
+            old,
+            rollout.advantages,
+            rollout.labels != IGNORE_INDEX,
+            clip_low=settings.clip_low,
+            clip_high=settings.clip_high,
+            ref_logps=rollout.ref_logps,
+            kl_coef=settings.kl_coef,
+            loss_norm=settings.loss_norm,
+            max_new_tokens=settings.max_new_tokens,
+        )
+        return loss, {**rollout.metrics, **metrics}
+
+    def count_tokens(self, batch: Batch) -> int:
+        """The completion tokens this rank trains on in the step."""
+        rollout = self.rollout
+        return 0 if rollout is None else int((rollout.labels != IGNORE_INDEX).sum())
+
+    # ------------------------------------------------------------ validation
+    def validation_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        """One greedy completion of each held-out prompt, and its rewards."""
+        completions = self.sample(batch, 1, 0.0, self.seed)
+        total, each = self.score(batch, completions, 1)
+        size = len(batch["records"])
+        values = {"reward": total, **{f"rewards/{n}": v for n, v in each.items()}}
+        for name, value in values.items():
+            mean = value.mean().to(self.device)
+            self.log(f"val/{name}", mean, on_epoch=True, sync_dist=True, batch_size=size)
+        return total.mean()
+
+    def on_validation_epoch_end(self) -> None:
+        self._val_loss_sum = self._val_batches = None  # no loss, no perplexity
+
+    # ----------------------------------------------------------- checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        rollout = self.rollout
+        if rollout is not None and self.grpo_config.updates_per_batch > 1:
+            checkpoint[ROLLOUT_KEY] = rollout.state()
+
+    def on_load_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)  # type: ignore[arg-type]
+        saved = checkpoint.get(ROLLOUT_KEY)
+        if saved is not None:
+            self.rollout = Rollout(**saved).to(self.device)
+
+    def on_fit_end(self) -> None:
+        save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
