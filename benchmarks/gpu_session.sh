@@ -42,6 +42,9 @@
 #                                              # against TRL and TRL+Liger at 1B (trl and
 #                                              # liger-kernel wheels)
 #   bash benchmarks/gpu_session.sh posttrain2  # the cases again one per GPU, DPO at 256 rows
+#   bash benchmarks/gpu_session.sh grpo        # rollouts against transformers' generate, GRPO
+#                                              # steps against TRL (trl wheel), GRPO and DPO
+#                                              # under FSDP on 2 GPUs, the stage curve tests
 #   bash benchmarks/gpu_session.sh posttrain3  # each case against TRL+Liger after the fused
 #                                              # head's memory changes, and its GPU test
 #   bash benchmarks/gpu_session.sh posttrain_memory   # what is alive at each side's peak
@@ -268,6 +271,14 @@ posttrain_tests)
     cp tests/gpu/reference_losses.json $OUT/"
   job multigpu_tests 2,3 "timeout -s INT 400 $PY -m pytest -q -rs tests/gpu/test_multigpu.py \
       -p no:cacheprovider"
+  wait ;;
+grpo)  # rollouts against transformers' generate, GRPO steps against TRL, GRPO under FSDP
+  GRPO="$PY benchmarks/grpo_peer.py --side-timeout 250"
+  job rollout 0 "$GRPO --cases rollout --out $OUT/grpo_peer_rollout.json"
+  job grpo_step 1 "$GRPO --cases grpo_step --out $OUT/grpo_peer_step.json"
+  job grpo_fsdp 2,3 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -k 'post_training and \
+      (grpo or dpo)' -p no:cacheprovider; $PY -m pytest -q -rs tests/gpu/test_stage_curves.py \
+      tests/gpu/test_gpu_recipes.py -p no:cacheprovider"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"

@@ -239,18 +239,24 @@ def test_deepspeed_trains_on_two_gpus(tmp_path, cache, strategy):
 
 @pytest.mark.parametrize(
     ("recipe", "extra"),
-    [("sft/lora_tiny", []), ("sft/lora_tiny", ["adapter=qlora", "adapter.r=8"]), ("dpo/tiny", [])],
-    ids=["lora_sft", "qlora_sft", "dpo"],
+    [
+        ("sft/lora_tiny", []),
+        ("sft/lora_tiny", ["adapter=qlora", "adapter.r=8"]),
+        ("dpo/tiny", []),
+        ("grpo/tiny", ["grpo.max_new_tokens=64", "grpo.kl_coef=0.05"]),
+    ],
+    ids=["lora_sft", "qlora_sft", "dpo", "grpo"],
 )
 def test_post_training_runs_under_fsdp(runs, tmp_path, recipe, extra):
-    """LoRA and QLoRA SFT and DPO from the one-GPU pretrained ``small`` model, sharded
-    on two GPUs (QLoRA's 4-bit base weights stay whole on each GPU)."""
+    """LoRA and QLoRA SFT, DPO and GRPO from the one-GPU pretrained ``small`` model,
+    sharded on two GPUs (QLoRA's 4-bit base weights stay whole on each GPU; GRPO samples
+    on the same GPUs through the sharded model, both ranks decoding the same steps)."""
     if "adapter=qlora" in extra:
         pytest.importorskip("bitsandbytes")
     pretrained = runs("single")
     run_dir = tmp_path / recipe.replace("/", "_")
     objective = recipe.split("/")[0]
-    source = "stdlib_sft" if objective == "sft" else "stdlib_dpo"
+    source = {"sft": "stdlib_sft", "grpo": "stdlib_grpo"}.get(objective, "stdlib_dpo")
     losses = _cli(
         2,
         f"recipe={recipe}",
@@ -280,5 +286,5 @@ def test_post_training_runs_under_fsdp(runs, tmp_path, recipe, extra):
     assert (run_dir / "model.safetensors").is_file()
     if objective == "sft":
         assert (run_dir / "adapter" / "adapter_config.json").is_file()
-    else:  # the policy starts as the reference: the sigmoid loss starts at log 2
+    elif objective == "dpo":  # the policy starts as the reference: the sigmoid loss starts at log 2
         assert losses[0][1] == pytest.approx(math.log(2), abs=0.02)

@@ -13,7 +13,7 @@ Shapes: B rows (prompts times ``k``), P the longest prompt, N new tokens, V voca
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +68,10 @@ def sample_next(
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+def _all_rows(done: Tensor) -> bool:
+    return bool(done.all())
+
+
 @torch.no_grad()
 def sample_completions(
     model: Transformer,
@@ -79,6 +83,7 @@ def sample_completions(
     top_p: float = 1.0,
     stop_ids: Collection[int] = (),
     generator: torch.Generator | None = None,
+    all_finished: Callable[[Tensor], bool] | None = None,
 ) -> Completions:
     """Up to ``max_new_tokens`` new tokens for each prompt, ``completions_per_prompt``
     times, decoded together (see the module docstring).
@@ -92,6 +97,10 @@ def sample_completions(
         temperature, top_p: as :func:`sample_next`.
         stop_ids: token ids that finish a completion (the one drawn is kept).
         generator: draws the samples (on the model's device); None: torch's global one.
+        all_finished: whether decoding may end, given the rows' finished flags ``(B,)``;
+            default: when every row finished. Processes that shard one model must agree
+            (each step is a forward pass that gathers weights): pass one that combines
+            every process's flags.
 
     Raises:
         ConfigError: an empty prompt, bad sampling settings, or rows longer than
@@ -142,7 +151,7 @@ def sample_completions(
             new[:, step] = token
             lengths += going
             done = done | (torch.isin(token, stop) & going)
-            if step == max_new_tokens - 1 or bool(done.all()):
+            if step == max_new_tokens - 1 or (all_finished or _all_rows)(done):
                 break
             cache.key_mask[:, P + step] = going  # a real position for rows still going
             logits = model(token[:, None], cache=cache, last_only=True)[:, -1]  # (B, V)

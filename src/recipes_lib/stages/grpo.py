@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from recipes_lib.config.schema import GRPOConfig
@@ -165,7 +166,17 @@ class GRPOModule(CausalLMModule):
             top_p=settings.top_p if temperature > 0 else 1.0,
             stop_ids=[self._datamodule().eos_id],
             generator=generator,
+            all_finished=self._all_finished,
         )
+
+    def _all_finished(self, done: Tensor) -> bool:
+        """Whether every row of every process finished: processes that shard the model
+        decode the same number of steps (each gathers the weights)."""
+        finished = done.all().to(torch.int32)
+        trainer = self._attached()
+        if trainer is not None and trainer.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(finished, op=dist.ReduceOp.MIN)
+        return bool(finished)
 
     def score(
         self, batch: Batch, completions: Completions, k: int
