@@ -258,9 +258,10 @@ def run_trl_step(args, root: Path, start: float) -> dict:
     clock = Clock()
 
     class Counted(trl.GRPOTrainer):  # completion tokens of each step's batch
-        def training_step(self, model, inputs, *a, **kw):
+        def _prepare_inputs(self, generation_batch):  # where it samples, in each step
+            inputs = super()._prepare_inputs(generation_batch)
             clock.tokens.append(int(inputs["completion_mask"].sum()))
-            return super().training_step(model, inputs, *a, **kw)
+            return inputs
 
     trainer = Counted(
         model=str(root / "model"),

@@ -312,11 +312,13 @@ def test_a_grpo_run_resumed_between_two_updates_of_a_batch_matches_the_uninterru
     tmp_path, shared_cache, pretrained
 ):
     """Stopped after the first of a batch's two updates, the run resumes with the
-    completions it had sampled (kept in the checkpoint) and ends with the same weights."""
+    completions it had sampled (kept in the checkpoint) and the reference of its KL term,
+    and ends with the same weights."""
     settings = (
         "trainer.max_steps=6",
         "run.checkpoint_every_n_steps=3",
         "trainer.limit_val_batches=0",
+        "grpo.kl_coef=0.05",  # the reference too: rebuilt from the source the checkpoint names
     )
     straight = run(grpo_config(tmp_path / "straight", shared_cache, pretrained, *settings))
     split_dir = tmp_path / "split"

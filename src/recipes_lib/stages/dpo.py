@@ -38,7 +38,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recipes_lib.checkpoint.source import load_model_weights
 from recipes_lib.config.schema import PreferenceConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
@@ -46,11 +45,15 @@ from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.logprobs import token_logprobs
 from recipes_lib.losses.preference import PREFERENCE_LOSSES, PairLogps, PreferenceLoss
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
-from recipes_lib.stages.reference import FrozenReference, build_reference
+from recipes_lib.stages.reference import (
+    REFERENCE_SOURCE_KEY,
+    FrozenReference,
+    build_reference,
+    restore_reference,
+)
 from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
 
 SPLITS = ("train", "val")
-REFERENCE_SOURCE_KEY = "dpo_reference_from"  # checkpoint entry: where the reference came from
 
 
 def pair_logprobs(logits: Tensor, labels: Tensor, sequence_ids: Tensor, n_pairs: int) -> Tensor:
@@ -160,19 +163,9 @@ class DPOModule(CausalLMModule):
         """A resumed run has no ``stage.init_from``: rebuild a separate reference from the
         source the checkpoint names (its weights are never in the checkpoint)."""
         super().on_load_checkpoint(checkpoint)
-        saved = checkpoint.get(REFERENCE_SOURCE_KEY)
-        reference = self.reference
-        if saved is None or self.reference_source is not None or reference is None:
-            return
-        if reference.model is None:  # the adapted policy's base: restored with the policy
-            return
-        load_model_weights(
-            reference.model,
-            saved,
-            f"the reference of the resumed checkpoint ({saved!r}; set "
-            "preference.reference_from if it moved)",
+        self.reference_source = restore_reference(
+            self.reference, checkpoint, self.reference_source, "preference.reference_from"
         )
-        self.reference_source = saved
 
     def _reference(self) -> FrozenReference:
         if self.reference is None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +43,12 @@ from recipes_lib.losses.rl import LOSS_NORMS, group_advantages, grpo_loss
 from recipes_lib.models.sampling import Completions, sample_completions
 from recipes_lib.rewards import build_rewards, score_completions
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
-from recipes_lib.stages.reference import FrozenReference, build_reference
+from recipes_lib.stages.reference import (
+    REFERENCE_SOURCE_KEY,
+    FrozenReference,
+    build_reference,
+    restore_reference,
+)
 from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
 
 ROLLOUT_KEY = "grpo_rollout"  # checkpoint entry: completions later steps train on
@@ -128,6 +134,7 @@ class GRPOModule(CausalLMModule):
         self.hparams["grpo"] = asdict(self.grpo_config)
         self.seed = seed
         self.reference: FrozenReference | None = None
+        self.reference_source: str | None = None  # the file a separate reference came from
         self.rollout: Rollout | None = None
 
     def configure_model(self) -> None:
@@ -137,6 +144,8 @@ class GRPOModule(CausalLMModule):
         super().configure_model()
         if self.grpo_config.kl_coef > 0:
             self.reference = build_reference(self, self.init_from, "stage.init_from")
+            if self.init_from is not None and not self.reference.shares_policy:
+                self.reference_source = str(Path(self.init_from).expanduser().resolve())
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -209,7 +218,7 @@ class GRPOModule(CausalLMModule):
         """``(R, L)`` fp32 log-probs of ``labels`` under ``model`` (0 where ignored),
         through the head fused with the loss when ``kernels.loss_chunk_size`` is set."""
         chunk = self.kernels_config.loss_chunk_size
-        return model(input_ids, labels=labels, per_token=True, loss_chunk_size=chunk)
+        return model(input_ids, None, labels=labels, per_token=True, loss_chunk_size=chunk)
 
     def make_rollout(self, batch: Batch) -> Rollout:
         """Sample, score and prepare the completions of ``batch``'s prompts."""
@@ -298,12 +307,16 @@ class GRPOModule(CausalLMModule):
     # ----------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
+        checkpoint[REFERENCE_SOURCE_KEY] = self.reference_source
         rollout = self.rollout
         if rollout is not None and self.grpo_config.updates_per_batch > 1:
             checkpoint[ROLLOUT_KEY] = rollout.state()
 
     def on_load_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)  # type: ignore[arg-type]
+        self.reference_source = restore_reference(
+            self.reference, checkpoint, self.reference_source, "stage.init_from"
+        )
         saved = checkpoint.get(ROLLOUT_KEY)
         if saved is not None:
             self.rollout = Rollout(**saved).to(self.device)

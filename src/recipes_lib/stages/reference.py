@@ -5,13 +5,17 @@ built as the policy is."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from recipes_lib.adapters import adapters_disabled, has_adapter
+from recipes_lib.checkpoint.source import load_model_weights
 from recipes_lib.stages.build import build_model
+
+REFERENCE_SOURCE_KEY = "dpo_reference_from"  # checkpoint entry: where the reference came from
 
 if TYPE_CHECKING:
     from recipes_lib.stages.causal_lm import CausalLMModule
@@ -83,3 +87,24 @@ def build_reference(
     device, mesh = module._placement()
     reference = build_model(plan, device=device, mesh=mesh, attention=policy.attention_backend)
     return FrozenReference(model=reference)
+
+
+def restore_reference(
+    reference: FrozenReference | None,
+    checkpoint: Mapping[str, Any],
+    current: str | None,
+    key: str,
+) -> str | None:
+    """A resumed run has no ``stage.init_from``: load a separate reference from the
+    source the checkpoint names (its weights are never in a checkpoint), unless the run
+    already loaded one; returns the reference's source. ``key`` is the setting that
+    points elsewhere when the file moved."""
+    saved = checkpoint.get(REFERENCE_SOURCE_KEY)
+    if saved is None or current is not None or reference is None or reference.model is None:
+        return current  # nothing recorded, already loaded, or the adapted policy's base
+    load_model_weights(
+        reference.model,
+        saved,
+        f"the reference of the resumed checkpoint ({saved!r}; set {key} if it moved)",
+    )
+    return saved
