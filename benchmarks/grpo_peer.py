@@ -9,7 +9,8 @@ process of its own:
 - ``rollout``: sampling with the KV cache, ``--prompts`` prompts x ``--k`` completions of
   exactly ``--new-tokens`` tokens (no stop token; temperature 1, no top-p/top-k) from
   left-padded prompts, in bf16. ``recipes_lib``:
-  :func:`recipes_lib.models.sampling.sample_completions`; ``transformers``:
+  :func:`recipes_lib.models.sampling.sample_completions` (each step a CUDA graph;
+  ``recipes_lib_eager``: the same without the graph); ``transformers``:
   ``model.generate(do_sample=True, min_new_tokens=max_new_tokens, num_return_sequences=k)``
   with its default SDPA attention and dynamic cache. Completion tokens/s over
   ``--repeats`` calls after one warm-up call.
@@ -47,7 +48,10 @@ from posttrain_peer import figures  # noqa: E402
 from posttrain_peer import make_inputs as make_folder  # noqa: E402
 
 CASES = ("rollout", "grpo_step")
-SIDES = {"rollout": ("recipes_lib", "transformers"), "grpo_step": ("recipes_lib", "trl")}
+SIDES = {
+    "rollout": ("recipes_lib", "recipes_lib_eager", "transformers"),
+    "grpo_step": ("recipes_lib", "trl"),
+}
 REWARD = {
     "function": {
         "weight": 1.0,
@@ -97,7 +101,7 @@ def run_rollout(args, side: str, root: Path) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
     prompts = _prompt_ids(root, tokenizer, args.prompts, args.max_prompt)
     n, k = args.new_tokens, args.k
-    if side == "recipes_lib":
+    if side.startswith("recipes_lib"):
         from recipes_lib.checkpoint.hf import load_hf_checkpoint
         from recipes_lib.models.sampling import sample_completions
 
@@ -106,7 +110,13 @@ def run_rollout(args, side: str, root: Path) -> dict:
 
         def draw() -> int:
             out = sample_completions(
-                model, prompts, n, completions_per_prompt=k, temperature=1.0, generator=generator
+                model,
+                prompts,
+                n,
+                completions_per_prompt=k,
+                temperature=1.0,
+                generator=generator,
+                graphed=None if side == "recipes_lib" else False,
             )
             return sum(len(t) for t in out.tokens)
     else:
@@ -369,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
         for case in args.cases.split(","):
             sides = {side: spawn(args, case, side, root) for side in SIDES[case]}
             status |= any("error" in figures for figures in sides.values())
-            ours, theirs = (sides[s].get("tokens_per_sec") for s in SIDES[case])
+            ours = sides["recipes_lib"].get("tokens_per_sec")
+            theirs = sides[SIDES[case][-1]].get("tokens_per_sec")
             speed = {"speed": round(ours / theirs, 3)} if ours and theirs else {}
             result["cases"][case] = {"sides": sides, **speed}
     emit(result, args.out)

@@ -39,7 +39,7 @@ ROPE_SCALING_TYPES = ("none", "linear", "llama3", "longrope")
 # the tables of a longrope model for forwards past original_max_seq_len
 _LONG = ("rope_cos_long", "rope_sin_long")
 # the tables of the window layers of a model with model.local_rope_theta
-_LOCAL = ("rope_cos_local", "rope_sin_local")
+LOCAL_TABLES = _LOCAL = ("rope_cos_local", "rope_sin_local")  # the window layers' own
 
 
 _UNSCALED = _RopeScaling()

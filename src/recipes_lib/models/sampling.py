@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from recipes_lib.errors import ConfigError
+from recipes_lib.models.graphed_decode import GraphedDecoder, graphable
 from recipes_lib.models.kv_cache import KVCache
 from recipes_lib.models.rope import longrope_restarts
 from recipes_lib.models.transformer import Transformer
@@ -84,6 +85,7 @@ def sample_completions(
     stop_ids: Collection[int] = (),
     generator: torch.Generator | None = None,
     all_finished: Callable[[Tensor], bool] | None = None,
+    graphed: bool | None = None,
 ) -> Completions:
     """Up to ``max_new_tokens`` new tokens for each prompt, ``completions_per_prompt``
     times, decoded together (see the module docstring).
@@ -101,6 +103,9 @@ def sample_completions(
             default: when every row finished. Processes that shard one model must agree
             (each step is a forward pass that gathers weights): pass one that combines
             every process's flags.
+        graphed: decode each step as one static step
+            (:class:`~recipes_lib.models.graphed_decode.GraphedDecoder`: a CUDA graph on
+            CUDA); None: where :func:`~recipes_lib.models.graphed_decode.graphable`.
 
     Raises:
         ConfigError: an empty prompt, bad sampling settings, or rows longer than
@@ -144,6 +149,8 @@ def sample_completions(
     try:
         # the model's own forward: a sharded model gathers its weights for it
         logits = model(ids.to(device), cache=cache, last_only=True)[:, -1]  # (B, V)
+        static = graphable(model) if graphed is None else graphed
+        decoder = GraphedDecoder(model, cache) if static else None
         for step in range(max_new_tokens):
             token = sample_next(logits, temperature, top_p, generator)  # (B,)
             going = ~done
@@ -154,7 +161,10 @@ def sample_completions(
             if step == max_new_tokens - 1 or (all_finished or _all_rows)(done):
                 break
             cache.key_mask[:, P + step] = going  # a real position for rows still going
-            logits = model(token[:, None], cache=cache, last_only=True)[:, -1]  # (B, V)
+            if decoder is not None:
+                logits = decoder.step(token, P + step)  # (B, V)
+            else:
+                logits = model(token[:, None], cache=cache, last_only=True)[:, -1]
     finally:
         model.train(was_training)
     lengths_list, new_rows = lengths.tolist(), new.tolist()

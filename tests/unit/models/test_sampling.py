@@ -47,10 +47,14 @@ VARIANTS = {
 }
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_batched_greedy_rows_equal_each_prompt_decoded_alone(variant):
+def test_batched_greedy_rows_equal_each_prompt_decoded_alone(variant, static):
+    """Eager steps, and the static step a CUDA graph captures (run eagerly here)."""
     model = build(**VARIANTS[variant])
-    batched = sample_completions(model, PROMPTS, 24, temperature=0.0, completions_per_prompt=2)
+    batched = sample_completions(
+        model, PROMPTS, 24, temperature=0.0, completions_per_prompt=2, graphed=static
+    )
     alone = [generate(model, prompt, 24) for prompt in PROMPTS]
     assert batched.tokens == [tokens for tokens in alone for _ in range(2)]
     assert len(set(map(tuple, alone))) == len(alone)  # the prompts lead different ways
