@@ -278,7 +278,7 @@ grpo)  # rollouts against transformers' generate, GRPO steps against TRL, GRPO u
   job grpo_step 1 "$GRPO --cases grpo_step --out $OUT/grpo_peer_step.json"
   job grpo_fsdp 2,3 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -k 'post_training and \
       (grpo or dpo)' -p no:cacheprovider; $PY -m pytest -q -rs tests/gpu/test_stage_curves.py \
-      tests/gpu/test_gpu_recipes.py -p no:cacheprovider"
+      tests/gpu/test_gpu_recipes.py tests/gpu/test_sampling_gpu.py -p no:cacheprovider"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"
