@@ -37,8 +37,10 @@ class _StaticLayerCache:
     def attend(
         self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None
     ) -> Tensor:
-        self.keys.index_copy_(2, self.position, k)  # (B, nkv, S, hs) at the new position
-        self.values.index_copy_(2, self.position, v)
+        # (B, nkv, S, hs) at the new position, in the cache's dtype (as the eager
+        # cache's assignment casts: autocast computes them in a lower one)
+        self.keys.index_copy_(2, self.position, k.to(self.keys.dtype))
+        self.values.index_copy_(2, self.position, v.to(self.values.dtype))
         gqa = self.keys.shape[1] != q.shape[1]
         return torch.nn.functional.scaled_dot_product_attention(
             q, self.keys, self.values, attn_mask=mask, enable_gqa=gqa, scale=scale

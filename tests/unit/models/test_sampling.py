@@ -90,3 +90,17 @@ def test_bad_sampling_requests_are_refused():
         sample_completions(model, PROMPTS, 4, top_p=0.0)
     with pytest.raises(ConfigError, match="at least one token"):
         sample_completions(model, [[1], []], 4)
+
+
+def test_the_static_step_under_autocast_draws_as_the_eager_one():
+    """A trainer's autocast computes keys in a lower dtype than the cache's."""
+    model = build()
+
+    def draw(static: bool):
+        generator = torch.Generator().manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return sample_completions(
+                model, PROMPTS, 12, completions_per_prompt=2, generator=generator, graphed=static
+            ).tokens
+
+    assert draw(True) == draw(False)
