@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from posttrain_peer import figures  # noqa: E402
+from posttrain_peer import _sync, figures, spawn  # noqa: E402
 from posttrain_peer import make_inputs as make_folder  # noqa: E402
 
 CASES = ("rollout", "grpo_step")
@@ -70,14 +69,6 @@ def make_inputs(args, root: Path) -> None:
         for r in stdlib_task_records(args.records):
             prompt = [{"role": "user", "content": r["prompt"]}]
             f.write(json.dumps({"prompt": prompt, "name": r["name"]}) + "\n")
-
-
-def _sync() -> float:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.time()
 
 
 # ------------------------------------------------------------------------ rollout
@@ -304,20 +295,6 @@ def worker(args) -> int:
     return status
 
 
-def spawn(args, case: str, side: str, root: Path) -> dict:
-    out = root / f"{case}.{side}.json"
-    command = [sys.executable, __file__, *args.argv, "--worker"]
-    command += ["--case", case, "--side", side, "--root", str(root), "--worker-out", str(out)]
-    env = {**os.environ, "PEER_START": repr(time.time())}
-    try:
-        done = subprocess.run(command, env=env, timeout=args.side_timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"the {side} process ran past --side-timeout={args.side_timeout} s"}
-    if out.is_file():
-        return json.loads(out.read_text())
-    return {"error": f"the {side} process exited with status {done.returncode} and no figures"}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama_1b", help="a preset of conf/model/")
@@ -377,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         make_inputs(args, root)
         for case in args.cases.split(","):
-            sides = {side: spawn(args, case, side, root) for side in SIDES[case]}
+            sides = {side: spawn(args, case, side, root, __file__) for side in SIDES[case]}
             status |= any("error" in figures for figures in sides.values())
             ours = sides["recipes_lib"].get("tokens_per_sec")
             theirs = sides[SIDES[case][-1]].get("tokens_per_sec")

@@ -335,9 +335,11 @@ def worker(args) -> int:
     return status
 
 
-def spawn(args, case: str, side: str, root: Path) -> dict:
+def spawn(args, case: str, side: str, root: Path, script: str = __file__) -> dict:
+    """Run one side of one case in a process of ``script`` (this one, or another
+    benchmark's built the same way) and read back its figures."""
     out = root / f"{case}.{side}.json"
-    command = [sys.executable, __file__, *args.argv, "--worker"]
+    command = [sys.executable, script, *args.argv, "--worker"]
     command += ["--case", case, "--side", side, "--root", str(root), "--worker-out", str(out)]
     env = {**os.environ, "PEER_START": repr(time.time())}
     try:

@@ -150,7 +150,7 @@ class ResumableDataModule(L.LightningDataModule):
         starting after the samples a restored checkpoint had consumed; its length is
         ``total_train_samples`` (None: one pass)."""
         rank, world_size = self._rank_and_world()
-        return ResumableSampler(
+        return self.make_sampler(
             len(self.train_dataset),
             seed=self.config.seed,
             start=self._consumed_samples,
@@ -158,6 +158,11 @@ class ResumableDataModule(L.LightningDataModule):
             world_size=world_size,
             length=self.total_train_samples,
         )
+
+    def make_sampler(self, num_samples: int, **kwargs: Any) -> ResumableSampler:
+        """The training sampler of :meth:`train_sampler`'s arguments (a subclass may
+        draw its stream otherwise)."""
+        return ResumableSampler(num_samples, **kwargs)
 
     def collate_fn(self) -> Callable | None:
         """How samples become a batch (None: torch's default collation)."""

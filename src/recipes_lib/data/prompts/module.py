@@ -227,17 +227,10 @@ class PromptDataModule(ChatRecordsDataModule):
     def collate_fn(self):
         return collate_prompts
 
-    def train_sampler(self) -> RepeatingSampler:
-        rank, world_size = self._rank_and_world()
+    def make_sampler(self, num_samples: int, **kwargs: Any) -> RepeatingSampler:
+        """Each batch of the stream drawn ``grpo.updates_per_batch`` times in a row."""
         return RepeatingSampler(
-            len(self.train_dataset),
-            seed=self.config.seed,
-            start=self._consumed_samples,
-            rank=rank,
-            world_size=world_size,
-            length=self.total_train_samples,
-            batch_size=self.config.batch_size,
-            repeats=self.repeats,
+            num_samples, batch_size=self.config.batch_size, repeats=self.repeats, **kwargs
         )
 
 
