@@ -1,5 +1,6 @@
-"""Rewards for online RL: built-in verifiable reward functions and the registry that
-builds a run's ``grpo.rewards`` (:mod:`recipes_lib.rewards.registry`)."""
+"""Rewards for online RL: built-in verifiable reward functions, a trained reward model
+as a reward (:mod:`recipes_lib.rewards.model`) and the registry that builds a run's
+``grpo.rewards`` (:mod:`recipes_lib.rewards.registry`)."""
 
 from recipes_lib.rewards.functions import (
     defines_function,
@@ -8,10 +9,12 @@ from recipes_lib.rewards.functions import (
     python_syntax,
     unit_tests,
 )
+from recipes_lib.rewards.model import RewardModelScore
 from recipes_lib.rewards.registry import Reward, build_rewards, score_completions
 
 __all__ = [
     "Reward",
+    "RewardModelScore",
     "build_rewards",
     "defines_function",
     "exact_match",

@@ -21,6 +21,8 @@ number; one that raises or returns anything else stops the run with a
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from recipes_lib.config.instantiate import TARGET_KEY, instantiate
-from recipes_lib.errors import ConfigError, RewardError
+from recipes_lib.errors import ConfigError, RecipesError, RewardError
 
 WEIGHT_KEY, FN_KEY = "weight", "fn"
 
@@ -74,11 +76,23 @@ def build_rewards(
         fn = node[FN_KEY]
         if not isinstance(fn, Mapping) or TARGET_KEY not in fn:
             raise ConfigError(f"{key}.fn: expected a node with a {TARGET_KEY!r}, got {fn!r}")
-        built = instantiate({**fn, "_partial_": True}, f"{key}.fn", extra_prefixes)
-        rewards.append(Reward(name, built, float(weight)))
+        rewards.append(Reward(name, _build(fn, f"{key}.fn", extra_prefixes), float(weight)))
     if not rewards:
         raise ConfigError("grpo.rewards is empty: name at least one reward function")
     return rewards
+
+
+def _build(fn: Mapping[str, Any], key: str, extra_prefixes: Sequence[str] | None) -> Callable:
+    """The reward function a node names, its settings bound; a class (a reward that
+    loads something, as :class:`~recipes_lib.rewards.model.RewardModelScore`) is
+    built once with them, and its instance is the function."""
+    built = instantiate({**fn, "_partial_": True}, key, extra_prefixes)
+    if isinstance(built, functools.partial) and inspect.isclass(built.func):
+        try:
+            return built()
+        except RecipesError as err:
+            raise type(err)(f"{key}: {err}") from err
+    return built
 
 
 def _value(reward: Reward, completion: str, record: Mapping[str, Any], where: str) -> float:

@@ -212,3 +212,48 @@ def test_a_reward_models_adapter_loads_in_peft_over_the_language_model_it_starte
         ours = sequence_scores(reward.eval(), ids, None, last)
         theirs = hf(input_ids=ids).logits[:, 0]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def small_tokenizer_file(tmp_path_factory):
+    from recipes_lib.data.chat.instructions import stdlib_instruction_records
+    from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
+
+    texts = [r["prompt"] + r["response"] for r in stdlib_instruction_records(60)]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=400)
+    return save_tokenizer(tokenizer, tmp_path_factory.mktemp("tokenizer"))
+
+
+def test_a_reward_models_folder_is_a_grpo_reward(tmp_path, small_tokenizer_file):
+    """grpo.rewards can name a trained reward model: it scores the prompt and the
+    completion rendered with the folder's template, as the model scores that text."""
+    from recipes_lib.data.chat.template import ChatRenderer
+    from recipes_lib.data.tokenizer import load_tokenizer
+    from recipes_lib.rewards import build_rewards, score_completions
+
+    config = dataclasses.replace(MODEL, vocab_size=512, max_seq_len=128)
+    model = Transformer(config).eval()
+    with torch.no_grad():
+        model.output.weight.normal_()
+    folder = export_hf_checkpoint(
+        model, config, tmp_path / "reward", small_tokenizer_file, chat_template="plain"
+    )
+    node = {"_target_": "recipes_lib.rewards.RewardModelScore", "path": str(folder)}
+    rewards = build_rewards({"preference": {"weight": 2.0, "fn": node}})
+    records = [{"prompt": "Add two numbers."}, {"prompt": "Say hello."}]
+    completions = ["def add(a, b):\n    return a + b", "hello"]
+    total, each = score_completions(rewards, completions, records, ["p:1", "p:2"])
+    renderer = ChatRenderer(load_tokenizer(small_tokenizer_file), "plain")
+    for i, (record, completion) in enumerate(zip(records, completions, strict=True)):
+        turns = [{"role": "user", "content": record["prompt"]}]
+        ids = renderer.render([*turns, {"role": "assistant", "content": completion}]).input_ids
+        pad = renderer.tokenizer.token_to_id("<|endoftext|>")  # the export's padding
+        last = max(j for j, token in enumerate(ids) if token != pad)  # transformers' rule
+        with torch.no_grad():
+            expected = model(torch.tensor([list(ids)]))[0, last, 0]
+        assert each["preference"][i].item() == pytest.approx(expected.item(), abs=1e-5)
+    assert torch.allclose(total, 2.0 * each["preference"])
+    lm = dataclasses.replace(config, head="lm")
+    export_hf_checkpoint(Transformer(lm), lm, tmp_path / "lm", small_tokenizer_file)
+    with pytest.raises(ConfigError, match=r"grpo\.rewards\.x\.fn: path=.*not a reward model"):
+        build_rewards({"x": {"fn": {**node, "path": str(tmp_path / "lm")}}})

@@ -1,0 +1,93 @@
+"""A trained reward model as a GRPO reward: the hand-off from a ``reward`` stage.
+
+:class:`RewardModelScore` loads a reward model (``model.head=score``: a reward stage's
+output folder, or a Hugging Face ``...ForSequenceClassification`` folder) with the
+tokenizer and chat template beside it, and scores a completion as the reward stage
+scored its pairs: the prompt and the completion rendered as one conversation (a user
+turn and an assistant turn), the score read at its last token that is not padding::
+
+    grpo:
+      rewards:
+        preference:
+          weight: 1.0
+          fn: {_target_: recipes_lib.rewards.RewardModelScore, path: outputs/reward-full}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recipes_lib.checkpoint.source import load_model_weights, recorded_model_config
+from recipes_lib.data.chat.template import ChatRenderer
+from recipes_lib.data.chat_records import tokenizer_chat_template
+from recipes_lib.data.tokenizer import load_tokenizer, resolve_tokenizer_file
+from recipes_lib.errors import ConfigError
+from recipes_lib.models import Transformer
+
+
+class RewardModelScore:
+    """``fn(completion, record) -> float``: a reward model's score of the record's prompt
+    (``record[prompt_field]``: text, or messages) followed by the completion.
+
+    Args:
+        path: the reward model (a reward stage's folder, or a Hugging Face folder).
+        prompt_field: the record field holding the prompt.
+        device: where it runs (default: the first CUDA device, else the CPU).
+
+    Raises:
+        ConfigError: a model without a score head.
+        CheckpointError, DataError: the folder, its weights or its tokenizer cannot be read.
+    """
+
+    def __init__(self, path: str, prompt_field: str = "prompt", device: str | None = None):
+        key = "path"  # the registry names the reward before it
+        config = recorded_model_config(path, key)
+        if config.head != "score":
+            raise ConfigError(
+                f"{key}={path!r} holds a model with model.head={config.head}, not a reward "
+                "model (train one with stage.objective=reward)"
+            )
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        with torch.device(self.device):
+            self.model = Transformer(config).eval().requires_grad_(False)
+        load_model_weights(self.model, path, f"{key}={path!r}")
+        tokenizer_file = resolve_tokenizer_file(path, key=key)
+        self.tokenizer = load_tokenizer(tokenizer_file, key=key)
+        settings = _tokenizer_settings(tokenizer_file.parent)
+        self.renderer = ChatRenderer(
+            self.tokenizer,
+            tokenizer_chat_template(tokenizer_file.parent),
+            eos_token=settings.get("eos_token") or "<|endoftext|>",
+        )
+        pad = settings.get("pad_token") or settings.get("eos_token")
+        self.pad_id = self.tokenizer.token_to_id(pad) if isinstance(pad, str) else None
+        self.prompt_field = prompt_field
+
+    @torch.no_grad()
+    def __call__(self, completion: str, record: Mapping[str, Any]) -> float:
+        prompt = record[self.prompt_field]
+        turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = self.renderer.render([*turns, {"role": "assistant", "content": completion}])
+        ids = list(ids.input_ids)[-self.model.config.max_seq_len :]
+        last = max((i for i, t in enumerate(ids) if t != self.pad_id), default=len(ids) - 1)
+        scores = self.model(torch.tensor([ids], device=self.device))  # (1, T, 1)
+        return float(scores[0, last, 0])
+
+
+def _tokenizer_settings(folder: Path) -> dict[str, Any]:
+    """The EOS and padding tokens ``tokenizer_config.json`` names beside the tokenizer."""
+    file = folder / "tokenizer_config.json"
+    try:
+        settings = json.loads(file.read_text()) if file.is_file() else {}
+    except ValueError:
+        return {}
+    return {
+        k: v if isinstance(v, str) else (v or {}).get("content")
+        for k, v in settings.items()
+        if k in ("eos_token", "pad_token")
+    }
