@@ -36,8 +36,10 @@ HELD_OUT_METRICS = {
     "val/loss": "loss",
     "val/rewards/accuracy": "accuracy",
     "val/rewards/margin": "margin",
+    "val/reward": "reward",
 }
 PREFERENCE_METRICS = ("val/rewards/accuracy", "val/rewards/margin")
+RL_METRICS = ("val/reward",)  # an RL stage's (GRPO's) mean held-out reward
 PLOTS = {
     "loss.png": ("loss", ("train/loss", "val/loss")),
     "lr.png": ("learning rate", ("train/lr/",)),
@@ -312,10 +314,13 @@ def _change(first: float | None, last: float | None, spec: str = ".3f") -> str:
 
 def _held_out_text(held_out: dict[str, dict[str, Any]], val_loss: float | None) -> str:
     """``loss 2.512 → 1.873``, or for a preference stage ``accuracy 0.00 → 0.81,
-    margin 0.00 → 0.42``; the last validation loss alone when only that is known."""
-    names = [n for n in PREFERENCE_METRICS if n in held_out] or [
-        n for n in ("val/loss",) if n in held_out
-    ]
+    margin 0.00 → 0.42``, or for an RL stage ``reward 0.06 → 0.41``; the last validation
+    loss alone when only that is known."""
+    names = (
+        [n for n in PREFERENCE_METRICS if n in held_out]
+        or [n for n in RL_METRICS if n in held_out]
+        or [n for n in ("val/loss",) if n in held_out]
+    )
     if not names:
         return f"loss {_fmt(val_loss)}" if val_loss is not None else "-"
     parts = []

@@ -6,6 +6,7 @@ from recipes_lib.rewards.functions import (
     defines_function,
     exact_match,
     format_match,
+    function_header,
     python_syntax,
     unit_tests,
 )
@@ -19,6 +20,7 @@ __all__ = [
     "defines_function",
     "exact_match",
     "format_match",
+    "function_header",
     "python_syntax",
     "score_completions",
     "unit_tests",

@@ -84,6 +84,16 @@ def defines_function(
     )
 
 
+def function_header(completion: str, record: Mapping[str, Any]) -> float:
+    """1.0 when the completion's first line is a function's ``def`` line that parses (as
+    the header of a function with a body); else 0.0. A dense first step towards a whole
+    function for a model that rarely writes one."""
+    first = completion.lstrip().split("\n", 1)[0]
+    if not first.startswith(("def ", "async def ")):
+        return 0.0
+    return float(_parses(f"{first}\n    pass\n") is not None)
+
+
 def _limit_resources(seconds: float) -> None:  # in the child, before it runs Python code
     import resource
 

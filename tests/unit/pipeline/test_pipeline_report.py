@@ -120,6 +120,11 @@ def test_held_out_changes_run_from_the_first_to_the_last_validation(tmp_path):
         | {"val_ppl": 6.7, "held_out": sft},
         {**base, "stage": "dpo", "train_loss_start": 0.69, "train_loss_end": 0.5, "val_loss": 0.52}
         | {"val_ppl": None, "held_out": dpo},
+        {**base, "stage": "grpo", "train_loss_start": 0.0, "train_loss_end": -0.01}
+        | {"val_loss": None, "val_ppl": None}
+        | {
+            "held_out": {"val/reward": {"first": 0.1, "first_step": 0, "last": 0.2, "last_step": 9}}
+        },
         # a summary written before held-out changes were recorded
         {**base, "stage": "old", "train_loss_start": 3.0, "train_loss_end": 2.0, "val_loss": 2.1}
         | {"val_ppl": 8.2},
@@ -129,6 +134,7 @@ def test_held_out_changes_run_from_the_first_to_the_last_validation(tmp_path):
     text = out.getvalue()
     assert "2.400 → 2.310" in text and "loss 2.500 → 1.900" in text
     assert "accuracy 0.00 → 0.88, margin 0.00 → 0.45" in text
+    assert "reward 0.10 → 0.20" in text  # an RL stage's mean held-out reward
     assert "loss 2.100" in text
 
 

@@ -14,6 +14,7 @@ from recipes_lib.rewards import (
     defines_function,
     exact_match,
     format_match,
+    function_header,
     python_syntax,
     score_completions,
     unit_tests,
@@ -42,6 +43,9 @@ def test_python_checks():
     assert python_syntax("  \n", RECORD) == 0.0  # no statement: no answer
     assert defines_function("def triple(x):\n    return 3 * x\n", RECORD, field=None) == 1.0
     assert defines_function("def triple(x):\n    return 3 * x\n", RECORD) == 0.0
+    assert function_header("def double(x):\n    return (", RECORD) == 1.0  # the line alone
+    assert function_header("def double(x, :\n    pass", RECORD) == 0.0
+    assert function_header("x = 1", RECORD) == 0.0
     body = "    return 2 * x\n"
     assert python_syntax(body, {"head": "def double(x):\n"}, prefix_field="head") == 1.0
 
