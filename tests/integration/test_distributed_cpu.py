@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from integration_helpers import read_metrics, tiny_overrides
+from integration_helpers import metric_series, read_metrics, tiny_overrides
 from run_helpers import torchrun
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES, family_overrides
 
@@ -323,3 +323,52 @@ def test_a_local_submitit_sweep_runs_each_job_on_two_processes(runs, tmp_path):
     # submitit's logs: two processes per job
     logs = sorted(p.name for p in (root / "multirun" / ".submitit").rglob("*_log.out"))
     assert len(logs) == 4 and sum(name.endswith("_1_log.out") for name in logs) == 2, logs
+
+
+def test_a_reward_model_under_fsdp_matches_one_process(runs, tmp_path):
+    """The score head, one row wide, shards with the body (FSDP pads the uneven shard)."""
+    single_dir, fsdp_dir = tmp_path / "single", tmp_path / "fsdp"
+    run(
+        compose_config(
+            ["recipe=reward/tiny", *_dpo_overrides(single_dir, runs, "data.batch_size=4")]
+        )
+    )
+    _launch(
+        "recipe=reward/tiny",
+        *_dpo_overrides(fsdp_dir, runs, "data.batch_size=2", "strategy=fsdp"),
+    )
+    _assert_same_weights(
+        load_weights(single_dir / "model.safetensors"), load_weights(fsdp_dir / "model.safetensors")
+    )
+
+
+def test_grpo_samples_through_the_sharded_model_on_two_processes(runs, tmp_path):
+    """Both ranks decode the same number of steps (each gathers the weights), whatever
+    their own completions; the KL reference is sharded like the policy."""
+    run_dir = tmp_path / "grpo"
+    _launch(
+        "recipe=grpo/tiny",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={runs['cache']}",
+        f"stage.init_from={runs['single'] / 'model.safetensors'}",
+        f"data.tokenizer.path={runs['tokenizer']}",
+        *SMALL_VOCAB_OVERRIDES,
+        "data.seq_len=128",
+        "data.batch_size=2",
+        "data.sources.stdlib_grpo.max_documents=200",
+        "grpo.max_new_tokens=24",
+        "grpo.completions_per_prompt=4",
+        "grpo.kl_coef=0.05",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "strategy=fsdp",
+        *QUIET_OVERRIDES,
+        "callbacks=minimal",
+    )
+    weights = load_weights(run_dir / "model.safetensors")
+    assert all(t.isfinite().all() for t in weights.values())
+    rows = read_metrics(run_dir)
+    assert len(metric_series(rows, "train/reward")) == 4
+    assert metric_series(rows, "val/reward")
