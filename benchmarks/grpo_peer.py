@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from posttrain_peer import _sync, figures, spawn  # noqa: E402
+from _peer import figures, lightning_clock, spawn, sync, trainer_clock  # noqa: E402
 from posttrain_peer import make_inputs as make_folder  # noqa: E402
 
 CASES = ("rollout", "grpo_step")
@@ -138,9 +138,9 @@ def run_rollout(args, side: str, root: Path) -> dict:
             return int((out.shape[1] - width) * out.shape[0])
 
     draw()  # warm-up: allocator, kernels
-    started = _sync()
+    started = sync()
     tokens = sum(draw() for _ in range(args.repeats))
-    seconds = _sync() - started
+    seconds = sync() - started
     return {
         "tokens_per_sec": round(tokens / seconds, 1),
         "seconds_per_call": round(seconds / args.repeats, 3),
@@ -152,19 +152,8 @@ def run_rollout(args, side: str, root: Path) -> dict:
 
 # ---------------------------------------------------------------------- grpo steps
 def run_recipes_lib_step(args, root: Path, start: float) -> dict:
-    from lightning.pytorch.callbacks import Callback
-
     from recipes_lib.config import compose_config
     from recipes_lib.train import run
-
-    class Clock(Callback):
-        def __init__(self):
-            self.ends: list[float] = []
-            self.tokens: list[int] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.ends.append(_sync())
-            self.tokens.append(pl_module.count_tokens(batch))
 
     overrides = [
         "recipe=grpo/full",
@@ -194,7 +183,7 @@ def run_recipes_lib_step(args, root: Path, start: float) -> dict:
     ]
     cfg = compose_config(overrides)
     cfg.grpo.rewards = REWARD
-    clock = Clock()
+    clock = lightning_clock()
     result = run(cfg, callbacks=[clock])
     report = figures(clock.ends, clock.tokens, args.warmup_steps, start)
     return {**report, "final_reward": result.metrics.get("train/reward"), "overrides": overrides}
@@ -215,15 +204,7 @@ def run_trl_step(args, root: Path, start: float) -> dict:
         return {"skipped": f"trl is not installed ({err})"}
     import torch
     from datasets import load_dataset
-    from transformers import AutoTokenizer, TrainerCallback
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.ends: list[float] = []
-            self.tokens: list[int] = []
-
-        def on_step_end(self, targs, state, control, **kwargs):
-            self.ends.append(_sync())
+    from transformers import AutoTokenizer
 
     cuda = torch.cuda.is_available() and not args.smoke
     config = trl.GRPOConfig(
@@ -256,7 +237,7 @@ def run_trl_step(args, root: Path, start: float) -> dict:
         gradient_checkpointing=args.checkpointing,
         use_vllm=False,
     )
-    clock = Clock()
+    clock = trainer_clock()
 
     class Counted(trl.GRPOTrainer):  # completion tokens of each step's batch
         def _prepare_inputs(self, generation_batch):  # where it samples, in each step

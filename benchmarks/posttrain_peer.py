@@ -42,12 +42,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _peer import figures, lightning_clock, spawn, trainer_clock  # noqa: E402
 
 CASES = ("sft_full", "sft_lora", "dpo_live", "dpo_precomputed", "orpo")
 SIDES = ("recipes_lib", "trl", "trl_liger")
@@ -121,50 +124,10 @@ def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
     return folder, chat, pairs
 
 
-# ------------------------------------------------------------------------ figures
-def figures(ends: list[float], tokens: list[int], warmup: int, start: float) -> dict:
-    """Tokens/s and step time over the steps after ``warmup``; time to the first step."""
-    import torch
-
-    timed = len(ends) - warmup - 1
-    if timed < 1:
-        raise RuntimeError(f"only {len(ends)} steps ran; {warmup + 2} needed")
-    seconds = ends[-1] - ends[warmup]
-    counted = sum(tokens[warmup + 1 :])
-    cuda = torch.cuda.is_available()
-    return {
-        "tokens_per_sec": round(counted / seconds, 1),
-        "step_time_ms": round(seconds / timed * 1000, 2),
-        "timed_steps": timed,
-        "tokens_per_step": round(counted / timed, 1),
-        "time_to_first_step_s": round(ends[0] - start, 1),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
-    }
-
-
-def _sync() -> float:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.time()
-
-
 # -------------------------------------------------------------------- recipes_lib
 def run_recipes_lib(args, case: str, root: Path, start: float) -> dict:
-    from lightning.pytorch.callbacks import Callback
-
     from recipes_lib.config import compose_config
     from recipes_lib.train import run
-
-    class Clock(Callback):
-        def __init__(self):
-            self.ends: list[float] = []
-            self.tokens: list[int] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.ends.append(_sync())
-            self.tokens.append(pl_module.count_tokens(batch))
 
     preference = case.startswith("dpo") or case == "orpo"
     recipe = {"sft_full": "sft/full", "sft_lora": "sft/lora"}.get(case, "dpo/full")
@@ -195,7 +158,7 @@ def run_recipes_lib(args, case: str, root: Path, start: float) -> dict:
         loss = "orpo" if case == "orpo" else "sigmoid"
         overrides += [f"preference.loss={loss}", f"preference.beta={BETA}"]
         overrides.append(f"preference.precompute_reference={case == 'dpo_precomputed'}".lower())
-    clock = Clock()
+    clock = lightning_clock()
     result = run(compose_config(overrides), callbacks=[clock])
     report = figures(clock.ends, clock.tokens, args.warmup_steps, start)
     return {**report, "final_loss": result.metrics.get("train/loss"), "overrides": overrides}
@@ -214,15 +177,7 @@ def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
             return {"skipped": f"liger-kernel is not installed ({err})"}
     import torch
     from datasets import load_dataset
-    from transformers import AutoTokenizer, TrainerCallback
-
-    class Clock(TrainerCallback):
-        def __init__(self):
-            self.ends: list[float] = []
-            self.tokens: list[int] = []
-
-        def on_step_end(self, targs, state, control, **kwargs):
-            self.ends.append(_sync())
+    from transformers import AutoTokenizer
 
     cuda = torch.cuda.is_available() and not args.smoke
     preference = case.startswith("dpo") or case == "orpo"
@@ -279,7 +234,7 @@ def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
             **common,
         )
         trainer_class = trl.DPOTrainer
-    clock = Clock()
+    clock = trainer_clock()
 
     class Counted(trainer_class):  # real tokens of each step's batch (one micro-batch)
         def training_step(self, model, inputs, *args, **kwargs):
@@ -333,22 +288,6 @@ def worker(args) -> int:
         result, status = {"error": f"{type(err).__name__}: {err}"[:2000]}, 1
     Path(args.worker_out).write_text(json.dumps(result))
     return status
-
-
-def spawn(args, case: str, side: str, root: Path, script: str = __file__) -> dict:
-    """Run one side of one case in a process of ``script`` (this one, or another
-    benchmark's built the same way) and read back its figures."""
-    out = root / f"{case}.{side}.json"
-    command = [sys.executable, script, *args.argv, "--worker"]
-    command += ["--case", case, "--side", side, "--root", str(root), "--worker-out", str(out)]
-    env = {**os.environ, "PEER_START": repr(time.time())}
-    try:
-        done = subprocess.run(command, env=env, timeout=args.side_timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"error": f"the {side} process ran past --side-timeout={args.side_timeout} s"}
-    if out.is_file():
-        return json.loads(out.read_text())
-    return {"error": f"the {side} process exited with status {done.returncode} and no figures"}
 
 
 def summary(sides: dict) -> dict:
@@ -431,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         make_inputs(args, root)
         for case in args.cases.split(","):
-            sides = {side: spawn(args, case, side, root) for side in args.sides.split(",")}
+            sides = {
+                side: spawn(args, case, side, root, __file__) for side in args.sides.split(",")
+            }
             status |= any("error" in figures for figures in sides.values())
             result["cases"][case] = {"sides": sides, **summary(sides)}
     emit(result, args.out)
