@@ -196,6 +196,8 @@ def export_hf_checkpoint(
         pad_id = tokenizer.token_to_id(pad_token or eos_token) if pad_token or eos_token else None
     folder.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, folder, max_shard_bytes)
+    if config.head == "score":  # scores are read before the padding the data used: EOS
+        pad_id = eos_id
     hf_config = hf_config_from_model(config, stored_dtype, eos_id, pad_id)
     write_json_atomic(folder / HF_CONFIG_NAME, hf_config)
     if tokenizer_path is not None:

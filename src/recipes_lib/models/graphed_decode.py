@@ -131,5 +131,6 @@ class GraphedDecoder:
             self._forward()  # writes this step's keys and values, as the replay will
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), context():
+        # thread-local: a data loader's pinning thread may use CUDA meanwhile
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), context():
             self.logits = self._forward()

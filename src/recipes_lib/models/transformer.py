@@ -267,6 +267,7 @@ class Transformer(nn.Module):
         per_token: bool = False,
         loss_chunk_size: int | None = None,
         last_only: bool = False,
+        temperature: float = 1.0,
     ) -> Tensor:
         """Next-token logits, ``(B, T, V)``; ``cache``/``start_pos`` as in
         :meth:`forward_hidden`; with ``last_only``, the last position's alone
@@ -278,8 +279,10 @@ class Transformer(nn.Module):
         ``per_token`` each label's log-probability (``(B, T)``, fp32, 0 where ignored).
         With ``loss_chunk_size`` the output projection is fused with it
         (:class:`~recipes_lib.models.head.OutputHead`): at most that many rows of logits
-        exist at once. The loss is computed inside the forward passes of the model and
-        of its head, so that a sharded model gathers the head's weight as for the logits.
+        exist at once; with ``temperature``, of the logits divided by it (the log-probs of
+        sampling at that temperature). The loss is computed inside the forward passes of
+        the model and of its head, so that a sharded model gathers the head's weight as
+        for the logits.
         """
         hidden = self.forward_hidden(input_ids, doc_ids, cache=cache, start_pos=start_pos)
         if labels is None:
@@ -289,6 +292,8 @@ class Transformer(nn.Module):
                 f"labels {tuple(labels.shape)} must have the shape of input_ids "
                 f"{tuple(input_ids.shape)}"
             )
+        if temperature != 1.0:  # the logits of sampling at that temperature
+            hidden = hidden / temperature
         if loss_chunk_size is None:  # any head (a float8 one too), then its loss
             return head_loss(self.output(hidden), labels, per_token)
         return self.output(hidden, labels, per_token=per_token, loss_chunk_size=loss_chunk_size)

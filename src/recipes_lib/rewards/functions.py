@@ -5,8 +5,9 @@ text (its stop token left out), ``record`` the prompt's data record, whose field
 (``answer``, ``tests``, ``name``, ...) say what a right completion is. A run names them
 with their settings under ``grpo.rewards`` (:mod:`recipes_lib.rewards.registry`).
 
-``unit_tests`` runs code in a separate Python process, in a fresh temporary folder, with
-a wall-clock limit and, on POSIX, limits on CPU time, memory and file size: the process
+``unit_tests`` runs code in a separate Python process in its own session, in a fresh
+temporary folder, with a wall-clock limit, limits on CPU time, memory and file size, and
+the whole session killed when it ends (POSIX only; elsewhere it scores 0): the process
 can still do what its user may do (read files, open sockets), so give it tests and
 completions you would run yourself, or run the trainer in a container.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 import ast
 import os
 import re
+import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -49,10 +52,15 @@ def format_match(completion: str, record: Mapping[str, Any], *, pattern: str) ->
     return float(re.fullmatch(pattern, completion.strip(), flags=re.DOTALL) is not None)
 
 
+MAX_PARSED_CHARS = 100_000  # a longer completion is no answer
+
+
 def _parses(code: str) -> ast.Module | None:
+    if len(code) > MAX_PARSED_CHARS:
+        return None
     try:
         return ast.parse(code)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # deep nesting too
         return None
 
 
@@ -94,14 +102,27 @@ def function_header(completion: str, record: Mapping[str, Any]) -> float:
     return float(_parses(f"{first}\n    pass\n") is not None)
 
 
-def _limit_resources(seconds: float) -> None:  # in the child, before it runs Python code
-    import resource
+# Runs in the test process before the program: the resource limits (POSIX), the program
+# itself, then a token only a program that ran to its end prints (so an early exit with
+# status 0, os._exit(0) or SystemExit, does not pass).
+_RUNNER = """
+import os, resource, runpy, sys
+seconds, memory, token, script = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+for limit, value in ((resource.RLIMIT_CPU, seconds), (resource.RLIMIT_AS, memory),
+                     (resource.RLIMIT_FSIZE, 1 << 20)):
+    resource.setrlimit(limit, (value, value))
+runpy.run_path(script, run_name="__main__")
+sys.stdout.write(token)
+sys.stdout.flush()
+"""
 
-    cpu = max(1, int(seconds) + 1)
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT_BYTES, MEMORY_LIMIT_BYTES))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    os.setsid()  # its own process group: a timeout ends everything it started
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """End the test process and everything it started (its own session's group)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def unit_tests(
@@ -114,27 +135,34 @@ def unit_tests(
 ) -> float:
     """1.0 when ``record[prefix_field]`` (if given), the completion and then the test code
     ``record[field]`` (``assert`` statements, say) run to the end in a separate Python
-    process within ``timeout`` seconds; else 0.0 (a failure, an error, a timeout)."""
+    process within ``timeout`` seconds; else 0.0 (a failure, an error, a timeout, or an
+    exit before the end). The process runs in its own session, which is killed whole
+    when it ends or times out, under limits on CPU time, memory and file size (POSIX)."""
     prefix = str(record[prefix_field]) if prefix_field else ""
     program = f"{prefix}{completion}\n\n{record[field]}\n"
-    if _parses(program) is None:
+    if _parses(program) is None or os.name != "posix":
         return 0.0
+    token = secrets.token_hex(16)
+    cpu = str(max(1, int(timeout) + 1))
     with tempfile.TemporaryDirectory(prefix="recipes-reward-") as folder:
         script = Path(folder) / "program.py"
         script.write_text(program)
-        posix = os.name == "posix"
+        command = [sys.executable, "-I", "-c", _RUNNER, cpu, str(MEMORY_LIMIT_BYTES), token]
+        process = subprocess.Popen(
+            [*command, str(script)],  # isolated: no site, environment or cwd paths
+            cwd=folder,
+            env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
-            done = subprocess.run(
-                [sys.executable, "-I", str(script)],  # isolated: no site, env or cwd paths
-                cwd=folder,
-                env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=timeout,
-                preexec_fn=(lambda: _limit_resources(timeout)) if posix else None,  # noqa: PLW1509
-                check=False,
-            )
+            out, _ = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _kill_group(process)
+            process.communicate()
             return 0.0
-    return float(done.returncode == 0)
+        finally:
+            _kill_group(process)
+    return float(process.returncode == 0 and out.endswith(token.encode()))

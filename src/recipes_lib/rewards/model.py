@@ -37,7 +37,8 @@ class RewardModelScore:
     Args:
         path: the reward model (a reward stage's folder, or a Hugging Face folder).
         prompt_field: the record field holding the prompt.
-        device: where it runs (default: the first CUDA device, else the CPU).
+        device: where it runs (default: at the first call, this process's CUDA device,
+            else the CPU).
 
     Raises:
         ConfigError: a model without a score head.
@@ -52,9 +53,8 @@ class RewardModelScore:
                 f"{key}={path!r} holds a model with model.head={config.head}, not a reward "
                 "model (train one with stage.objective=reward)"
             )
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        with torch.device(self.device):
-            self.model = Transformer(config).eval().requires_grad_(False)
+        self.device = torch.device(device) if device is not None else None
+        self.model = Transformer(config).eval().requires_grad_(False)  # on the CPU until used
         load_model_weights(self.model, path, f"{key}={path!r}")
         tokenizer_file = resolve_tokenizer_file(path, key=key)
         self.tokenizer = load_tokenizer(tokenizer_file, key=key)
@@ -64,9 +64,18 @@ class RewardModelScore:
             tokenizer_chat_template(tokenizer_file.parent),
             eos_token=settings.get("eos_token") or "<|endoftext|>",
         )
-        pad = settings.get("pad_token") or settings.get("eos_token")
-        self.pad_id = self.tokenizer.token_to_id(pad) if isinstance(pad, str) else None
+        # the reward stage's batches pad with the EOS token, and read scores before it
+        eos = settings.get("eos_token")
+        self.pad_id = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
         self.prompt_field = prompt_field
+
+    def _placed(self) -> torch.device:
+        """Move the model, at its first use, to ``device`` or this process's device."""
+        if self.device is None:
+            self.device = _default_device()
+        if self.model.output.weight.device != self.device:
+            self.model.to(self.device)
+        return self.device
 
     @torch.no_grad()
     def __call__(self, completion: str, record: Mapping[str, Any]) -> float:
@@ -75,8 +84,16 @@ class RewardModelScore:
         ids = self.renderer.render([*turns, {"role": "assistant", "content": completion}])
         ids = list(ids.input_ids)[-self.model.config.max_seq_len :]
         last = max((i for i, t in enumerate(ids) if t != self.pad_id), default=len(ids) - 1)
-        scores = self.model(torch.tensor([ids], device=self.device))  # (1, T, 1)
+        device = self._placed()
+        scores = self.model(torch.tensor([ids], device=device))  # (1, T, 1)
         return float(scores[0, last, 0])
+
+
+def _default_device() -> torch.device:
+    """This process's CUDA device when it has one (a trainer sets it per rank)."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _tokenizer_settings(folder: Path) -> dict[str, Any]:

@@ -102,7 +102,11 @@ def _value(reward: Reward, completion: str, record: Mapping[str, Any], where: st
         raise RewardError(
             f"grpo.rewards.{reward.name} raised {type(err).__name__}: {err} ({where})"
         ) from err
-    number = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+    number = value
+    if isinstance(value, Tensor):  # a one-element tensor
+        number = value.item() if value.numel() == 1 else value
+    elif callable(getattr(value, "item", None)) and getattr(value, "size", None) == 1:
+        number = value.item()  # a NumPy scalar or one-element array
     if isinstance(number, bool):
         number = float(number)
     if not isinstance(number, numbers.Real) or not math.isfinite(float(number)):

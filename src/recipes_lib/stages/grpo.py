@@ -12,9 +12,11 @@ draws each batch that many times); the ratio is taken to the log-probs of the po
 that sampled, kept with the completions. With ``grpo.kl_coef > 0`` a frozen reference
 (the starting weights; under LoRA the base with its adapters bypassed) adds the KL term.
 
-Sampling is seeded by ``run.seed`` and the optimizer step, and the completions a step
-left for the next ones are saved in checkpoints, so a resumed run continues as the
-uninterrupted one would.
+Sampling is seeded by ``run.seed``, the optimizer step and the rank, and the completions
+a step left for the next ones are saved in checkpoints, so a resumed run continues as
+the uninterrupted one would (on one process; a run of several that resumes between a
+batch's updates samples that batch again on every rank, as the checkpoint holds rank
+0's completions only).
 
 Logged as ``train/...``: ``loss``, ``reward`` (the mean weighted total),
 ``rewards/<name>`` (each reward's mean), ``completion_length``, ``finished`` (the share
@@ -215,10 +217,18 @@ class GRPOModule(CausalLMModule):
         return input_ids.to(self.device), labels.to(self.device)
 
     def token_logprobs(self, model: Any, input_ids: Tensor, labels: Tensor) -> Tensor:
-        """``(R, L)`` fp32 log-probs of ``labels`` under ``model`` (0 where ignored),
-        through the head fused with the loss when ``kernels.loss_chunk_size`` is set."""
+        """``(R, L)`` fp32 log-probs of ``labels`` under ``model`` (0 where ignored) at
+        the sampling temperature (as the completions were drawn), through the head fused
+        with the loss when ``kernels.loss_chunk_size`` is set."""
         chunk = self.kernels_config.loss_chunk_size
-        return model(input_ids, None, labels=labels, per_token=True, loss_chunk_size=chunk)
+        return model(
+            input_ids,
+            None,
+            labels=labels,
+            per_token=True,
+            loss_chunk_size=chunk,
+            temperature=self.grpo_config.temperature,
+        )
 
     def make_rollout(self, batch: Batch) -> Rollout:
         """Sample, score and prepare the completions of ``batch``'s prompts."""
@@ -259,9 +269,18 @@ class GRPOModule(CausalLMModule):
         ``updates_per_batch`` steps, else the ones kept from its first."""
         repeat = self.trainer.global_step % self.grpo_config.updates_per_batch
         kept = self.rollout
-        if repeat == 0 or kept is None or kept.key != batch["index"].tolist():
+        fresh = repeat == 0 or kept is None or kept.key != batch["index"].tolist()
+        if self._any_rank(fresh):  # ranks that shard the model sample together
             self.rollout = self.make_rollout(batch)
-        return self.rollout
+        return self.rollout  # type: ignore[return-value]
+
+    def _any_rank(self, flag: bool) -> bool:
+        """``flag`` of any process of the run."""
+        value = torch.tensor(int(flag), device=self.device)
+        trainer = self._attached()
+        if trainer is not None and trainer.world_size > 1 and dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
@@ -318,7 +337,9 @@ class GRPOModule(CausalLMModule):
             self.reference, checkpoint, self.reference_source, "stage.init_from"
         )
         saved = checkpoint.get(ROLLOUT_KEY)
-        if saved is not None:
+        trainer = self._attached()
+        # the checkpoint holds rank 0's completions: another rank samples its batch again
+        if saved is not None and getattr(trainer, "world_size", 1) == 1:
             self.rollout = Rollout(**saved).to(self.device)
 
     def on_fit_end(self) -> None:

@@ -104,3 +104,15 @@ def test_the_static_step_under_autocast_draws_as_the_eager_one():
             ).tokens
 
     assert draw(True) == draw(False)
+
+
+def test_label_logprobs_at_a_temperature_are_those_of_sampling_at_it():
+    """GRPO's ratio compares log-probs of the distribution the completions came from."""
+    model = build()
+    ids = torch.tensor([PROMPTS[0]])
+    labels = torch.roll(ids, -1, dims=1)
+    expected = torch.log_softmax(model(ids).float() / 0.7, dim=-1)
+    expected = expected.gather(-1, labels[..., None])[..., 0]
+    for chunk in (None, 3):
+        got = model(ids, labels=labels, per_token=True, loss_chunk_size=chunk, temperature=0.7)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

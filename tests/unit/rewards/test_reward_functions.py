@@ -58,9 +58,25 @@ def test_unit_tests_run_apart_and_time_out():
     # the process cannot touch the trainer's state: its own interpreter, its own folder
     escape = "import sys\nsys.modules.clear()\ndef double(x):\n    return 2 * x\n"
     assert unit_tests(escape, RECORD) == 1.0
+    # leaving early with status 0 is not passing the tests
+    assert unit_tests("import os\nos._exit(0)\n", RECORD) == 0.0
+    assert unit_tests("raise SystemExit(0)\n", RECORD) == 0.0
+    assert python_syntax("x = " + "-" * 5000 + "1", RECORD) == 0.0  # too deep to parse
     started = time.monotonic()
     assert unit_tests("while True:\n    pass\n", RECORD, timeout=1.0) == 0.0
     assert time.monotonic() - started < 10
+
+
+def test_unit_tests_end_everything_their_process_started(tmp_path):
+    marker = tmp_path / "escaped"
+    late = f"import time; time.sleep(1.5); open({str(marker)!r}, 'w').write('x')"
+    program = (
+        f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {late!r}])\n"
+        "time.sleep(5)\n"
+    )
+    assert unit_tests(program, RECORD, timeout=0.5) == 0.0
+    time.sleep(2.0)
+    assert not marker.exists()
 
 
 def rewards(**nodes):
