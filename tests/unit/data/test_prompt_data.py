@@ -27,6 +27,14 @@ def test_each_batch_comes_as_often_as_it_is_updated_on_and_resumes_anywhere():
         assert [i for _, i in zip(range(18 - start), resumed, strict=False)] == draws[start:]
 
 
+def test_a_skip_moves_on_by_whole_groups_of_repeated_batches(tmp_path):
+    config = data_config(tmp_path, batch_size=4)
+    module = PromptDataModule(config, 512, 1024, max_new_tokens=16, repeats=3)
+    module.skip_samples(5)  # a rollback's window of batches
+    module.load_state_dict({"consumed_samples": 24})  # a checkpoint at step 6
+    assert module.sample_offset == 12  # one group of 3 batches of 4, not 5 samples
+
+
 def write_prompts(path, rows) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 

@@ -227,6 +227,13 @@ class PromptDataModule(ChatRecordsDataModule):
     def collate_fn(self):
         return collate_prompts
 
+    def skip_samples(self, count: int) -> None:
+        """Move on by ``count`` samples rounded up to whole groups of repeated batches,
+        so the batches after a skip (a rollback's window) still come in groups that
+        start where the optimizer steps' groups do."""
+        group = self.config.batch_size * self.repeats
+        super().skip_samples(-(-count // group) * group)
+
     def make_sampler(self, num_samples: int, **kwargs: Any) -> RepeatingSampler:
         """Each batch of the stream drawn ``grpo.updates_per_batch`` times in a row."""
         return RepeatingSampler(
