@@ -5,9 +5,9 @@ A language model (``model.head=lm``) is written as the family's ``...ForCausalLM
 ``transformers.AutoModelForCausalLM`` loads; a reward model (``model.head=score``) as its
 ``...ForSequenceClassification`` with one label, which
 ``AutoModelForSequenceClassification`` loads with the same scores: transformers reads a
-row's score at its last token that is not ``pad_token_id``, the padding token the
-export names, as the library reads each sequence's
-(:mod:`recipes_lib.stages.reward`).
+row's score at its last token that is not ``pad_token_id``, which the export sets to the
+EOS token the reward stage's batches pad with, so it reads each sequence's score where
+the library does (:func:`recipes_lib.data.preference.collate.score_position`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ def hf_config_from_model(
     config: ModelConfig,
     dtype: torch.dtype = torch.float32,
     eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
 ) -> dict[str, Any]:
     """A ``config.json`` for ``transformers``, of the model's family (a score head's as
     its ``...ForSequenceClassification`` with one label). RoPE is written in the
@@ -85,8 +84,8 @@ def hf_config_from_model(
         "torch_dtype": _DTYPE_NAMES[dtype],  # transformers 4
         "dtype": _DTYPE_NAMES[dtype],  # transformers 5
     }
-    if config.head == "score":  # one label; the score is read before padding
-        out.update(num_labels=1, pad_token_id=pad_token_id, tie_word_embeddings=False)
+    if config.head == "score":  # one label, read before the padding the data used: EOS
+        out.update(num_labels=1, pad_token_id=eos_token_id, tie_word_embeddings=False)
     return out
 
 
@@ -171,7 +170,7 @@ def export_hf_checkpoint(
         for name, t in _hf_state(model, config).items()
     }
     stored_dtype = dtype or tensors["model.embed_tokens.weight"].dtype
-    eos_id = pad_id = None
+    eos_id = None
     if tokenizer_path is not None:
         tokenizer = load_tokenizer(tokenizer_path, key="tokenizer_path")
         if tokenizer_vocab_size(tokenizer) > config.vocab_size:
@@ -190,15 +189,9 @@ def export_hf_checkpoint(
         eos_id = tokenizer.token_to_id(eos_token) if eos_token is not None else None
         if eos_token is not None and eos_id is None:
             raise CheckpointError(f"eos_token={eos_token!r} is not a token of '{tokenizer_path}'")
-        pad_token = pad_token or token_text(
-            read_json(beside / HF_TOKENIZER_CONFIG_NAME).get("pad_token")
-        )
-        pad_id = tokenizer.token_to_id(pad_token or eos_token) if pad_token or eos_token else None
     folder.mkdir(parents=True, exist_ok=True)
     write_safetensors(tensors, folder, max_shard_bytes)
-    if config.head == "score":  # scores are read before the padding the data used: EOS
-        pad_id = eos_id
-    hf_config = hf_config_from_model(config, stored_dtype, eos_id, pad_id)
+    hf_config = hf_config_from_model(config, stored_dtype, eos_id)
     write_json_atomic(folder / HF_CONFIG_NAME, hf_config)
     if tokenizer_path is not None:
         save_tokenizer_folder(

@@ -15,16 +15,16 @@ turn and an assistant turn), the score read at its last token that is not paddin
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from recipes_lib.checkpoint.hf_tokenizer import HF_TOKENIZER_CONFIG_NAME, read_json, token_text
 from recipes_lib.checkpoint.source import load_model_weights, recorded_model_config
 from recipes_lib.data.chat.template import ChatRenderer
 from recipes_lib.data.chat_records import tokenizer_chat_template
+from recipes_lib.data.preference.collate import score_position
 from recipes_lib.data.tokenizer import load_tokenizer, resolve_tokenizer_file
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
@@ -58,15 +58,13 @@ class RewardModelScore:
         load_model_weights(self.model, path, f"{key}={path!r}")
         tokenizer_file = resolve_tokenizer_file(path, key=key)
         self.tokenizer = load_tokenizer(tokenizer_file, key=key)
-        settings = _tokenizer_settings(tokenizer_file.parent)
+        folder = tokenizer_file.parent
+        eos = token_text(read_json(folder / HF_TOKENIZER_CONFIG_NAME).get("eos_token"))
         self.renderer = ChatRenderer(
-            self.tokenizer,
-            tokenizer_chat_template(tokenizer_file.parent),
-            eos_token=settings.get("eos_token") or "<|endoftext|>",
+            self.tokenizer, tokenizer_chat_template(folder), eos_token=eos or "<|endoftext|>"
         )
         # the reward stage's batches pad with the EOS token, and read scores before it
-        eos = settings.get("eos_token")
-        self.pad_id = self.tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+        self.pad_id = self.tokenizer.token_to_id(eos) if eos is not None else None
         self.prompt_field = prompt_field
 
     def _placed(self) -> torch.device:
@@ -83,10 +81,8 @@ class RewardModelScore:
         turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         ids = self.renderer.render([*turns, {"role": "assistant", "content": completion}])
         ids = list(ids.input_ids)[-self.model.config.max_seq_len :]
-        last = max((i for i, t in enumerate(ids) if t != self.pad_id), default=len(ids) - 1)
-        device = self._placed()
-        scores = self.model(torch.tensor([ids], device=device))  # (1, T, 1)
-        return float(scores[0, last, 0])
+        scores = self.model(torch.tensor([ids], device=self._placed()))  # (1, T, 1)
+        return float(scores[0, score_position(ids, self.pad_id), 0])
 
 
 def _default_device() -> torch.device:
@@ -94,17 +90,3 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _tokenizer_settings(folder: Path) -> dict[str, Any]:
-    """The EOS and padding tokens ``tokenizer_config.json`` names beside the tokenizer."""
-    file = folder / "tokenizer_config.json"
-    try:
-        settings = json.loads(file.read_text()) if file.is_file() else {}
-    except ValueError:
-        return {}
-    return {
-        k: v if isinstance(v, str) else (v or {}).get("content")
-        for k, v in settings.items()
-        if k in ("eos_token", "pad_token")
-    }

@@ -32,7 +32,6 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,8 +149,7 @@ class DPOModule(CausalLMModule):
         key = "preference.reference_from" if settings.reference_from else "stage.init_from"
         upcycle = self.upcycle and not settings.reference_from  # as the policy started
         reference = build_reference(self, source, key, same_base=same_base, upcycle=upcycle)
-        if source is not None and not reference.shares_policy:
-            self.reference_source = str(Path(source).expanduser().resolve())
+        self.reference_source = reference.source
         return reference
 
     # ----------------------------------------------------------- checkpoints

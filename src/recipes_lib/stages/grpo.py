@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,8 +145,7 @@ class GRPOModule(CausalLMModule):
         super().configure_model()
         if self.grpo_config.kl_coef > 0:
             self.reference = build_reference(self, self.init_from, "stage.init_from")
-            if self.init_from is not None and not self.reference.shares_policy:
-                self.reference_source = str(Path(self.init_from).expanduser().resolve())
+            self.reference_source = self.reference.source
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
@@ -183,11 +181,16 @@ class GRPOModule(CausalLMModule):
     def _all_finished(self, done: Tensor) -> bool:
         """Whether every row of every process finished: processes that shard the model
         decode the same number of steps (each gathers the weights)."""
-        finished = done.all().to(torch.int32)
+        return self._across_ranks(bool(done.all()), dist.ReduceOp.MIN)
+
+    def _across_ranks(self, flag: bool, op: dist.ReduceOp) -> bool:
+        """``flag`` combined over the run's processes by ``op`` (MIN: every one's, MAX:
+        any one's); this process's alone when it runs by itself."""
+        value = torch.tensor(int(flag), device=self.device)
         trainer = self._attached()
         if trainer is not None and trainer.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(finished, op=dist.ReduceOp.MIN)
-        return bool(finished)
+            dist.all_reduce(value, op=op)
+        return bool(value)
 
     def score(
         self, batch: Batch, completions: Completions, k: int
@@ -270,17 +273,9 @@ class GRPOModule(CausalLMModule):
         repeat = self.trainer.global_step % self.grpo_config.updates_per_batch
         kept = self.rollout
         fresh = repeat == 0 or kept is None or kept.key != batch["index"].tolist()
-        if self._any_rank(fresh):  # ranks that shard the model sample together
+        if self._across_ranks(fresh, dist.ReduceOp.MAX):  # ranks sample together
             self.rollout = self.make_rollout(batch)
         return self.rollout  # type: ignore[return-value]
-
-    def _any_rank(self, flag: bool) -> bool:
-        """``flag`` of any process of the run."""
-        value = torch.tensor(int(flag), device=self.device)
-        trainer = self._attached()
-        if trainer is not None and trainer.world_size > 1 and dist.is_initialized():
-            dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        return bool(value)
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:

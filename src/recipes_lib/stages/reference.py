@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,13 +26,21 @@ class FrozenReference:
     """The reference policy: a frozen model of its own, or an adapted policy run with its
     adapters bypassed. A plain object, not a module: it is never registered on the
     LightningModule, so it has no place in the optimizer, the state dict or a checkpoint.
+    ``source`` is the file a model of its own was loaded from (what a checkpoint records,
+    so a resumed run loads it again), else None.
     """
 
-    def __init__(self, model: nn.Module | None = None, adapted_policy: nn.Module | None = None):
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        adapted_policy: nn.Module | None = None,
+        source: str | None = None,
+    ):
         if (model is None) == (adapted_policy is None):
             raise ValueError("give exactly one of model and adapted_policy")
         self.model = model
         self.adapted_policy = adapted_policy
+        self.source = source if model is not None else None
         if model is not None:
             model.eval().requires_grad_(False)
 
@@ -86,7 +95,8 @@ def build_reference(
     )
     device, mesh = module._placement()
     reference = build_model(plan, device=device, mesh=mesh, attention=policy.attention_backend)
-    return FrozenReference(model=reference)
+    resolved = str(Path(source).expanduser().resolve()) if source is not None else None
+    return FrozenReference(model=reference, source=resolved)
 
 
 def restore_reference(

@@ -65,6 +65,13 @@ class PreferencePairDataset(Dataset):
         return item
 
 
+def score_position(ids: Sequence[int], pad_id: int | None) -> int:
+    """Where a sequence's score is read: its last token that is not ``pad_id`` (the
+    last token when every one is), as transformers' ``...ForSequenceClassification``
+    reads a row's."""
+    return max((i for i, token in enumerate(ids) if token != pad_id), default=len(ids) - 1)
+
+
 def _first_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     """Sequence indices per row: longest first, each into the first row with room."""
     rows: list[list[int]] = []
@@ -126,9 +133,7 @@ def collate_pairs(
                 labels[r, cols] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], -100))
             else:
                 input_ids[r, cols] = ids
-                real = (ids != pad_id).nonzero()
-                last = int(real[-1]) if len(real) else n - 1
-                score_index[s] = r * width + offset + last
+                score_index[s] = r * width + offset + score_position(ids.tolist(), pad_id)
             sequence_ids[r, cols] = s
             doc_ids[r, cols] = k
             offset += n
