@@ -3,6 +3,7 @@ figures, the clocks that record each side's steps, and the process each side run
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -85,3 +86,39 @@ def spawn(args, case: str, side: str, root: Path, script: str) -> dict:
     if out.is_file():
         return json.loads(out.read_text())
     return {"error": f"the {side} process exited with status {done.returncode} and no figures"}
+
+
+# what a side's worker process is told, left out of the reported settings
+WORKER_ONLY = ("out", "worker", "case", "side", "root", "worker_out", "argv")
+
+
+def add_peer_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments every peer benchmark takes: the seed, gradient checkpointing, each
+    side's time limit, further overrides of the library's side, the smoke mode and the
+    output, and the hidden ones of a side's worker process."""
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--checkpointing", type=lambda s: s.lower() in ("1", "true", "on"), default=True)
+    p.add_argument("--side-timeout", type=int, default=900)
+    p.add_argument("--override", action="append", default=[], help="a further recipes_lib override")
+    p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, fp32")
+    p.add_argument("--out", default=None)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--case", help=argparse.SUPPRESS)
+    p.add_argument("--side", help=argparse.SUPPRESS)
+    p.add_argument("--root", help=argparse.SUPPRESS)
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+
+
+def report_header(args: argparse.Namespace, *packages: str) -> dict:
+    """The start of a peer benchmark's report: its settings, the card and the versions of
+    torch and ``packages``; its ``cases`` to fill."""
+    import torch
+    from _common import package_versions
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    return {
+        "settings": {k: v for k, v in vars(args).items() if k not in WORKER_ONLY},
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "versions": package_versions("torch", "transformers", *packages),
+        "cases": {},
+    }

@@ -43,7 +43,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _peer import figures, lightning_clock, spawn, sync, trainer_clock  # noqa: E402
+from _peer import (  # noqa: E402
+    add_peer_arguments,
+    figures,
+    lightning_clock,
+    report_header,
+    spawn,
+    sync,
+    trainer_clock,
+)
 from posttrain_peer import make_inputs as make_folder  # noqa: E402
 
 CASES = ("rollout", "grpo_step")
@@ -57,7 +65,6 @@ REWARD = {
         "fn": {"_target_": "recipes_lib.rewards.defines_function", "field": None},
     }
 }
-WORKER_ONLY = ("out", "worker", "case", "side", "root", "worker_out", "argv")
 
 
 def make_inputs(args, root: Path) -> None:
@@ -290,17 +297,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--checkpointing", type=lambda s: s.lower() in ("1", "true", "on"), default=True)
-    p.add_argument("--side-timeout", type=int, default=900)
-    p.add_argument("--override", action="append", default=[], help="a further recipes_lib override")
-    p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, fp32")
-    p.add_argument("--out", default=None)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--case", help=argparse.SUPPRESS)
-    p.add_argument("--side", help=argparse.SUPPRESS)
-    p.add_argument("--root", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    add_peer_arguments(p)
     args = p.parse_args(argv)
     # what posttrain_peer's folder maker reads
     args.pairs, args.seq_len = 1, args.max_prompt + args.new_tokens
@@ -320,16 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    import torch
-    from _common import emit, package_versions
+    from _common import emit
 
-    cuda = torch.cuda.is_available() and not args.smoke
-    result: dict = {
-        "settings": {k: v for k, v in vars(args).items() if k not in WORKER_ONLY},
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "versions": package_versions("torch", "transformers", "trl", "lightning"),
-        "cases": {},
-    }
+    result = report_header(args, "trl", "lightning")
     status = 0
     with tempfile.TemporaryDirectory(prefix="grpo-peer-") as tmp:
         root = Path(tmp)

@@ -50,7 +50,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _peer import figures, lightning_clock, spawn, trainer_clock  # noqa: E402
+from _peer import (  # noqa: E402
+    add_peer_arguments,
+    figures,
+    lightning_clock,
+    report_header,
+    spawn,
+    trainer_clock,
+)
 
 CASES = ("sft_full", "sft_lora", "dpo_live", "dpo_precomputed", "orpo")
 SIDES = ("recipes_lib", "trl", "trl_liger")
@@ -63,7 +70,6 @@ CHATML = (
 LORA = {"r": 16, "alpha": 32, "dropout": 0.05}
 HF_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BETA = 0.1
-WORKER_ONLY = ("out", "worker", "case", "side", "root", "worker_out", "argv")
 
 
 # ---------------------------------------------------------------------------- data
@@ -272,7 +278,6 @@ def worker(args) -> int:
     start = float(os.environ.get("PEER_START", time.time()))
     root, case, side = Path(args.root), args.case, args.side
     if args.memory_breakdown:
-        sys.path.insert(0, str(Path(__file__).parent))
         import _peak
 
         _peak.record()
@@ -319,22 +324,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--checkpointing", type=lambda s: s.lower() in ("1", "true", "on"), default=True)
-    p.add_argument("--side-timeout", type=int, default=900)
-    p.add_argument("--override", action="append", default=[], help="a further recipes_lib override")
+    add_peer_arguments(p)
     p.add_argument(
         "--memory-breakdown",
         action="store_true",
         help="record allocations and report what is alive at each side's peak (CUDA)",
     )
-    p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU, fp32")
-    p.add_argument("--out", default=None)
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--case", help=argparse.SUPPRESS)
-    p.add_argument("--side", help=argparse.SUPPRESS)
-    p.add_argument("--root", help=argparse.SUPPRESS)
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
         args.seq_len, args.batch_size, args.pair_batch = 256, 2, 2
@@ -352,19 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
     args.argv = [a for a in (sys.argv[1:] if argv is None else argv)]
-    sys.path.insert(0, str(Path(__file__).parent))
-    import torch
-    from _common import emit, package_versions
+    from _common import emit
 
-    cuda = torch.cuda.is_available() and not args.smoke
-    result: dict = {
-        "settings": {k: v for k, v in vars(args).items() if k not in WORKER_ONLY},
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "versions": package_versions(
-            "torch", "transformers", "trl", "liger-kernel", "peft", "lightning"
-        ),
-        "cases": {},
-    }
+    result = report_header(args, "trl", "liger-kernel", "peft", "lightning")
     status = 0
     with tempfile.TemporaryDirectory(prefix="posttrain-peer-") as tmp:
         root = Path(tmp)
