@@ -1,0 +1,169 @@
+"""Log-likelihoods of continuations: the one engine behind every evaluation.
+
+A request is a context and a continuation, both token ids. Its score is the sum of the
+continuation's log-probabilities given everything before it, and whether each of its
+tokens is the greedy (argmax) choice: what lm-evaluation-harness asks of a model for
+multiple-choice and perplexity tasks, and what the built-in tasks and the in-loop
+evaluation read.
+
+Requests run longest first, in batches of right-padded rows (causal attention, so the
+padding after a row never reaches it), and only the continuation's rows of logits are
+ever formed: for a 128k vocabulary and short answers that is the difference between a
+``(B, T, V)`` fp32 tensor and a few hundred rows. A request longer than the model's
+context keeps its last ``max_seq_len + 1`` tokens, as lm-eval's Hugging Face backend
+does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from recipes_lib.errors import ConfigError
+from recipes_lib.losses.cross_entropy import IGNORE_INDEX
+
+Score = tuple[float, bool]  # (sum of log-probabilities, every token greedy)
+
+
+@dataclass(frozen=True)
+class Request:
+    """A continuation to score after a context (token ids; the context is not empty)."""
+
+    context: tuple[int, ...]
+    continuation: tuple[int, ...]
+
+
+Window = tuple[list[int], list[int]]  # (input ids, the continuation they predict last)
+
+
+def _window(request: Request, max_len: int) -> Window:
+    """A request's inputs, cut to ``max_len`` from the left, and its continuation: the
+    tokens the last ``len(continuation)`` inputs predict."""
+    if not request.context:
+        raise ConfigError("a scored continuation needs at least one context token")
+    if not request.continuation:
+        raise ConfigError("a scored continuation needs at least one token")
+    if len(request.continuation) > max_len:
+        raise ConfigError(
+            f"a continuation of {len(request.continuation)} tokens is longer than the "
+            f"model's context ({max_len})"
+        )
+    tokens = [*request.context, *request.continuation][-(max_len + 1) :]
+    return tokens[:-1], list(request.continuation)
+
+
+def batches_of(lengths: Sequence[int], batch_size: int, max_tokens: int | None) -> list[list[int]]:
+    """Request indices in batches, longest first: at most ``batch_size`` rows and (when
+    set) at most ``max_tokens`` padded tokens a batch."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for index in order:
+        current = batches[-1] if batches else None
+        # the first row of a batch is its longest: the padded size is rows x that length
+        if (
+            current is None
+            or len(current) >= batch_size
+            or (max_tokens is not None and (len(current) + 1) * lengths[current[0]] > max_tokens)
+        ):
+            batches.append([index])
+        else:
+            current.append(index)
+    return batches
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def score_requests(
+    model: nn.Module,
+    requests: Sequence[Request],
+    *,
+    batch_size: int = 32,
+    max_tokens: int | None = None,
+    greedy: bool = True,
+    progress: Callable[[int], None] | None = None,
+) -> list[Score]:
+    """Score every request with ``model`` (a :class:`~recipes_lib.models.Transformer`).
+
+    Args:
+        model: the decoder; its training mode is restored afterwards.
+        requests: what to score.
+        batch_size: the most rows a forward pass takes.
+        max_tokens: the most padded tokens a forward pass takes (None: no limit).
+        greedy: also decide whether each continuation is the greedy one. This reads the
+            model's hidden states and head directly, which a sharded (FSDP) model does
+            not allow; without it the log-probabilities come through the model's own
+            forward (the fused head), and every request reports ``False``.
+        progress: called with the number of requests done after each batch.
+
+    Returns:
+        One ``(log-likelihood, is greedy)`` per request, in the order given.
+    """
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} must be at least 1")
+    max_len = model.config.max_seq_len
+    windows = [_window(r, max_len) for r in requests]
+    device = model_device(model)
+    results: list[Score] = [(0.0, False)] * len(requests)
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches_of([len(w[0]) for w in windows], batch_size, max_tokens):
+            rows = [windows[i] for i in batch]
+            width = len(rows[0][0])
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            for r, (tokens, _) in enumerate(rows):
+                ids[r, : len(tokens)] = torch.tensor(tokens)
+            ids = ids.to(device, non_blocking=True)
+            scores = (_greedy_scores if greedy else _forward_scores)(model, ids, rows)
+            for i, score in zip(batch, scores, strict=True):
+                results[i] = score
+            if progress is not None:
+                progress(len(batch))
+    finally:
+        model.train(was_training)
+    return results
+
+
+def _gather_index(rows: list[Window], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """(row, position, target) of every continuation token, request by request."""
+    row_index: list[int] = []
+    positions: list[int] = []
+    targets: list[int] = []
+    for r, (inputs, continuation) in enumerate(rows):
+        n = len(continuation)
+        row_index += [r] * n
+        positions += range(len(inputs) - n, len(inputs))
+        targets += continuation
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
+    return as_tensor(row_index), as_tensor(positions), as_tensor(targets)
+
+
+def _greedy_scores(model: nn.Module, ids: Tensor, rows: list[Window]) -> list[Score]:
+    row_index, positions, target = _gather_index(rows, ids.device)
+    hidden = model.forward_hidden(ids)  # (B, T, C)
+    logprobs = torch.log_softmax(model.output(hidden[row_index, positions]).float(), dim=-1)
+    chosen = logprobs.gather(1, target[:, None])[:, 0]  # (N,)
+    return _per_request(rows, chosen, logprobs.argmax(dim=-1) == target)
+
+
+def _forward_scores(model: nn.Module, ids: Tensor, rows: list[Window]) -> list[Score]:
+    row_index, positions, target = _gather_index(rows, ids.device)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[row_index, positions] = target
+    per_token = model(ids, labels=labels, per_token=True, loss_chunk_size=1024)  # (B, T)
+    chosen = per_token[row_index, positions]
+    return _per_request(rows, chosen, torch.zeros_like(chosen, dtype=torch.bool))
+
+
+def _per_request(rows: list[Window], chosen: Tensor, is_greedy: Tensor) -> list[Score]:
+    """Sums and all-greedy flags per request, read from the device once."""
+    counts = [len(c) for _, c in rows]
+    sums = torch.stack([part.sum() for part in chosen.double().split(counts)])
+    greedy = torch.stack([part.all() for part in is_greedy.split(counts)])
+    return [(float(s), bool(g)) for s, g in zip(sums.tolist(), greedy.tolist(), strict=True)]
