@@ -134,7 +134,7 @@ def evaluate_model(
     return EvalReport(results, examples, time.perf_counter() - start)
 
 
-def _prefix_id(loaded: Any) -> int | None:
+def prefix_id_of(loaded: Any) -> int | None:
     """The BOS id of a Hugging Face folder that names one (lm-eval's prefix token)."""
     if loaded.kind != "hf":
         return None
@@ -166,7 +166,7 @@ def evaluate_checkpoint(
         loaded.eos_ids,
         refs,
         settings,
-        prefix_id=_prefix_id(loaded),
+        prefix_id=prefix_id_of(loaded),
         chat_template=loaded.chat_template,
     )
 
