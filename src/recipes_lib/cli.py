@@ -26,11 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.config import register_schema
 from recipes_lib.console import configure_console
-from recipes_lib.errors import RecipesError
+from recipes_lib.errors import GateFailed, RecipesError
 from recipes_lib.files import global_rank
 from recipes_lib.pipeline.spec import register_pipeline_schema
 
 log = logging.getLogger("recipes_lib")
+EXIT_GATE_FAILED = 3  # recipes-pipeline: a stage did not meet one of its gates
 
 register_schema()
 register_pipeline_schema()
@@ -151,6 +152,9 @@ def _pipeline(cfg: DictConfig) -> float | None:
     cfg.dir = HydraConfig.get().runtime.output_dir  # a multirun gives each job its own
     try:
         result = run_pipeline(cfg)
+    except GateFailed as err:  # a decision on the numbers, not a bad input
+        _report(err)
+        sys.exit(EXIT_GATE_FAILED)
     except RecipesError as err:
         _report(err)
         sys.exit(2)

@@ -42,3 +42,8 @@ class UnsupportedKernelError(ConfigError):
 class RewardError(RecipesError):
     """A reward function that raised, or returned something other than a finite number,
     for a completion (named with the function and the record)."""
+
+
+class GateFailed(RecipesError):
+    """A pipeline stage whose metrics did not meet one of its gates: the pipeline stops
+    after recording the stage's outcome (``recipes-pipeline`` exits with status 3)."""

@@ -89,6 +89,15 @@ class StageManifest:
         guard: what the training guard did (``skipped_updates``; ``rollbacks``, each with
             the bad step, the step resumed from and the sample positions moved past).
         created: when the manifest was written (UTC, ISO 8601).
+        kind: ``train``; ``eval`` or ``promote`` for a stage that trained nothing and
+            hands on weights another stage wrote (``weights`` points into that stage's
+            folder).
+        evaluation: the stage's evaluation of its output weights: ``settings``,
+            ``results`` (task -> metric -> value), ``examples``, ``seconds``.
+        gates: each gate checked once the stage was done: metric, condition, value,
+            target, passed.
+        promotion: a promote stage's choice: ``by``, ``mode``, each candidate's value
+            and the ``winner``.
     """
 
     pipeline: str
@@ -114,6 +123,10 @@ class StageManifest:
     # what the training guard did: updates skipped, rollbacks and the data they skipped
     guard: dict[str, Any] = field(default_factory=dict)
     created: str = ""
+    kind: str = "train"
+    evaluation: dict[str, Any] | None = None
+    gates: list[dict[str, Any]] = field(default_factory=list)
+    promotion: dict[str, Any] | None = None
     format_version: int = MANIFEST_FORMAT_VERSION
     # The folder the manifest was read from or written to; not stored in the file.
     directory: Path | None = field(default=None, compare=False, repr=False)

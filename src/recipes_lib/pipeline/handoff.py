@@ -2,7 +2,7 @@
 
 Set-up order for one stage:
 
-1. compose its config (:func:`recipes_lib.pipeline.spec.compose_stage`);
+1. compose its config (:func:`recipes_lib.pipeline.compose.compose_stage`);
 2. read what it starts from (a manifest of an earlier stage, or an outside file):
    :func:`handoff_from_manifest` / :func:`handoff_from_path`;
 3. check the two fit (:func:`check_model_compatible`, :func:`check_weights_fit`);
@@ -35,7 +35,8 @@ from recipes_lib.config.schema import model_fields
 from recipes_lib.data.text.prepare import DEFAULT_SOURCES
 from recipes_lib.data.tokenizer import TOKENIZER_FILE, resolve_tokenizer_file
 from recipes_lib.errors import CheckpointError, ConfigError, RecipesError
-from recipes_lib.pipeline.spec import PipelineSpec, StageSpec, sets_key
+from recipes_lib.pipeline.compose import sets_key
+from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
 
 REPLAY_PREFIX = "replay_"
 

@@ -17,13 +17,10 @@ decides per stage, from what the stage folder holds:
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-from rich.console import Console
-from rich.table import Table
 
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
@@ -31,6 +28,12 @@ from recipes_lib.checkpoint.upcycle import upcycle_mismatches
 from recipes_lib.config import RunConfig
 from recipes_lib.config.instantiate import check_targets
 from recipes_lib.errors import ConfigError
+from recipes_lib.pipeline.compose import compose_stage, sets_key
+from recipes_lib.pipeline.decisions import (
+    check_decisions,
+    decision_fingerprint,
+    decision_sources,
+)
 from recipes_lib.pipeline.fingerprint import describe_changes, stage_fingerprint
 from recipes_lib.pipeline.handoff import (
     Handoff,
@@ -41,9 +44,10 @@ from recipes_lib.pipeline.handoff import (
     handoff_from_path,
     tokenizer_file_sha256,
 )
-from recipes_lib.pipeline.spec import PipelineSpec, StageSpec, compose_stage, sets_key
+from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
 
-TRAINING_ACTIONS = ("train", "resume", "rerun")
+# what makes a later stage's source change: a promote stage may choose another winner
+TRAINING_ACTIONS = ("train", "resume", "rerun", "promote")
 
 
 @dataclass
@@ -55,9 +59,11 @@ class StagePlan:
         config: its composed config before the hand-off.
         source_stage: the earlier stage it starts from, if any.
         source_file: the outside file it starts from, read when the plan was made.
-        action: ``train`` | ``resume`` | ``rerun`` | ``skip`` | ``keep``.
+        action: ``train`` | ``resume`` | ``rerun`` | ``skip`` | ``keep``; for an eval or
+            promote stage, ``evaluate`` | ``promote`` | ``skip``.
         reason: why, in words.
         manifest: the stage's own manifest when it has a valid one.
+        sources: an eval stage's source or a promote stage's candidates.
     """
 
     spec: StageSpec
@@ -67,6 +73,7 @@ class StagePlan:
     action: str = "train"
     reason: str = ""
     manifest: StageManifest | None = None
+    sources: tuple[str, ...] = ()
 
 
 def _source_of(pipeline: PipelineSpec, index: int) -> tuple[str | None, Path | None]:
@@ -258,6 +265,9 @@ def _decide(
     """Set ``plan.action`` from the stage folder's contents and ``on_change``."""
     stage = plan.spec
     stage_dir = stage_dir_of(pipeline, stage)
+    if not stage.trains:
+        _decide_decision(plan, plans, manifests, RunDir(stage_dir).manifest)
+        return
     source_trains = (
         plan.source_stage is not None and plans[plan.source_stage].action in TRAINING_ACTIONS
     )
@@ -309,6 +319,44 @@ def _decide(
         plan.action, plan.reason = "resume", f"changed ({summary}): resumed with the new config"
 
 
+def _decide_decision(
+    plan: StagePlan, plans: dict[str, StagePlan], manifests: dict, manifest_file: Path
+) -> None:
+    """An eval or promote stage is skipped when it decided already from the same weights
+    with the same settings, and runs again otherwise (it loses no training). A later
+    stage sees an eval stage's source weights, unchanged, and a promote stage that runs
+    again as a changed source (its winner may change)."""
+    stage = plan.spec
+    action = "evaluate" if stage.kind == "eval" else "promote"
+    if any(plans[s].action in TRAINING_ACTIONS for s in plan.sources):
+        plan.action, plan.reason = action, "its source stages will be trained"
+    elif not manifest_file.is_file():
+        plan.action, plan.reason = action, "not run yet"
+    else:
+        manifest = read_manifest(manifest_file, stage=stage.name)
+        weights = {s: manifests[s].weights.sha256 for s in plan.sources}
+        if decision_fingerprint(stage, weights)[1] == manifest.config_sha256:
+            plan.action, plan.reason, plan.manifest = "skip", "decided, inputs unchanged", manifest
+            manifests[stage.name] = manifest
+            return
+        plan.action, plan.reason = action, "its settings or inputs changed"
+    if stage.kind == "eval" and plan.sources[0] in manifests:
+        manifests[stage.name] = manifests[plan.sources[0]]  # the weights it hands on
+
+
+def _plan_decision(pipeline: PipelineSpec, stage: StageSpec, plans: dict[str, StagePlan]):
+    """The plan of an eval or promote stage: its sources, and the config of the first
+    (the model and tokenizer it hands on); candidates must share their model's shape."""
+    sources = decision_sources(stage, list(plans))
+    first = plans[sources[0]]
+    for other in sources[1:]:
+        model = asdict(plans[other].config.model)
+        check_model_compatible(stage, first.config.model, f"stage {other}", model)
+    candidates = {s: (plans[s].spec, plans[s].config) for s in stage.candidates}
+    check_decisions(stage, first.config, (first.spec, first.config), candidates)
+    return StagePlan(stage, first.config, source_stage=sources[0], sources=sources)
+
+
 def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
     """Validate every stage and decide what to do with it; nothing is trained.
 
@@ -319,6 +367,9 @@ def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
     """
     plans: dict[str, StagePlan] = {}
     for index, stage in enumerate(pipeline.stages):
+        if not stage.trains:
+            plans[stage.name] = _plan_decision(pipeline, stage, plans)
+            continue
         source_stage, source_path = _source_of(pipeline, index)
         source_file = handoff_from_path(source_path, stage) if source_path is not None else None
         if source_stage is not None:
@@ -333,22 +384,10 @@ def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
         check_targets(asdict(config), stage.key, config.run.allowed_targets)
         plan = StagePlan(stage, config, source_stage, source_file)
         _check_stage(pipeline, plans, plan)
+        source = plans[source_stage] if source_stage is not None else None
+        check_decisions(stage, config, (source.spec, source.config) if source else None)
         plans[stage.name] = plan
     manifests: dict[str, StageManifest] = {}
     for plan in plans.values():
         _decide(pipeline, plan, plans, manifests)
     return list(plans.values())
-
-
-def print_plan(pipeline: PipelineSpec, plans: Sequence[StagePlan], console: Console | None = None):
-    """The plan as a Rich table: stage, recipe, init, source, action and why."""
-    table = Table(title=f"pipeline {pipeline.name}: {pipeline.dir}")
-    for column in ("stage", "recipe", "init", "from", "action", "reason"):
-        table.add_column(column)
-    for plan in plans:
-        source = plan.source_stage or (plan.source_file.label if plan.source_file else "-")
-        table.add_row(
-            plan.spec.name, plan.spec.recipe, plan.spec.init, source, plan.action, plan.reason
-        )
-    console = console or Console(width=max(Console().width, 120))
-    console.print(table)

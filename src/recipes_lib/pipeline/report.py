@@ -17,19 +17,16 @@ first and at its last validation (:func:`held_out_changes`).
 from __future__ import annotations
 
 import csv
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest
 from recipes_lib.files import write_atomic, write_json_atomic
+from recipes_lib.pipeline.decisions import evaluation_values
 
 # held-out metrics compared at a stage's first and last validation, by short name
 HELD_OUT_METRICS = {
@@ -272,6 +269,9 @@ def stage_summary(
         "val_loss": m.val_loss,
         "val_ppl": m.val_ppl,
         "held_out": held_out or {},
+        "evaluation": evaluation_values(manifest.evaluation),
+        "gates": manifest.gates,
+        "promotion": manifest.promotion,
         "last_lr": manifest.last_lr,
         "weights": str(manifest.weights_path),
         "manifest": str(manifest_path),
@@ -293,78 +293,3 @@ def write_summary(
 
 def _json_number(value: Any) -> Any:
     return str(value)
-
-
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
-        return "-"
-    return format(value, spec)
-
-
-def _fmt_tokens(tokens: int) -> str:
-    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if tokens >= size:
-            return f"{tokens / size:.2f}{unit}"
-    return str(tokens)
-
-
-def _change(first: float | None, last: float | None, spec: str = ".3f") -> str:
-    return f"{_fmt(first, spec)} → {_fmt(last, spec)}"
-
-
-def _held_out_text(held_out: dict[str, dict[str, Any]], val_loss: float | None) -> str:
-    """``loss 2.512 → 1.873``, or for a preference stage ``accuracy 0.00 → 0.81,
-    margin 0.00 → 0.42``, or for an RL stage ``reward 0.06 → 0.41``; the last validation
-    loss alone when only that is known."""
-    names = (
-        [n for n in PREFERENCE_METRICS if n in held_out]
-        or [n for n in RL_METRICS if n in held_out]
-        or [n for n in ("val/loss",) if n in held_out]
-    )
-    if not names:
-        return f"loss {_fmt(val_loss)}" if val_loss is not None else "-"
-    parts = []
-    for name in names:
-        spec = ".3f" if name == "val/loss" else ".2f"
-        change = held_out[name]
-        parts.append(f"{HELD_OUT_METRICS[name]} {_change(change['first'], change['last'], spec)}")
-    return ", ".join(parts)
-
-
-def print_summary_table(
-    pipeline: str, stages: list[dict[str, Any]], console: Console | None = None
-):
-    """The per-stage summary as a Rich table on stdout: the train loss from the first to
-    the last logged step, and the held-out metrics from the first to the last
-    validation (the loss; accuracy and reward margin for a preference stage)."""
-    table = Table(title=f"pipeline {pipeline}")
-    for column, justify in (
-        ("stage", "left"),
-        ("recipe", "left"),
-        ("status", "left"),
-        ("steps", "right"),
-        ("train loss", "right"),
-        ("held-out: first → last validation", "left"),
-        ("tokens", "right"),
-        ("time", "right"),
-    ):
-        # fold a long name onto a second line rather than cut it, on a narrow terminal
-        table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
-    for s in stages:
-        table.add_row(
-            s["stage"],
-            s["recipe"],
-            s["status"],
-            str(s["steps"]),
-            _change(s["train_loss_start"], s["train_loss_end"]),
-            _held_out_text(s.get("held_out") or {}, s.get("val_loss")),
-            _fmt_tokens(int(s["tokens"])),
-            f"{s['seconds']:.1f}s",
-        )
-    if console is None:
-        # a terminal's own width (Rich wraps the cells); a file or pipe gets room for
-        # every column on one line
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=max(console.width, 132))
-    console.print(table)

@@ -6,8 +6,16 @@
    (:func:`recipes_lib.pipeline.plan.plan_pipeline`): nothing trains before every
    stage has passed its checks;
 2. train each stage that needs it with :func:`recipes_lib.train.run`, starting from
-   the previous stage's manifest as its ``init`` says, and write its manifest;
-3. print a summary table and write ``<dir>/report/`` (plots and ``summary.json``).
+   the previous stage's manifest as its ``init`` says, and write its manifest; an eval
+   or promote stage hands on an earlier stage's weights instead
+   (:mod:`recipes_lib.pipeline.decisions`);
+3. evaluate the stage's output where it says ``evaluate`` and check its ``gates``: a
+   gate that fails stops the pipeline after the report is written;
+4. print a summary table and write ``<dir>/report/`` (plots and ``summary.json``).
+
+Evaluations run on every rank of a multi-process pipeline (each on its own device, the
+same weights and tasks), so that every rank reaches the same gate decisions with no
+exchange; only rank 0 writes.
 
 Only global rank 0 writes manifests, tokenizer copies and the report; other ranks
 wait for the manifest a stage's successor reads.
@@ -43,27 +51,27 @@ from recipes_lib.checkpoint.resume import resume_checkpoint
 from recipes_lib.checkpoint.weights import checkpoint_step, sha256_file
 from recipes_lib.config import RunConfig
 from recipes_lib.data.text.prepare import resolve_sources
-from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.errors import CheckpointError, ConfigError, GateFailed
 from recipes_lib.files import copy_atomic, global_rank, move_aside, write_json_atomic
+from recipes_lib.pipeline.decisions import decide, gate_failure, settle
 from recipes_lib.pipeline.fingerprint import stage_fingerprint
 from recipes_lib.pipeline.handoff import Handoff, apply_handoff
 from recipes_lib.pipeline.plan import (
     StagePlan,
     plan_pipeline,
-    print_plan,
     source_handoff,
     stage_dir_of,
 )
 from recipes_lib.pipeline.report import (
     StageSeries,
     held_out_changes,
-    print_summary_table,
     read_stage_logs,
     stage_summary,
     write_plots,
     write_summary,
 )
 from recipes_lib.pipeline.spec import PipelineSpec, parse_pipeline
+from recipes_lib.pipeline.tables import print_plan, print_summary_table
 from recipes_lib.trackers import attach_files, finish
 from recipes_lib.train import RunResult, run
 
@@ -270,6 +278,8 @@ STATUS = {
     "rerun": "retrained",
     "skip": "skipped",
     "keep": "kept",
+    "evaluate": "evaluated",
+    "promote": "promoted",
 }
 
 
@@ -293,6 +303,8 @@ def run_pipeline(
     Raises:
         RecipesError: a bad pipeline, caught before any training (see
             :func:`plan_pipeline`), or a stage that fails.
+        GateFailed: a stage that did not meet a gate; the stages before it and its own
+            manifest (with the gates' outcomes) and the report are written first.
     """
     pipeline = cfg if isinstance(cfg, PipelineSpec) else parse_pipeline(cfg)
     pipeline = dataclasses.replace(pipeline, dir=pipeline.dir.resolve())
@@ -304,29 +316,42 @@ def run_pipeline(
     if dry_run or pipeline.dry_run:
         return result
     manifests: dict[str, StageManifest] = {}
+    values: dict[str, dict[str, float]] = {}  # each stage's metrics: gates, promotions
     callbacks = stage_callbacks or {}
+    stopped: GateFailed | None = None
     for plan in plans:
         stage = plan.spec
+        stage_dir = stage_dir_of(pipeline, stage)
+        run_result = None
         if plan.action in ("skip", "keep"):
             assert plan.manifest is not None
             log.info("stage %s: %s", stage.name, plan.reason)
-            manifest, run_result = plan.manifest, None
+            manifest = plan.manifest
+        elif not stage.trains:
+            manifest = decide(stage, stage_dir, pipeline.name, plan.sources, manifests, values)
         else:
             manifest, run_result = _train_stage(
                 pipeline, plan, manifests, callbacks.get(stage.name, ())
             )
+        logged = read_stage_logs(stage_dir, stage.name, manifest.start_step).series
+        settled, gates = settle(stage, manifest, logged, plan.source_stage, values)
+        if rank_zero and (settled is not manifest or not stage.trains):
+            write_manifest(settled, stage_dir)
+        manifest = settled
+        for gate in gates:
+            log.info("stage %s: gate %s", stage.name, gate.describe())
         manifests[stage.name] = manifest
         if run_result is not None and plan is not plans[-1]:
             finish(run_result.trackers)  # the report goes to the last stage's run
         result.stages.append(
             StageResult(
-                stage.name,
-                STATUS[plan.action],
-                manifest,
-                RunDir(stage_dir_of(pipeline, stage)).manifest,
-                run_result,
+                stage.name, STATUS[plan.action], manifest, RunDir(stage_dir).manifest, run_result
             )
         )
+        stopped = gate_failure(stage, gates)
+        if stopped is not None:
+            break
+    plans = plans[: len(result.stages)]
     series = [
         read_stage_logs(stage_dir_of(pipeline, plan.spec), r.name, r.manifest.start_step)
         for r, plan in zip(result.stages, plans, strict=True)
@@ -348,6 +373,8 @@ def run_pipeline(
         result.report_dir = _write_report(pipeline, result, series, console)
         attach_files(trackers, sorted(result.report_dir.iterdir()), "report")
     finish(trackers)
+    if stopped is not None:
+        raise stopped
     return result
 
 

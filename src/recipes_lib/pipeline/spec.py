@@ -33,18 +33,35 @@ from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
-from recipes_lib.config import compose_config, list_recipes
 from recipes_lib.config.schema import RunConfig
-from recipes_lib.config.store import CONFIG_MODULE, fill_from_init, run_schema_node
+from recipes_lib.config.store import CONFIG_MODULE
 from recipes_lib.errors import ConfigError
+from recipes_lib.evaluation.settings import EvalSettings
+from recipes_lib.pipeline.gates import Gate, parse_evaluate, parse_gates
 
 PIPELINE_SCHEMA_NAME = "pipeline_schema"
 PIPELINE_ROOT = "pipeline_root"
 INIT_MODES = ("scratch", "weights", "weights+optimizer", "full", "upcycle")
 ON_CHANGE = ("error", "rerun", "keep")
-STAGE_KEYS = ("recipe", "init", "from", "overrides", "lr_from_previous", "replay_fraction")
+STAGE_KEYS = (
+    "recipe",
+    "init",
+    "from",
+    "overrides",
+    "lr_from_previous",
+    "replay_fraction",
+    "kind",
+    "evaluate",
+    "gates",
+    "candidates",
+    "by",
+    "mode",
+)
+# train: a recipe's run; eval: evaluate the source's weights (no training); promote: hand
+# on the best of earlier stages by one metric
+KINDS = ("train", "eval", "promote")
+PROMOTE_MODES = ("max", "min")
 RUN_CONFIG_KEYS = tuple(f.name for f in fields(RunConfig))
 RESERVED_STAGE_NAMES = ("report", "multirun")
 _STAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -97,6 +114,14 @@ class StageSpec:
         replay_fraction: share of the mixture drawn from the source stage's data
             sources (continued pretraining with replay); 0 for none.
         settings: every other key: a partial RunConfig merged onto the composed one.
+        kind: ``train`` (a recipe's run), ``eval`` (evaluate ``source``'s weights and
+            hand them on; no recipe) or ``promote`` (hand on the best of ``candidates``
+            by the metric ``by``; no recipe).
+        evaluate: tasks to evaluate the stage's output weights on
+            (:mod:`recipes_lib.pipeline.gates`); required for ``eval``.
+        gates: conditions the stage's metrics must meet, or the pipeline stops.
+        candidates: the earlier stages a ``promote`` stage chooses from.
+        by: the metric a ``promote`` stage chooses by; ``mode`` ``max`` or ``min``.
     """
 
     name: str
@@ -107,6 +132,16 @@ class StageSpec:
     lr_from_previous: bool = False
     replay_fraction: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
+    kind: str = "train"
+    evaluate: EvalSettings | None = None
+    gates: tuple[Gate, ...] = ()
+    candidates: tuple[str, ...] = ()
+    by: str | None = None
+    mode: str = "max"
+
+    @property
+    def trains(self) -> bool:
+        return self.kind == "train"
 
     @property
     def key(self) -> str:
@@ -183,12 +218,20 @@ def parse_stage(name: str, node: Any, position: int) -> StageSpec:
             f"{key}.{unknown[0]} is neither a stage key ({', '.join(STAGE_KEYS)}) nor a "
             f"config group ({', '.join(RUN_CONFIG_KEYS)})"
         )
+    kind = node.get("kind", "train")
+    if kind not in KINDS:
+        raise ConfigError(f"{key}.kind={kind!r} is not one of: {', '.join(KINDS)}")
+    if kind != "train":
+        return _parse_decision_stage(name, node, kind)
     recipe = node.get("recipe")
     if not isinstance(recipe, str) or not recipe:
         raise ConfigError(
             f"{key}.recipe is missing: every stage names a recipe (is '{name}' a misspelt "
             "stage name?)"
         )
+    for only in ("candidates", "by", "mode"):
+        if only in node:
+            raise ConfigError(f"{key}.{only} belongs to a promote stage (kind: promote)")
     init = node.get("init")
     source = node.get("from")
     if init is None:
@@ -217,6 +260,63 @@ def parse_stage(name: str, node: Any, position: int) -> StageSpec:
         lr_from_previous=lr_from_previous,
         replay_fraction=float(replay),
         settings=settings,
+        evaluate=parse_evaluate(node.get("evaluate"), f"{key}.evaluate"),
+        gates=parse_gates(node.get("gates"), f"{key}.gates"),
+    )
+
+
+def _parse_decision_stage(name: str, node: Mapping, kind: str) -> StageSpec:
+    """An ``eval`` or ``promote`` stage: no recipe, no training; what it reads."""
+    key = f"stages.{name}"
+    allowed = {"kind", "from", "evaluate", "gates"} | (
+        {"candidates", "by", "mode"} if kind == "promote" else set()
+    )
+    extra = sorted(set(node) - allowed)
+    if extra:
+        raise ConfigError(
+            f"{key}.{extra[0]}: {kind} stages train nothing; they take only "
+            f"{', '.join(sorted(allowed))}"
+        )
+    source = node.get("from")
+    evaluate = parse_evaluate(node.get("evaluate"), f"{key}.evaluate")
+    gates = parse_gates(node.get("gates"), f"{key}.gates")
+    if kind == "eval":
+        if evaluate is None:
+            raise ConfigError(f"{key}.evaluate: an eval stage names the tasks it evaluates")
+        if source is not None and not isinstance(source, str):
+            raise ConfigError(f"{key}.from must be a stage name or a path, got {source!r}")
+        return StageSpec(name, "-", "weights", source, kind=kind, evaluate=evaluate, gates=gates)
+    candidates = node.get("candidates")
+    if (
+        not isinstance(candidates, list | tuple)
+        or len(candidates) < 2
+        or not all(isinstance(c, str) for c in candidates)
+    ):
+        raise ConfigError(f"{key}.candidates: a promote stage chooses among two or more stages")
+    if len(set(candidates)) != len(candidates):
+        raise ConfigError(f"{key}.candidates names a stage twice")
+    if source is not None:
+        raise ConfigError(f"{key}.from: a promote stage starts from its candidates")
+    by = node.get("by")
+    if not isinstance(by, str) or by.split("/")[0] not in ("eval", "val", "train"):
+        raise ConfigError(
+            f"{key}.by: the metric the candidates are compared by, e.g. eval/<task>/acc or val/loss"
+        )
+    lower_is_better = by.rsplit("/", 1)[-1] in ("loss", "ppl", "perplexity")
+    mode = node.get("mode", "min" if lower_is_better else "max")
+    if mode not in PROMOTE_MODES:
+        raise ConfigError(f"{key}.mode={mode!r} is not one of: {', '.join(PROMOTE_MODES)}")
+    return StageSpec(
+        name,
+        "-",
+        "weights",
+        candidates[0],
+        kind=kind,
+        evaluate=evaluate,
+        gates=gates,
+        candidates=tuple(candidates),
+        by=by,
+        mode=mode,
     )
 
 
@@ -259,75 +359,3 @@ def parse_pipeline(cfg: DictConfig | Mapping[str, Any]) -> PipelineSpec:
         stages=stages,
         dry_run=_as_bool("dry_run", data.get("dry_run", False)),
     )
-
-
-# Keys the runner sets from the stage's ``init`` and ``from``.
-RUNNER_KEYS = ("run.dir", "run.ckpt_path", "stage.init_from", "stage.init_optimizer")
-
-
-# --------------------------------------------------------------------- compose
-
-
-def compose_stage(
-    pipeline: PipelineSpec,
-    stage: StageSpec,
-    source_model: Mapping[str, Any] | None = None,
-    source_label: str = "no source",
-) -> RunConfig:
-    """The stage's RunConfig before any hand-off: recipe + overrides + stage keys, with
-    ``model=from_init`` fields taken from ``source_model`` (the model of what the stage
-    starts from, named ``source_label`` in errors).
-
-    Raises:
-        ConfigError: naming the stage for an unknown recipe, an override that does not
-            compose, or a stage key the schema does not have (``stages.<s>.<key>``).
-    """
-    recipes = list_recipes()
-    if stage.recipe not in recipes:
-        raise ConfigError(
-            f"{stage.key}.recipe={stage.recipe!r}: no such recipe; choose one of: "
-            + ", ".join(recipes)
-        )
-    for key in RUNNER_KEYS:
-        if sets_key(pipeline, stage, key):
-            raise ConfigError(
-                f"{stage.key}.{key} is set by the pipeline (from the stage's init and from "
-                "keys and its folder); do not set it"
-            )
-    overrides = [f"recipe={stage.recipe}", *pipeline.overrides, *stage.overrides]
-    try:
-        composed = compose_config(overrides)
-    except Exception as err:  # Hydra's composition errors carry the key at fault
-        raise ConfigError(
-            f"stage {stage.name}: recipe {stage.recipe} with overrides {list(overrides[1:])} "
-            f"does not compose: {err}"
-        ) from err
-    typed = run_schema_node()
-    try:
-        typed = OmegaConf.merge(typed, OmegaConf.to_container(composed, resolve=False))
-        typed = OmegaConf.merge(typed, stage.settings)
-    except OmegaConfBaseException as err:
-        full_key = getattr(err, "full_key", None) or ""
-        reason = str(err).splitlines()[0]
-        raise ConfigError(f"{stage.key}.{full_key}: {reason}") from err
-    typed.run.dir = str(pipeline.dir / stage.name)
-    try:
-        fill_from_init(typed.model, source_model, f"{stage.key}: {source_label}")
-    except ConfigError as err:
-        raise ConfigError(f"stage {stage.name}: {err}") from err
-    try:
-        return OmegaConf.to_object(typed)  # type: ignore[return-value]
-    except (OmegaConfBaseException, ValueError) as err:
-        full_key = getattr(err, "full_key", None) or ""
-        raise ConfigError(f"{stage.key}.{full_key}: {str(err).splitlines()[0]}") from err
-
-
-def sets_key(pipeline: PipelineSpec, stage: StageSpec, key: str) -> bool:
-    """Whether the stage itself (its keys or overrides, or the pipeline's) sets ``key``."""
-    node: Any = stage.settings
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, Mapping) else None
-    if node is not None:
-        return True
-    overrides = (*pipeline.overrides, *stage.overrides)
-    return any(o.lstrip("+").split("=")[0] == key for o in overrides)

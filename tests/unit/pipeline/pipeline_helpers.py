@@ -14,12 +14,13 @@ from recipes_lib.checkpoint.manifest import FileRef, StageManifest, write_manife
 from recipes_lib.checkpoint.weights import save_weights, sha256_file
 from recipes_lib.config import ModelConfig, SourceConfig
 from recipes_lib.models import Transformer
+from recipes_lib.pipeline.compose import compose_stage
 from recipes_lib.pipeline.fingerprint import stage_fingerprint
 from recipes_lib.pipeline.handoff import (
     apply_handoff,
     handoff_from_manifest,
 )
-from recipes_lib.pipeline.spec import PipelineSpec, compose_stage, parse_pipeline
+from recipes_lib.pipeline.spec import PipelineSpec, parse_pipeline
 
 
 def tiny_model(**changes: Any) -> ModelConfig:

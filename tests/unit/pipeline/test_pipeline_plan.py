@@ -20,12 +20,12 @@ from recipes_lib.checkpoint.manifest import MANIFEST_NAME
 from recipes_lib.config import SourceConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.pipeline import parse_pipeline, plan_pipeline, run_pipeline
+from recipes_lib.pipeline.compose import compose_stage
 from recipes_lib.pipeline.handoff import (
     apply_handoff,
     handoff_from_manifest,
     replay_sources,
 )
-from recipes_lib.pipeline.spec import compose_stage
 
 PRETRAIN = {"recipe": "pretrain/tiny"}
 ANNEAL = {"recipe": "anneal/tiny", "lr_from_previous": True}

@@ -13,11 +13,11 @@ from recipes_lib.pipeline.report import (
     PREFERENCE_PLOT,
     held_out_changes,
     preference_figure,
-    print_summary_table,
     read_stage_logs,
     write_plots,
     write_summary,
 )
+from recipes_lib.pipeline.tables import print_summary_table
 
 
 def _write_csv(path, rows):

@@ -8,7 +8,7 @@ from pipeline_helpers import make_pipeline
 from recipes_lib.config import conf_dir
 from recipes_lib.errors import ConfigError
 from recipes_lib.pipeline import compose_pipeline, parse_pipeline, plan_pipeline
-from recipes_lib.pipeline.spec import compose_stage
+from recipes_lib.pipeline.compose import compose_stage
 
 
 def shipped_pipelines() -> list[str]:

@@ -1,0 +1,40 @@
+"""What an evaluation runs: :class:`EvalSettings` (no torch here: pipeline specs and
+configs import it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from recipes_lib.errors import ConfigError
+
+METRIC_PREFIX = "eval"  # metrics are named eval/<task>/<metric>
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What to evaluate and how (``recipes-eval``'s arguments, a stage's ``evaluate``).
+
+    Attributes:
+        tasks: task names, ``.jsonl`` files or task folders (see
+            :mod:`recipes_lib.evaluation.tasks`).
+        task_dirs: folders of lm-eval task YAMLs whose tasks ``tasks`` may name.
+        limit: the first examples of each task only (None: all).
+        batch_size: rows per forward pass.
+        num_fewshot: few-shot examples of lm-eval tasks (None: each task's own).
+        chat_template: render lm-eval prompts with the model's chat template.
+        seed: lm-eval's seeds (few-shot sampling).
+    """
+
+    tasks: tuple[str, ...]
+    task_dirs: tuple[str, ...] = ()
+    limit: int | None = None
+    batch_size: int = 32
+    num_fewshot: int | None = None
+    chat_template: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and self.limit < 1:
+            raise ConfigError(f"limit={self.limit} must be at least 1 (or null for all)")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size={self.batch_size} must be at least 1")
