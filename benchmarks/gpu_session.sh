@@ -54,6 +54,9 @@
 #   bash benchmarks/gpu_session.sh peer        # SFT of a qwen3_1_7b folder against TRL, and
 #                                              # the fp8 tests (needs the trl and torchao
 #                                              # wheels: fetch-wheels.sh trl==1.16.0 ...)
+#   bash benchmarks/gpu_session.sh eval        # multiple-choice evaluation at 1B against
+#                                              # lm-eval's HF backend (lm-eval wheels), and
+#                                              # the evaluation GPU tests
 #
 # Jobs that run at once each get their own GPUs (CUDA_VISIBLE_DEVICES); no two timed
 # measurements share a card. RECORD=1 records the reference loss curves of
@@ -279,6 +282,10 @@ grpo)  # rollouts against transformers' generate, GRPO steps against TRL, GRPO u
   job grpo_fsdp 2,3 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -k 'post_training and \
       (grpo or dpo)' -p no:cacheprovider; $PY -m pytest -q -rs tests/gpu/test_stage_curves.py \
       tests/gpu/test_gpu_recipes.py tests/gpu/test_sampling_gpu.py -p no:cacheprovider"
+  wait ;;
+eval)  # multiple-choice evaluation against lm-eval's HF backend, the evaluation GPU tests
+  job eval_peer 0 "$PY benchmarks/eval_peer.py --side-timeout 120 --out $OUT/eval_peer.json"
+  job eval_tests 1 "$PY -m pytest -q -rs tests/gpu -k eval -p no:cacheprovider"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"

@@ -2,10 +2,12 @@
 
 They depend only on lightning, torch, rich and the standard library, and read what
 they need from the LightningModule by duck typing (``tokens_seen``,
-``flops_per_token(seq_len)``).
+``flops_per_token(seq_len)``); :class:`DownstreamEval` also scores with
+:mod:`recipes_lib.evaluation` (torch and tokenizers only).
 """
 
 from recipes_lib.callbacks.batch_ramp import BatchRamp
+from recipes_lib.callbacks.downstream import DownstreamEval
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.gc import GarbageCollection
 from recipes_lib.callbacks.monitors import GradNormMonitor, total_grad_norm
@@ -24,6 +26,7 @@ from recipes_lib.callbacks.watchdog import EXIT_HUNG, HangWatchdog
 
 __all__ = [
     "BatchRamp",
+    "DownstreamEval",
     "EXIT_HUNG",
     "EXIT_PREEMPTED",
     "GarbageCollection",

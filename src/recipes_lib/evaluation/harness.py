@@ -234,6 +234,8 @@ def run_lm_eval(
     results = lm_eval.simple_evaluate(
         model=lm,
         tasks=list(tasks),
+        # the tasks are built: an empty manager spares indexing lm-eval's whole registry
+        task_manager=TaskManager(include_defaults=False),
         limit=limit,
         num_fewshot=num_fewshot,
         apply_chat_template=chat_template,
