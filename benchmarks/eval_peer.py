@@ -21,14 +21,19 @@ in a process of its own (so each peak is its own):
 - ``recipes_lib``: the folder loaded by ``load_for_generation`` (bf16), the task built
   by ``build_lm_eval_tasks``, and lm-eval's own ``simple_evaluate`` run with
   :class:`~recipes_lib.evaluation.harness.RecipesLM` as the model (``score_requests``:
-  longest first, only the continuation's logits formed);
+  longest first, batches of up to ``--rows`` rows and ``--batch-tokens`` padded tokens,
+  the library's defaults; only the continuation's logits formed);
+- ``recipes_lib_rows``: the same with ``--batch-size`` rows and no token budget (the
+  rows ``lm_eval_hf`` takes);
 - ``recipes_lib_native``: the same examples from ``data.jsonl`` through
   ``score_choice_task`` and ``score_requests`` directly, no lm-eval;
 - ``lm_eval_hf``: lm-eval's ``HFLM`` (what ``simple_evaluate(model="hf",
-  model_args={"pretrained": folder, "dtype": "bfloat16"})`` builds) with the same
-  ``--batch-size``, through the same ``simple_evaluate`` call as ``recipes_lib``;
+  model_args={"pretrained": folder, "dtype": "bfloat16"})`` builds) with
+  ``--batch-size`` rows, through the same ``simple_evaluate`` call as ``recipes_lib``;
 - ``lm_eval_hf_auto``: the same with ``batch_size="auto"`` (lm-eval's search from 64
-  rows down, done again in every evaluation and timed with it).
+  rows down, done again in every evaluation and timed with it);
+- ``lm_eval_hf_rows``: the same with ``--rows`` rows (as many as ``recipes_lib`` may
+  take).
 
 Both lm-eval sides call ``simple_evaluate`` as ``run_lm_eval`` does (no samples logged,
 no bootstrap, the same seeds, a ``TaskManager`` passed so that no call indexes lm-eval's
@@ -71,7 +76,14 @@ from _peer import add_peer_arguments, report_header, spawn, sync  # noqa: E402
 
 TASK = "stdlib_bodies"
 CASE = "multiple_choice"
-SIDES = ("recipes_lib", "recipes_lib_native", "lm_eval_hf", "lm_eval_hf_auto")
+SIDES = (
+    "recipes_lib",
+    "recipes_lib_rows",
+    "recipes_lib_native",
+    "lm_eval_hf",
+    "lm_eval_hf_auto",
+    "lm_eval_hf_rows",
+)
 BASELINE = "lm_eval_hf"
 EOS = "<|endoftext|>"
 TASK_YAML = {
@@ -202,7 +214,12 @@ def _evaluator(args, side: str, root: Path, device: str, clock: _Clock):
             from recipes_lib.evaluation.scoring import score_requests
 
             task = read_choice_file(task_dir / "data.jsonl", TASK)
-            score = partial(score_requests, loaded.model, batch_size=args.batch_size)
+            score = partial(
+                score_requests,
+                loaded.model,
+                batch_size=args.rows,
+                max_tokens=args.batch_tokens,
+            )
 
             def native(limit: int | None) -> dict:
                 return score_choice_task(task.head(limit), loaded.tokenizer, score)
@@ -211,11 +228,17 @@ def _evaluator(args, side: str, root: Path, device: str, clock: _Clock):
             return clock.wrap(native), None
         from recipes_lib.evaluation.harness import RecipesLM
 
-        lm = RecipesLM(loaded.model, loaded.tokenizer, loaded.eos_ids, batch_size=args.batch_size)
+        rows = args.batch_size if side == "recipes_lib_rows" else args.rows
+        tokens = None if side == "recipes_lib_rows" else args.batch_tokens
+        lm = RecipesLM(
+            loaded.model, loaded.tokenizer, loaded.eos_ids, batch_size=rows, max_tokens=tokens
+        )
     else:
         from lm_eval.models.huggingface import HFLM
 
-        batch_size = "auto" if side == "lm_eval_hf_auto" else args.batch_size
+        batch_size = {"lm_eval_hf_auto": "auto", "lm_eval_hf_rows": args.rows}.get(
+            side, args.batch_size
+        )
         # what simple_evaluate(model="hf", model_args={"pretrained": folder, "dtype":
         # "bfloat16"}, batch_size=..., device=...) makes, made here once so that loading
         # the model is not timed
@@ -236,6 +259,8 @@ def _evaluator(args, side: str, root: Path, device: str, clock: _Clock):
 
 def _batch_size(side: str, lm, args) -> int | list[int] | None:
     """The rows per forward pass: ``--batch-size``, or what ``auto`` found."""
+    if side in ("recipes_lib", "recipes_lib_native", "lm_eval_hf_rows"):
+        return args.rows
     if side != "lm_eval_hf_auto":
         return args.batch_size
     sizes = sorted(set(lm.batch_sizes.values()))
@@ -329,13 +354,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama_1b", help="a preset of conf/model/")
     p.add_argument("--sides", default=",".join(SIDES))
     p.add_argument("--examples", type=int, default=2000, help="capped at the task's pool")
-    p.add_argument("--batch-size", type=int, default=32, help="rows per forward pass")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="rows per forward pass (the *_rows sides: "
+        "recipes_lib with no token budget, lm_eval_hf)",
+    )
+    p.add_argument("--rows", type=int, default=256, help="recipes_lib's row cap; lm_eval_hf_rows")
+    p.add_argument("--batch-tokens", type=int, default=32768, help="recipes_lib's token budget")
     p.add_argument("--warmup-examples", type=int, default=32)
     p.add_argument("--vocab-size", type=int, default=4096, help="the tokenizer's")
     add_peer_arguments(p)
     args = p.parse_args(argv)
     if args.smoke:
         args.examples, args.batch_size, args.warmup_examples = 16, 8, 2
+        args.rows, args.batch_tokens = 16, 2048
         args.vocab_size = 512
     unknown = set(args.sides.split(",")) - set(SIDES)
     if unknown:

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 from run_helpers import benchmark_smoke
 
-SIDES = {"recipes_lib", "recipes_lib_native", "lm_eval_hf", "lm_eval_hf_auto"}
+SIDES = {
+    "recipes_lib",
+    "recipes_lib_rows",
+    "recipes_lib_native",
+    "lm_eval_hf",
+    "lm_eval_hf_auto",
+    "lm_eval_hf_rows",
+}
 
 
 def test_eval_peer_smoke(tmp_path):

@@ -28,7 +28,12 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from recipes_lib.data.chat.template import compile_template
 from recipes_lib.errors import ConfigError
-from recipes_lib.evaluation.scoring import Request, Score, score_requests
+from recipes_lib.evaluation.scoring import (
+    DEFAULT_BATCH_TOKENS,
+    Request,
+    Score,
+    score_requests,
+)
 from recipes_lib.models.sampling import sample_completions
 
 DEFAULT_MAX_GEN_TOKS = 256
@@ -57,8 +62,8 @@ class RecipesLM(TemplateLM):
         *,
         prefix_id: int | None = None,
         chat_template: str | None = None,
-        batch_size: int = 32,
-        max_tokens: int | None = None,
+        batch_size: int = 256,
+        max_tokens: int | None = DEFAULT_BATCH_TOKENS,
         name: str = "recipes_lib",
     ) -> None:
         super().__init__()

@@ -66,7 +66,9 @@ def evaluate_model(
     start = time.perf_counter()
     results: dict[str, dict[str, float]] = {}
     examples: dict[str, int] = {}
-    score = partial(score_requests, model, batch_size=settings.batch_size)
+    score = partial(
+        score_requests, model, batch_size=settings.batch_size, max_tokens=settings.batch_tokens
+    )
     for ref in refs:
         if ref.kind == "choice":
             task = ref.task.head(settings.limit)
@@ -89,6 +91,7 @@ def evaluate_model(
             prefix_id=prefix_id,
             chat_template=chat_template,
             batch_size=settings.batch_size,
+            max_tokens=settings.batch_tokens,
         )
         results.update(
             run_lm_eval(

@@ -7,15 +7,18 @@ multiple-choice and perplexity tasks, and what the built-in tasks and the in-loo
 evaluation read.
 
 Requests run longest first, in batches of right-padded rows (causal attention, so the
-padding after a row never reaches it), and only the continuation's rows of logits are
-ever formed: for a 128k vocabulary and short answers that is the difference between a
-``(B, T, V)`` fp32 tensor and a few hundred rows. A request longer than the model's
-context keeps its last ``max_seq_len + 1`` tokens, as lm-eval's Hugging Face backend
-does.
+padding after a row never reaches it) limited by rows and by padded tokens, so that a
+forward pass is large enough to keep the GPU busy however short the requests are.
+Only the continuation's rows of logits are ever formed, at most
+:data:`HEAD_CHUNK_ROWS` of them at once: for a 128k vocabulary that is the difference
+between a ``(B, T, V)`` tensor and a few thousand rows. A request longer than the
+model's context keeps its last ``max_seq_len + 1`` tokens, as lm-eval's Hugging Face
+backend does.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -26,6 +29,8 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 
 Score = tuple[float, bool]  # (sum of log-probabilities, every token greedy)
+HEAD_CHUNK_ROWS = 4096  # rows of fp32 logits formed at once
+DEFAULT_BATCH_TOKENS = 32768  # padded tokens a forward pass takes, by default
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,8 @@ def score_requests(
     model: nn.Module,
     requests: Sequence[Request],
     *,
-    batch_size: int = 32,
-    max_tokens: int | None = None,
+    batch_size: int = 256,
+    max_tokens: int | None = DEFAULT_BATCH_TOKENS,
     greedy: bool = True,
     progress: Callable[[int], None] | None = None,
 ) -> list[Score]:
@@ -94,7 +99,8 @@ def score_requests(
         model: the decoder; its training mode is restored afterwards.
         requests: what to score.
         batch_size: the most rows a forward pass takes.
-        max_tokens: the most padded tokens a forward pass takes (None: no limit).
+        max_tokens: the most padded tokens a forward pass takes (None: no limit; a
+            request longer than it still runs, alone).
         greedy: also decide whether each continuation is the greedy one. This reads the
             model's hidden states and head directly, which a sharded (FSDP) model does
             not allow; without it the log-probabilities come through the model's own
@@ -108,26 +114,52 @@ def score_requests(
         raise ConfigError(f"batch_size={batch_size} must be at least 1")
     max_len = model.config.max_seq_len
     windows = [_window(r, max_len) for r in requests]
-    device = model_device(model)
     results: list[Score] = [(0.0, False)] * len(requests)
     was_training = model.training
     model.eval()
     try:
-        for batch in batches_of([len(w[0]) for w in windows], batch_size, max_tokens):
-            rows = [windows[i] for i in batch]
-            width = len(rows[0][0])
-            ids = torch.zeros(len(rows), width, dtype=torch.long)
-            for r, (tokens, _) in enumerate(rows):
-                ids[r, : len(tokens)] = torch.tensor(tokens)
-            ids = ids.to(device, non_blocking=True)
-            scores = (_greedy_scores if greedy else _forward_scores)(model, ids, rows)
-            for i, score in zip(batch, scores, strict=True):
-                results[i] = score
-            if progress is not None:
-                progress(len(batch))
+        with _varying_shapes_attention(model_device(model)):
+            _score_batches(model, windows, results, batch_size, max_tokens, greedy, progress)
     finally:
         model.train(was_training)
     return results
+
+
+def _score_batches(
+    model: nn.Module,
+    windows: list[Window],
+    results: list[Score],
+    batch_size: int,
+    max_tokens: int | None,
+    greedy: bool,
+    progress: Callable[[int], None] | None,
+) -> None:
+    """Fill ``results`` batch by batch, longest first."""
+    device = model_device(model)
+    for batch in batches_of([len(w[0]) for w in windows], batch_size, max_tokens):
+        rows = [windows[i] for i in batch]
+        width = len(rows[0][0])
+        padded = [tokens + [0] * (width - len(tokens)) for tokens, _ in rows]
+        ids = torch.tensor(padded, dtype=torch.long).to(device, non_blocking=True)
+        scores = (_greedy_scores if greedy else _forward_scores)(model, ids, rows)
+        for i, score in zip(batch, scores, strict=True):
+            results[i] = score
+        if progress is not None:
+            progress(len(batch))
+
+
+def _varying_shapes_attention(device: torch.device):
+    """SDPA without its cuDNN backend on CUDA: every batch here has a new length, and
+    cuDNN plans each new shape afresh (about a millisecond of host time per layer and
+    call, measured on an H100: the host, not the GPU, then bounds the evaluation);
+    FlashAttention and the memory-efficient kernel take any length as it comes."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
 
 
 def _gather_index(rows: list[Window], device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
@@ -146,24 +178,33 @@ def _gather_index(rows: list[Window], device: torch.device) -> tuple[Tensor, Ten
 
 def _greedy_scores(model: nn.Module, ids: Tensor, rows: list[Window]) -> list[Score]:
     row_index, positions, target = _gather_index(rows, ids.device)
-    hidden = model.forward_hidden(ids)  # (B, T, C)
-    logprobs = torch.log_softmax(model.output(hidden[row_index, positions]).float(), dim=-1)
-    chosen = logprobs.gather(1, target[:, None])[:, 0]  # (N,)
-    return _per_request(rows, chosen, logprobs.argmax(dim=-1) == target)
+    picked = model.forward_hidden(ids)[row_index, positions]  # (N, C)
+    chosen, is_greedy = [], []
+    for hidden, wanted in zip(
+        picked.split(HEAD_CHUNK_ROWS), target.split(HEAD_CHUNK_ROWS), strict=True
+    ):
+        logprobs = torch.log_softmax(model.output(hidden).float(), dim=-1)  # (n, V)
+        chosen.append(logprobs.gather(1, wanted[:, None])[:, 0])
+        is_greedy.append(logprobs.argmax(dim=-1) == wanted)
+    return _per_request(rows, torch.cat(chosen), torch.cat(is_greedy))
 
 
 def _forward_scores(model: nn.Module, ids: Tensor, rows: list[Window]) -> list[Score]:
     row_index, positions, target = _gather_index(rows, ids.device)
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[row_index, positions] = target
-    per_token = model(ids, labels=labels, per_token=True, loss_chunk_size=1024)  # (B, T)
+    per_token = model(ids, labels=labels, per_token=True, loss_chunk_size=HEAD_CHUNK_ROWS)
     chosen = per_token[row_index, positions]
     return _per_request(rows, chosen, torch.zeros_like(chosen, dtype=torch.bool))
 
 
 def _per_request(rows: list[Window], chosen: Tensor, is_greedy: Tensor) -> list[Score]:
     """Sums and all-greedy flags per request, read from the device once."""
-    counts = [len(c) for _, c in rows]
-    sums = torch.stack([part.sum() for part in chosen.double().split(counts)])
-    greedy = torch.stack([part.all() for part in is_greedy.split(counts)])
-    return [(float(s), bool(g)) for s, g in zip(sums.tolist(), greedy.tolist(), strict=True)]
+    owner = torch.tensor(
+        [r for r, (_, c) in enumerate(rows) for _ in c], dtype=torch.long, device=chosen.device
+    )
+    sums = torch.zeros(len(rows), dtype=torch.float64, device=chosen.device)
+    sums.index_add_(0, owner, chosen.double())
+    misses = torch.zeros(len(rows), dtype=torch.long, device=chosen.device)
+    misses.index_add_(0, owner, (~is_greedy).long())
+    return [(float(s), m == 0) for s, m in zip(sums.tolist(), misses.tolist(), strict=True)]

@@ -19,7 +19,8 @@ class EvalSettings:
             :mod:`recipes_lib.evaluation.tasks`).
         task_dirs: folders of lm-eval task YAMLs whose tasks ``tasks`` may name.
         limit: the first examples of each task only (None: all).
-        batch_size: rows per forward pass.
+        batch_size: the most rows per forward pass.
+        batch_tokens: the most padded tokens per forward pass of log-likelihoods.
         num_fewshot: few-shot examples of lm-eval tasks (None: each task's own).
         chat_template: render lm-eval prompts with the model's chat template.
         seed: lm-eval's seeds (few-shot sampling).
@@ -28,7 +29,8 @@ class EvalSettings:
     tasks: tuple[str, ...]
     task_dirs: tuple[str, ...] = ()
     limit: int | None = None
-    batch_size: int = 32
+    batch_size: int = 256
+    batch_tokens: int = 32768
     num_fewshot: int | None = None
     chat_template: bool = False
     seed: int = 0
@@ -38,3 +40,5 @@ class EvalSettings:
             raise ConfigError(f"limit={self.limit} must be at least 1 (or null for all)")
         if self.batch_size < 1:
             raise ConfigError(f"batch_size={self.batch_size} must be at least 1")
+        if self.batch_tokens < 1:
+            raise ConfigError(f"batch_tokens={self.batch_tokens} must be at least 1")

@@ -30,7 +30,15 @@ from typing import Any
 from recipes_lib.errors import ConfigError
 from recipes_lib.evaluation.settings import METRIC_PREFIX, EvalSettings
 
-EVALUATE_KEYS = ("tasks", "task_dirs", "limit", "batch_size", "num_fewshot", "chat_template")
+EVALUATE_KEYS = (
+    "tasks",
+    "task_dirs",
+    "limit",
+    "batch_size",
+    "batch_tokens",
+    "num_fewshot",
+    "chat_template",
+)
 METRIC_ROOTS = (METRIC_PREFIX, "val", "train")
 _OPERATORS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge,
@@ -125,7 +133,7 @@ def parse_evaluate(node: Any, key: str) -> EvalSettings | None:
         values[field] = tuple(entries)
     if not values["tasks"]:
         raise ConfigError(f"{key}.tasks: name at least one task")
-    for field in ("limit", "batch_size", "num_fewshot"):
+    for field in ("limit", "batch_size", "batch_tokens", "num_fewshot"):
         value = values.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise ConfigError(f"{key}.{field}={value!r} must be a whole number")

@@ -33,6 +33,9 @@ def reference(m: Transformer, request: Request) -> tuple[float, bool]:
 
 REQUESTS = [
     Request((1, 2, 3), (4, 5)),
+    Request((1, 2, 3), (6,)),  # the same context as the first: run once for both
+    Request((1, 2, 3), (7, 8, 9, 10)),
+    Request((7,), (8,)),
     Request((7,), (8, 9, 10, 11)),
     Request(tuple(range(1, 40)), (3, 4)),  # longer than the context: cut from the left
     Request((5, 6), (7,)),
