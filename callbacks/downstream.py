@@ -54,7 +54,7 @@ class DownstreamEval(OptimizerStepCallback):
         tasks: Sequence[str],
         every_n_steps: int = 100,
         limit: int | None = 100,
-        batch_size: int = 16,
+        batch_size: int = 64,
         at_start: bool = True,
     ) -> None:
         super().__init__()
