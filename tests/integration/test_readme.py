@@ -1,9 +1,11 @@
 """The README's commands are the ones that work: the main command runs the demo pipeline
-(pretrain, anneal, SFT, DPO) on the embedded corpus; pretraining takes the loss well
-below where it started, SFT lowers the held-out loss on instructions, DPO raises the
-held-out preference accuracy and margin, the summary and report are written, and the
-SFT output exports to a folder transformers renders conversations in as training did;
-the test command is the one CI runs."""
+(pretrain, anneal, SFT, DPO, then an eval stage) on the embedded corpus; pretraining
+takes the loss well below where it started and the downstream task above chance, SFT
+lowers the held-out loss on instructions, DPO raises the held-out preference accuracy
+and margin, every stage is evaluated and the gates pass, the summary and report are
+written, recipes-eval scores the demo's output as its stage did, and the SFT output
+exports to a folder transformers renders conversations in as training did; the test
+command is the one CI runs."""
 
 from __future__ import annotations
 
@@ -26,10 +28,12 @@ from recipes_lib.data.chat.messages import record_messages
 from recipes_lib.data.chat.module import ChatDataModule
 from recipes_lib.data.chat.template import PLAIN_TEMPLATE
 from recipes_lib.data.records import split_records
+from recipes_lib.evaluation.command import main as eval_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_MIN_DROP = 0.3  # held-out SFT loss: start (the annealed weights) minus end, at least
 DPO_MIN_ACCURACY = 0.7  # held-out DPO preference accuracy at the end, at least
+DOWNSTREAM_MIN_ACCURACY = 0.35  # stdlib_bodies after pretraining (chance: 0.25)
 
 
 def readme_command(marker: str) -> str:
@@ -79,6 +83,10 @@ def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     assert (out / "pretrain" / "config.yaml").is_file()
     tokens = metric_series(rows, "perf/tokens_per_sec")
     assert tokens and all(t > 0 for _, t in tokens)
+    # the downstream task in the loop: above chance (0.25) once pretrained
+    downstream = metric_series(rows, "eval/stdlib_bodies/acc")
+    assert [step for step, _ in downstream] == [0, 100, 200, 300]
+    assert downstream[-1][1] >= DOWNSTREAM_MIN_ACCURACY > downstream[0][1], downstream
 
     # the anneal continues from the pretrained weights and lowers the validation loss
     anneal = read_metrics(out / "anneal")
@@ -103,13 +111,28 @@ def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     assert accuracy[-1][1] >= accuracy[1][1], accuracy  # no worse than after its first interval
     assert margin[-1][1] > margin[1][1] > 0, margin  # and the margin keeps growing
 
+    # every stage evaluated; the anneal's gate and the release stage's gate passed
+    manifests = {
+        stage: json.loads((out / stage / "manifest.json").read_text())
+        for stage in ("pretrain", "anneal", "sft", "dpo", "release")
+    }
+    for manifest in manifests.values():
+        assert set(manifest["evaluation"]["results"]["stdlib_bodies"]) == {"acc", "acc_norm"}
+    assert manifests["pretrain"]["evaluation"]["results"]["stdlib_bodies"]["acc"] >= 0.35
+    assert [g["passed"] for g in manifests["anneal"]["gates"]] == [True]
+    release = manifests["release"]
+    assert release["kind"] == "eval" and [g["passed"] for g in release["gates"]] == [True]
+    assert release["weights"]["sha256"] == manifests["dpo"]["weights"]["sha256"]
+    assert "gate eval/stdlib_bodies/acc" in proc.stderr + proc.stdout
+
     # the summary table and the report
     assert "pipeline demo" in proc.stdout and "held-out: first → last" in proc.stdout
+    assert "stdlib_bodies acc" in proc.stdout and "gates passed 1/1" in proc.stdout
     assert "accuracy 0.00 →" in proc.stdout  # DPO's held-out change, in the table
     summary = json.loads((out / "report" / "summary.json").read_text())
     stages = {s["stage"]: s for s in summary["stages"]}
-    assert list(stages) == ["pretrain", "anneal", "sft", "dpo"]
-    assert all(s["status"] == "trained" for s in stages.values())
+    assert list(stages) == ["pretrain", "anneal", "sft", "dpo", "release"]
+    assert [s["status"] for s in stages.values()] == ["trained"] * 4 + ["evaluated"]
     assert stages["pretrain"]["train_loss_end"] < stages["pretrain"]["train_loss_start"] - 3.0
     assert stages["anneal"]["last_lr"] == 0.0
     held_out = stages["sft"]["held_out"]["val/loss"]
@@ -117,8 +140,17 @@ def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     held_out = stages["dpo"]["held_out"]
     assert held_out["val/rewards/accuracy"]["last"] == accuracy[-1][1]
     assert held_out["val/rewards/margin"]["last"] > held_out["val/rewards/margin"]["first"]
-    for name in ("loss.png", "lr.png", "throughput.png"):
+    for name in ("loss.png", "lr.png", "throughput.png", "evaluation.png"):
         assert (out / "report" / name).read_bytes()[:4] == b"\x89PNG"
+
+    # recipes-eval on the demo's output: the anneal's weights, as its stage evaluated them
+    evaluated = tmp_path / "anneal_eval.json"
+    code = eval_main(
+        [f"checkpoint={out / 'anneal'}", "tasks=stdlib_bodies", "limit=200", f"output={evaluated}"]
+    )
+    assert code == 0
+    again = json.loads(evaluated.read_text())["results"]
+    assert again == manifests["anneal"]["evaluation"]["results"]
 
     _assert_sft_exports_its_chat_template(out / "sft", tmp_path / "sft-hf")
 

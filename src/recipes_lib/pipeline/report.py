@@ -7,7 +7,9 @@ counter (``init: full``) starts where its source ended, every other stage after 
 previous stage's last step. The report folder holds ``loss.png`` (train and
 validation loss), ``lr.png`` (learning rate), ``throughput.png`` (tokens per second),
 for a pipeline with a preference stage (DPO) ``preference.png`` (preference accuracy
-and reward margin, each on its own axes), and ``summary.json``.
+and reward margin, each on its own axes), for a pipeline that evaluates
+``evaluation.png`` (downstream metrics in the loop and after each stage), and
+``summary.json``.
 
 Each stage's entry in the summary also says what it changed on held-out data: its
 validation loss and, for a preference stage, its reward accuracy and margin, at its
@@ -44,6 +46,8 @@ PLOTS = {
 }
 # preference.png, for preference stages: one axes per (y label, metrics)
 PREFERENCE_PLOT = "preference.png"
+# evaluation.png, for pipelines that evaluate: downstream metrics in the loop and after
+EVALUATION_PLOT = "evaluation.png"
 PREFERENCE_PANELS = (
     ("preference accuracy", ("train/rewards/accuracy", "val/rewards/accuracy")),
     ("reward margin", ("train/rewards/margin", "val/rewards/margin")),
@@ -217,7 +221,62 @@ def preference_figure(stages: Sequence[StageSeries]) -> Any | None:
     return fig
 
 
-def write_plots(stages: Sequence[StageSeries], out_dir: Path) -> list[Path]:
+def evaluation_figure(
+    stages: Sequence[StageSeries], evaluations: Sequence[dict[str, float]]
+) -> Any | None:
+    """Downstream metrics over the pipeline's steps: what a stage scored in its loop
+    (``eval/...`` logged by ``DownstreamEval``: lines) and its evaluation when done
+    (markers at its last step); None when nothing was evaluated."""
+    logged = [
+        sorted(n for n in s.series if n.startswith("eval/") and n != "eval/seconds") for s in stages
+    ]
+    if not any(logged) and not any(evaluations):
+        return None
+    plt = _pyplot()
+    offsets, colors = _stage_offsets(stages), _stage_colors(plt, len(stages))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ends = [*offsets[1:], None]
+    for series, names, evaluation, offset, end, color in zip(
+        stages, logged, evaluations, offsets, ends, colors, strict=True
+    ):
+        for name in names:
+            points = series.series[name]
+            ax.plot(
+                [offset + step - series.start_step for step, _ in points],
+                [value for _, value in points],
+                color=color,
+                linestyle="-" if name.endswith("/acc") else ":",
+                label=f"{series.stage} {name} (in the loop)",
+            )
+        x = (
+            end
+            if end is not None
+            else offset
+            + max(
+                (
+                    step - series.start_step
+                    for values in series.series.values()
+                    for step, _ in values
+                ),
+                default=0,
+            )
+        )
+        for name, value in sorted(evaluation.items()):
+            marker = "o" if name.endswith("/acc") else "s"
+            ax.scatter([x], [value], color=color, marker=marker, label=f"{series.stage} {name}")
+    ax.set_xlabel("pipeline step")
+    ax.set_ylabel("downstream metric")
+    ax.set_title("downstream evaluation: in the loop (lines) and after each stage (markers)")
+    ax.legend(fontsize="x-small")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def write_plots(
+    stages: Sequence[StageSeries],
+    out_dir: Path,
+    evaluations: Sequence[dict[str, float]] | None = None,
+) -> list[Path]:
     """Write the loss, learning-rate and throughput plots, and ``preference.png``
     (:func:`preference_figure`) when a stage logged preference metrics; returns their paths.
 
@@ -239,6 +298,10 @@ def write_plots(stages: Sequence[StageSeries], out_dir: Path) -> list[Path]:
     fig = preference_figure(stages)
     if fig is not None:
         written.append(_save(fig, out_dir / PREFERENCE_PLOT))
+        plt.close(fig)
+    fig = evaluation_figure(stages, evaluations or [{} for _ in stages])
+    if fig is not None:
+        written.append(_save(fig, out_dir / EVALUATION_PLOT))
         plt.close(fig)
     return written
 

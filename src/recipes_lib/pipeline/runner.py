@@ -53,7 +53,7 @@ from recipes_lib.config import RunConfig
 from recipes_lib.data.text.prepare import resolve_sources
 from recipes_lib.errors import CheckpointError, ConfigError, GateFailed
 from recipes_lib.files import copy_atomic, global_rank, move_aside, write_json_atomic
-from recipes_lib.pipeline.decisions import decide, gate_failure, settle
+from recipes_lib.pipeline.decisions import decide, evaluation_values, gate_failure, settle
 from recipes_lib.pipeline.fingerprint import stage_fingerprint
 from recipes_lib.pipeline.handoff import Handoff, apply_handoff
 from recipes_lib.pipeline.plan import (
@@ -385,7 +385,8 @@ def _write_report(
     console: Console | None,
 ) -> Path:
     report_dir = pipeline_report_dir(pipeline.dir)
-    plots = write_plots(series, report_dir)
+    evaluations = [evaluation_values(r.manifest.evaluation) for r in result.stages]
+    plots = write_plots(series, report_dir, evaluations)
     write_summary(report_dir / "summary.json", pipeline.name, pipeline.dir, result.summary, plots)
     print_summary_table(pipeline.name, result.summary, console)
     log.info("report written to %s", report_dir)

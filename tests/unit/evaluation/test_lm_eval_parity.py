@@ -6,6 +6,7 @@ import pytest
 import torch
 from eval_tasks import TASKS, assert_same_results, export_with_tasks
 
+from recipes_lib.errors import ConfigError
 from recipes_lib.evaluation.run import EvalSettings, evaluate_checkpoint
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -49,3 +50,28 @@ def test_evaluate_checkpoint_runs_a_task_folder_and_a_builtin_task(exported):
         assert 0.0 <= flat[key] <= 1.0
     assert flat["eval/parity_rolling/word_perplexity"] > 1.0
     assert report.examples == {"stdlib_bodies": 4}
+
+
+def test_chat_prompts_render_as_transformers_renders_them(exported):
+    from transformers import AutoTokenizer
+
+    from recipes_lib.evaluation.harness import RecipesLM
+    from recipes_lib.generate import load_for_generation
+
+    folder, _ = exported
+    loaded = load_for_generation(folder)
+    lm = RecipesLM(
+        loaded.model, loaded.tokenizer, loaded.eos_ids, chat_template=loaded.chat_template
+    )
+    messages = [
+        {"role": "system", "content": "Answer with code."},
+        {"role": "user", "content": "Write `add(a, b)`."},
+    ]
+    theirs = AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert lm.chat_template(True) == loaded.chat_template is not None
+    assert lm.apply_chat_template(messages) == theirs
+    no_template = RecipesLM(loaded.model, loaded.tokenizer, loaded.eos_ids)
+    with pytest.raises(ConfigError, match="has no chat template"):
+        no_template.apply_chat_template(messages)
