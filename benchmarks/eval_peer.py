@@ -170,29 +170,13 @@ class _Clock:
         return timed
 
 
-def _lm_eval(lm, tasks: list, manager, limit: int | None, seed: int) -> dict:
-    """lm-eval's ``simple_evaluate`` of built tasks with ``lm``, as ``run_lm_eval`` calls
-    it: the tasks built already and a ``TaskManager`` passed (without one,
-    ``simple_evaluate`` indexes lm-eval's whole task registry, some thousands of YAML
-    files, on every call: seconds that are no part of either backend's evaluation)."""
-    import lm_eval
+def _lm_eval(lm, tasks: list, limit: int | None, seed: int) -> dict:
+    """``acc`` and ``acc_norm`` of built tasks with ``lm``, through the library's call of
+    lm-eval's ``simple_evaluate`` (``run_lm_eval``), whatever ``lm`` is."""
+    from recipes_lib.evaluation.harness import run_lm_eval
 
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        task_manager=manager,
-        limit=limit,
-        num_fewshot=None,
-        apply_chat_template=False,
-        log_samples=False,
-        bootstrap_iters=0,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
-    values = results["results"][TASK]
-    return {metric: float(values[f"{metric},none"]) for metric in ("acc", "acc_norm")}
+    values = run_lm_eval(lm, tasks, limit=limit, num_fewshot=None, chat_template=False, seed=seed)
+    return {metric: values[TASK][metric] for metric in ("acc", "acc_norm")}
 
 
 def _evaluator(args, side: str, root: Path, device: str, clock: _Clock):
@@ -254,7 +238,7 @@ def _evaluator(args, side: str, root: Path, device: str, clock: _Clock):
         else:  # lm-eval's own calls, which build_lm_eval_tasks makes the same way
             tasks = list(get_task_dict([TASK], manager).values())
     lm.loglikelihood = clock.wrap(lm.loglikelihood)  # what lm-eval calls for the requests
-    return lambda limit: _lm_eval(lm, tasks, manager, limit, args.seed), lm
+    return lambda limit: _lm_eval(lm, tasks, limit, args.seed), lm
 
 
 def _batch_size(side: str, lm, args) -> int | list[int] | None:

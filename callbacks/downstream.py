@@ -27,7 +27,7 @@ import torch
 from recipes_lib.callbacks.step import OptimizerStepCallback
 from recipes_lib.errors import ConfigError
 from recipes_lib.evaluation.choice import ChoiceTask, choice_outcomes, choice_requests
-from recipes_lib.evaluation.scoring import score_requests
+from recipes_lib.evaluation.scoring import DEFAULT_BATCH_TOKENS, score_requests
 from recipes_lib.evaluation.tasks import resolve_tasks
 
 
@@ -73,7 +73,6 @@ class DownstreamEval(OptimizerStepCallback):
         self.every_n_steps = every_n_steps
         self.batch_size = batch_size
         self.at_start = at_start
-        self._requests: list[list] | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -85,15 +84,17 @@ class DownstreamEval(OptimizerStepCallback):
             self.evaluate(trainer, pl_module)
 
     # --------------------------------------------------------------- scoring
-    def _rank_share(self, trainer: L.Trainer, task: ChoiceTask) -> tuple[ChoiceTask, int]:
-        """This rank's examples, padded to the same count on every rank (so that each
-        runs the same batches), and how many of them count."""
+    def _rank_share(self, trainer: L.Trainer, task: ChoiceTask) -> tuple[ChoiceTask, int, int]:
+        """This rank's examples, how many of its requests count, and how many requests
+        every rank scores (the most any rank has: the rest repeat its first one).
+
+        Under a sharded model every forward pass is a collective, so every rank must run
+        as many: the same number of requests, in batches of rows only (no token budget,
+        which would depend on each rank's lengths)."""
         rank, world = trainer.global_rank, trainer.world_size
         mine = task.examples[rank::world]
-        share = -(-len(task.examples) // world)
-        counted = len(mine)
-        padded = mine + (task.examples[:1] * (share - len(mine)))
-        return ChoiceTask(task.name, tuple(padded), task.source), counted
+        requests = [sum(len(e.choices) for e in task.examples[r::world]) for r in range(world)]
+        return ChoiceTask(task.name, mine, task.source), requests[rank], max(requests)
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
@@ -103,17 +104,20 @@ class DownstreamEval(OptimizerStepCallback):
         model = pl_module.model
         metrics: dict[str, float] = {}
         for task in self.tasks:
-            share, counted = self._rank_share(trainer, task)
+            share, counted, rows = self._rank_share(trainer, task)
+            requests = choice_requests(share, tokenizer)
+            requests += requests[:1] * (rows - counted)  # as many as every other rank
             with trainer.precision_plugin.forward_context():
                 scores = score_requests(
                     model,
-                    choice_requests(share, tokenizer),
+                    requests,
                     batch_size=self.batch_size,
+                    max_tokens=None if trainer.world_size > 1 else DEFAULT_BATCH_TOKENS,
                     greedy=False,  # through the model's forward: a sharded model gathers
                 )
-            outcomes = choice_outcomes(share, scores)[:counted]
+            outcomes = choice_outcomes(share, scores[:counted])
             totals = torch.tensor(
-                [sum(a for a, _ in outcomes), sum(b for _, b in outcomes), counted],
+                [sum(a for a, _ in outcomes), sum(b for _, b in outcomes), len(outcomes)],
                 dtype=torch.float64,
                 device=pl_module.device,
             )

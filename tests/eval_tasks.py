@@ -123,3 +123,28 @@ def assert_same_results(ours: dict, theirs: dict, tolerance: float) -> int:
             if isinstance(value, float) and "stderr" not in metric:
                 assert ours["results"][task][metric] == pytest.approx(value, rel=tolerance)
     return compared
+
+
+def both_backends(folder: Path, tasks: Path, device: str) -> tuple[dict, dict]:
+    """lm-eval's results (samples logged) of the tasks in ``tasks`` for the exported
+    ``folder``: ``(the native model through RecipesLM, lm-eval's HF backend)``, fp32."""
+    import lm_eval
+
+    from recipes_lib.evaluation.harness import RecipesLM, build_lm_eval_tasks
+    from recipes_lib.generate import load_for_generation
+
+    common = dict(log_samples=True, bootstrap_iters=0, limit=None)
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(folder), "dtype": "float32"},
+        tasks=list(build_lm_eval_tasks(TASKS, tasks).values()),
+        batch_size=4,
+        device=device,
+        **common,
+    )
+    loaded = load_for_generation(folder, device=device, dtype=torch.float32)
+    lm = RecipesLM(loaded.model, loaded.tokenizer, loaded.eos_ids, batch_size=3)
+    ours = lm_eval.simple_evaluate(
+        model=lm, tasks=list(build_lm_eval_tasks(TASKS, tasks).values()), **common
+    )
+    return ours, theirs

@@ -287,6 +287,24 @@ _DEFAULTS: dict[str, Any] = {
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def key_value_args(argv: Sequence[str], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``key=value`` arguments over ``defaults`` (values as text), as the library's
+    plain console scripts (``recipes-generate``, ``recipes-eval``) take them.
+
+    Raises:
+        ConfigError: an argument without ``=`` or a key ``defaults`` does not have.
+    """
+    args = dict(defaults)
+    for item in argv:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"argument {item!r} is not key=value")
+        if key not in defaults:
+            raise ConfigError(f"unknown argument {key!r}; choose from: {', '.join(defaults)}")
+        args[key] = value
+    return args
+
+
 def parse_args(argv: Sequence[str]) -> dict[str, Any]:
     """``key=value`` arguments over :data:`_DEFAULTS`, with numbers converted.
 
@@ -294,14 +312,7 @@ def parse_args(argv: Sequence[str]) -> dict[str, Any]:
         ConfigError: an argument without ``=``, an unknown key, a bad number, or no
             ``checkpoint``.
     """
-    args = dict(_DEFAULTS)
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"argument {item!r} is not key=value")
-        if key not in _DEFAULTS:
-            raise ConfigError(f"unknown argument {key!r}; choose from: {', '.join(_DEFAULTS)}")
-        args[key] = value
+    args = key_value_args(argv, _DEFAULTS)
     try:
         args["max_new_tokens"] = int(args["max_new_tokens"])
         args["temperature"] = float(args["temperature"])

@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 import torch
-from eval_tasks import TASKS, assert_same_results, export_with_tasks
+from eval_tasks import assert_same_results, both_backends, export_with_tasks
 
 from recipes_lib.evaluation.builtin import stdlib_bodies
 from recipes_lib.evaluation.choice import score_choice_task
@@ -32,24 +32,7 @@ def no_tf32():
 
 
 def test_eval_on_cuda_matches_lm_evals_hugging_face_backend(exported):
-    from recipes_lib.evaluation.harness import RecipesLM, build_lm_eval_tasks
-    from recipes_lib.generate import load_for_generation
-
-    folder, tasks = exported
-    common = dict(log_samples=True, bootstrap_iters=0, limit=None)
-    theirs = lm_eval.simple_evaluate(
-        model="hf",
-        model_args={"pretrained": str(folder), "dtype": "float32"},
-        tasks=list(build_lm_eval_tasks(TASKS, tasks).values()),
-        batch_size=4,
-        device="cuda",
-        **common,
-    )
-    loaded = load_for_generation(folder, device="cuda", dtype=torch.float32)
-    lm = RecipesLM(loaded.model, loaded.tokenizer, loaded.eos_ids, batch_size=3)
-    ours = lm_eval.simple_evaluate(
-        model=lm, tasks=list(build_lm_eval_tasks(TASKS, tasks).values()), **common
-    )
+    ours, theirs = both_backends(*exported, "cuda")
     assert assert_same_results(ours, theirs, 1e-3) >= 12 * 3 + 4
 
 

@@ -5,6 +5,7 @@ task or choice metric is refused before anything trains."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -59,6 +60,7 @@ def stages(gate: str = ">= 0.0") -> dict:
         },
         "best": {"kind": "promote", "candidates": ["slow", "fast"], "by": "val/loss"},
         "check": {"kind": "eval", "from": "best", "evaluate": EVALUATE, "gates": {ACC: gate}},
+        "after": {"recipe": "pretrain/tiny", "from": "check", "trainer": {"max_steps": 2}, **short},
     }
 
 
@@ -73,7 +75,9 @@ def gated(tmp_path_factory, shared_cache):
 
 def test_stages_are_evaluated_gated_and_the_best_promoted(gated):
     pipeline, result = gated
-    assert [s.status for s in result.stages] == ["trained"] * 3 + ["promoted", "evaluated"]
+    assert [s.status for s in result.stages] == ["trained"] * 3 + ["promoted", "evaluated"] + [
+        "trained"
+    ]
     for name in ("pretrain", "slow", "fast"):
         evaluation = result[name].manifest.evaluation
         assert evaluation["examples"] == {"stdlib_bodies": 12}
@@ -103,14 +107,47 @@ def test_stages_are_evaluated_gated_and_the_best_promoted(gated):
     assert rows["best"]["promotion"]["winner"] == winner
 
 
+def replanned(pipeline, tmp_path, changes: dict, **top):
+    """The plan of the same pipeline folder with ``changes`` to its stages."""
+    changed = spec(tmp_path, {**stages(), **changes})
+    changed = dataclasses.replace(changed, dir=pipeline.dir, **top)
+    return [(p.spec.name, p.action) for p in plan_pipeline(changed)]
+
+
+def test_what_a_change_reruns_after_an_eval_stage(gated, shared_cache, monkeypatch, tmp_path):
+    pipeline, _ = gated
+    monkeypatch.setenv("RECIPES_CACHE", str(shared_cache))
+    assert [a for _, a in replanned(pipeline, tmp_path, {})] == ["skip"] * 6
+    # evaluated again with other settings: the weights it hands on are the same
+    check = {**stages()["check"], "evaluate": {**EVALUATE, "limit": 6}}
+    assert replanned(pipeline, tmp_path, {"check": check})[-2:] == [
+        ("check", "evaluate"),
+        ("after", "skip"),
+    ]
+    # a retrained first stage changes everything after it, through both decision stages
+    pretrain = {**stages()["pretrain"], "optim": {"lr": 1e-3}}
+    actions = replanned(pipeline, tmp_path, {"pretrain": pretrain}, on_change="rerun")
+    assert [a for _, a in actions] == ["rerun"] * 3 + ["promote", "evaluate", "rerun"]
+    # an eval stage whose source's weights changed under it is evaluated again, not refused
+    manifest_file = pipeline.dir / "check" / "manifest.json"
+    saved = manifest_file.read_text()
+    stale = json.loads(saved)
+    stale["weights"]["sha256"] = "f" * 64
+    stale["config_sha256"] = "e" * 64
+    manifest_file.write_text(json.dumps(stale))
+    try:
+        assert replanned(pipeline, tmp_path, {})[-2:] == [("check", "evaluate"), ("after", "skip")]
+    finally:
+        manifest_file.write_text(saved)
+
+
 def test_a_rerun_decides_again_without_training(gated, shared_cache, monkeypatch, tmp_path):
     pipeline, _ = gated
     monkeypatch.setenv("RECIPES_CACHE", str(shared_cache))
-    assert [p.action for p in plan_pipeline(pipeline)] == ["skip"] * 5
+    assert [p.action for p in plan_pipeline(pipeline)] == ["skip"] * 6
     # a gate the eval stage cannot meet: the pipeline stops with one line naming it,
     # after recording the outcome; nothing trains
-    strict = spec(tmp_path, stages(gate=">= 1.01"))
-    strict = type(strict)(**{**strict.__dict__, "dir": pipeline.dir})
+    strict = dataclasses.replace(spec(tmp_path, stages(gate=">= 1.01")), dir=pipeline.dir)
     with pytest.raises(GateFailed) as err:
         run_pipeline(strict)
     message = str(err.value)
@@ -120,6 +157,16 @@ def test_a_rerun_decides_again_without_training(gated, shared_cache, monkeypatch
     recorded = read_manifest(pipeline.dir / "check").gates
     assert recorded[0]["passed"] is False
     assert [p.action for p in plan_pipeline(strict)][:3] == ["skip"] * 3
+    assert not (pipeline.dir / "after").joinpath("manifest.json").read_text() == ""
+
+
+def test_a_promote_stage_produces_what_every_candidate_does(tmp_path):
+    best = {**stages()["best"], "gates": {"val/loss": "<= 20", ACC: ">= 0.0"}}
+    after = {**stages()["after"], "from": "best", "gates": {"val/loss": "<= from + 1"}}
+    plan_pipeline(spec(tmp_path, {**stages(), "best": best, "after": after}))  # accepted
+    slow = {**stages()["slow"], "evaluate": None}
+    with pytest.raises(ConfigError, match="its candidate slow does not produce it"):
+        plan_pipeline(spec(tmp_path, {**stages(), "best": best, "slow": slow}))
 
 
 @pytest.mark.parametrize(
@@ -160,8 +207,8 @@ def test_a_rerun_decides_again_without_training(gated, shared_cache, monkeypatch
             "stages.best.by=eval/stdlib_bodies/acc_norm: candidate stage slow produces no such",
         ),
         (
-            {"check": {"kind": "eval", "from": "best", "evaluate": {"tasks": ["stdlib_bodys"]}}},
-            "stages.check.evaluate: task 'stdlib_bodys' is not a built-in task",
+            {"check": {"kind": "eval", "from": "best", "evaluate": {"tasks": ["gone.jsonl"]}}},
+            "stages.check.evaluate: choice task 'gone.jsonl': no such file",
         ),
         (
             {"check": {"kind": "eval", "from": "nowhere", "evaluate": EVALUATE}},
@@ -174,6 +221,39 @@ def test_a_rerun_decides_again_without_training(gated, shared_cache, monkeypatch
         (
             {"check": {"kind": "eval", "from": "best", "evaluate": EVALUATE, "recipe": "x"}},
             "stages.check.recipe: eval stages train nothing",
+        ),
+        (
+            {"after": {"recipe": "pretrain/tiny", "from": "check", "init": "full"}},
+            "stages.after.init=full continues a Lightning checkpoint, but stage check is an eval",
+        ),
+        (
+            {
+                "check": {
+                    "kind": "eval",
+                    "from": "best",
+                    "evaluate": EVALUATE,
+                    "gates": {ACC: ">= from"},
+                }
+            },
+            "eval stages' gates compare with numbers",
+        ),
+        (
+            {
+                "after": {
+                    "recipe": "pretrain/tiny",
+                    "from": "check",
+                    "gates": {"val/loss": "<= from"},
+                }
+            },
+            "its source, stage check, produces no val/loss: eval stages train nothing",
+        ),
+        (
+            {"best": {"kind": "promote", "candidates": ["slow", "fast"], "by": "eval/x"}},
+            "stages.best.by: the metric the candidates are compared by",
+        ),
+        (
+            {"check": {"kind": "eval", "from": "best", "evaluate": {"tasks": "stdlib_bodies"}}},
+            "stages.check.evaluate.tasks must be a list",
         ),
     ],
 )

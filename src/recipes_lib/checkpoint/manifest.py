@@ -27,7 +27,7 @@ from recipes_lib.checkpoint.weights import sha256_file
 from recipes_lib.errors import CheckpointError
 from recipes_lib.files import write_json_atomic
 
-MANIFEST_FORMAT_VERSION = 1
+MANIFEST_FORMAT_VERSION = 2  # 2: kind, evaluation, gates, promotion
 
 
 @dataclass

@@ -18,11 +18,10 @@ generalisation to code it never saw.
 
 from __future__ import annotations
 
-import ast
 import random
 from functools import cache
 
-from recipes_lib.data.chat.instructions import stdlib_instruction_records
+from recipes_lib.data.chat.instructions import documented_function, stdlib_instruction_records
 from recipes_lib.evaluation.choice import ChoiceExample, ChoiceTask
 
 STDLIB_BODIES = "stdlib_bodies"
@@ -34,22 +33,13 @@ _SEED = 1  # not the instruction data's order (seed 0)
 
 
 def _split(source: str) -> tuple[str, str] | None:
-    """(``def`` line and docstring, body) of one function's source, or None when it is
-    not one function whose body starts on a line after its docstring."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return None
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef | ast.AsyncFunctionDef):
-        return None
-    node = tree.body[0]
-    if ast.get_docstring(node) is None or len(node.body) < 2 or node.col_offset != 0:
+    """(``def`` line and docstring, body) of one documented function's source, or None
+    (:func:`~recipes_lib.data.chat.instructions.documented_function`)."""
+    found = documented_function(source)
+    if found is None:
         return None
     lines = source.splitlines(keepends=True)
-    first_body_line = node.body[0].end_lineno  # the line after the docstring (0-based)
-    if first_body_line >= len(lines) or node.body[1].lineno - 1 < first_body_line:
-        return None
-    head, body = "".join(lines[:first_body_line]), "".join(lines[first_body_line:])
+    head, body = "".join(lines[: found[1]]), "".join(lines[found[1] :])
     return head, body.rstrip("\n") + "\n"
 
 

@@ -26,6 +26,7 @@ from recipes_lib.evaluation.run import (
     print_report,
     write_report,
 )
+from recipes_lib.generate import key_value_args
 
 _DEFAULTS: dict[str, Any] = {
     "checkpoint": None,
@@ -55,6 +56,13 @@ def _optional_int(key: str, value: Any) -> int | None:
         raise ConfigError(f"{key}={value!r} is not a whole number") from err
 
 
+def _required_int(key: str, value: Any) -> int:
+    number = _optional_int(key, value)
+    if number is None:
+        raise ConfigError(f"{key} needs a whole number")
+    return number
+
+
 def parse_args(argv: Sequence[str]) -> tuple[EvalSettings, dict[str, Any]]:
     """``key=value`` arguments: the evaluation's settings and the rest (checkpoint,
     tokenizer, device, dtype, output).
@@ -63,14 +71,7 @@ def parse_args(argv: Sequence[str]) -> tuple[EvalSettings, dict[str, Any]]:
         ConfigError: an argument without ``=``, an unknown key, a bad value, or no
             ``checkpoint`` or ``tasks``.
     """
-    args = dict(_DEFAULTS)
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"argument {item!r} is not key=value")
-        if key not in _DEFAULTS:
-            raise ConfigError(f"unknown argument {key!r}; choose from: {', '.join(_DEFAULTS)}")
-        args[key] = value
+    args = key_value_args(argv, _DEFAULTS)
     if not args["checkpoint"]:
         raise ConfigError("checkpoint=PATH is required")
     if not args["tasks"]:
@@ -85,8 +86,8 @@ def parse_args(argv: Sequence[str]) -> tuple[EvalSettings, dict[str, Any]]:
         tasks=split(args["tasks"]),
         task_dirs=split(args["task_dirs"]),
         limit=_optional_int("limit", args["limit"]),
-        batch_size=_optional_int("batch_size", args["batch_size"]) or 0,
-        batch_tokens=_optional_int("batch_tokens", args["batch_tokens"]) or 0,
+        batch_size=_required_int("batch_size", args["batch_size"]),
+        batch_tokens=_required_int("batch_tokens", args["batch_tokens"]),
         num_fewshot=_optional_int("num_fewshot", args["num_fewshot"]),
         chat_template=_BOOLS[chat],
         seed=_optional_int("seed", args["seed"]) or 0,
@@ -106,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = args["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            torch.device(device)
+        except RuntimeError as err:
+            raise ConfigError(f"device={device!r} is not a device (cpu, cuda, cuda:1)") from err
         dtype = _DTYPES.get(args["dtype"])
         if dtype is None and device != "cpu":
             dtype = torch.bfloat16

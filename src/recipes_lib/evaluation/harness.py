@@ -164,7 +164,7 @@ class RecipesLM(TemplateLM):
                     f"max_gen_toks={max_new} leaves no room for a context in "
                     f"model.max_seq_len={self.max_length}"
                 )
-            keep = self.max_length - max_new + 1  # the last new token is never fed back
+            keep = self.max_length - max_new  # as lm-eval's Hugging Face backend keeps
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start : start + self.batch_size]
                 prompts = [self._prompt(requests[i].args[0])[-keep:] for i in chunk]
@@ -176,7 +176,8 @@ class RecipesLM(TemplateLM):
                     stop_ids=self.eos_ids,
                 )
                 for i, tokens in zip(chunk, drawn.tokens, strict=True):
-                    text = self.tok_decode([t for t in tokens if t not in self.eos_ids])
+                    # special tokens dropped, as lm-eval's Hugging Face backend decodes
+                    text = self.tokenizer.decode(list(tokens), skip_special_tokens=True)
                     for stop in until:
                         if stop and stop in text:
                             text = text[: text.index(stop)]

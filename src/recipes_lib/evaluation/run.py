@@ -26,7 +26,7 @@ from recipes_lib.checkpoint.hf_tokenizer import read_json, token_text
 from recipes_lib.errors import ConfigError
 from recipes_lib.evaluation.choice import score_choice_task
 from recipes_lib.evaluation.scoring import score_requests
-from recipes_lib.evaluation.settings import METRIC_PREFIX, EvalSettings
+from recipes_lib.evaluation.settings import EvalSettings, flat_metrics
 from recipes_lib.evaluation.tasks import EVAL_EXTRA, TaskRef, resolve_tasks
 from recipes_lib.files import write_json_atomic
 
@@ -42,11 +42,7 @@ class EvalReport:
 
     def flat(self) -> dict[str, float]:
         """``{"eval/<task>/<metric>": value}``: how logs, manifests and gates name them."""
-        return {
-            f"{METRIC_PREFIX}/{task}/{metric}": value
-            for task, metrics in self.results.items()
-            for metric, value in metrics.items()
-        }
+        return flat_metrics(self.results)
 
     def to_json(self) -> dict[str, Any]:
         return {"results": self.results, "examples": self.examples, "seconds": self.seconds}

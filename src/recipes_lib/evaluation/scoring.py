@@ -49,8 +49,6 @@ def _window(request: Request, max_len: int) -> Window:
     tokens the last ``len(continuation)`` inputs predict."""
     if not request.context:
         raise ConfigError("a scored continuation needs at least one context token")
-    if not request.continuation:
-        raise ConfigError("a scored continuation needs at least one token")
     if len(request.continuation) > max_len:
         raise ConfigError(
             f"a continuation of {len(request.continuation)} tokens is longer than the "
@@ -104,7 +102,8 @@ def score_requests(
         greedy: also decide whether each continuation is the greedy one. This reads the
             model's hidden states and head directly, which a sharded (FSDP) model does
             not allow; without it the log-probabilities come through the model's own
-            forward (the fused head), and every request reports ``False``.
+            forward and its fused head (which forms logits for every row, in chunks),
+            and every request reports ``False``.
         progress: called with the number of requests done after each batch.
 
     Returns:
@@ -113,13 +112,18 @@ def score_requests(
     if batch_size < 1:
         raise ConfigError(f"batch_size={batch_size} must be at least 1")
     max_len = model.config.max_seq_len
-    windows = [_window(r, max_len) for r in requests]
-    results: list[Score] = [(0.0, False)] * len(requests)
+    # an empty continuation (its text merged into the context's last token) scores 0
+    results: list[Score] = [(0.0, True)] * len(requests)
+    scored = [i for i, r in enumerate(requests) if r.continuation]
+    windows = [_window(requests[i], max_len) for i in scored]
     was_training = model.training
     model.eval()
     try:
         with _varying_shapes_attention(model_device(model)):
-            _score_batches(model, windows, results, batch_size, max_tokens, greedy, progress)
+            found: list[Score] = [(0.0, False)] * len(scored)
+            _score_batches(model, windows, found, batch_size, max_tokens, greedy, progress)
+        for i, score in zip(scored, found, strict=True):
+            results[i] = score
     finally:
         model.train(was_training)
     return results

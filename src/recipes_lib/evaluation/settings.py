@@ -3,7 +3,9 @@ configs import it)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from recipes_lib.errors import ConfigError
 
@@ -42,3 +44,18 @@ class EvalSettings:
             raise ConfigError(f"batch_size={self.batch_size} must be at least 1")
         if self.batch_tokens < 1:
             raise ConfigError(f"batch_tokens={self.batch_tokens} must be at least 1")
+
+
+def flat_metrics(results: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """``{"eval/<task>/<metric>": value}`` of task -> metric -> value: how logs,
+    manifests and gates name evaluation results."""
+    return {
+        f"{METRIC_PREFIX}/{task}/{metric}": value
+        for task, metrics in results.items()
+        for metric, value in metrics.items()
+    }
+
+
+def evaluation_values(evaluation: Mapping[str, Any] | None) -> dict[str, float]:
+    """``eval/<task>/<metric>`` values of a stage manifest's ``evaluation``."""
+    return flat_metrics((evaluation or {}).get("results", {}))

@@ -18,6 +18,7 @@ is missing, or a record that is not JSON (as ``file:line``).
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,7 +67,10 @@ def _data_files(config: dict[str, Any]) -> list[str]:
     if isinstance(files, dict):
         found = []
         for value in files.values():
-            found += [value] if isinstance(value, str) else [v for v in value if isinstance(v, str)]
+            if isinstance(value, str):
+                found.append(value)
+            elif isinstance(value, list):
+                found += [v for v in value if isinstance(v, str)]
         return found
     return []
 
@@ -102,7 +106,8 @@ def read_task_folder(folder: Path) -> list[str]:
             ) from err
         if not isinstance(config, dict):
             raise ConfigError(f"task folder '{folder}': '{file.name}' is not a mapping")
-        name = config.get("task") or config.get("group")
+        # a group names its tasks in `task`; its own name is `group`
+        name = config.get("group") if isinstance(config.get("group"), str) else config.get("task")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"task folder '{folder}': '{file.name}' names no task (key 'task')")
         for data in _data_files(config):
@@ -120,6 +125,7 @@ def read_task_folder(folder: Path) -> list[str]:
     return names
 
 
+@functools.cache
 def _lm_eval_names(folder: Path | None) -> list[str]:
     try:
         from recipes_lib.evaluation.harness import lm_eval_task_names

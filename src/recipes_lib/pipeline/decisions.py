@@ -17,6 +17,7 @@ produced.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -26,15 +27,15 @@ from typing import Any
 
 from recipes_lib.checkpoint.manifest import FileRef, StageManifest, StageMetrics
 from recipes_lib.config import RunConfig
-from recipes_lib.errors import ConfigError, GateFailed
+from recipes_lib.errors import ConfigError, GateFailed, RecipesError
 from recipes_lib.evaluation.choice import CHOICE_METRICS
-from recipes_lib.evaluation.run import EvalReport
-from recipes_lib.evaluation.settings import METRIC_PREFIX, EvalSettings
+from recipes_lib.evaluation.settings import METRIC_PREFIX, EvalSettings, evaluation_values
 from recipes_lib.evaluation.tasks import TaskRef, resolve_tasks
 from recipes_lib.pipeline.gates import GateResult, check_gates
 from recipes_lib.pipeline.spec import StageSpec
 
 VALIDATE_AT_START = "recipes_lib.callbacks.ValidateAtStart"
+SPEED_SETTINGS = ("batch_size", "batch_tokens")  # what an evaluation's results do not depend on
 
 
 def validates(config: RunConfig) -> bool:
@@ -53,22 +54,36 @@ def _task_refs(spec: StageSpec) -> list[TaskRef]:
         return []
     try:
         return resolve_tasks(spec.evaluate.tasks, spec.evaluate.task_dirs)
-    except ConfigError as err:
+    except RecipesError as err:
         raise ConfigError(f"{spec.key}.evaluate: {err}") from err
 
 
-def missing_metric(spec: StageSpec, config: RunConfig, refs: Sequence[TaskRef], metric: str):
+Earlier = Mapping[str, tuple[StageSpec, RunConfig]]  # earlier stages by name
+
+
+def missing_metric(spec: StageSpec, config: RunConfig, metric: str, earlier: Earlier):
     """Why stage ``spec`` cannot produce ``metric`` (None when it can, or may: an lm-eval
-    task's metrics are known once it ran)."""
+    task's metrics are known once it ran). A promote stage produces what every one of
+    its candidates does (the winner's metrics, and its own evaluation's)."""
     root = metric.split("/")[0]
     if root == METRIC_PREFIX:
         _, task, name = metric.split("/")
+        refs = _task_refs(spec)
         ref = next((r for r in refs if r.name == task), None)
-        if ref is None:
+        if ref is not None:
+            if ref.kind == "choice" and name not in CHOICE_METRICS:
+                return f"task {task!r} reports {', '.join(CHOICE_METRICS)}, not {name!r}"
+            return None
+        if spec.kind != "promote":
             tasks = ", ".join(r.name for r in refs) or "none"
             return f"it does not evaluate task {task!r} (its evaluate.tasks: {tasks})"
-        if ref.kind == "choice" and name not in CHOICE_METRICS:
-            return f"task {task!r} reports {', '.join(CHOICE_METRICS)}, not {name!r}"
+    if spec.kind == "promote":
+        for name in spec.candidates:
+            why = missing_metric(*earlier[name], metric, earlier)
+            if why is not None:
+                return f"its candidate {name} does not produce it: {why}"
+        return None
+    if root == METRIC_PREFIX:
         return None
     if not spec.trains:
         return f"{spec.kind} stages train nothing: they produce eval/<task>/<metric> only"
@@ -77,42 +92,42 @@ def missing_metric(spec: StageSpec, config: RunConfig, refs: Sequence[TaskRef], 
     return None
 
 
-def check_decisions(
-    spec: StageSpec,
-    config: RunConfig,
-    source: tuple[StageSpec, RunConfig] | None,
-    candidates: Mapping[str, tuple[StageSpec, RunConfig]] | None = None,
-) -> None:
-    """Plan-time checks of a stage's tasks, gates and (promote) choice metric.
+def check_decisions(spec: StageSpec, config: RunConfig, source: str | None, earlier: Earlier):
+    """Plan-time checks of a stage's tasks, gates and (promote) choice metric, against
+    the earlier stages (``source``: the one it starts from, if any).
 
     Raises:
         ConfigError: one line naming the stage key and the metric or task at fault.
     """
-    refs = _task_refs(spec)
-    source_refs = _task_refs(source[0]) if source is not None else []
+    _task_refs(spec)  # every task resolves
     for gate in spec.gates:
         where = f"{spec.key}.gates.{gate.metric}"
-        if (why := missing_metric(spec, config, refs, gate.metric)) is not None:
+        if (why := missing_metric(spec, config, gate.metric, earlier)) is not None:
             raise ConfigError(f"{where}: no such metric from stage {spec.name}: {why}")
         if not gate.from_source:
             continue
+        if not spec.trains:  # its weights are its source's: "from" would compare them twice
+            raise ConfigError(
+                f"{where}={gate.condition!r}: {spec.kind} stages' gates compare with numbers"
+            )
         if gate.metric.startswith("val/") and validates_at_start(config):
             continue  # compared with its own first validation: the starting weights
         if source is None:
             raise ConfigError(f"{where}={gate.condition!r}: stage {spec.name} starts from no stage")
-        source_spec, source_config = source
-        why = missing_metric(source_spec, source_config, source_refs, gate.metric)
+        why = missing_metric(*earlier[source], gate.metric, earlier)
         if why is not None:
             raise ConfigError(
-                f"{where}={gate.condition!r}: its source, stage {source_spec.name}, produces no "
+                f"{where}={gate.condition!r}: its source, stage {source}, produces no "
                 f"{gate.metric}: {why}"
             )
-    for name, (candidate, candidate_config) in (candidates or {}).items():
-        why = missing_metric(candidate, candidate_config, _task_refs(candidate), spec.by or "")
-        if why is not None:
-            raise ConfigError(
-                f"{spec.key}.by={spec.by}: candidate stage {name} produces no such metric: {why}"
-            )
+    if spec.kind == "promote":
+        by = spec.by or ""
+        for name in spec.candidates:
+            why = missing_metric(*earlier[name], by, earlier)
+            if why is not None:
+                raise ConfigError(
+                    f"{spec.key}.by={by}: candidate stage {name} produces no such metric: {why}"
+                )
 
 
 # -------------------------------------------------------------------- values
@@ -123,13 +138,6 @@ def logged_values(series: Mapping[str, Sequence[tuple[int, float]]]) -> dict[str
         for name, points in series.items()
         if points and name.split("/")[0] in ("val", "train")
     }
-
-
-def evaluation_values(evaluation: Mapping[str, Any] | None) -> dict[str, float]:
-    """``eval/<task>/<metric>`` values of a manifest's ``evaluation``."""
-    if not evaluation:
-        return {}
-    return EvalReport(dict(evaluation.get("results", {}))).flat()
 
 
 def stage_values(
@@ -169,13 +177,16 @@ def evaluate_weights(folder: Path, settings: EvalSettings) -> dict[str, Any]:
 
 
 def same_settings(evaluation: Mapping[str, Any] | None, settings: EvalSettings) -> bool:
-    """Whether a recorded evaluation used ``settings`` (so it need not run again)."""
+    """Whether a recorded evaluation used ``settings`` (so it need not run again); the
+    batch sizes change only its speed."""
     if not evaluation:
         return False
-    recorded = dict(evaluation.get("settings") or {})
-    wanted = asdict(settings)
-    recorded = {k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items()}
-    return recorded == wanted
+    recorded = {
+        k: tuple(v) if isinstance(v, list) else v
+        for k, v in (evaluation.get("settings") or {}).items()
+        if k not in SPEED_SETTINGS
+    }
+    return recorded == evaluation_identity(settings)
 
 
 # ------------------------------------------------------------------ planning
@@ -200,16 +211,24 @@ def decision_sources(stage: StageSpec, earlier: Sequence[str]) -> tuple[str, ...
     return tuple(sources)
 
 
+def evaluation_identity(settings: EvalSettings | None) -> dict[str, Any] | None:
+    """What decides an evaluation's results: its settings less the batch sizes."""
+    if settings is None:
+        return None
+    return {k: v for k, v in asdict(settings).items() if k not in SPEED_SETTINGS}
+
+
 def decision_fingerprint(
-    stage: StageSpec, source_weights: Mapping[str, str | None]
+    stage: StageSpec, source_weights: Mapping[str, Any]
 ) -> tuple[dict[str, Any], str]:
-    """What an eval or promote stage decides from: its settings and its sources' weights."""
+    """What an eval or promote stage decides from: its settings and, per source, its
+    weights (and a candidate's evaluation settings)."""
     import hashlib
     import json
 
     payload = {
         "kind": stage.kind,
-        "evaluate": asdict(stage.evaluate) if stage.evaluate is not None else None,
+        "evaluate": evaluation_identity(stage.evaluate),
         "by": stage.by,
         "mode": stage.mode if stage.candidates else None,
         "inputs": dict(source_weights),
@@ -225,6 +244,22 @@ def with_evaluation(manifest: StageManifest, settings: EvalSettings, folder: Pat
     if same_settings(manifest.evaluation, settings):
         return manifest
     return replace(manifest, evaluation=evaluate_weights(folder, settings))
+
+
+def decision_inputs(
+    stage: StageSpec,
+    sources: Sequence[str],
+    manifests: Mapping[str, StageManifest],
+    specs: Mapping[str, StageSpec],
+) -> dict[str, Any]:
+    """Per source of an eval or promote stage, what its decision depends on: the
+    source's weights and, for a candidate, how it is evaluated."""
+    return {
+        s: [manifests[s].weights.sha256, evaluation_identity(specs[s].evaluate)]
+        if stage.kind == "promote"
+        else manifests[s].weights.sha256
+        for s in sources
+    }
 
 
 def handed_on(
@@ -282,6 +317,11 @@ def choose(stage: StageSpec, values: Mapping[str, Mapping[str, float]]) -> tuple
                 f"(it has: {produced})"
             )
         scores[name] = values[name][by]
+        if not math.isfinite(scores[name]):
+            raise ConfigError(
+                f"{stage.key}.by={by}: candidate stage {name} scored {scores[name]}, which "
+                "cannot be compared"
+            )
     pick = max if stage.mode == "max" else min
     winner = pick(stage.candidates, key=lambda n: scores[n])  # the first of equals
     return winner, {"by": by, "mode": stage.mode, "candidates": scores, "winner": winner}
@@ -314,10 +354,11 @@ def decide(
     sources: Sequence[str],
     manifests: Mapping[str, StageManifest],
     values: Mapping[str, Mapping[str, float]],
+    specs: Mapping[str, StageSpec],
 ) -> StageManifest:
     """Run an eval stage (hand on its source's weights) or a promote stage (hand on its
     best candidate's); the evaluation and gates follow in :func:`settle`."""
-    weights = {s: manifests[s].weights.sha256 for s in sources}
+    weights = decision_inputs(stage, sources, manifests, specs)
     if stage.kind == "eval":
         return handed_on(stage, stage_dir, pipeline, manifests[sources[0]], sources[0], weights)
     winner, record = choose(stage, {s: values[s] for s in stage.candidates})

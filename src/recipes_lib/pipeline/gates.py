@@ -46,9 +46,10 @@ _OPERATORS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
     "<": operator.lt,
 }
+_NUMBER = r"(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?"
 _CONDITION = re.compile(
-    r"^\s*(>=|<=|>|<)\s*(?:(?P<number>[-+]?[\d.]+(?:e[-+]?\d+)?)|from\s*"
-    r"(?:(?P<sign>[-+])\s*(?P<offset>[\d.]+(?:e[-+]?\d+)?))?)\s*$",
+    rf"^\s*(>=|<=|>|<)\s*(?:(?P<number>[-+]?{_NUMBER})|from\s*"
+    rf"(?:(?P<sign>[-+])\s*(?P<offset>{_NUMBER}))?)\s*$",
     re.IGNORECASE,
 )
 
@@ -128,7 +129,7 @@ def parse_evaluate(node: Any, key: str) -> EvalSettings | None:
     values = dict(node)
     for field in ("tasks", "task_dirs"):
         entries = values.get(field, [])
-        if isinstance(entries, str) or not all(isinstance(e, str) for e in entries):
+        if not isinstance(entries, list | tuple) or not all(isinstance(e, str) for e in entries):
             raise ConfigError(f"{key}.{field} must be a list of names or paths")
         values[field] = tuple(entries)
     if not values["tasks"]:

@@ -27,8 +27,8 @@ from typing import Any
 
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest
+from recipes_lib.evaluation.settings import evaluation_values
 from recipes_lib.files import write_atomic, write_json_atomic
-from recipes_lib.pipeline.decisions import evaluation_values
 
 # held-out metrics compared at a stage's first and last validation, by short name
 HELD_OUT_METRICS = {

@@ -52,16 +52,12 @@ from recipes_lib.checkpoint.weights import checkpoint_step, sha256_file
 from recipes_lib.config import RunConfig
 from recipes_lib.data.text.prepare import resolve_sources
 from recipes_lib.errors import CheckpointError, ConfigError, GateFailed
+from recipes_lib.evaluation.settings import evaluation_values
 from recipes_lib.files import copy_atomic, global_rank, move_aside, write_json_atomic
-from recipes_lib.pipeline.decisions import decide, evaluation_values, gate_failure, settle
+from recipes_lib.pipeline.decisions import decide, gate_failure, settle
 from recipes_lib.pipeline.fingerprint import stage_fingerprint
 from recipes_lib.pipeline.handoff import Handoff, apply_handoff
-from recipes_lib.pipeline.plan import (
-    StagePlan,
-    plan_pipeline,
-    source_handoff,
-    stage_dir_of,
-)
+from recipes_lib.pipeline.plan import plan_pipeline
 from recipes_lib.pipeline.report import (
     StageSeries,
     held_out_changes,
@@ -71,6 +67,7 @@ from recipes_lib.pipeline.report import (
     write_summary,
 )
 from recipes_lib.pipeline.spec import PipelineSpec, parse_pipeline
+from recipes_lib.pipeline.stage_plan import StagePlan, source_handoff, stage_dir_of
 from recipes_lib.pipeline.tables import print_plan, print_summary_table
 from recipes_lib.trackers import attach_files, finish
 from recipes_lib.train import RunResult, run
@@ -319,6 +316,8 @@ def run_pipeline(
     values: dict[str, dict[str, float]] = {}  # each stage's metrics: gates, promotions
     callbacks = stage_callbacks or {}
     stopped: GateFailed | None = None
+    trackers: list = []  # the last run's: the report goes to them
+    specs = {p.spec.name: p.spec for p in plans}
     for plan in plans:
         stage = plan.spec
         stage_dir = stage_dir_of(pipeline, stage)
@@ -328,7 +327,9 @@ def run_pipeline(
             log.info("stage %s: %s", stage.name, plan.reason)
             manifest = plan.manifest
         elif not stage.trains:
-            manifest = decide(stage, stage_dir, pipeline.name, plan.sources, manifests, values)
+            manifest = decide(
+                stage, stage_dir, pipeline.name, plan.sources, manifests, values, specs
+            )
         else:
             manifest, run_result = _train_stage(
                 pipeline, plan, manifests, callbacks.get(stage.name, ())
@@ -341,8 +342,9 @@ def run_pipeline(
         for gate in gates:
             log.info("stage %s: gate %s", stage.name, gate.describe())
         manifests[stage.name] = manifest
-        if run_result is not None and plan is not plans[-1]:
-            finish(run_result.trackers)  # the report goes to the last stage's run
+        if run_result is not None:
+            finish(trackers)  # an earlier run's, done with
+            trackers = run_result.trackers
         result.stages.append(
             StageResult(
                 stage.name, STATUS[plan.action], manifest, RunDir(stage_dir).manifest, run_result
@@ -367,8 +369,6 @@ def run_pipeline(
         )
         for r, plan, logged in zip(result.stages, plans, series, strict=True)
     ]
-    last = result.stages[-1].run if result.stages else None
-    trackers = last.trackers if last is not None else []
     if rank_zero:
         result.report_dir = _write_report(pipeline, result, series, console)
         attach_files(trackers, sorted(result.report_dir.iterdir()), "report")

@@ -298,7 +298,11 @@ def _parse_decision_stage(name: str, node: Mapping, kind: str) -> StageSpec:
     if source is not None:
         raise ConfigError(f"{key}.from: a promote stage starts from its candidates")
     by = node.get("by")
-    if not isinstance(by, str) or by.split("/")[0] not in ("eval", "val", "train"):
+    if (
+        not isinstance(by, str)
+        or by.split("/")[0] not in ("eval", "val", "train")
+        or (by.startswith("eval/") and by.count("/") != 2)
+    ):
         raise ConfigError(
             f"{key}.by: the metric the candidates are compared by, e.g. eval/<task>/acc or val/loss"
         )

@@ -14,9 +14,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from recipes_lib.pipeline.plan import StagePlan
 from recipes_lib.pipeline.report import HELD_OUT_METRICS, PREFERENCE_METRICS, RL_METRICS
 from recipes_lib.pipeline.spec import PipelineSpec
+from recipes_lib.pipeline.stage_plan import StagePlan
 
 
 def print_plan(pipeline: PipelineSpec, plans: Sequence[StagePlan], console: Console | None = None):

@@ -3,8 +3,7 @@ tiny exported model and a local task folder: the same log-likelihoods (1e-4), th
 rolling log-likelihoods and the same greedy generations."""
 
 import pytest
-import torch
-from eval_tasks import TASKS, assert_same_results, export_with_tasks
+from eval_tasks import assert_same_results, both_backends, export_with_tasks
 
 from recipes_lib.errors import ConfigError
 from recipes_lib.evaluation.run import EvalSettings, evaluate_checkpoint
@@ -18,24 +17,7 @@ def exported(tmp_path_factory):
 
 
 def test_native_lm_matches_lm_evals_hugging_face_backend(exported):
-    from recipes_lib.evaluation.harness import RecipesLM, build_lm_eval_tasks
-    from recipes_lib.generate import load_for_generation
-
-    folder, tasks = exported
-    common = dict(log_samples=True, bootstrap_iters=0, limit=None)
-    theirs = lm_eval.simple_evaluate(
-        model="hf",
-        model_args={"pretrained": str(folder), "dtype": "float32"},
-        tasks=list(build_lm_eval_tasks(TASKS, tasks).values()),
-        batch_size=4,
-        device="cpu",
-        **common,
-    )
-    loaded = load_for_generation(folder, dtype=torch.float32)
-    lm = RecipesLM(loaded.model, loaded.tokenizer, loaded.eos_ids, batch_size=3)
-    ours = lm_eval.simple_evaluate(
-        model=lm, tasks=list(build_lm_eval_tasks(TASKS, tasks).values()), **common
-    )
+    ours, theirs = both_backends(*exported, "cpu")
     assert assert_same_results(ours, theirs, 1e-4) >= 12 * 3 + 4
 
 

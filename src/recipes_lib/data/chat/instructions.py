@@ -72,6 +72,26 @@ def _file_records(path: str) -> tuple[dict[str, str], ...]:
     return tuple(records)
 
 
+def documented_function(source: str) -> tuple[ast.FunctionDef | ast.AsyncFunctionDef, int] | None:
+    """``(node, body_start)`` of one function's source when it is a single documented
+    function at column 0 with statements after its docstring, starting on a line of
+    their own (``body_start``: the 0-based index of the first line after the
+    docstring); else None."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    node = tree.body[0]
+    if ast.get_docstring(node) is None or len(node.body) < 2 or node.col_offset != 0:
+        return None
+    body_start = node.body[0].end_lineno or 0
+    if body_start >= len(source.splitlines()) or node.body[1].lineno - 1 < body_start:
+        return None  # a statement shares the docstring's line
+    return node, body_start
+
+
 def stdlib_instruction_records(
     max_records: int | None = None, seed: int = 0
 ) -> list[dict[str, str]]:

@@ -25,7 +25,7 @@ import io
 import random
 import tokenize
 
-from recipes_lib.data.chat.instructions import stdlib_instruction_records
+from recipes_lib.data.chat.instructions import documented_function, stdlib_instruction_records
 
 CORRUPTIONS = ("shuffle", "drop", "operator", "return_none")
 _FLIPPED_OPS = {"==": "!=", "!=": "==", "<": ">=", ">": "<=", "<=": ">", ">=": "<", "+": "-"}
@@ -78,19 +78,11 @@ def corrupt_function(source: str, origin: str, seed: int) -> tuple[str, str] | N
     """``(corrupted source, corruption)`` of one function's source, or ``None`` when it
     is not one documented function with a body after its docstring that a corruption
     changes. ``origin`` (its name) and ``seed`` choose the corruption."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    found = documented_function(source)
+    if found is None:
         return None
-    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.FunctionDef | ast.AsyncFunctionDef):
-        return None
-    node = tree.body[0]
-    if ast.get_docstring(node) is None or len(node.body) < 2 or node.col_offset != 0:
-        return None
+    node, body_start = found  # body_start: the 0-based index of the line after the docstring
     lines = source.splitlines(keepends=True)
-    body_start = node.body[0].end_lineno  # 0-based index of the first line after the docstring
-    if body_start >= len(lines) or node.body[1].lineno - 1 < body_start:
-        return None  # a statement shares the docstring's line
     head, body = "".join(lines[:body_start]), "".join(lines[body_start:])
     terminated = body.endswith("\n")
     body = body if terminated else body + "\n"  # statements move as whole lines
