@@ -20,8 +20,8 @@ def test_demo_pipeline_parses_in_order_with_defaults():
     assert spec.name == "demo"
     assert spec.dir.as_posix().endswith("outputs/pipelines/demo")
     assert spec.on_change == "error"
-    assert spec.stage_names() == ["pretrain", "anneal", "sft", "dpo"]
-    pretrain, anneal, sft, dpo = spec.stages
+    assert spec.stage_names() == ["pretrain", "anneal", "sft", "dpo", "release"]
+    pretrain, anneal, sft, dpo, release = spec.stages
     assert (pretrain.recipe, pretrain.init, pretrain.source) == ("pretrain/tiny", "scratch", None)
     assert (anneal.recipe, anneal.init, anneal.source) == ("anneal/tiny", "weights", "pretrain")
     assert anneal.lr_from_previous and anneal.replay_fraction == 0.0
@@ -30,13 +30,19 @@ def test_demo_pipeline_parses_in_order_with_defaults():
     for stage in (sft, dpo):  # validated before their first step too
         callback = stage.settings["callbacks"]["validate_at_start"]
         assert callback["_target_"] == "recipes_lib.callbacks.ValidateAtStart"
+    # every stage evaluated on the built-in task; the anneal and the release stage gated
+    assert all(s.evaluate.tasks == ("stdlib_bodies",) for s in spec.stages)
+    assert [g.metric for g in anneal.gates] == ["val/loss"] and anneal.gates[0].from_source
+    assert (release.kind, release.source) == ("eval", "dpo")
+    assert [(g.metric, g.threshold) for g in release.gates] == [("eval/stdlib_bodies/acc", 0.3)]
 
 
 @pytest.mark.parametrize("name", shipped_pipelines())
 def test_every_shipped_pipeline_validates(name, tmp_path):
     spec = parse_pipeline(compose_pipeline([f"pipeline={name}", f"dir={tmp_path / name}"]))
     plans = plan_pipeline(spec)  # composes every stage and checks every hand-off
-    assert [p.action for p in plans] == ["train"] * len(spec.stages)
+    first_run = {"train": "train", "eval": "evaluate", "promote": "promote"}
+    assert [p.action for p in plans] == [first_run[s.kind] for s in spec.stages]
     assert not (tmp_path / name).exists()  # planning writes nothing
 
 
