@@ -146,7 +146,7 @@ def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     # recipes-eval on the demo's output: the anneal's weights, as its stage evaluated them
     evaluated = tmp_path / "anneal_eval.json"
     code = eval_main(
-        [f"checkpoint={out / 'anneal'}", "tasks=stdlib_bodies", "limit=200", f"output={evaluated}"]
+        [f"checkpoint={out / 'anneal'}", "tasks=stdlib_bodies", "limit=100", f"output={evaluated}"]
     )
     assert code == 0
     again = json.loads(evaluated.read_text())["results"]
