@@ -33,7 +33,7 @@ from recipes_lib.evaluation.command import main as eval_main
 ROOT = Path(__file__).resolve().parents[2]
 SFT_MIN_DROP = 0.3  # held-out SFT loss: start (the annealed weights) minus end, at least
 DPO_MIN_ACCURACY = 0.7  # held-out DPO preference accuracy at the end, at least
-DOWNSTREAM_MIN_ACCURACY = 0.35  # stdlib_bodies after pretraining (chance: 0.25)
+DOWNSTREAM_MIN_ACCURACY = 0.3  # stdlib_bodies after pretraining (chance: 0.25; 0.38 seen)
 
 
 def readme_command(marker: str) -> str:
@@ -118,7 +118,7 @@ def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     }
     for manifest in manifests.values():
         assert set(manifest["evaluation"]["results"]["stdlib_bodies"]) == {"acc", "acc_norm"}
-    assert manifests["pretrain"]["evaluation"]["results"]["stdlib_bodies"]["acc"] >= 0.35
+    assert manifests["pretrain"]["evaluation"]["results"]["stdlib_bodies"]["acc"] >= 0.3
     assert [g["passed"] for g in manifests["anneal"]["gates"]] == [True]
     release = manifests["release"]
     assert release["kind"] == "eval" and [g["passed"] for g in release["gates"]] == [True]
