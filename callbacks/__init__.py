@@ -2,8 +2,8 @@
 
 They depend only on lightning, torch, rich and the standard library, and read what
 they need from the LightningModule by duck typing (``tokens_seen``,
-``flops_per_token(seq_len)``); :class:`DownstreamEval` also scores with
-:mod:`recipes_lib.evaluation` (torch and tokenizers only).
+``flops_per_token(seq_len)``); :class:`DownstreamEval` imports the scoring of
+:mod:`recipes_lib.evaluation` when it is built.
 """
 
 from recipes_lib.callbacks.batch_ramp import BatchRamp

@@ -18,17 +18,22 @@ weights), and the counts are summed across ranks before logging.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 
 from recipes_lib.callbacks.step import OptimizerStepCallback
 from recipes_lib.errors import ConfigError
-from recipes_lib.evaluation.choice import ChoiceTask, choice_outcomes, choice_requests
-from recipes_lib.evaluation.scoring import DEFAULT_BATCH_TOKENS, score_requests
-from recipes_lib.evaluation.tasks import resolve_tasks
+
+if TYPE_CHECKING:
+    from recipes_lib.evaluation.choice import ChoiceTask
+
+# recipes_lib.evaluation is imported when the callback is built: the tasks it reads pull
+# in the data package, which a run without this callback need not import
 
 
 class DownstreamEval(OptimizerStepCallback):
@@ -62,6 +67,8 @@ class DownstreamEval(OptimizerStepCallback):
             raise ConfigError(f"DownstreamEval every_n_steps={every_n_steps} must be >= 1")
         if batch_size < 1 or (limit is not None and limit < 1):
             raise ConfigError("DownstreamEval batch_size and limit must be >= 1")
+        from recipes_lib.evaluation.tasks import resolve_tasks
+
         refs = resolve_tasks([str(t) for t in tasks])
         harness = [r.name for r in refs if r.kind != "choice"]
         if harness:
@@ -94,11 +101,14 @@ class DownstreamEval(OptimizerStepCallback):
         rank, world = trainer.global_rank, trainer.world_size
         mine = task.examples[rank::world]
         requests = [sum(len(e.choices) for e in task.examples[r::world]) for r in range(world)]
-        return ChoiceTask(task.name, mine, task.source), requests[rank], max(requests)
+        return dataclasses.replace(task, examples=mine), requests[rank], max(requests)
 
     @torch.no_grad()
     def evaluate(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, float]:
         """Score every task now and log it; returns what was logged."""
+        from recipes_lib.evaluation.choice import choice_outcomes, choice_requests
+        from recipes_lib.evaluation.scoring import DEFAULT_BATCH_TOKENS, score_requests
+
         start = time.perf_counter()
         tokenizer = trainer.datamodule.tokenizer
         model = pl_module.model
