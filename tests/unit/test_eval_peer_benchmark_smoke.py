@@ -1,14 +1,15 @@
 """The evaluation benchmark runs on CPU (``--smoke``): the same tiny folder and the same
 multiple-choice task scored by the library (through lm-eval and natively) and by
 lm-eval's Hugging Face backend, each in its own process, with the same accuracy on
-every side. The smoke runs one side of each kind (the others differ in batch sizes
-only), to spare the suite three more processes' imports."""
+every side. The smoke runs the library's side through lm-eval and lm-eval's own (the
+others differ in batch sizes or skip lm-eval's pipeline), to spare the suite the other
+processes' imports."""
 
 from __future__ import annotations
 
 from run_helpers import benchmark_smoke
 
-SIDES = {"recipes_lib", "recipes_lib_native", "lm_eval_hf"}
+SIDES = {"recipes_lib", "lm_eval_hf"}
 
 
 def test_eval_peer_smoke(tmp_path):

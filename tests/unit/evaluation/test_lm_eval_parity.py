@@ -24,14 +24,14 @@ def test_native_lm_matches_lm_evals_hugging_face_backend(exported):
 def test_evaluate_checkpoint_runs_a_task_folder_and_a_builtin_task(exported):
     folder, tasks = exported
     report = evaluate_checkpoint(
-        folder, EvalSettings(tasks=("stdlib_bodies", str(tasks)), limit=4, batch_size=8)
+        folder, EvalSettings(tasks=("stdlib_bodies", str(tasks)), limit=2, batch_size=8)
     )
     flat = report.flat()
     assert set(report.results) == {"stdlib_bodies", "parity_mc", "parity_rolling", "parity_gen"}
     for key in ("eval/stdlib_bodies/acc", "eval/parity_mc/acc_norm", "eval/parity_gen/exact_match"):
         assert 0.0 <= flat[key] <= 1.0
     assert flat["eval/parity_rolling/word_perplexity"] > 1.0
-    assert report.examples == {"stdlib_bodies": 4}
+    assert report.examples == {"stdlib_bodies": 2}
 
 
 def test_chat_prompts_render_as_transformers_renders_them(exported):
