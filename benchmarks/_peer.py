@@ -109,6 +109,15 @@ def add_peer_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-out", help=argparse.SUPPRESS)
 
 
+def check_choices(p: argparse.ArgumentParser, args: argparse.Namespace, **allowed) -> None:
+    """Refuse (``p.error``) a comma-separated option naming what it does not allow:
+    ``check_choices(p, args, sides=SIDES)`` checks ``--sides``."""
+    for name, known in allowed.items():
+        unknown = set(getattr(args, name).split(",")) - set(known)
+        if unknown:
+            p.error(f"--{name}: unknown {sorted(unknown)}; choose from {list(known)}")
+
+
 def report_header(args: argparse.Namespace, *packages: str) -> dict:
     """The start of a peer benchmark's report: its settings, the card and the versions of
     torch and ``packages``; its ``cases`` to fill."""

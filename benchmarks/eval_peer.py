@@ -72,7 +72,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _peer import add_peer_arguments, report_header, spawn, sync  # noqa: E402
+from _peer import add_peer_arguments, check_choices, report_header, spawn, sync  # noqa: E402
 
 TASK = "stdlib_bodies"
 CASE = "multiple_choice"
@@ -355,9 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.examples, args.batch_size, args.warmup_examples = 16, 8, 2
         args.rows, args.batch_tokens = 16, 2048
         args.vocab_size = 512
-    unknown = set(args.sides.split(",")) - set(SIDES)
-    if unknown:
-        p.error(f"--sides: unknown {sorted(unknown)}; choose from {list(SIDES)}")
+    check_choices(p, args, sides=SIDES)
     return args
 
 

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _peer import (  # noqa: E402
     add_peer_arguments,
+    check_choices,
     figures,
     lightning_clock,
     report_header,
@@ -306,9 +307,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.records, args.vocab_size, args.repeats = 40, 512, 1
         args.warmup_steps, args.steps = 1, 1
         args.seq_len = args.max_prompt + args.new_tokens
-    unknown = set(args.cases.split(",")) - set(CASES)
-    if unknown:
-        p.error(f"--cases: unknown {sorted(unknown)}; choose from {list(CASES)}")
+    check_choices(p, args, cases=CASES)
     return args
 
 

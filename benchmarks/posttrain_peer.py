@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _peer import (  # noqa: E402
     add_peer_arguments,
+    check_choices,
     figures,
     lightning_clock,
     report_header,
@@ -335,10 +336,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seq_len, args.batch_size, args.pair_batch = 256, 2, 2
         args.records, args.pairs, args.vocab_size = 200, 60, 512
         args.warmup_steps, args.steps = 1, 2
-    for name, allowed in (("cases", CASES), ("sides", SIDES)):
-        unknown = set(getattr(args, name).split(",")) - set(allowed)
-        if unknown:
-            p.error(f"--{name}: unknown {sorted(unknown)}; choose from {list(allowed)}")
+    check_choices(p, args, cases=CASES, sides=SIDES)
     return args
 
 
