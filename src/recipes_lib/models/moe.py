@@ -150,15 +150,16 @@ class Experts(nn.Module):
 
     def _loop(self, x: Tensor, counts: Tensor) -> Tensor:
         w1, w3, w2 = self.weights(x.dtype)
-        out = torch.empty_like(x)
-        start = 0
+        outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
-            if n:
-                rows = x[start : start + n]
-                h = gated_mlp(F.linear(rows, w1[e]), F.linear(rows, w3[e]), self.activation)
-                out[start : start + n] = F.linear(h, w2[e])
+            # an idle expert's empty rows are multiplied too: the output then depends on
+            # ``x`` and every weight even when no row came, so every rank's backward runs
+            # the same collectives (the expert-parallel exchange's all-to-alls)
+            rows = x[start : start + n]
+            h = gated_mlp(F.linear(rows, w1[e]), F.linear(rows, w3[e]), self.activation)
+            outs.append(F.linear(h, w2[e]))
             start += n
-        return out
+        return torch.cat(outs)
 
     def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
         dtype = _compute_dtype(x)  # autocast does not reach _grouped_mm: cast as it would
