@@ -38,6 +38,8 @@
 #   bash benchmarks/gpu_session.sh hsdp        # HSDP 2 x 2 against one GPU's loss curve, then
 #                                              # llama_1b fsdp and hsdp (2 x 2) on 4 GPUs
 #   bash benchmarks/gpu_session.sh ep4         # moe_1b fsdp on 1 and 4 GPUs, fsdp+ep on 4
+#   bash benchmarks/gpu_session.sh ep2         # the expert-parallel test in fp32 and bf16,
+#                                              # then the MoE and evaluation GPU tests
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
 #                                              # against TRL and TRL+Liger at 1B (trl and
 #                                              # liger-kernel wheels)
@@ -282,6 +284,13 @@ grpo)  # rollouts against transformers' generate, GRPO steps against TRL, GRPO u
   job grpo_fsdp 2,3 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -k 'post_training and \
       (grpo or dpo)' -p no:cacheprovider; $PY -m pytest -q -rs tests/gpu/test_stage_curves.py \
       tests/gpu/test_gpu_recipes.py tests/gpu/test_sampling_gpu.py -p no:cacheprovider"
+  wait ;;
+ep2)  # the expert-parallel test in fp32 and bf16 (2 GPUs), then the MoE and evaluation tests
+  job ep_test 0,1 "$PY -m pytest -q -rs -s -m multigpu tests/gpu/test_family_gpu.py \
+      -k expert_parallel -p no:cacheprovider"
+  wait
+  job moe_eval_tests 0 "$PY -m pytest -q -rs -m 'gpu and not multigpu' tests/gpu \
+      -k 'eval or moe or expert' -p no:cacheprovider"
   wait ;;
 eval)  # multiple-choice evaluation against lm-eval's HF backend, the evaluation GPU tests
   job eval_peer 0 "$PY benchmarks/eval_peer.py --side-timeout 120 --out $OUT/eval_peer.json"

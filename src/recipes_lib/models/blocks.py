@@ -124,7 +124,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = make_norm(config, config.dim, follows_input=post)
         self.attention = Attention(config, head_dim, backend, layer)
         self.ffn_norm = make_norm(config, config.dim, follows_input=post)
-        if is_moe_layer(config, layer):  # experts in place of the MLP
+        self.routed = is_moe_layer(config, layer)
+        if self.routed:  # experts in place of the MLP
             self.feed_forward = MoEFeedForward(config, FeedForward)
         else:
             self.feed_forward = FeedForward(config.dim, config.ffn_dim, config.activation)
@@ -150,19 +151,35 @@ class TransformerBlock(nn.Module):
         sin: Tensor,
         mask: object | None,
         cache: LayerCache | None = None,
+        token_mask: Tensor | None = None,
     ) -> Tensor:
+        """``token_mask`` (``(B, T)``, True where a token counts; None: all) reaches a
+        mixture's router bookkeeping: padding moves no balance loss or count."""
         if self.checkpoint_activations and torch.is_grad_enabled():
             # inside forward, so hooks on the block (FSDP's all-gather) run once per call
-            return checkpoint(self._forward, x, cos, sin, mask, cache, use_reentrant=False)
-        return self._forward(x, cos, sin, mask, cache)
+            return checkpoint(
+                self._forward, x, cos, sin, mask, cache, token_mask, use_reentrant=False
+            )
+        return self._forward(x, cos, sin, mask, cache, token_mask)
 
     def _forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, mask: object | None, cache: LayerCache | None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: object | None,
+        cache: LayerCache | None,
+        token_mask: Tensor | None,
     ) -> Tensor:
         if self.placement == "post":
             x = x + self.attention_norm(self.attention(x, cos, sin, mask, cache))  # (B, T, C)
-            return x + self.ffn_norm(self.feed_forward(x))  # (B, T, C)
+            return x + self.ffn_norm(self._mlp(x, token_mask))  # (B, T, C)
         h = self.attention(self.attention_norm(x), cos, sin, mask, cache)  # (B, T, C)
         x = x + (self.post_attention_norm(h) if self.placement == "both" else h)
-        h = self.feed_forward(self.ffn_norm(x))  # (B, T, C)
+        h = self._mlp(self.ffn_norm(x), token_mask)  # (B, T, C)
         return x + (self.post_ffn_norm(h) if self.placement == "both" else h)
+
+    def _mlp(self, x: Tensor, token_mask: Tensor | None) -> Tensor:
+        if self.routed:
+            return self.feed_forward(x, token_mask)
+        return self.feed_forward(x)

@@ -261,7 +261,10 @@ class MoEFeedForward(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, chosen, weights, probs
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
+        """``(B, T, C)`` -> ``(B, T, C)``; ``token_mask`` ``(B, T)``: the tokens the
+        balance loss, the z-loss and the counts are taken over (padding routes, as every
+        token does, but is not counted); None: all."""
         B, T, C = x.shape
         flat = x.reshape(-1, C)  # (N, C)
         logits, chosen, weights, probs = self.route(flat)
@@ -281,12 +284,37 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
         if self.training and torch.is_grad_enabled():
-            share = counts.float() / flat.shape[0]  # f_e: they sum to k
-            balance = self.n_experts * (share * probs.mean(0)).sum()
-            z = torch.logsumexp(logits.float(), dim=-1).square().mean()
-            # all three at once: activation checkpointing's recomputation may stop early
-            self.balance_loss, self.z_loss, self.expert_counts = balance, z, counts.detach()
+            self._keep_losses(logits, probs, assignments, counts, token_mask)
         return out.view(B, T, C)
+
+    def _keep_losses(
+        self,
+        logits: Tensor,
+        probs: Tensor,
+        assignments: Tensor,
+        counts: Tensor,
+        token_mask: Tensor | None,
+    ) -> None:
+        """The balance loss, the z-loss and the counts of the tokens ``token_mask`` keeps."""
+        z = torch.logsumexp(logits.float(), dim=-1).square()  # (N,)
+        tokens: Tensor | int
+        if token_mask is None:
+            tokens, mean_probs, z = probs.shape[0], probs.mean(0), z.mean()
+        else:
+            keep = token_mask.reshape(-1)  # (N,)
+            if keep.numel() != probs.shape[0]:
+                raise ValueError(f"token_mask {tuple(token_mask.shape)} is not one per token")
+            weight = keep.to(probs.dtype)
+            tokens = weight.sum().clamp_min(1.0)
+            mean_probs = (probs * weight[:, None]).sum(0) / tokens
+            z = (z * weight).sum() / tokens
+            counts = torch.zeros_like(counts).scatter_add_(
+                0, assignments, keep.long().repeat_interleave(self.top_k)
+            )
+        share = counts.float() / tokens  # f_e: they sum to k
+        balance = self.n_experts * (share * mean_probs).sum()
+        # all three at once: activation checkpointing's recomputation may stop early
+        self.balance_loss, self.z_loss, self.expert_counts = balance, z, counts.detach()
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor, rate: float) -> None:

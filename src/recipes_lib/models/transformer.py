@@ -172,6 +172,7 @@ class Transformer(nn.Module):
         *,
         cache: KVCache | None = None,
         start_pos: int | None = None,
+        token_mask: Tensor | None = None,
     ) -> Tensor:
         """Hidden states after the final norm, ``(B, T, C)``.
 
@@ -185,6 +186,8 @@ class Transformer(nn.Module):
                 afterwards ``cache.length`` is ``start_pos + T``. None: training.
             start_pos: with ``cache``, where the tokens start; default ``cache.length``
                 (append); smaller values rewind the cache.
+            token_mask: ``(B, T)``, True for the tokens a mixture of experts' balance
+                loss and load are taken over (not padding); None: every token.
 
         Raises:
             ConfigError: the input, or the cached positions, run past
@@ -219,7 +222,8 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layer(index, start)
             cos, sin = tables[layer.attention.local_rope]  # (T, rotated dims)
-            h = layer(h, cos, sin, masks[layer.attention.window], layer_cache)  # (B, T, C)
+            mask = masks[layer.attention.window]
+            h = layer(h, cos, sin, mask, layer_cache, token_mask)  # (B, T, C)
         if cache is not None:
             cache.length = end
         return self.norm(h)  # (B, T, C)
@@ -268,6 +272,7 @@ class Transformer(nn.Module):
         loss_chunk_size: int | None = None,
         last_only: bool = False,
         temperature: float = 1.0,
+        token_mask: Tensor | None = None,
     ) -> Tensor:
         """Next-token logits, ``(B, T, V)``; ``cache``/``start_pos`` as in
         :meth:`forward_hidden`; with ``last_only``, the last position's alone
@@ -280,11 +285,14 @@ class Transformer(nn.Module):
         With ``loss_chunk_size`` the output projection is fused with it
         (:class:`~recipes_lib.models.head.OutputHead`): at most that many rows of logits
         exist at once; with ``temperature``, of the logits divided by it (the log-probs of
-        sampling at that temperature). The loss is computed inside the forward passes of
+        sampling at that temperature). ``token_mask`` as in :meth:`forward_hidden`.
+        The loss is computed inside the forward passes of
         the model and of its head, so that a sharded model gathers the head's weight as
         for the logits.
         """
-        hidden = self.forward_hidden(input_ids, doc_ids, cache=cache, start_pos=start_pos)
+        hidden = self.forward_hidden(
+            input_ids, doc_ids, cache=cache, start_pos=start_pos, token_mask=token_mask
+        )
         if labels is None:
             return self.output(hidden[:, -1:] if last_only else hidden)
         if labels.shape != input_ids.shape:

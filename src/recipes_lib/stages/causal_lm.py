@@ -264,12 +264,15 @@ class CausalLMModule(L.LightningModule):
         ``val/<name>``). The override point of every objective."""
         model = self._built_model()
         input_ids, doc_ids = self.model_inputs(batch)
-        labels = batch["labels"]
+        labels, token_mask = batch["labels"], self.expert_load.token_mask(batch)
         chunk = self.kernels_config.loss_chunk_size
         if chunk is None:
-            return self._loss_fn(model(input_ids, doc_ids), labels), {}
+            return self._loss_fn(model(input_ids, doc_ids, token_mask=token_mask), labels), {}
         # the head fused with the loss, inside the model's forward (a sharded head too)
-        return model(input_ids, doc_ids, labels=labels, loss_chunk_size=chunk), {}
+        loss = model(
+            input_ids, doc_ids, labels=labels, loss_chunk_size=chunk, token_mask=token_mask
+        )
+        return loss, {}
 
     def count_tokens(self, batch: Batch) -> int:
         """Tokens this rank trains on in ``batch`` (counted into ``tokens_seen``)."""

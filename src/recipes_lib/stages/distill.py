@@ -114,7 +114,8 @@ class DistillModule(SFTModule):
         """The divergence on the batch's assistant tokens."""
         input_ids, doc_ids = self.model_inputs(batch)
         student = self._built_model()
-        hidden = student.forward_hidden(input_ids, doc_ids)  # (B, T, C)
+        token_mask = self.expert_load.token_mask(batch)
+        hidden = student.forward_hidden(input_ids, doc_ids, token_mask=token_mask)  # (B, T, C)
         with torch.no_grad():
             teacher_hidden = self.teacher.forward_hidden(input_ids, doc_ids)  # (B, T, Ct)
         settings = self.distill_config

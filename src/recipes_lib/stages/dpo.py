@@ -187,7 +187,12 @@ class DPOModule(CausalLMModule):
         input_ids, doc_ids = self.model_inputs(batch)
         chunk = self.kernels_config.loss_chunk_size
         return model(
-            input_ids, doc_ids, labels=batch["labels"], per_token=True, loss_chunk_size=chunk
+            input_ids,
+            doc_ids,
+            labels=batch["labels"],
+            per_token=True,
+            loss_chunk_size=chunk,
+            token_mask=self.expert_load.token_mask(batch),
         )
 
     @torch.no_grad()

@@ -9,6 +9,7 @@ moves it: the routing it saw happened.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -26,6 +27,18 @@ class ExpertLoad:
     def __init__(self, config: ModelConfig):
         self.config, self.rate = config, config.moe_bias_update_rate
         self.counts: Tensor | None = None  # (MoE layers, E)
+
+    def token_mask(self, batch: Mapping[str, Any]) -> Tensor | None:
+        """The tokens of ``batch`` a mixture's balance loss, z-loss and load are taken
+        over: all but padding (a chat batch's ``padding``, a pair batch's
+        ``sequence_ids`` of -1). None for a dense model or a batch with no padding."""
+        if not self.config.moe_experts:
+            return None
+        if "padding" in batch:
+            return ~batch["padding"]
+        if "sequence_ids" in batch:
+            return batch["sequence_ids"] >= 0
+        return None
 
     def after_forward(self, model: nn.Module) -> tuple[Tensor | None, dict[str, Tensor]]:
         """After a training forward: the auxiliary loss to add to the objective's and the
@@ -50,6 +63,12 @@ class ExpertLoad:
             for layer, layer_counts in zip(moe_layers(model), counts, strict=True):
                 layer.update_bias(layer_counts, self.rate)
         return load_metrics(counts)
+
+
+def up_to_last_label(labels: Tensor) -> Tensor:
+    """``(R, L)`` True up to each row's last label (``labels`` not -100 there): the
+    tokens of rows padded after their last label (GRPO's prompt + completion rows)."""
+    return (labels != -100).flip(-1).cummax(-1).values.flip(-1)
 
 
 def _summed_over_ranks(counts: Tensor) -> Tensor:

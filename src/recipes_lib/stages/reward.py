@@ -31,11 +31,16 @@ from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
 
 
 def sequence_scores(
-    model: nn.Module, input_ids: Tensor, doc_ids: Tensor | None, score_index: Tensor
+    model: nn.Module,
+    input_ids: Tensor,
+    doc_ids: Tensor | None,
+    score_index: Tensor,
+    token_mask: Tensor | None = None,
 ) -> Tensor:
     """Each sequence's score, fp32 ``(S,)``: the score head's output at ``score_index``
-    (flat indices into ``(R * T)``, one per sequence)."""
-    scores = model(input_ids, doc_ids)  # (R, T, 1)
+    (flat indices into ``(R * T)``, one per sequence); ``token_mask`` as the model's
+    forward takes it."""
+    scores = model(input_ids, doc_ids, token_mask=token_mask)  # (R, T, 1)
     return scores.flatten()[score_index.to(scores.device)].float()
 
 
@@ -75,7 +80,13 @@ class RewardModule(CausalLMModule):
             )
         n_pairs = batch["pair_index"].numel()
         input_ids, doc_ids = self.model_inputs(batch)
-        scores = sequence_scores(self._built_model(), input_ids, doc_ids, batch["score_index"])
+        scores = sequence_scores(
+            self._built_model(),
+            input_ids,
+            doc_ids,
+            batch["score_index"],
+            self.expert_load.token_mask(batch),
+        )
         chosen, rejected = scores[:n_pairs], scores[n_pairs:]
         loss = bradley_terry_loss(chosen, rejected, self.reward_config.center_coef)
         chosen, rejected = chosen.detach(), rejected.detach()

@@ -132,3 +132,22 @@ def test_flops_count_the_active_experts():
     active = model.num_params(exclude_embeddings=True) - model.inactive_params()
     attention = 12.0 * 2 * 4 * 8 * 8  # 12 * layers * heads * head_dim * seq
     assert model.flops_per_token(8) == 6.0 * active + attention
+
+
+def test_padding_moves_no_balance_loss_z_loss_or_count():
+    """A row padded with tokens the mask leaves out gives the losses and counts of the
+    real tokens alone (right padding: causal attention keeps their hidden states)."""
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(**MOE)).train()
+    real = torch.randint(0, 64, (2, 6))
+    padded = torch.cat([real, torch.zeros(2, 5, dtype=torch.long)], dim=1)
+    mask = torch.arange(11) < 6
+    model(real)
+    alone = [(m.balance_loss, m.z_loss, m.expert_counts) for m in moe_layers(model)]
+    model(padded, token_mask=mask.expand(2, 11))
+    masked = [(m.balance_loss, m.z_loss, m.expert_counts) for m in moe_layers(model)]
+    for got, want in zip(masked, alone, strict=True):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w)
+    model(padded)  # without the mask the padding counts: 22 tokens' worth
+    assert all(int(m.expert_counts.sum()) == 22 * 2 for m in moe_layers(model))

@@ -102,9 +102,9 @@ def test_document_mask_passes_doc_ids_to_the_model():
     seen = {}
     original = masked.model.forward
 
-    def spy(input_ids, doc_ids=None):
+    def spy(input_ids, doc_ids=None, **kwargs):
         seen["doc_ids"] = doc_ids
-        return original(input_ids, doc_ids)
+        return original(input_ids, doc_ids, **kwargs)
 
     masked.model.forward = spy
     with torch.no_grad():

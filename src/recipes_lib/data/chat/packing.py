@@ -3,6 +3,8 @@ row and padded to the longest of its batch.
 
 With ``data.chat.packing`` the examples of a row are told apart by ``doc_ids``, for
 document masking; padded rows give ``doc_ids`` 0 on the example and 1 on its padding.
+Both kinds of batch mark their padding in ``padding`` (True there): a mixture of
+experts' balance loss and load leave it out.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class PackedChatDataset(Dataset):
 
     Item ``i``: ``input_ids``, ``labels`` ``(T,)`` int64 and ``doc_ids`` ``(T,)`` int32,
     where ``doc_ids`` numbers the examples of the row ``0, 1, ...`` and the padding
-    after them gets the next number (its labels are ``-100``).
+    after them gets the next number (its labels are ``-100``); ``padding`` ``(T,)`` bool,
+    True there.
     """
 
     def __init__(self, examples: list[ChatExample], seq_len: int, pad_id: int, seed: int):
@@ -75,6 +78,7 @@ class PackedChatDataset(Dataset):
             "input_ids": torch.from_numpy(input_ids),
             "labels": torch.from_numpy(labels),
             "doc_ids": torch.from_numpy(doc_ids),
+            "padding": torch.arange(T) >= position,
         }
 
 
@@ -97,7 +101,8 @@ class ChatExampleDataset(Dataset):
 
 def pad_collate(pad_id: int) -> Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]:
     """A collate function padding examples on the right to the longest of the batch
-    (inputs with ``pad_id``, labels with ``-100``; ``doc_ids`` 0, then 1 on padding)."""
+    (inputs with ``pad_id``, labels with ``-100``; ``doc_ids`` 0, then 1 on padding;
+    ``padding`` True there)."""
 
     def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         longest = max(len(item["input_ids"]) for item in items)
@@ -110,6 +115,7 @@ def pad_collate(pad_id: int) -> Callable[[list[dict[str, torch.Tensor]]], dict[s
             input_ids[row, :n] = item["input_ids"]
             labels[row, :n] = item["labels"]
             doc_ids[row, :n] = 0
-        return {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids}
+        padding = doc_ids.bool()
+        return {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids, "padding": padding}
 
     return collate
