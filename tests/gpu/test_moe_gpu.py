@@ -48,3 +48,28 @@ def test_grouped_gemm_matches_the_loop_over_experts(experts, top_k):
     torch.testing.assert_close(dx, dx_ref, atol=2e-2 * dx_ref.abs().max().item(), rtol=2e-2)
     for g, ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)
+
+
+def test_an_idle_expert_gets_zero_gradients_on_the_grouped_path():
+    """Experts no row reached: their weight gradients are zeros, as on the loop (a
+    grouped GEMM's empty groups must not leave what the memory held)."""
+    from recipes_lib.models.moe import Experts
+
+    torch.manual_seed(0)
+    experts = Experts(4, 64, 32, "silu").cuda()
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    x = torch.randn(40, 64, device="cuda")
+    counts = torch.tensor([15, 0, 25, 0], device="cuda")
+    grads = {}
+    for path in ("grouped", "loop"):
+        experts.path = path
+        experts.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = experts(x, counts)
+        y.float().square().sum().backward()
+        grads[path] = [p.grad.float().clone() for p in experts.parameters()]
+    for g in grads["grouped"]:
+        assert g[1].abs().sum() == 0 and g[3].abs().sum() == 0
+    for g, ref in zip(grads["grouped"], grads["loop"], strict=True):
+        torch.testing.assert_close(g, ref, atol=2e-2 * ref.abs().max().item(), rtol=2e-2)

@@ -61,6 +61,11 @@ def test_unknown_attention_backend_lists_choices(tiny_cfg):
         run(tiny_cfg("kernels.attention=fast"))
 
 
+def test_unknown_experts_path_lists_choices(tiny_cfg):
+    with pytest.raises(ConfigError, match=r"kernels.experts='fast' is not one of auto"):
+        run(tiny_cfg("kernels.experts=fast"))
+
+
 def test_document_mask_on_a_backend_without_it(tiny_cfg):
     with pytest.raises(ConfigError, match="kernels.attention=flex"):
         run(tiny_cfg("data.document_mask=true", "kernels.attention=sdpa"))

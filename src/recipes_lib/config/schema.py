@@ -47,6 +47,9 @@ class KernelsConfig:
     loss_chunk_size: int | None = None  # fused output + loss, N rows at a time; None: off
     # recompute each block's activations in the backward pass instead of storing them
     activation_checkpointing: bool = False
+    # a mixture's experts: auto (one grouped GEMM per weight on CUDA in bf16, else a loop
+    # over the experts) | grouped | loop
+    experts: str = "auto"
 
 
 @dataclass

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
 
 ROUTERS = ("softmax", "sigmoid")
+EXPERT_PATHS = ("auto", "grouped", "loop")  # kernels.experts: see Experts.path
 
 
 def is_moe_layer(config: ModelConfig, layer: int) -> bool:
@@ -117,7 +118,7 @@ class Experts(nn.Module):
         self.w2 = GroupedLinear(n, hidden, dim)  # down
         self.activation = activation
         # grouped: one grouped GEMM per weight; loop: one matmul per expert; auto:
-        # grouped on CUDA, the loop elsewhere
+        # grouped on CUDA in bf16, the loop elsewhere (kernels.experts)
         self.path = "auto"
         self.parallel: ExpertParallel | None = None  # set by expert-parallel sharding
 
@@ -326,6 +327,14 @@ class MoEFeedForward(nn.Module):
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     """The model's mixture-of-experts layers, in order."""
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def set_expert_path(model: nn.Module, path: str) -> None:
+    """How every mixture layer of ``model`` computes its experts (``kernels.experts``)."""
+    if path not in EXPERT_PATHS:
+        raise ConfigError(f"kernels.experts={path!r} is not one of {' | '.join(EXPERT_PATHS)}")
+    for layer in moe_layers(model):
+        layer.experts.path = path
 
 
 def moe_losses(

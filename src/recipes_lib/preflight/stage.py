@@ -14,6 +14,7 @@ from recipes_lib.checkpoint.upcycle import upcycle_mismatches
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.kernels import get_attention_backend
+from recipes_lib.models.moe import EXPERT_PATHS
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.strategy import get_strategy
 from recipes_lib.stages.guard import check_guard_config
@@ -88,6 +89,10 @@ def check_data_and_kernels(cfg: RunConfig) -> None:
         raise ConfigError(
             f"data.tokenizer.vocab_size={cfg.data.tokenizer.vocab_size} does not fit "
             f"model.vocab_size={cfg.model.vocab_size}"
+        )
+    if cfg.kernels.experts not in EXPERT_PATHS:
+        raise ConfigError(
+            f"kernels.experts={cfg.kernels.experts!r} is not one of {' | '.join(EXPERT_PATHS)}"
         )
     backend = get_attention_backend(cfg.kernels.attention)
     if cfg.data.document_mask and not backend.capabilities.document_mask:

@@ -36,6 +36,7 @@ from recipes_lib.config.schema import (
 from recipes_lib.errors import CheckpointError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.models import Transformer
+from recipes_lib.models.moe import set_expert_path
 from recipes_lib.parallel.strategy import get_strategy
 
 
@@ -97,6 +98,7 @@ def build_model(
     backend = attention or get_attention_backend(plan.kernels.attention)
     with torch.device(device):
         model = _seeded_decoder(plan.model, backend)  # 1
+    set_expert_path(model, plan.kernels.experts)
     if plan.init_from is not None:  # 2
         if any(p.is_meta for p in model.parameters()):
             raise CheckpointError(

@@ -151,3 +151,11 @@ def test_padding_moves_no_balance_loss_z_loss_or_count():
             torch.testing.assert_close(g, w)
     model(padded)  # without the mask the padding counts: 22 tokens' worth
     assert all(int(m.expert_counts.sum()) == 22 * 2 for m in moe_layers(model))
+
+
+def test_kernels_experts_chooses_the_path_of_every_mixture_layer():
+    from recipes_lib.models.moe import set_expert_path
+
+    model = Transformer(tiny_model_config(**MOE))
+    set_expert_path(model, "grouped")
+    assert [m.experts.path for m in moe_layers(model)] == ["grouped", "grouped"]
