@@ -66,6 +66,14 @@ def test_unknown_experts_path_lists_choices(tiny_cfg):
         run(tiny_cfg("kernels.experts=fast"))
 
 
+def test_lora_on_sharded_experts_is_refused(tiny_cfg):
+    lora = ("adapter=lora", "adapter.target_modules=[wq,experts]", "adapter.dropout=0")
+    with pytest.raises(ConfigError, match="adapter.target_modules: experts with strategy=fsdp"):
+        run(tiny_cfg("model=moe_tiny", *lora, "strategy=fsdp"))
+    with pytest.raises(ConfigError, match="experts, and this model has none"):
+        run(tiny_cfg(*lora))
+
+
 def test_document_mask_on_a_backend_without_it(tiny_cfg):
     with pytest.raises(ConfigError, match="kernels.attention=flex"):
         run(tiny_cfg("data.document_mask=true", "kernels.attention=sdpa"))

@@ -11,7 +11,7 @@ from hf_folders import FAMILY_SETTINGS, make_hf_folder, write_chat_records, writ
 from tiny import QUIET_OVERRIDES
 
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
-from recipes_lib.checkpoint.source import fill_model_from_init
+from recipes_lib.checkpoint.source import fill_model_from_init, load_model_weights
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.models import Transformer
@@ -78,3 +78,37 @@ def test_dpo_from_a_folder(tmp_path, model_type):
         )
     )
     assert result.global_step == 2 and result.weights_path.is_file()
+
+
+def test_lora_on_the_experts_trains_them_and_merges_into_the_output(tmp_path):
+    """``adapter.target_modules`` with ``experts``: each routed expert's weights take an
+    update; the merged output, exported, is what transformers computes, and its experts
+    moved from the folder's. No PEFT folder is written for such adapters."""
+    folder = make_hf_folder(tmp_path / "moe", "qwen3_moe", **FAMILY_SETTINGS["qwen3_moe"])
+    overrides = [
+        "recipe=sft/lora",
+        f"stage.init_from={folder}",
+        f"data.path={write_chat_records(tmp_path / 'chat.jsonl', 60)}",
+        "data.seq_len=256",
+        "adapter.target_modules=[wq,wk,wv,wo,experts]",
+        "adapter.dropout=0",
+        *SHORT,
+        *QUIET_OVERRIDES,
+        f"run.dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    result = run(compose_config(overrides))
+    assert result.global_step == 2 and not (result.output_dir / "adapter").exists()
+    model = to_run_config(fill_model_from_init(compose_config(overrides))).model
+    state = load_weights(result.weights_path)
+    start = Transformer(model)
+    load_model_weights(start, folder)
+    name = "layers.0.feed_forward.experts.w2.weight"
+    assert not torch.equal(state[name], start.state_dict()[name])  # the experts trained
+    trained = Transformer(model).eval()
+    trained.load_state_dict(state)
+    exported = export_hf_checkpoint(state, model, tmp_path / "export")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    x = torch.randint(0, model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(input_ids=x).logits, trained(x), atol=1e-4, rtol=1e-4)

@@ -15,19 +15,26 @@ from recipes_lib.adapters.lora import (
     base_state_dict,
     check_adapter_config,
     has_adapter,
+    has_expert_adapter,
     lora_layers,
     merge_adapter,
 )
-from recipes_lib.adapters.peft_format import hf_target_modules, save_adapter
+from recipes_lib.adapters.peft_format import (
+    EXPERTS_FOLDER_REFUSAL,
+    hf_target_modules,
+    save_adapter,
+)
 
 __all__ = [
     "ADAPTER_KINDS",
+    "EXPERTS_FOLDER_REFUSAL",
     "NATIVE_TARGETS",
     "adapters_disabled",
     "apply_adapter",
     "base_state_dict",
     "check_adapter_config",
     "has_adapter",
+    "has_expert_adapter",
     "hf_target_modules",
     "lora_layers",
     "merge_adapter",

@@ -6,6 +6,11 @@ original linear (or, for QLoRA, a ``bitsandbytes.nn.Linear4bit`` holding it in N
 whose ``lora_A``/``lora_B`` are the only trainable weights. Its output is
 ``base(x) + scale * B(A(dropout(x)))`` with ``scale = alpha / r``, so merging is
 ``W + scale * B @ A``.
+
+The target ``experts`` adapts a mixture's stacked experts (``w1``, ``w3`` and ``w2`` of
+every mixture layer) through PEFT's ``target_parameters``: each expert gets its own
+rank-``r`` update of each weight, added to the weight for the call (so it takes no
+dropout), and merging adds it the same way.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.models.moe import moe_layers
 
 ADAPTER_KINDS = ("none", "lora", "qlora")
-NATIVE_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+EXPERTS_TARGET = "experts"  # a mixture's stacked experts: their w1, w3 and w2
+NATIVE_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", EXPERTS_TARGET)
 HF_TO_NATIVE_TARGET = {
     "q_proj": "wq",
     "k_proj": "wk",
@@ -77,7 +83,12 @@ def check_adapter_config(config: AdapterConfig) -> None:
         raise ConfigError(f"adapter.alpha={config.alpha} must be positive")
     if not 0.0 <= config.dropout < 1.0:
         raise ConfigError(f"adapter.dropout={config.dropout} must be in [0, 1)")
-    native_targets(config)
+    if EXPERTS_TARGET in native_targets(config) and config.dropout:
+        raise ConfigError(
+            f"adapter.dropout={config.dropout} with adapter.target_modules: {EXPERTS_TARGET}: "
+            "an expert's adapter is added to its weight, which takes no dropout; set "
+            "adapter.dropout=0"
+        )
     if config.kind != "qlora":
         return
     if config.compute_dtype not in COMPUTE_DTYPES:
@@ -91,8 +102,13 @@ def check_adapter_config(config: AdapterConfig) -> None:
         )
 
 
-def lora_config(config: AdapterConfig, targets: list[str] | None = None):
-    """The ``peft.LoraConfig`` of ``config`` (over native module names by default)."""
+def lora_config(
+    config: AdapterConfig,
+    targets: list[str] | None = None,
+    parameters: list[str] | None = None,
+):
+    """The ``peft.LoraConfig`` of ``config`` (over native module names by default; with
+    ``parameters``, those stacked expert weights too)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -100,6 +116,7 @@ def lora_config(config: AdapterConfig, targets: list[str] | None = None):
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=targets if targets is not None else native_targets(config),
+        target_parameters=parameters or None,
         bias="none",
     )
 
@@ -174,19 +191,28 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
         and isinstance(module, nn.Linear)  # bnb Linear4bit is one
     ]
     mlp = [name for name in linears if name.rsplit(".", 1)[-1] in ("w1", "w2", "w3")]
-    if mlp and moe_layers(model):
+    layers = moe_layers(model)
+    if mlp and layers:
         raise ConfigError(
             f"adapter.target_modules: {mlp[0]} is a dense MLP of a mixture of experts, "
             "whose adapter PEFT would read as one on the experts (transformers fuses them "
-            "under the MLP's names); target the attention: [wq, wk, wv, wo]"
+            f"under the MLP's names); target the attention: [wq, wk, wv, wo] (and "
+            f"{EXPERTS_TARGET} for the routed experts)"
         )
-    if not linears:
+    experts = _expert_weights(model) if EXPERTS_TARGET in targets else []
+    if EXPERTS_TARGET in targets and not experts:
+        raise ConfigError(
+            f"adapter.target_modules: {EXPERTS_TARGET} adapts a mixture's routed experts, "
+            "and this model has none (model.moe_experts=0)"
+        )
+    if not linears and not experts:
         raise ConfigError(
             f"adapter.target_modules={list(config.target_modules)} match no linear layer of "
-            "this model (a mixture of experts' routed experts take no LoRA); target the "
-            "attention: [wq, wk, wv, wo]"
+            "this model (a mixture's routed experts are the target "
+            f"{EXPERTS_TARGET}); target the attention: [wq, wk, wv, wo]"
         )
-    inject_adapter_in_model(lora_config(config, linears), model, adapter_name=ADAPTER_NAME)
+    peft_config = lora_config(config, linears, experts)
+    inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER_NAME)
     trained_head = SCORE_HEAD if has_score_head(model) else None  # a reward model's head
     for name, param in model.named_parameters():
         param.requires_grad_(_LORA_MARK in name or name == trained_head)
@@ -194,6 +220,26 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
 
 
 SCORE_HEAD = "output.weight"
+
+
+def _expert_weights(model: nn.Module) -> list[str]:
+    """The full names of every mixture layer's stacked expert weights."""
+    return [
+        f"{name}.{part}.weight"
+        for name, module in model.named_modules()
+        if name.endswith("feed_forward.experts")
+        for part in ("w1", "w3", "w2")
+        if hasattr(module, part)
+    ]
+
+
+def has_expert_adapter(model: nn.Module) -> bool:
+    """Whether ``model``'s adapters include a mixture's stacked experts."""
+    return any(_is_expert_adapter(layer) for layer in lora_layers(model).values())
+
+
+def _is_expert_adapter(layer: nn.Module) -> bool:
+    return hasattr(layer, "parameter_name")  # PEFT's ParamWrapper: a targeted parameter
 
 
 def has_score_head(model: nn.Module) -> bool:
@@ -274,15 +320,28 @@ def _merged(
             prefix = f"{layer_name}.lora_{{}}.{ADAPTER_NAME}.weight"
             a = source.get(prefix.format("A"), layer.lora_A[ADAPTER_NAME].weight)
             b = source.get(prefix.format("B"), layer.lora_B[ADAPTER_NAME].weight)
+            a, b = a.detach().float(), b.detach().float()
             scale = layer.scaling[ADAPTER_NAME]
-            delta = (b.detach().float() @ a.detach().float()) * scale  # (out, in)
+            if _is_expert_adapter(layer):
+                delta = _experts_delta(a, b, weight.shape[0]) * scale  # (E, out, in)
+            else:
+                delta = (b @ a) * scale  # (out, in)
             weight = (weight.float() + delta.to(weight.device)).to(weight.dtype)
         out[f"{layer_name}.weight"] = weight.cpu()  # one layer at a time on the device
-        bias = layer.get_base_layer().bias
+        bias = getattr(layer.get_base_layer(), "bias", None)
         if bias is not None:
             bias = source.get(f"{layer_name}.base_layer.bias", bias)
             out[f"{layer_name}.bias"] = bias.detach().cpu()
     return out
+
+
+def _experts_delta(a: Tensor, b: Tensor, experts: int) -> Tensor:
+    """The update of stacked ``(E, d1, d2)`` expert weights from PEFT's factors of them:
+    ``A`` ``(E * r, d1)`` and ``B`` ``(d2, r * E)``, expert ``e`` taking rows ``e * r ..``
+    of ``A`` and the columns ``e, e + E, ..`` of ``B``: ``delta[e] = (B_e A_e)^T``."""
+    a = a.reshape(experts, -1, a.shape[-1])  # (E, r, d1)
+    b = b.reshape(b.shape[0], -1, experts)  # (d2, r, E)
+    return torch.einsum("ore,eri->eio", b, a)
 
 
 def merge_adapter(model: nn.Module, state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:

@@ -28,6 +28,7 @@ from recipes_lib.adapters.lora import (
     ADAPTER_NAME,
     HF_TO_NATIVE_TARGET,
     SCORE_HEAD,
+    has_expert_adapter,
     has_score_head,
     lora_config,
     lora_layers,
@@ -43,11 +44,16 @@ ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _NATIVE_TO_HF_TARGET = {native: hf for hf, native in HF_TO_NATIVE_TARGET.items()}
+EXPERTS_FOLDER_REFUSAL = (
+    "adapters on a mixture's experts have no PEFT folder here (transformers fuses the "
+    "experts' weights, which such an adapter would have to follow); the merged weights "
+    "are the output"
+)
 
 
 def hf_target_modules(config: AdapterConfig) -> list[str]:
     """``adapter.target_modules`` as Hugging Face module names (of the unfused layout)."""
-    return [_NATIVE_TO_HF_TARGET[name] for name in native_targets(config)]
+    return [_NATIVE_TO_HF_TARGET.get(name, name) for name in native_targets(config)]
 
 
 def _factors(model: nn.Module, state: Mapping[str, Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
@@ -135,8 +141,11 @@ def save_adapter(
         base_model_name_or_path: recorded in ``adapter_config.json``.
 
     Raises:
-        CheckpointError: ``model`` has no adapters.
+        CheckpointError: ``model`` has no adapters, or has adapters on a mixture's
+            experts (:data:`EXPERTS_FOLDER_REFUSAL`).
     """
+    if has_expert_adapter(model):
+        raise CheckpointError(f"cannot save an adapter to {out_dir}: {EXPERTS_FOLDER_REFUSAL}")
     tensors, stacked = peft_state_dict(model, state)
     if not tensors:
         raise CheckpointError(f"cannot save an adapter to {out_dir}: the model has no LoRA layers")

@@ -95,11 +95,21 @@ def gated_mlp(gate: Tensor, up: Tensor, activation: str) -> Tensor:
 
 
 class GroupedLinear(nn.Module):
-    """``E`` linear maps without bias, stacked: ``weight`` is ``(E, out, in)``."""
+    """``E`` linear maps without bias, stacked: ``weight`` is ``(E, out, in)``.
+
+    Calling it with the rows it is about to multiply gives the weight to multiply them
+    with: an adapter on the experts (PEFT's ``target_parameters``, whose wrapper of this
+    module takes the call's input first) makes that ``W + delta`` for the call.
+    """
+
+    is_transposed = True  # PEFT's mark for stacked experts laid out (E, out, in)
 
     def __init__(self, n: int, in_features: int, out_features: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
+
+    def forward(self, rows: Tensor) -> Tensor:
+        return self.weight
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -138,19 +148,19 @@ class Experts(nn.Module):
             and all(w % 8 == 0 for w in widths)
         )
 
-    def weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """``w1``, ``w3``, ``w2`` in ``dtype``: under expert parallelism this rank's
-        experts only (see :class:`ExpertParallel`)."""
+    def weights(self, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+        """``w1``, ``w3``, ``w2`` for rows ``x``, in ``dtype``: under expert parallelism
+        this rank's experts only (see :class:`ExpertParallel`)."""
         found = []
         for linear in (self.w1, self.w3, self.w2):
-            w = linear.weight
+            w = linear(x)  # with an adapter on the experts: its weight update added
             if self.parallel is not None:
                 w = self.parallel.local(w)
             found.append(w.to(dtype))
         return found[0], found[1], found[2]
 
     def _loop(self, x: Tensor, counts: Tensor) -> Tensor:
-        w1, w3, w2 = self.weights(x.dtype)
+        w1, w3, w2 = self.weights(x, x.dtype)
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
             # an idle expert's empty rows are multiplied too: the output then depends on
@@ -165,7 +175,7 @@ class Experts(nn.Module):
     def _grouped(self, x: Tensor, counts: Tensor) -> Tensor:
         dtype = _compute_dtype(x)  # autocast does not reach _grouped_mm: cast as it would
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        w1, w3, w2 = self.weights(dtype)
+        w1, w3, w2 = self.weights(x, dtype)
         x = x.to(dtype)
 
         def mm(a: Tensor, w: Tensor) -> Tensor:

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from recipes_lib.adapters import check_adapter_config
+from recipes_lib.adapters.lora import EXPERTS_TARGET, native_targets
 from recipes_lib.checkpoint.source import init_model_mismatches, read_init_source
 from recipes_lib.checkpoint.upcycle import upcycle_mismatches
 from recipes_lib.config.schema import RunConfig
@@ -106,6 +107,18 @@ def check_adapter(cfg: RunConfig) -> None:
     """The adapter's own settings, and QLoRA's CUDA GPU."""
     adapter = cfg.adapter
     check_adapter_config(adapter)
+    if adapter.kind != "none" and EXPERTS_TARGET in native_targets(adapter):
+        if not cfg.model.moe_experts:
+            raise ConfigError(
+                f"adapter.target_modules: {EXPERTS_TARGET} adapts a mixture's routed experts, "
+                "and this model has none (model.moe_experts=0)"
+            )
+        if get_strategy(cfg.strategy.name).shards:
+            raise ConfigError(
+                f"adapter.target_modules: {EXPERTS_TARGET} with strategy={cfg.strategy.name}: "
+                "adapters on the experts are not supported where the weights are sharded; "
+                "use strategy=single or ddp, or adapt the attention only"
+            )
     if adapter.kind != "qlora":
         return
     if not torch.cuda.is_available():

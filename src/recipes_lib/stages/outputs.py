@@ -11,6 +11,7 @@ of a 1B run's end on an H100), only for the export to read it there.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,13 +20,21 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
-from recipes_lib.adapters import has_adapter, merge_adapter, save_adapter
+from recipes_lib.adapters import (
+    EXPERTS_FOLDER_REFUSAL,
+    has_adapter,
+    has_expert_adapter,
+    merge_adapter,
+    save_adapter,
+)
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.weights import average_checkpoints, list_step_checkpoints, save_weights
 from recipes_lib.config import RunConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.parallel.strategy import get_strategy
+
+log = logging.getLogger(__name__)
 
 
 def release_training_state(trainer: L.Trainer) -> None:
@@ -140,8 +149,11 @@ def export_weights(
                 f"tensor(s) ({', '.join(bad[:3])}); {path} is not written"
             )
         else:
-            if adapted:
+            if adapted and has_expert_adapter(module.model):
+                log.info("no adapter folder: %s", EXPERTS_FOLDER_REFUSAL)
+            elif adapted:
                 save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
+            if adapted:
                 source = f"{source}, {cfg.adapter.kind} merged"
             save_weights(merged, path, metadata={"global_step": str(step), "weights": source})
     # every rank learns rank 0's verdict, so none waits on a rank that has given up
