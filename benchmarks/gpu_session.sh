@@ -38,6 +38,8 @@
 #   bash benchmarks/gpu_session.sh hsdp        # HSDP 2 x 2 against one GPU's loss curve, then
 #                                              # llama_1b fsdp and hsdp (2 x 2) on 4 GPUs
 #   bash benchmarks/gpu_session.sh ep4         # moe_1b fsdp on 1 and 4 GPUs, fsdp+ep on 4
+#   bash benchmarks/gpu_session.sh posttrain4  # full SFT, live DPO and LoRA against TRL+Liger
+#                                              # after gradients are freed at each step (2 GPUs)
 #   bash benchmarks/gpu_session.sh ep2         # the expert-parallel test in fp32 and bf16,
 #                                              # then the MoE and evaluation GPU tests
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
@@ -268,6 +270,13 @@ posttrain3)  # after the fused head's memory changes: each case against TRL+Lige
   job peer_dpo_pre 3 "$PEER --cases dpo_precomputed --out $OUT/posttrain_peer_dpo_pre.json;
     $PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py -k 'fused or chunked' \
       -p no:cacheprovider"
+  wait ;;
+posttrain4)  # gradients freed at each optimizer step: full SFT, live DPO and LoRA against
+  # TRL+Liger, on two GPUs
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 150 --warmup-steps 3 --steps 10 \
+    --sides recipes_lib,trl_liger"
+  job peer_sft_dpo 0 "$PEER --cases sft_full,dpo_live --out $OUT/posttrain_peer_sft_dpo.json"
+  job peer_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_lora.json"
   wait ;;
 posttrain_tests)
   job head_tests 0 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \

@@ -43,7 +43,7 @@ from recipes_lib.parallel.precision import compute_dtype
 from recipes_lib.stages.build import ModelBuild, build_model
 from recipes_lib.stages.experts import ExpertLoad
 from recipes_lib.stages.guard import StepGuard, resolve_policy
-from recipes_lib.stages.optimization import configure_optimization
+from recipes_lib.stages.optimization import clip_and_judge, configure_optimization, free_gradients
 from recipes_lib.stages.outputs import release_training_state
 from recipes_lib.stages.rollback import scale_lr_in_window
 
@@ -342,20 +342,13 @@ class CausalLMModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        """Clip by global norm (directly without a gradient scaler: Lightning's path
-        refuses the fused AdamW, a check meant for fp16 loss scaling), then let the guard
-        judge the update with the norm clipping computed."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = None
-        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-        if gradient_clip_val and scaler is None and gradient_clip_algorithm in (None, "norm"):
-            norm = torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
-        elif gradient_clip_val:
-            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
-        if self.guard.enabled:
-            self.guard.after_backward(
-                optimizer, params, norm, self.trainer.strategy, self.trainer.global_step
-            )
+        clip_and_judge(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        free_gradients(optimizer, self.strategy_config.name)
 
     def configure_optimizers(self) -> dict[str, Any]:
         target = getattr(self._attached(), "model", None)  # the strategy's wrapped model

@@ -1,4 +1,5 @@
-"""The optimizer and learning-rate schedule a stage trains with, in Lightning's form.
+"""The optimizer and learning-rate schedule a stage trains with, in Lightning's form,
+and what happens to the gradients around each optimizer step.
 
 AdamW over the trained parameters (:func:`recipes_lib.optim.build_optimizer`), its
 moments carried over from ``stage.init_from`` with ``stage.init_optimizer``, and the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from recipes_lib.checkpoint.weights import read_checkpoint
@@ -19,6 +21,7 @@ from recipes_lib.errors import CheckpointError
 from recipes_lib.optim import build_optimizer, build_scheduler
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.optim.moments import load_optimizer_moments
+from recipes_lib.parallel.strategy import get_strategy
 
 
 def configure_optimization(
@@ -51,3 +54,34 @@ def configure_optimization(
         "optimizer": optimizer,
         "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1},
     }
+
+
+def clip_and_judge(
+    module: Any,
+    optimizer: torch.optim.Optimizer,
+    clip_val: float | None,
+    clip_algorithm: str | None,
+) -> None:
+    """``module``'s ``configure_gradient_clipping``: clip by global norm (directly,
+    without a gradient scaler: Lightning's path refuses the fused AdamW, a check meant for
+    fp16 loss scaling), then let the run's guard judge the update with the norm that
+    clipping computed."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = None
+    scaler = getattr(module.trainer.precision_plugin, "scaler", None)
+    if clip_val and scaler is None and clip_algorithm in (None, "norm"):
+        norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
+    elif clip_val:
+        module.clip_gradients(optimizer, clip_val, clip_algorithm)
+    if module.guard.enabled:
+        trainer = module.trainer
+        module.guard.after_backward(optimizer, params, norm, trainer.strategy, trainer.global_step)
+
+
+def free_gradients(optimizer: Any, strategy: str) -> None:
+    """After an optimizer step, the gradients set to None at once. Lightning does it in
+    the next step, after its forward pass (before the backward): until then a model's
+    worth of gradients would sit beside that forward's activations, which is the peak of
+    a full fine-tuning step. (DeepSpeed's engine keeps its own.)"""
+    if not get_strategy(strategy).steps_in_engine:
+        optimizer.zero_grad(set_to_none=True)

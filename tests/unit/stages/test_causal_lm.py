@@ -244,3 +244,25 @@ def test_gradient_clipping_bounds_the_global_norm():
     trainer(5, callbacks=[record], gradient_clip_val=0.05).fit(module, loader(pattern_batches(5)))
     assert len(record.norms) == 5
     assert max(record.norms) <= 0.05 * (1 + 1e-4)
+
+
+class GradientsAtBatchStart(L.Callback):
+    """Whether any gradient exists when each micro-batch's forward pass begins."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_gradients_are_freed_before_the_next_forward(accumulate):
+    """The forward pass that follows an optimizer step runs without the last step's
+    gradients (Lightning alone would free them only after it); inside an accumulation
+    window they are kept."""
+    probe = GradientsAtBatchStart()
+    trainer(3, callbacks=[probe], accumulate_grad_batches=accumulate).fit(
+        make_module(total_steps=3, warmup=1), loader(pattern_batches(3 * accumulate))
+    )
+    assert probe.seen == ([False, True] * 3 if accumulate == 2 else [False] * 3)
