@@ -9,6 +9,8 @@ dict.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -70,9 +72,24 @@ def _torchrun(run_dir: Path, cache: Path, *extra: str, processes: int = 2) -> No
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """One single-process reference run (batch 4) and the same run on two processes."""
-    root = tmp_path_factory.mktemp("distributed")
+def runs(tmp_path_factory, worker_id) -> dict[str, Path]:
+    """One single-process reference run (batch 4) and the same run on two processes,
+    made once per test session: under pytest-xdist the first worker to need them makes
+    them while the others wait on a lock, then every worker reads them."""
+    if worker_id == "master":  # one process: this session's own folder
+        return _reference_runs(tmp_path_factory.mktemp("distributed"))
+    root = tmp_path_factory.getbasetemp().parent / "distributed"  # the workers' shared one
+    root.mkdir(exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (root / "runs.json").exists():
+            return {k: Path(v) for k, v in json.loads((root / "runs.json").read_text()).items()}
+        dirs = _reference_runs(root)
+        (root / "runs.json").write_text(json.dumps({k: str(v) for k, v in dirs.items()}))
+        return dirs
+
+
+def _reference_runs(root: Path) -> dict[str, Path]:
     cache = root / "cache"
     dirs = {name: root / name for name in ("single", "ddp", "fsdp")}
     single = run(compose_config(_overrides(dirs["single"], cache)))  # prepares the shards
@@ -372,3 +389,21 @@ def test_grpo_samples_through_the_sharded_model_on_two_processes(runs, tmp_path)
     rows = read_metrics(run_dir)
     assert len(metric_series(rows, "train/reward")) == 4
     assert metric_series(rows, "val/reward")
+
+
+def test_kto_on_two_processes_matches_one_process(runs, tmp_path):
+    """KTO's reference point, the mismatched completions' mean log-ratio, is taken over
+    every rank's twins: two processes with half the batch each reach the one process's
+    weights (each rank's own estimate would not). Only desirable examples weigh, so the
+    policy rises on code in general and the estimate, clamped at 0, stays above it."""
+
+    def overrides(run_dir: Path, *extra: str) -> list[str]:
+        kto = [o.replace("stdlib_dpo", "stdlib_kto") for o in _dpo_overrides(run_dir, runs)]
+        return ["recipe=kto/tiny", *kto, "optim.lr=3e-3", "preference.undesirable_weight=0", *extra]
+
+    single = run(compose_config(overrides(tmp_path / "single", "data.batch_size=4")))
+    assert single.metrics["train/kl"] > 0  # the estimate took part in the last step
+    _launch(*overrides(tmp_path / "ddp", "data.batch_size=2", "strategy=ddp"))
+    _assert_same_weights(
+        load_weights(single.weights_path), load_weights(tmp_path / "ddp" / "model.safetensors")
+    )

@@ -164,6 +164,7 @@ def kto_loss(
     beta: float,
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
+    kl: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """KTO (Ethayarajh et al. 2024) on unpaired completions, each desirable or not.
 
@@ -181,13 +182,17 @@ def kto_loss(
         desirable: ``(N,)`` bool, whether each completion is desirable.
         beta: the inverse temperature.
         desirable_weight: ``lambda_D``; undesirable_weight: ``lambda_U``.
+        kl: the mean log-ratio of mismatched completions to use instead of this batch's
+            (e.g. over every rank's batch); clamped at 0 all the same.
 
     Returns:
         The mean loss, the rewards ``beta * r`` (detached, ``(N,)``) and ``z`` (0-d).
     """
     _check_beta(beta)
     rewards = policy.float() - reference.float()  # (N,)
-    kl = (policy_kl.float() - reference_kl.float()).mean().clamp(min=0).detach()
+    if kl is None:
+        kl = (policy_kl.float() - reference_kl.float()).mean()
+    kl = kl.float().clamp(min=0).detach()
     gain = torch.where(desirable, rewards - kl, kl - rewards)
     weight = torch.where(
         desirable,

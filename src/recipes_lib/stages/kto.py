@@ -5,8 +5,10 @@ reference, built, precomputed or bypassed the same way) whose batches come from
 :mod:`recipes_lib.data.preference.unpaired`: each example is a completion of its prompt,
 labelled desirable or not, beside a mismatched twin (another example's completion after
 this prompt). One forward pass of the policy covers both; the twins' log-ratios give the
-batch's estimate of ``KL(policy || reference)``, the reference point of
-:func:`~recipes_lib.losses.preference.kto_loss` (without gradient, as in the paper).
+estimate of ``KL(policy || reference)``, the reference point of
+:func:`~recipes_lib.losses.preference.kto_loss` (without gradient, as in the paper): their
+mean over the twins of every rank's micro-batch, so that data parallelism trains as one
+process does on the whole batch.
 
 Logged as ``train/...`` and ``val/...``: ``loss``, ``rewards/desirable`` and
 ``rewards/undesirable`` (the mean ``beta`` times log-ratio of each kind in the batch, 0
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from recipes_lib.errors import ConfigError
@@ -30,6 +34,15 @@ KTO_LOSS = "kto"
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def mean_over_ranks(values: Tensor, world_size: int) -> Tensor:
+    """The mean of ``values`` ``(N,)`` and every other rank's (one all-reduce of their
+    sum and count; this rank's alone when it runs by itself)."""
+    totals = torch.stack([values.float().sum(), values.new_tensor(values.numel()).float()])
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    return totals[0] / totals[1].clamp(min=1)
 
 
 class KTOModule(DPOModule):
@@ -78,6 +91,8 @@ class KTOModule(DPOModule):
         reference = reference.to(policy.dtype)
         settings = self.preference_config
         desirable = batch["desirable"].to(policy.device)
+        twins = policy[:, 1].detach() - reference[:, 1]  # mismatched completions' log-ratios
+        world = getattr(self._attached(), "world_size", 1)
         loss, rewards, kl = kto_loss(
             policy[:, 0],
             reference[:, 0],
@@ -87,6 +102,7 @@ class KTOModule(DPOModule):
             settings.beta,
             settings.desirable_weight,
             settings.undesirable_weight,
+            kl=mean_over_ranks(twins, world),
         )
         wanted, unwanted = desirable.float(), (~desirable).float()
         logps = policy[:, 0].detach()

@@ -201,3 +201,8 @@ def test_kto_scores_each_completion_against_the_clamped_kl_estimate():
     # a negative KL estimate is clamped at 0
     _, _, kl = kto_loss(policy, reference, reference_kl - 1, reference_kl, desirable, beta=0.5)
     assert kl.item() == 0
+    # an estimate given (every rank's twins) replaces the batch's, clamped all the same
+    for given, used in ((2.0, 2.0), (-1.0, 0.0)):
+        args = (policy, reference, policy_kl, reference_kl, desirable)
+        _, _, kl = kto_loss(*args, beta=0.5, kl=torch.tensor(given))
+        assert kl.item() == used

@@ -228,22 +228,24 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
     assert saved["hyper_parameters"]["model"]["dim"] == 32
 
 
-class GradNormAfterClipping(L.Callback):
-    def __init__(self):
-        self.norms = []
+class GradNormAfterClipping(CausalLMModule):
+    """Records the global gradient norm that reaches the optimizer (after clipping)."""
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+    norms: list[float]
+
+    def configure_gradient_clipping(self, optimizer, *args, **kwargs):
+        super().configure_gradient_clipping(optimizer, *args, **kwargs)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
         self.norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
 
 
 def test_gradient_clipping_bounds_the_global_norm():
     L.seed_everything(0)
-    module = make_module(total_steps=5)
-    record = GradNormAfterClipping()
-    trainer(5, callbacks=[record], gradient_clip_val=0.05).fit(module, loader(pattern_batches(5)))
-    assert len(record.norms) == 5
-    assert max(record.norms) <= 0.05 * (1 + 1e-4)
+    module = make_module(total_steps=5, cls=GradNormAfterClipping)
+    module.norms = []
+    trainer(5, gradient_clip_val=0.05).fit(module, loader(pattern_batches(5)))
+    assert len(module.norms) == 5
+    assert max(module.norms) <= 0.05 * (1 + 1e-4)
 
 
 class GradientsAtBatchStart(L.Callback):
