@@ -70,6 +70,8 @@ def test_lora_on_sharded_experts_is_refused(tiny_cfg):
     lora = ("adapter=lora", "adapter.target_modules=[wq,experts]", "adapter.dropout=0")
     with pytest.raises(ConfigError, match="adapter.target_modules: experts with strategy=fsdp"):
         run(tiny_cfg("model=moe_tiny", *lora, "strategy=fsdp"))
+    with pytest.raises(ConfigError, match="experts with kernels.compile=true"):
+        run(tiny_cfg("model=moe_tiny", *lora, "kernels.compile=true"))
     with pytest.raises(ConfigError, match="experts, and this model has none"):
         run(tiny_cfg(*lora))
 

@@ -9,8 +9,6 @@ dict.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
 import subprocess
 import sys
@@ -72,21 +70,9 @@ def _torchrun(run_dir: Path, cache: Path, *extra: str, processes: int = 2) -> No
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, worker_id) -> dict[str, Path]:
-    """One single-process reference run (batch 4) and the same run on two processes,
-    made once per test session: under pytest-xdist the first worker to need them makes
-    them while the others wait on a lock, then every worker reads them."""
-    if worker_id == "master":  # one process: this session's own folder
-        return _reference_runs(tmp_path_factory.mktemp("distributed"))
-    root = tmp_path_factory.getbasetemp().parent / "distributed"  # the workers' shared one
-    root.mkdir(exist_ok=True)
-    with open(root / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if (root / "runs.json").exists():
-            return {k: Path(v) for k, v in json.loads((root / "runs.json").read_text()).items()}
-        dirs = _reference_runs(root)
-        (root / "runs.json").write_text(json.dumps({k: str(v) for k, v in dirs.items()}))
-        return dirs
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """One single-process reference run (batch 4) and the same run on two processes."""
+    return _reference_runs(tmp_path_factory.mktemp("distributed"))
 
 
 def _reference_runs(root: Path) -> dict[str, Path]:

@@ -336,12 +336,13 @@ def _merged(
 
 
 def _experts_delta(a: Tensor, b: Tensor, experts: int) -> Tensor:
-    """The update of stacked ``(E, d1, d2)`` expert weights from PEFT's factors of them:
-    ``A`` ``(E * r, d1)`` and ``B`` ``(d2, r * E)``, expert ``e`` taking rows ``e * r ..``
-    of ``A`` and the columns ``e, e + E, ..`` of ``B``: ``delta[e] = (B_e A_e)^T``."""
-    a = a.reshape(experts, -1, a.shape[-1])  # (E, r, d1)
-    b = b.reshape(b.shape[0], -1, experts)  # (d2, r, E)
-    return torch.einsum("ore,eri->eio", b, a)
+    """The update of stacked ``(E, out, in)`` expert weights from PEFT's factors of them:
+    ``A`` ``(E * r, in)`` and ``B`` ``(out, r * E)``, expert ``e`` taking rows
+    ``e * r ..`` of ``A`` and the columns ``e, e + E, ..`` of ``B``:
+    ``delta[e] = B_e A_e``."""
+    a = a.reshape(experts, -1, a.shape[-1])  # (E, r, in)
+    b = b.reshape(b.shape[0], -1, experts)  # (out, r, E)
+    return torch.einsum("ore,eri->eoi", b, a)
 
 
 def merge_adapter(model: nn.Module, state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:

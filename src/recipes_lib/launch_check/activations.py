@@ -42,6 +42,10 @@ class DecoderShape:
     ffn_active: int | None = None
     router_width: int = 0
     routed: int = 0
+    # the routed experts themselves: how many layers have them, how many, how wide
+    moe_layers: int = 0
+    experts: int = 0
+    expert_width: int = 0
 
     @classmethod
     def of(cls, cfg: RunConfig) -> DecoderShape:
@@ -134,6 +138,9 @@ def _moe_widths(m) -> dict[str, int]:
         "ffn_active": mean(m.ffn_dim, m.moe_top_k * width + shared),
         "router_width": mean(0, m.moe_experts),
         "routed": mean(0, 2 * m.moe_top_k * m.dim),
+        "moe_layers": sparse,
+        "experts": m.moe_experts,
+        "expert_width": width,
     }
 
 
@@ -229,6 +236,8 @@ def _adapter_bytes(
     linears = shape.linears()
     kept = 0
     for name, rank in lora.items():
+        if name not in linears:  # the experts': an update of their weights, kept by none
+            continue
         width = linears[name][0]
         kept += (2 if dt.casts else dt.compute) * width + rank * dt.compute
         if dropout:

@@ -5,8 +5,10 @@ once AdamW's moments exist, plus what PyTorch's allocator never sees (the CUDA c
 A step passes through these moments; the largest is the peak (``P`` parameters, ``G``
 gradients, ``O`` optimizer state, per rank):
 
-- **forward**, at the loss: ``P + G + O`` (Lightning zeroes the last step's gradients
-  after the forward, before the backward) + the saved activations + the weight copies
+- **forward**, at the loss: ``P + O`` (``+ G`` where the last step's gradients outlive
+  it: inside an accumulation window, or under a strategy that keeps them, DDP's buckets
+  and DeepSpeed's engine; else they are freed after the step) + the saved activations +
+  the weight copies
   kept for the backward + the loss's forward tensors (or, with activation
   checkpointing or FSDP, the block being computed and its gathered weights);
 - **backward start**: ``P + O`` + the saved activations and kept weight copies + the
@@ -209,7 +211,14 @@ class ParameterCounts:
         total, linears = shape.num_params(), shape.linears()
         if lora is None:
             return cls(total=total, trainable=total, quantized=0, adapters=0)
-        adapters = shape.n_layers * sum(r * sum(linears[n]) for n, r in lora.items())
+        from recipes_lib.adapters.lora import EXPERTS_TARGET
+
+        lora = dict(lora)
+        # every expert's w1, w3 and w2 (C -> F, C -> F, F -> C) at the experts' rank
+        r = lora.pop(EXPERTS_TARGET, 0)
+        per_layer = r * shape.experts * 3 * (shape.dim + shape.expert_width)
+        adapters = shape.moe_layers * per_layer
+        adapters += shape.n_layers * sum(r * sum(linears[n]) for n, r in lora.items())
         quantized = 0
         if qlora:
             quantized = shape.n_layers * sum(i * o for n, (i, o) in linears.items() if n in lora)
@@ -311,8 +320,10 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
 
     # --- the moments of a step; the largest is the peak
     fixed = parameters + optimizer + buffers
+    accumulating = cfg.trainer.accumulate_grad_batches > 1 or cfg.stage.batch_ramp.tokens
+    kept_gradients = gradients if accumulating or not spec.frees_gradients else 0.0
     moments = {  # (gradients, activations, logits, weight copies)
-        "forward": (gradients, saved, max(loss_forward, computing), kept),
+        "forward": (kept_gradients, saved, max(loss_forward, computing), kept),
         "backward start": (0.0, saved, loss_backward, kept),
         "backward end": (gradients, recomputed, 0.0, embedding_grad + recast + gathering),
     }

@@ -99,10 +99,10 @@ class GroupedLinear(nn.Module):
 
     Calling it with the rows it is about to multiply gives the weight to multiply them
     with: an adapter on the experts (PEFT's ``target_parameters``, whose wrapper of this
-    module takes the call's input first) makes that ``W + delta`` for the call.
+    module takes the call's input first) makes that ``W + delta`` for the call. The
+    ``(E, out, in)`` layout is the one PEFT and transformers take by default (their
+    ``is_transposed`` marks ``(E, in, out)``).
     """
-
-    is_transposed = True  # PEFT's mark for stacked experts laid out (E, out, in)
 
     def __init__(self, n: int, in_features: int, out_features: int):
         super().__init__()

@@ -255,6 +255,10 @@ class StrategySpec:
         steps_in_engine: its engine keeps the gradients, their accumulation and the
             optimizer step to itself (DeepSpeed): the training guard cannot judge or
             skip an update, nor a batch ramp vary the accumulation.
+        frees_gradients: the gradients are released right after each optimizer step
+            (:func:`recipes_lib.stages.optimization.free_gradients`), so the next forward
+            pass runs without them; not where they outlive the step anyway (DDP keeps
+            them as views of its communication buckets, DeepSpeed's engine its own).
         async_checkpoint: it writes checkpoints in the background
             (``strategy.async_checkpoint``; FSDP2's sharded folders, through DCP).
         expert_parallel: it can spread a mixture's experts over the ranks
@@ -281,6 +285,7 @@ class StrategySpec:
     build: BuildStrategy
     sharded_state: tuple[str, ...] = ()
     steps_in_engine: bool = False
+    frees_gradients: bool = True
     async_checkpoint: bool = False
     expert_parallel: bool = False
     fused_head: bool = True
@@ -310,6 +315,7 @@ _ZERO = dict(
     needs_package=_DEEPSPEED,
     needs_cuda=True,
     steps_in_engine=True,
+    frees_gradients=False,
     fused_head=False,
 )
 _ALL_STATE = ("parameters", "gradients", "optimizer")
@@ -320,7 +326,9 @@ STRATEGIES: dict[str, StrategySpec] = {
     spec.name: spec
     for spec in (
         StrategySpec(name="single", multi_device=False, build=_single, **_REPLICATED),
-        StrategySpec(name="ddp", multi_device=True, build=_ddp, **_REPLICATED),
+        StrategySpec(
+            name="ddp", multi_device=True, build=_ddp, frees_gradients=False, **_REPLICATED
+        ),
         StrategySpec(
             name="fsdp",
             shards=True,

@@ -119,6 +119,13 @@ def check_adapter(cfg: RunConfig) -> None:
                 "adapters on the experts are not supported where the weights are sharded; "
                 "use strategy=single or ddp, or adapt the attention only"
             )
+        if cfg.kernels.compile:
+            raise ConfigError(
+                f"adapter.target_modules: {EXPERTS_TARGET} with kernels.compile=true (on by "
+                "default on a GPU): PEFT adds the experts' update by re-parametrizing their "
+                "weights at every call, which compiled blocks are not tested with; set "
+                "kernels.compile=false"
+            )
     if adapter.kind != "qlora":
         return
     if not torch.cuda.is_available():

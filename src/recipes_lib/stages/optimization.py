@@ -82,6 +82,7 @@ def free_gradients(optimizer: Any, strategy: str) -> None:
     """After an optimizer step, the gradients set to None at once. Lightning does it in
     the next step, after its forward pass (before the backward): until then a model's
     worth of gradients would sit beside that forward's activations, which is the peak of
-    a full fine-tuning step. (DeepSpeed's engine keeps its own.)"""
-    if not get_strategy(strategy).steps_in_engine:
+    a full fine-tuning step. Where the strategy keeps them anyway
+    (``StrategySpec.frees_gradients``), left to it."""
+    if get_strategy(strategy).frees_gradients:
         optimizer.zero_grad(set_to_none=True)

@@ -47,7 +47,11 @@ def test_expert_adapters_train_merge_and_switch_off():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
-    expert_b = model.layers[0].feed_forward.experts.w2.lora_B["default"].weight
+    experts = model.layers[0].feed_forward.experts
+    # PEFT's (E, out, in) layout: A reads the inputs (E * r, in), B writes the outputs
+    assert experts.w1.lora_A["default"].weight.shape == (4 * 4, 32)  # in: the model's 32
+    assert experts.w2.lora_B["default"].weight.shape == (32, 4 * 4)  # out: the model's 32
+    expert_b = experts.w2.lora_B["default"].weight
     assert expert_b.abs().sum() > 0  # the experts' own factors moved
     with torch.no_grad():
         adapted = model(x)

@@ -183,3 +183,22 @@ def test_step_time_is_the_flops_at_the_assumed_mfu_of_the_cards_peak():
     assert unknown.seconds is None and "unknown card" in unknown.summary()
     recomputed = step_flops(cfg_of("kernels.activation_checkpointing=true"), world_size=1)
     assert recomputed == pytest.approx(step_flops(cfg_of(), world_size=1) * 8 / 6)
+
+
+def test_adapters_on_the_experts_are_counted_as_the_model_makes_them():
+    """LoRA on the attention and a mixture's experts (a dense layer kept): the count is
+    the adapted model's own number of adapter parameters."""
+    from recipes_lib.adapters import apply_adapter
+
+    cfg = cfg_of(
+        "model=moe_tiny",
+        "model.moe_dense_layers=[0]",
+        "adapter=lora",
+        "adapter.r=4",
+        "adapter.dropout=0",
+        "adapter.target_modules=[wq,wv,experts]",
+    )
+    counted = ParameterCounts.of(DecoderShape.of(cfg), adapted_linears(cfg), qlora=False)
+    model = apply_adapter(Transformer(cfg.model), cfg.adapter)
+    made = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
+    assert counted.adapters == made and estimate_memory(cfg).optimizer == made * 8
