@@ -199,12 +199,8 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
             f"under the MLP's names); target the attention: [wq, wk, wv, wo] (and "
             f"{EXPERTS_TARGET} for the routed experts)"
         )
+    check_expert_target(config, has_experts=bool(layers))
     experts = _expert_weights(model) if EXPERTS_TARGET in targets else []
-    if EXPERTS_TARGET in targets and not experts:
-        raise ConfigError(
-            f"adapter.target_modules: {EXPERTS_TARGET} adapts a mixture's routed experts, "
-            "and this model has none (model.moe_experts=0)"
-        )
     if not linears and not experts:
         raise ConfigError(
             f"adapter.target_modules={list(config.target_modules)} match no linear layer of "
@@ -220,6 +216,15 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
 
 
 SCORE_HEAD = "output.weight"
+
+
+def check_expert_target(config: AdapterConfig, has_experts: bool) -> None:
+    """Refuse the target ``experts`` on a model without routed experts."""
+    if config.kind != "none" and EXPERTS_TARGET in native_targets(config) and not has_experts:
+        raise ConfigError(
+            f"adapter.target_modules: {EXPERTS_TARGET} adapts a mixture's routed experts, "
+            "and this model has none (model.moe_experts=0)"
+        )
 
 
 def _expert_weights(model: nn.Module) -> list[str]:

@@ -339,10 +339,15 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def set_expert_path(model: nn.Module, path: str) -> None:
-    """How every mixture layer of ``model`` computes its experts (``kernels.experts``)."""
+def check_expert_path(path: str) -> None:
+    """Refuse a ``kernels.experts`` that is not one of :data:`EXPERT_PATHS`."""
     if path not in EXPERT_PATHS:
         raise ConfigError(f"kernels.experts={path!r} is not one of {' | '.join(EXPERT_PATHS)}")
+
+
+def set_expert_path(model: nn.Module, path: str) -> None:
+    """How every mixture layer of ``model`` computes its experts (``kernels.experts``)."""
+    check_expert_path(path)
     for layer in moe_layers(model):
         layer.experts.path = path
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from recipes_lib.adapters import check_adapter_config
-from recipes_lib.adapters.lora import EXPERTS_TARGET, native_targets
+from recipes_lib.adapters.lora import EXPERTS_TARGET, check_expert_target, native_targets
 from recipes_lib.checkpoint.source import init_model_mismatches, read_init_source
 from recipes_lib.checkpoint.upcycle import upcycle_mismatches
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.kernels import get_attention_backend
-from recipes_lib.models.moe import EXPERT_PATHS
+from recipes_lib.models.moe import check_expert_path
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.strategy import get_strategy
 from recipes_lib.stages.guard import check_guard_config
@@ -91,10 +91,7 @@ def check_data_and_kernels(cfg: RunConfig) -> None:
             f"data.tokenizer.vocab_size={cfg.data.tokenizer.vocab_size} does not fit "
             f"model.vocab_size={cfg.model.vocab_size}"
         )
-    if cfg.kernels.experts not in EXPERT_PATHS:
-        raise ConfigError(
-            f"kernels.experts={cfg.kernels.experts!r} is not one of {' | '.join(EXPERT_PATHS)}"
-        )
+    check_expert_path(cfg.kernels.experts)
     backend = get_attention_backend(cfg.kernels.attention)
     if cfg.data.document_mask and not backend.capabilities.document_mask:
         raise ConfigError(
@@ -107,12 +104,8 @@ def check_adapter(cfg: RunConfig) -> None:
     """The adapter's own settings, and QLoRA's CUDA GPU."""
     adapter = cfg.adapter
     check_adapter_config(adapter)
+    check_expert_target(adapter, has_experts=bool(cfg.model.moe_experts))
     if adapter.kind != "none" and EXPERTS_TARGET in native_targets(adapter):
-        if not cfg.model.moe_experts:
-            raise ConfigError(
-                f"adapter.target_modules: {EXPERTS_TARGET} adapts a mixture's routed experts, "
-                "and this model has none (model.moe_experts=0)"
-            )
         if get_strategy(cfg.strategy.name).shards:
             raise ConfigError(
                 f"adapter.target_modules: {EXPERTS_TARGET} with strategy={cfg.strategy.name}: "

@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from recipes_lib.config.schema import ModelConfig
+from recipes_lib.losses import IGNORE_INDEX
 from recipes_lib.models.moe import load_metrics, moe_layers, moe_losses, take_expert_counts
+from recipes_lib.parallel.collectives import summed_over_ranks
 
 
 class ExpertLoad:
@@ -40,6 +41,11 @@ class ExpertLoad:
             return batch["sequence_ids"] >= 0
         return None
 
+    def rows_mask(self, labels: Tensor) -> Tensor | None:
+        """:meth:`token_mask` of rows padded after their last label
+        (:func:`up_to_last_label`), built from the rows themselves."""
+        return up_to_last_label(labels) if self.config.moe_experts else None
+
     def after_forward(self, model: nn.Module) -> tuple[Tensor | None, dict[str, Tensor]]:
         """After a training forward: the auxiliary loss to add to the objective's and the
         metrics to log (:func:`~recipes_lib.models.moe.moe_losses`; None and none for a
@@ -57,7 +63,7 @@ class ExpertLoad:
         the layers with experts), after moving each sigmoid router's bias."""
         if self.counts is None:
             return {}
-        counts = _summed_over_ranks(self.counts.float()) if strategy else self.counts
+        counts = summed_over_ranks(self.counts.float()) if strategy else self.counts
         self.counts = None
         if self.rate:
             for layer, layer_counts in zip(moe_layers(model), counts, strict=True):
@@ -66,14 +72,7 @@ class ExpertLoad:
 
 
 def up_to_last_label(labels: Tensor) -> Tensor:
-    """``(R, L)`` True up to each row's last label (``labels`` not -100 there): the
-    tokens of rows padded after their last label (GRPO's prompt + completion rows)."""
-    return (labels != -100).flip(-1).cummax(-1).values.flip(-1)
-
-
-def _summed_over_ranks(counts: Tensor) -> Tensor:
-    """``counts`` summed over every rank by one all-reduce (Lightning's ``reduce`` puts a
-    barrier before it, a second collective each step for nothing)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    return counts
+    """``(R, L)`` True up to each row's last label (``labels`` not ``IGNORE_INDEX``
+    there): the tokens of rows padded after their last label (GRPO's prompt +
+    completion rows)."""
+    return (labels != IGNORE_INDEX).flip(-1).cummax(-1).values.flip(-1)

@@ -44,7 +44,6 @@ from recipes_lib.losses.rl import LOSS_NORMS, group_advantages, grpo_loss
 from recipes_lib.models.sampling import Completions, sample_completions
 from recipes_lib.rewards import build_rewards, score_completions
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
-from recipes_lib.stages.experts import up_to_last_label
 from recipes_lib.stages.reference import (
     REFERENCE_SOURCE_KEY,
     FrozenReference,
@@ -225,9 +224,6 @@ class GRPOModule(CausalLMModule):
         the sampling temperature (as the completions were drawn), through the head fused
         with the loss when ``kernels.loss_chunk_size`` is set."""
         chunk = self.kernels_config.loss_chunk_size
-        token_mask = None
-        if self.expert_load.config.moe_experts:  # padding follows a row's last label
-            token_mask = up_to_last_label(labels)
         return model(
             input_ids,
             None,
@@ -235,7 +231,7 @@ class GRPOModule(CausalLMModule):
             per_token=True,
             loss_chunk_size=chunk,
             temperature=self.grpo_config.temperature,
-            token_mask=token_mask,
+            token_mask=self.expert_load.rows_mask(labels),  # padding after a row's labels
         )
 
     def make_rollout(self, batch: Batch) -> Rollout:

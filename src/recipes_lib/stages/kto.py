@@ -21,11 +21,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import PREFERENCE_LOSSES, kto_loss
+from recipes_lib.parallel.collectives import summed_over_ranks
 from recipes_lib.stages.causal_lm import Batch
 from recipes_lib.stages.dpo import DPOModule, pair_sums
 
@@ -36,12 +36,11 @@ def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def mean_over_ranks(values: Tensor, world_size: int) -> Tensor:
+def mean_over_ranks(values: Tensor) -> Tensor:
     """The mean of ``values`` ``(N,)`` and every other rank's (one all-reduce of their
     sum and count; this rank's alone when it runs by itself)."""
     totals = torch.stack([values.float().sum(), values.new_tensor(values.numel()).float()])
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    totals = summed_over_ranks(totals)
     return totals[0] / totals[1].clamp(min=1)
 
 
@@ -92,7 +91,6 @@ class KTOModule(DPOModule):
         settings = self.preference_config
         desirable = batch["desirable"].to(policy.device)
         twins = policy[:, 1].detach() - reference[:, 1]  # mismatched completions' log-ratios
-        world = getattr(self._attached(), "world_size", 1)
         loss, rewards, kl = kto_loss(
             policy[:, 0],
             reference[:, 0],
@@ -102,7 +100,7 @@ class KTOModule(DPOModule):
             settings.beta,
             settings.desirable_weight,
             settings.undesirable_weight,
-            kl=mean_over_ranks(twins, world),
+            kl=mean_over_ranks(twins),
         )
         wanted, unwanted = desirable.float(), (~desirable).float()
         logps = policy[:, 0].detach()
