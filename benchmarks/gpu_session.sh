@@ -40,6 +40,9 @@
 #   bash benchmarks/gpu_session.sh ep4         # moe_1b fsdp on 1 and 4 GPUs, fsdp+ep on 4
 #   bash benchmarks/gpu_session.sh posttrain4  # full SFT, live DPO and LoRA against TRL+Liger
 #                                              # after gradients are freed at each step (2 GPUs)
+#   bash benchmarks/gpu_session.sh lora_base   # LoRA over bf16 frozen projections against
+#                                              # TRL+Liger (fp32 and bf16 folder) and over
+#                                              # fp32 ones; estimate; LoRA GPU tests (2 GPUs)
 #   bash benchmarks/gpu_session.sh ep2         # the expert-parallel test in fp32 and bf16,
 #                                              # then the MoE and evaluation GPU tests
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
@@ -293,6 +296,21 @@ grpo)  # rollouts against transformers' generate, GRPO steps against TRL, GRPO u
   job grpo_fsdp 2,3 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -k 'post_training and \
       (grpo or dpo)' -p no:cacheprovider; $PY -m pytest -q -rs tests/gpu/test_stage_curves.py \
       tests/gpu/test_gpu_recipes.py tests/gpu/test_sampling_gpu.py -p no:cacheprovider"
+  wait ;;
+lora_base)  # LoRA with its frozen projections in bf16 (adapter.base_dtype=auto) against
+  # TRL+Liger (fp32 and bf16 folder), and in fp32 (before); the estimate, LoRA's GPU tests
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 150 --warmup-steps 3 --steps 10 \
+    --cases sft_lora"
+  job peer_lora 0 "$PEER --sides recipes_lib,trl_liger,trl_liger_bf16 \
+    --out $OUT/posttrain_peer_lora_base.json"
+  job lora_fp32 1 "$PEER --sides recipes_lib --override adapter.base_dtype=float32 \
+    --out $OUT/posttrain_peer_lora_fp32_base.json;
+    $PY benchmarks/memory_estimate.py --presets llama_1b_lora,llama_3b_lora_ac \
+      --out $OUT/memory_estimate_lora.json;
+    $PY -m pytest -q -rs tests/gpu/test_stage_curves.py -k 'lora or sft' -p no:cacheprovider"
+  wait
+  job lora_fsdp 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -k 'lora' \
+      -p no:cacheprovider"
   wait ;;
 ep2)  # the expert-parallel test in fp32 and bf16 (2 GPUs), then the MoE and evaluation tests
   job ep_test 0,1 "$PY -m pytest -q -rs -s -m multigpu tests/gpu/test_family_gpu.py \

@@ -21,7 +21,13 @@ other on this card:
   chunked log-prob head), ``experimental.orpo.ORPOTrainer``; bf16 autocast over fp32
   weights, SDPA, ``adamw_torch_fused``;
 - TRL with Liger (``use_liger_kernel=True``): Liger's RMSNorm, SwiGLU and RoPE kernels,
-  and for SFT its fused linear cross-entropy.
+  and for SFT its fused linear cross-entropy; ``trl_liger_bf16`` (on request) loads the
+  folder in bf16 instead (weights, norms and residual stream in bf16; PEFT keeps LoRA's
+  factors in fp32).
+
+recipes_lib's LoRA stores the frozen projections in bf16 under bf16-mixed
+(``adapter.base_dtype=auto``): the matmuls autocast computes anyway; pass
+``--override adapter.base_dtype=float32`` to keep them in fp32.
 
 Gradient checkpointing is the same on every side (``--checkpointing``, on by default as
 TRL's trainers default to it). Throughput counts the real (non-padding) tokens of the
@@ -62,6 +68,7 @@ from _peer import (  # noqa: E402
 
 CASES = ("sft_full", "sft_lora", "dpo_live", "dpo_precomputed", "orpo")
 SIDES = ("recipes_lib", "trl", "trl_liger")
+PEER_SIDES = (*SIDES[1:], "trl_liger_bf16")  # the last one on request
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
@@ -172,7 +179,10 @@ def run_recipes_lib(args, case: str, root: Path, start: float) -> dict:
 
 
 # --------------------------------------------------------------------------- TRL
-def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
+def run_trl(args, case: str, root: Path, start: float, side: str) -> dict:
+    """One TRL side: ``trl``, ``trl_liger``, or ``trl_liger_bf16`` (the folder loaded in
+    bf16, weights and activations, as a user short of memory would)."""
+    liger = side.startswith("trl_liger")
     try:
         import trl
     except ImportError as err:
@@ -203,7 +213,10 @@ def run_trl(args, case: str, root: Path, start: float, liger: bool) -> dict:
         "logging_steps": 1,
         "save_strategy": "no",
         "report_to": [],
-        "model_init_kwargs": {"dtype": torch.float32, "attn_implementation": "sdpa"},
+        "model_init_kwargs": {
+            "dtype": torch.bfloat16 if side.endswith("bf16") else torch.float32,
+            "attn_implementation": "sdpa",
+        },
         "dataloader_num_workers": 0,
         "seed": args.seed,
         "gradient_checkpointing": args.checkpointing,
@@ -286,7 +299,7 @@ def worker(args) -> int:
         if side == "recipes_lib":
             result = run_recipes_lib(args, case, root, start)
         else:
-            result = run_trl(args, case, root, start, liger=side == "trl_liger")
+            result = run_trl(args, case, root, start, side)
         status = 0
         if args.memory_breakdown:
             result["memory_breakdown"] = _peak.peak_breakdown()
@@ -300,7 +313,7 @@ def summary(sides: dict) -> dict:
     """recipes_lib's throughput and peak relative to each peer side."""
     ours = sides.get("recipes_lib", {})
     ratios = {}
-    for side in ("trl", "trl_liger"):
+    for side in PEER_SIDES:
         theirs = sides.get(side, {})
         if ours.get("tokens_per_sec") and theirs.get("tokens_per_sec"):
             ratios[f"speed_vs_{side}"] = round(ours["tokens_per_sec"] / theirs["tokens_per_sec"], 3)
@@ -315,7 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama_1b", help="a preset of conf/model/")
     p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--sides", default=",".join(SIDES))
+    sides = ", ".join((SIDES[0], *PEER_SIDES))
+    p.add_argument("--sides", default=",".join(SIDES), help=f"of: {sides}")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=4, help="SFT rows of --seq-len")
     p.add_argument("--pair-batch", type=int, default=8, help="preference pairs per step")
@@ -336,7 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seq_len, args.batch_size, args.pair_batch = 256, 2, 2
         args.records, args.pairs, args.vocab_size = 200, 60, 512
         args.warmup_steps, args.steps = 1, 2
-    check_choices(p, args, cases=CASES, sides=SIDES)
+    check_choices(p, args, cases=CASES, sides=(SIDES[0], *PEER_SIDES))
     return args
 
 

@@ -23,6 +23,13 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
+from recipes_lib.adapters.frozen_base import (
+    NarrowedLinear,
+    base_storage_dtype,
+    check_base_dtype,
+    export_dtype,
+    narrow_frozen_linears,
+)
 from recipes_lib.config.schema import AdapterConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.models.moe import moe_layers
@@ -83,6 +90,7 @@ def check_adapter_config(config: AdapterConfig) -> None:
         raise ConfigError(f"adapter.alpha={config.alpha} must be positive")
     if not 0.0 <= config.dropout < 1.0:
         raise ConfigError(f"adapter.dropout={config.dropout} must be in [0, 1)")
+    check_base_dtype(config.base_dtype, precision=None)
     if EXPERTS_TARGET in native_targets(config) and config.dropout:
         raise ConfigError(
             f"adapter.dropout={config.dropout} with adapter.target_modules: {EXPERTS_TARGET}: "
@@ -156,10 +164,15 @@ def _quantize_base_linears(model: nn.Module, targets: list[str], config: Adapter
     model.is_loaded_in_4bit = True  # peft wraps Linear4bit bases in its 4-bit LoRA layer
 
 
-def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
+def apply_adapter(
+    model: nn.Module, config: AdapterConfig, precision: str | None = None
+) -> nn.Module:
     """Put LoRA (or QLoRA) adapters on ``model`` in place and freeze everything else.
 
     Call after the base weights are loaded. ``kind=none`` returns ``model`` untouched.
+    With LoRA, the frozen projections of the blocks are then stored in
+    ``adapter.base_dtype`` (``auto``: bf16 under ``precision=bf16-mixed``; see
+    :mod:`recipes_lib.adapters.frozen_base`).
 
     Returns:
         ``model``, whose only trainable parameters are the ``lora_A``/``lora_B`` weights
@@ -212,6 +225,10 @@ def apply_adapter(model: nn.Module, config: AdapterConfig) -> nn.Module:
     trained_head = SCORE_HEAD if has_score_head(model) else None  # a reward model's head
     for name, param in model.named_parameters():
         param.requires_grad_(_LORA_MARK in name or name == trained_head)
+    if config.kind == "lora":  # QLoRA's bases are NF4, computed in adapter.compute_dtype
+        dtype = base_storage_dtype(config.base_dtype, precision)
+        if dtype is not None:
+            narrow_frozen_linears(model, dtype)
     return model
 
 
@@ -307,6 +324,12 @@ def _merged(
 ) -> dict[str, Tensor]:
     layers = lora_layers(model)
     source = dict(state) if state is not None else {}
+    narrowed = {  # frozen linears stored narrower than the model: exported as they were
+        f"{name}.{part}": module.source_dtype
+        for name, module in model.named_modules()
+        if isinstance(module, NarrowedLinear)
+        for part in ("weight", "bias")
+    }
     out: dict[str, Tensor] = {}
     copies: dict[int, Tensor] = {}  # one CPU copy per tensor: tied weights stay tied
     for name, value in model.state_dict(keep_vars=True).items():
@@ -314,13 +337,14 @@ def _merged(
             continue  # LoRA factors, and the (possibly 4-bit) base tensors: merged below
         value = source.get(name, value)
         if id(value) not in copies:
-            copies[id(value)] = value.detach().cpu()
+            copies[id(value)] = value.detach().cpu().to(narrowed.get(name, value.dtype))
         out[name] = copies[id(value)]
     for layer_name, layer in layers.items():
         # a float base weight given in ``state`` (whole, where the model's may be an
         # FSDP shard); 4-bit bases are dequantized from the model (never sharded)
         given = source.get(f"{layer_name}.base_layer.weight")
         weight = given if given is not None and given.is_floating_point() else _base_weight(layer)
+        dtype = export_dtype(layer.get_base_layer(), weight)
         if with_adapters:
             prefix = f"{layer_name}.lora_{{}}.{ADAPTER_NAME}.weight"
             a = source.get(prefix.format("A"), layer.lora_A[ADAPTER_NAME].weight)
@@ -331,12 +355,12 @@ def _merged(
                 delta = _experts_delta(a, b, weight.shape[0]) * scale  # (E, out, in)
             else:
                 delta = (b @ a) * scale  # (out, in)
-            weight = (weight.float() + delta.to(weight.device)).to(weight.dtype)
-        out[f"{layer_name}.weight"] = weight.cpu()  # one layer at a time on the device
+            weight = weight.float() + delta.to(weight.device)
+        out[f"{layer_name}.weight"] = weight.to(dtype).cpu()  # one layer at a time on the device
         bias = getattr(layer.get_base_layer(), "bias", None)
         if bias is not None:
             bias = source.get(f"{layer_name}.base_layer.bias", bias)
-            out[f"{layer_name}.bias"] = bias.detach().cpu()
+            out[f"{layer_name}.bias"] = bias.detach().to(dtype).cpu()
     return out
 
 

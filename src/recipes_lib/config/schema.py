@@ -204,6 +204,9 @@ class AdapterConfig:
     target_modules: list[str] = field(
         default_factory=lambda: ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
     )
+    # lora: the frozen projections' storage dtype: auto (bf16 under precision=bf16-mixed,
+    # where autocast computes them in bf16 anyway) | float32 | bfloat16
+    base_dtype: str = "auto"
     double_quant: bool = True  # qlora: quantise the quantisation constants too
     compute_dtype: str = "bfloat16"  # qlora: dtype of the dequantised matmuls
 

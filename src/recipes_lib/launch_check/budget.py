@@ -16,11 +16,7 @@ import torch
 from recipes_lib.callbacks.throughput import peak_tflops_for, precision_arithmetic
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
-from recipes_lib.launch_check.memory import (
-    ParameterCounts,
-    adapted_linears,
-    rows_per_micro_batch,
-)
+from recipes_lib.launch_check.memory import ParameterCounts, rows_per_micro_batch
 from recipes_lib.losses.preference import runs_reference
 from recipes_lib.models import Transformer
 from recipes_lib.parallel.precision import device_type, lightning_precision
@@ -100,7 +96,7 @@ def token_budget(cfg: RunConfig, world_size: int = 1) -> TokenBudget:
     step_tokens = tokens_per_step(cfg, world_size) * rows // cfg.data.batch_size
     tokens = schedule.tokens_before(steps) * rows // cfg.data.batch_size
     shape = DecoderShape.of(cfg)
-    counts = ParameterCounts.of(shape, adapted_linears(cfg), qlora=cfg.adapter.kind == "qlora")
+    counts = ParameterCounts.of(shape, cfg)
     return TokenBudget(
         steps=steps,
         tokens_per_step=step_tokens,

@@ -199,30 +199,38 @@ def rows_per_micro_batch(cfg: RunConfig) -> int:
 
 @dataclass(frozen=True)
 class ParameterCounts:
-    """How many parameters of the run's decoder train, are quantized, are adapters."""
+    """How many parameters of the run's decoder train, are quantized, are adapters, are
+    frozen projections stored in bf16 (``adapter.base_dtype``)."""
 
     total: int  # every parameter of the decoder
     trainable: int
     quantized: int  # 4-bit NF4 weights (QLoRA's base linears)
     adapters: int  # LoRA's A and B
+    narrowed: int = 0
 
     @classmethod
-    def of(cls, shape: DecoderShape, lora: dict[str, int] | None, qlora: bool) -> ParameterCounts:
-        total, linears = shape.num_params(), shape.linears()
+    def of(cls, shape: DecoderShape, cfg: RunConfig) -> ParameterCounts:
+        total, linears, lora = shape.num_params(), shape.linears(), adapted_linears(cfg)
         if lora is None:
             return cls(total=total, trainable=total, quantized=0, adapters=0)
+        from recipes_lib.adapters.frozen_base import base_storage_dtype
         from recipes_lib.adapters.lora import EXPERTS_TARGET
 
-        lora = dict(lora)
         # every expert's w1, w3 and w2 (C -> F, C -> F, F -> C) at the experts' rank
         r = lora.pop(EXPERTS_TARGET, 0)
         per_layer = r * shape.experts * 3 * (shape.dim + shape.expert_width)
         adapters = shape.moe_layers * per_layer
         adapters += shape.n_layers * sum(r * sum(linears[n]) for n, r in lora.items())
-        quantized = 0
-        if qlora:
+        if cfg.adapter.kind == "qlora":
             quantized = shape.n_layers * sum(i * o for n, (i, o) in linears.items() if n in lora)
-        return cls(total=total, trainable=adapters, quantized=quantized, adapters=adapters)
+            return cls(total=total, trainable=adapters, quantized=quantized, adapters=adapters)
+        narrowed = 0
+        if base_storage_dtype(cfg.adapter.base_dtype, cfg.precision.name) == torch.bfloat16:
+            size = {n: i * o for n, (i, o) in linears.items()}
+            mlp = size["w1"] + size["w2"] + size["w3"]  # dense layers' (experts stay)
+            attention = size["wq"] + size["wk"] + size["wv"] + size["wo"]
+            narrowed = shape.n_layers * attention + (shape.n_layers - shape.moe_layers) * mlp
+        return cls(total, trainable=adapters, quantized=0, adapters=adapters, narrowed=narrowed)
 
 
 def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
@@ -247,7 +255,8 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     dt = ActivationDtypes.of(precision, fsdp and mixed)
     lora = adapted_linears(cfg)
     qlora = cfg.adapter.kind == "qlora"
-    weights = ParameterCounts.of(shape, lora, qlora)
+    weights = ParameterCounts.of(shape, cfg)
+    narrowed = weights.narrowed if weight_bytes == 4 else 0  # stored in bf16, used as is
 
     def share(state: str, size: float) -> float:
         if state not in spec.sharded_state:
@@ -258,6 +267,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     dense = weights.total + weights.adapters - weights.quantized
     parameters = share("parameters", dense * weight_bytes + _reference_bytes(cfg, lora, weights))
     parameters += weights.quantized * nf4_bytes_per_weight(cfg.adapter.double_quant)
+    parameters -= share("parameters", 2 * narrowed)
     gradients = share("gradients", weights.trainable * weight_bytes)
     optimizer = (
         0.0 if offload else share("optimizer", weights.trainable * ADAM_MOMENTS * weight_bytes)
@@ -278,7 +288,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         elif checkpointing or qlora:  # 4-bit bases are dequantized per use, kept by none
             kept = 2 * head
         else:
-            kept = 2 * (shape.n_layers * block_linear + head)
+            kept = 2 * (shape.n_layers * block_linear + head - narrowed)
         kept += 2 * weights.adapters if mixed else 0
 
     # --- activations and the loss
@@ -316,7 +326,8 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         computing, recomputed = 0.0, 0.0
     computing += gathering
     embedding_grad = head * dt.residual if weights.trainable == weights.total else 0
-    recast = 2 * block_linear if (mixed and not fsdp and checkpointing) else 0
+    recast = 2 * (block_linear - narrowed / shape.n_layers) if mixed and not fsdp else 0
+    recast = recast if checkpointing else 0
 
     # --- the moments of a step; the largest is the peak
     fixed = parameters + optimizer + buffers

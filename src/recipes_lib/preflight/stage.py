@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from recipes_lib.adapters import check_adapter_config
+from recipes_lib.adapters.frozen_base import check_base_dtype
 from recipes_lib.adapters.lora import EXPERTS_TARGET, check_expert_target, native_targets
 from recipes_lib.checkpoint.source import init_model_mismatches, read_init_source
 from recipes_lib.checkpoint.upcycle import upcycle_mismatches
@@ -104,6 +105,8 @@ def check_adapter(cfg: RunConfig) -> None:
     """The adapter's own settings, and QLoRA's CUDA GPU."""
     adapter = cfg.adapter
     check_adapter_config(adapter)
+    if adapter.kind == "lora":
+        check_base_dtype(adapter.base_dtype, cfg.precision.name)
     check_expert_target(adapter, has_experts=bool(cfg.model.moe_experts))
     if adapter.kind != "none" and EXPERTS_TARGET in native_targets(adapter):
         if get_strategy(cfg.strategy.name).shards:

@@ -111,7 +111,7 @@ def build_model(
         else:
             load_model_weights(model, plan.init_from, plan.init_label)
     if plan.adapter is not None:  # 3
-        model = apply_adapter(model, plan.adapter)
+        model = apply_adapter(model, plan.adapter, plan.precision.name)
     spec = get_strategy(plan.strategy.name)
     if plan.trains and plan.precision.name == "fp8":  # 4
         from recipes_lib.parallel.fp8 import convert_to_fp8

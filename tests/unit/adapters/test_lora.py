@@ -139,6 +139,7 @@ def test_hugging_face_target_names_and_subsets():
         ({"dropout": 1.0}, "adapter.dropout=1.0"),
         ({"target_modules": ["attn"]}, "adapter.target_modules: 'attn'"),
         ({"target_modules": []}, "adapter.target_modules"),
+        ({"base_dtype": "fp16"}, "adapter.base_dtype='fp16'"),
     ],
 )
 def test_bad_adapter_configs_name_the_key(changes, message):

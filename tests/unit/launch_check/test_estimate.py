@@ -12,7 +12,7 @@ from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.launch_check import estimate_memory, step_time, token_budget
 from recipes_lib.launch_check.activations import DecoderShape
 from recipes_lib.launch_check.budget import ASSUMED_MFU, step_flops
-from recipes_lib.launch_check.memory import ParameterCounts, adapted_linears, nf4_bytes_per_weight
+from recipes_lib.launch_check.memory import ParameterCounts, nf4_bytes_per_weight
 from recipes_lib.models import Transformer
 
 # a small decoder whose activations and logits matter, on the CPU (no CUDA overhead)
@@ -121,17 +121,21 @@ def test_activation_checkpointing_keeps_only_block_inputs():
 
 def test_lora_trains_only_the_adapters_and_qlora_stores_the_base_in_4_bit():
     full = estimate_memory(cfg_of("precision=bf16-mixed"), world_size=1)
-    lora_cfg = cfg_of("precision=bf16-mixed", "adapter=lora", "adapter.r=4")
-    lora = estimate_memory(lora_cfg, world_size=1)
+    lora_cfg_args = ("precision=bf16-mixed", "adapter=lora", "adapter.r=4")
+    lora_cfg = cfg_of(*lora_cfg_args)
+    lora = estimate_memory(cfg_of(*lora_cfg_args, "adapter.base_dtype=float32"), world_size=1)
+    narrowed = estimate_memory(lora_cfg, world_size=1)  # base_dtype=auto: bf16 projections
     qlora = estimate_memory(cfg_of("precision=bf16-mixed", "adapter=qlora", "adapter.r=4"), 1)
     shape = DecoderShape.of(lora_cfg)
-    adapters = ParameterCounts.of(shape, adapted_linears(lora_cfg), qlora=False).adapters
+    adapters = ParameterCounts.of(shape, lora_cfg).adapters
     linears = shape.linears()
     assert adapters == shape.n_layers * 4 * sum(i + o for i, o in linears.values())
     assert lora.gradient_bytes == adapters * 4
     assert lora.optimizer == adapters * 8
     assert lora.parameters == (meta_params(lora_cfg) + adapters) * 4
     base = shape.n_layers * sum(i * o for i, o in linears.values())
+    assert ParameterCounts.of(shape, lora_cfg).narrowed == base  # a dense model's linears
+    assert narrowed.parameters == lora.parameters - 2 * base
     assert qlora.parameters == pytest.approx(
         lora.parameters - base * 4 + base * nf4_bytes_per_weight(True), abs=1
     )
@@ -198,7 +202,7 @@ def test_adapters_on_the_experts_are_counted_as_the_model_makes_them():
         "adapter.dropout=0",
         "adapter.target_modules=[wq,wv,experts]",
     )
-    counted = ParameterCounts.of(DecoderShape.of(cfg), adapted_linears(cfg), qlora=False)
+    counted = ParameterCounts.of(DecoderShape.of(cfg), cfg)
     model = apply_adapter(Transformer(cfg.model), cfg.adapter)
     made = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
     assert counted.adapters == made and estimate_memory(cfg).optimizer == made * 8
