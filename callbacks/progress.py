@@ -285,7 +285,7 @@ class TokenProgressBar(ProgressBar):
         self._evaluating = f"{what} {batch_idx + 1}" + (
             f"/{int(total)}" if math.isfinite(total) else ""
         )
-        self._draw(trainer, pl_module)
+        self._draw(trainer, pl_module, force=batch_idx + 1 == total)  # the count reaches N/N
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._evaluating = None

@@ -86,17 +86,17 @@ def narrow_frozen_linears(blocks: nn.Module, dtype: torch.dtype) -> int:
     Returns:
         How many linears were narrowed.
     """
-    narrowed = 0
-    for parent_name, parent in list(blocks.named_modules()):
-        for name, child in list(parent.named_children()):
+    targets = []  # (parent, name): holding no child, so each replaced one is freed at once
+    for parent_name, parent in blocks.named_modules():
+        for name, child in parent.named_children():
             owner = parent_name.rsplit(".", 1)[-1] if name == "base_layer" else name
             if owner not in PROJECTIONS or type(child) is not nn.Linear:
                 continue  # not a projection, quantized, or narrowed already
-            if child.weight.requires_grad or child.weight.dtype == dtype:
-                continue
-            setattr(parent, name, NarrowedLinear.of(child, dtype))
-            narrowed += 1
-    return narrowed
+            if not child.weight.requires_grad and child.weight.dtype != dtype:
+                targets.append((parent, name))
+    for parent, name in targets:
+        setattr(parent, name, NarrowedLinear.of(getattr(parent, name), dtype))
+    return len(targets)
 
 
 def export_dtype(base: nn.Module, weight: Tensor) -> torch.dtype:

@@ -3,6 +3,8 @@ under autocast as fp32 weights, half their memory, and exports in the model's dt
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from tiny import tiny_model_config
@@ -117,3 +119,22 @@ def test_bad_base_dtypes_are_refused_before_training():
         check_adapter(cfg)
     cfg.adapter.base_dtype = "auto"
     check_adapter(cfg)  # auto leaves float8's weights alone
+
+
+def test_each_replaced_weight_is_freed_before_the_next_is_narrowed(monkeypatch):
+    """Narrowing holds one fp32 weight beside its bf16 copy at a time, never the model's."""
+    from recipes_lib.adapters import frozen_base
+
+    model = _built("32-true", target_modules=ATTENTION)
+    weights = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
+    alive_at_each_call = []
+    narrow_one = frozen_base.NarrowedLinear.of
+
+    def counted(linear, dtype):
+        alive_at_each_call.append(sum(ref() is not None for ref in weights))
+        return narrow_one(linear, dtype)
+
+    monkeypatch.setattr(frozen_base.NarrowedLinear, "of", counted)
+    narrowed = frozen_base.narrow_frozen_linears(model, torch.bfloat16)
+    assert narrowed == CONFIG.n_layers * 7
+    assert alive_at_each_call == [len(weights) - i for i in range(narrowed)]

@@ -179,7 +179,8 @@ def test_kv_cache_decoding_equals_the_full_forward(shape):
     with torch.no_grad():
         full = model(sequence)
         cache = KVCache.for_model(model, batch_size=2, max_len=30)
-        torch.testing.assert_close(model(sequence[:, :9], cache=cache), full[:, :9])
+        prefill = model(sequence[:, :9], cache=cache)  # 1.1e-5 apart on some CPUs
+        torch.testing.assert_close(prefill, full[:, :9], atol=5e-5, rtol=5e-5)
         for t in range(9, 30):
             step = model(sequence[:, t : t + 1], cache=cache)
             torch.testing.assert_close(step[:, 0], full[:, t], atol=tol, rtol=tol)

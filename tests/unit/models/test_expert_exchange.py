@@ -70,7 +70,7 @@ def test_a_rank_that_receives_no_rows_still_runs_the_backward_exchange(tmp_path)
         y.square().sum().backward()
         got_y, got_grad, _ = out[rank]
         torch.testing.assert_close(got_y, y.detach())
-        torch.testing.assert_close(got_grad, x.grad)
+        torch.testing.assert_close(got_grad, x.grad, rtol=1e-5, atol=1e-4)  # sums reordered
     # rank 1's experts took no rows: zero gradients, present (the same step on every rank)
     assert all(g.abs().sum() == 0 for g in out[1][2])
     # rank 0's: both ranks' rows, each gradient scaled by 1/2 (the mean over ranks)
