@@ -212,6 +212,38 @@ def test_dpo_under_fsdp_matches_one_process(runs, tmp_path, recipe):
         assert (fsdp_dir / "adapter" / "adapter_model.safetensors").is_file()
 
 
+def test_distillation_under_fsdp_trains_as_under_ddp(runs, tmp_path):
+    """The divergence is computed inside the sharded student's head (gathered there);
+    the teacher, the pretrained run, is whole on each rank. It is a mean over each rank's
+    assistant tokens (as SFT's loss is), so two ranks are compared with two ranks."""
+
+    def overrides(run_dir: Path, *extra: str) -> list[str]:
+        return [
+            "recipe=distill/tiny",
+            f"run.dir={run_dir}",
+            f"data.cache_dir={runs['cache']}",
+            f"distill.teacher_from={runs['single']}",
+            f"data.tokenizer.path={runs['tokenizer']}",
+            *SMALL_VOCAB_OVERRIDES,
+            "data.seq_len=128",
+            "data.sources.stdlib_sft.max_documents=200",
+            "scheduler.warmup=1",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "trainer.limit_val_batches=2",
+            *QUIET_OVERRIDES,
+            "callbacks=minimal",
+            *extra,
+        ]
+
+    for strategy in ("ddp", "fsdp"):
+        _launch(*overrides(tmp_path / strategy, "data.batch_size=2", f"strategy={strategy}"))
+    ddp, fsdp = (load_weights(tmp_path / name / "model.safetensors") for name in ("ddp", "fsdp"))
+    _assert_same_weights(ddp, fsdp)
+    start = load_weights(runs["single"] / "model.safetensors")  # the teacher: a bigger model
+    assert start.keys() == ddp.keys() and any(start[k].shape != ddp[k].shape for k in ddp)
+
+
 GEMMA3 = (
     *family_overrides("gemma3"),
     "model.query_pre_attn_scalar=12",

@@ -7,10 +7,13 @@ around its forward (FSDP, hooks) gathers the head's for the loss as for the logi
 With a chunk size the projection is fused with the loss
 (:func:`~recipes_lib.losses.chunked_cross_entropy`,
 :func:`~recipes_lib.losses.linear_token_logprobs`): at most that many rows of logits
-exist at once.
+exist at once. Any other loss of the head (a distillation's) comes as ``fused``, a
+function of the hidden states and the head's weight, called inside the forward too.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
@@ -37,6 +40,8 @@ class OutputHead(nn.Linear):
         per_token: return each label's log-probability (fp32, 0 where ignored) rather
             than the mean cross-entropy over the counted labels (0-d).
         loss_chunk_size: rows of logits computed at once; None: all at once.
+        fused: ``fused(hidden, weight)``, a loss of the head computed here instead
+            (``labels`` is then not taken).
     """
 
     def forward(  # type: ignore[override]
@@ -46,7 +51,10 @@ class OutputHead(nn.Linear):
         *,
         per_token: bool = False,
         loss_chunk_size: int | None = None,
+        fused: Callable[[Tensor, Tensor], Tensor] | None = None,
     ) -> Tensor:
+        if fused is not None:
+            return fused(hidden, self.weight)
         if labels is None:
             return super().forward(hidden)
         if labels.shape != hidden.shape[:-1]:

@@ -23,6 +23,7 @@ hs head dim, V vocabulary.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -273,6 +274,7 @@ class Transformer(nn.Module):
         last_only: bool = False,
         temperature: float = 1.0,
         token_mask: Tensor | None = None,
+        fused: Callable[[Tensor, Tensor], Tensor] | None = None,
     ) -> Tensor:
         """Next-token logits, ``(B, T, V)``; ``cache``/``start_pos`` as in
         :meth:`forward_hidden`; with ``last_only``, the last position's alone
@@ -288,11 +290,13 @@ class Transformer(nn.Module):
         sampling at that temperature). ``token_mask`` as in :meth:`forward_hidden`.
         The loss is computed inside the forward passes of
         the model and of its head, so that a sharded model gathers the head's weight as
-        for the logits.
+        for the logits; so is ``fused(hidden, head weight)``, any other loss of the head.
         """
         hidden = self.forward_hidden(
             input_ids, doc_ids, cache=cache, start_pos=start_pos, token_mask=token_mask
         )
+        if fused is not None:
+            return self.output(hidden, fused=fused)
         if labels is None:
             return self.output(hidden[:, -1:] if last_only else hidden)
         if labels.shape != input_ids.shape:

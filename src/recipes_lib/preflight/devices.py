@@ -246,13 +246,14 @@ def check_strategy(cfg: RunConfig) -> None:
             f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size}: the fused head loss is "
             f"not supported with strategy={name}; set it to null or use strategy=fsdp"
         )
+    if cfg.stage.objective == "distill" and not spec.fused_head:
+        raise ConfigError(
+            f"stage.objective=distill with strategy={name}: the divergence is computed "
+            "inside the student head's forward, which is not tested under this strategy; "
+            "use strategy=ddp or fsdp"
+        )
     if not spec.shards:
         return
-    if cfg.stage.objective == "distill":
-        raise ConfigError(
-            f"stage.objective=distill with strategy={name}: the teacher's head is read "
-            "outside its forward, which sharding would not gather; use strategy=ddp"
-        )
     for key, value in (
         ("stage.average_last_k", cfg.stage.average_last_k),
         ("stage.ema_decay", cfg.stage.ema_decay),

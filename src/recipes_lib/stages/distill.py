@@ -9,7 +9,10 @@ folder, a ``.ckpt``), of any shape, with the student's vocabulary. It is built a
 frozen model beside the student (same kernels and precision; no adapter or
 compilation), outside the optimizer and the checkpoints, as DPO's reference is. Both
 models' heads are applied a chunk of rows at a time inside the loss
-(``kernels.loss_chunk_size``, default 256): neither's full logits exist.
+(``kernels.loss_chunk_size``, default 256): neither's full logits exist. The loss is
+computed inside the student's forward and its head's (``fused``), so that under FSDP the
+student's head is gathered for it; the teacher is then whole on each rank (frozen, it has
+nothing to reduce), which costs each GPU the teacher's weights.
 
 Logged as ``train/...`` and ``val/...``: ``loss`` (the divergence).
 """
@@ -99,6 +102,8 @@ class DistillModule(SFTModule):
             upcycle=False,
         )
         device, mesh = self._placement()
+        if mesh is not None:  # a sharded student: the frozen teacher whole on each rank
+            device, mesh = self.trainer.strategy.root_device, None
         attention = self._built_model().attention_backend
         teacher = build_model(plan, device=device, mesh=mesh, attention=attention)
         # not a submodule: outside the state dict (checkpoints), DDP's broadcast and .to()
@@ -113,23 +118,27 @@ class DistillModule(SFTModule):
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """The divergence on the batch's assistant tokens."""
         input_ids, doc_ids = self.model_inputs(batch)
-        student = self._built_model()
-        token_mask = self.expert_load.token_mask(batch)
-        hidden = student.forward_hidden(input_ids, doc_ids, token_mask=token_mask)  # (B, T, C)
         with torch.no_grad():
             teacher_hidden = self.teacher.forward_hidden(input_ids, doc_ids)  # (B, T, Ct)
         settings = self.distill_config
-        loss = chunked_distill_loss(
-            hidden.flatten(0, 1),
-            student.output.weight,
-            teacher_hidden.flatten(0, 1),
-            self.teacher.output.weight,
-            (batch["labels"] != IGNORE_INDEX).flatten(),
-            loss=settings.loss,
-            beta=settings.beta,
-            temperature=settings.temperature,
-            chunk_size=self.kernels_config.loss_chunk_size or DEFAULT_CHUNK,
-        )
+
+        def divergence(hidden: Tensor, weight: Tensor) -> Tensor:  # inside the student's head
+            return chunked_distill_loss(
+                hidden.flatten(0, 1),
+                weight,
+                teacher_hidden.flatten(0, 1),
+                self.teacher.output.weight,
+                (batch["labels"] != IGNORE_INDEX).flatten(),
+                loss=settings.loss,
+                beta=settings.beta,
+                temperature=settings.temperature,
+                chunk_size=self.kernels_config.loss_chunk_size or DEFAULT_CHUNK,
+            )
+
+        # through the student's own forward, so that a sharded student gathers its head
+        token_mask = self.expert_load.token_mask(batch)
+        student = self._built_model()
+        loss = student(input_ids, doc_ids, token_mask=token_mask, fused=divergence)
         assistant = (batch["labels"] != IGNORE_INDEX).sum()
         return loss, {"assistant_tokens": assistant.float()}
 

@@ -4,7 +4,8 @@
 reference, built, precomputed or bypassed the same way) whose batches come from
 :mod:`recipes_lib.data.preference.unpaired`: each example is a completion of its prompt,
 labelled desirable or not, beside a mismatched twin (another example's completion after
-this prompt). One forward pass of the policy covers both; the twins' log-ratios give the
+this prompt). The policy runs the completions with a gradient and their twins (rows of
+their own) without one; the twins' log-ratios give the
 estimate of ``KL(policy || reference)``, the reference point of
 :func:`~recipes_lib.losses.preference.kto_loss` (without gradient, as in the paper): their
 mean over the twins of every rank's micro-batch, so that data parallelism trains as one
@@ -34,6 +35,15 @@ KTO_LOSS = "kto"
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def _rows(batch: Batch, rows: slice) -> Batch:
+    """``batch`` with only ``rows`` of its ``(R, T)`` tensors (the rest as they are)."""
+    height = batch["input_ids"].shape[0]
+    return {
+        k: v[rows] if isinstance(v, Tensor) and v.dim() == 2 and v.shape[0] == height else v
+        for k, v in batch.items()
+    }
 
 
 def mean_over_ranks(values: Tensor) -> Tensor:
@@ -74,6 +84,19 @@ class KTOModule(DPOModule):
         """KTO always compares with the frozen reference."""
         return True
 
+    def policy_logprobs(self, batch: Batch) -> Tensor:
+        """``(R, T)`` label log-probs under the policy: the completions' rows with a
+        gradient, then the twins' rows (``twin_rows`` on) without one, which spares the
+        backward pass half the rows. A mixture of experts runs them in one pass (its
+        balance loss is read from the last forward)."""
+        model, split = self._built_model(), batch.get("twin_rows")
+        if split is None or self.model_config.moe_experts:
+            return self.label_logprobs(model, batch)
+        completions = self.label_logprobs(model, _rows(batch, slice(0, split)))
+        with torch.no_grad():
+            twins = self.label_logprobs(model, _rows(batch, slice(split, None)))
+        return torch.cat([completions, twins])
+
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """KTO's loss of a batch of labelled completions, and its reward metrics."""
         if "desirable" not in batch:
@@ -82,7 +105,7 @@ class KTOModule(DPOModule):
                 "gives them: data=stdlib_kto or data=unpaired)"
             )
         n = batch["pair_index"].numel()
-        per_token = self.label_logprobs(self._built_model(), batch)
+        per_token = self.policy_logprobs(batch)
         policy = pair_sums(per_token, batch["sequence_ids"], n)  # (N, 2): completion, twin
         reference = batch.get("reference_logps")
         if reference is None:

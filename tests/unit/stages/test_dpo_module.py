@@ -361,3 +361,70 @@ def test_kto_takes_only_its_own_loss_and_non_negative_weights():
         kto(undesirable_weight=-1.0)
     with pytest.raises(ConfigError, match="preference.loss='kto' is not one of"):
         make_module(preference={"loss": "kto"})
+
+
+def kto_batch(n: int = 6, seed: int = 0) -> dict:
+    """Labelled completions with their twins, packed into rows of 32 tokens."""
+    items = []
+    for index, item in enumerate(random_batch_items(n, seed)):
+        items.append({**item, "index": index, "desirable": index % 2 == 0})
+    return collate_pairs(items, pad_id=0, packing=True, seq_len=32)
+
+
+def random_batch_items(n_pairs: int, seed: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    items = []
+    for _ in range(n_pairs):
+        length = int(torch.randint(2, 6, (1,), generator=gen))
+        prompt = torch.randint(0, VOCAB, (length,), generator=gen)
+        item = {}
+        for side in ("chosen", "rejected"):
+            n = int(torch.randint(2, 9, (1,), generator=gen))
+            item[f"{side}_ids"] = torch.cat([prompt, torch.randint(0, VOCAB, (n,), generator=gen)])
+            item[f"{side}_mask"] = torch.arange(len(item[f"{side}_ids"])) >= len(prompt)
+        items.append(item)
+    return items
+
+
+def test_kto_runs_the_twins_apart_without_a_gradient_and_trains_as_one_pass_does(monkeypatch):
+    batch = kto_batch()
+    split, ids, n = batch["twin_rows"], batch["sequence_ids"], batch["pair_index"].numel()
+    assert 0 < split < ids.shape[0]  # the completions' rows, then the twins' own
+    assert (ids[:split] < n).all() and ((ids[split:] >= n) | (ids[split:] < 0)).all()
+    module = KTOModule(
+        MODEL,
+        KernelsConfig(),
+        OptimConfig(),
+        SchedulerConfig(name="constant"),
+        total_steps=2,
+        tokens_per_step=8,
+        preference=PreferenceConfig(loss="kto"),
+    )
+    module.configure_model()
+    perturb(module.model)
+    calls = []
+    label_logprobs = module.label_logprobs
+
+    def recorded(model, rows):
+        calls.append((rows["input_ids"].shape[0], torch.is_grad_enabled()))
+        return label_logprobs(model, rows)
+
+    monkeypatch.setattr(module, "label_logprobs", recorded)
+
+    def step(b: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        module.model.zero_grad()
+        loss, _ = module.compute_loss(b)
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in module.model.named_parameters()}
+
+    loss, grads = step(batch)
+    rows = ids.shape[0]
+    assert calls == [(split, True), (rows - split, False), (rows, False)]  # then the reference
+    calls.clear()
+    one_pass = step({k: v for k, v in batch.items() if k != "twin_rows"})
+    assert calls == [(rows, True), (rows, False)]
+    torch.testing.assert_close(loss, one_pass[0], atol=1e-6, rtol=1e-6)
+    assert grads.keys() == one_pass[1].keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, one_pass[1][name], atol=1e-6, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in grads.values())

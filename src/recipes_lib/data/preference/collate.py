@@ -13,6 +13,9 @@ A batch of ``P`` pairs (``collate_pairs``) is::
                                  when the dataset holds them
     desirable     (P,)   bool    KTO: whether each completion (the "chosen" sequence;
                                  the "rejected" one is its mismatched twin) is desirable
+    twin_rows     int            KTO: the first row of the twins, which share no row
+                                 with a completion (their log-ratios take no gradient,
+                                 so the policy runs them apart, without one)
 
 Unshifted (``shifted=False``, a reward model's batches) every token of a sequence is an
 input, its labels are all -100, and ``score_index (2P,) int64`` holds where each
@@ -109,10 +112,16 @@ def collate_pairs(
     sequences = [(it["chosen_ids"], it["chosen_mask"]) for it in items]
     sequences += [(it["rejected_ids"], it["rejected_mask"]) for it in items]
     lengths = [len(ids) - int(shifted) for ids, _ in sequences]  # inputs per sequence
+    kto = n_pairs > 0 and all("desirable" in it for it in items)
     if packing:
         if seq_len is None:
             raise ValueError("packing needs seq_len")
-        rows = _first_fit_rows(lengths, seq_len)
+        if kto:  # completions' rows, then the twins' own
+            rows = _first_fit_rows(lengths[:n_pairs], seq_len)
+            twins = _first_fit_rows(lengths[n_pairs:], seq_len)
+            rows += [[n_pairs + s for s in row] for row in twins]
+        else:
+            rows = _first_fit_rows(lengths, seq_len)
     else:
         rows = [[s] for s in range(len(sequences))]
     width = max(sum(lengths[s] for s in row) for row in rows)
@@ -148,8 +157,9 @@ def collate_pairs(
     }
     if not shifted:
         batch["score_index"] = score_index
-    if n_pairs and all("desirable" in it for it in items):
+    if kto:
         batch["desirable"] = torch.tensor([bool(it["desirable"]) for it in items])
+        batch["twin_rows"] = next(r for r, row in enumerate(rows) if row[0] >= n_pairs)
     if n_pairs and all("reference_logps" in it for it in items):
         batch["reference_logps"] = torch.stack([it["reference_logps"] for it in items]).float()
     return batch
