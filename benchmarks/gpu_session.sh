@@ -43,6 +43,8 @@
 #   bash benchmarks/gpu_session.sh lora_base   # LoRA over bf16 frozen projections against
 #                                              # TRL+Liger (fp32 and bf16 folder) and over
 #                                              # fp32 ones; estimate; LoRA GPU tests (2 GPUs)
+#   bash benchmarks/gpu_session.sh post3       # LoRA estimates; KTO, distillation, LoRA
+#                                              # under FSDP (2 GPUs)
 #   bash benchmarks/gpu_session.sh ep2         # the expert-parallel test in fp32 and bf16,
 #                                              # then the MoE and evaluation GPU tests
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
@@ -311,6 +313,16 @@ lora_base)  # LoRA with its frozen projections in bf16 (adapter.base_dtype=auto)
   wait
   job lora_fsdp 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -k 'lora' \
       -p no:cacheprovider"
+  wait ;;
+post3)  # the LoRA memory estimates after the narrowing fix; KTO, distillation and LoRA SFT
+  # under FSDP on two GPUs
+  job estimate 0 "$PY benchmarks/memory_estimate.py --presets llama_1b_lora,llama_3b_lora_ac \
+    --out $OUT/memory_estimate_lora.json"
+  job curves 1 "$PY -m pytest -q -rs tests/gpu/test_stage_curves.py -k 'lora or sft' \
+    -p no:cacheprovider"
+  wait
+  job fsdp_post 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py \
+    -k 'kto or distill or lora_sft' -p no:cacheprovider"
   wait ;;
 ep2)  # the expert-parallel test in fp32 and bf16 (2 GPUs), then the MoE and evaluation tests
   job ep_test 0,1 "$PY -m pytest -q -rs -s -m multigpu tests/gpu/test_family_gpu.py \

@@ -244,19 +244,26 @@ def test_deepspeed_trains_on_two_gpus(tmp_path, cache, strategy):
         ("sft/lora_tiny", ["adapter=qlora", "adapter.r=8"]),
         ("dpo/tiny", []),
         ("grpo/tiny", ["grpo.max_new_tokens=64", "grpo.kl_coef=0.05"]),
+        ("kto/tiny", []),
+        ("distill/tiny", ["distill.teacher_from={teacher}"]),
     ],
-    ids=["lora_sft", "qlora_sft", "dpo", "grpo"],
+    ids=["lora_sft", "qlora_sft", "dpo", "grpo", "kto", "distill"],
 )
 def test_post_training_runs_under_fsdp(runs, tmp_path, recipe, extra):
-    """LoRA and QLoRA SFT, DPO and GRPO from the one-GPU pretrained ``small`` model,
-    sharded on two GPUs (QLoRA's 4-bit base weights stay whole on each GPU; GRPO samples
-    on the same GPUs through the sharded model, both ranks decoding the same steps)."""
+    """LoRA and QLoRA SFT, DPO, GRPO, KTO and distillation from the one-GPU pretrained
+    ``small`` model, sharded on two GPUs (QLoRA's 4-bit base weights stay whole on each
+    GPU; GRPO samples on the same GPUs through the sharded model, both ranks decoding the
+    same steps; KTO's twins run without a gradient; the teacher, the pretrained model
+    itself, is whole on each GPU)."""
     if "adapter=qlora" in extra:
         pytest.importorskip("bitsandbytes")
     pretrained = runs("single")
     run_dir = tmp_path / recipe.replace("/", "_")
     objective = recipe.split("/")[0]
-    source = {"sft": "stdlib_sft", "grpo": "stdlib_grpo"}.get(objective, "stdlib_dpo")
+    sources = {"sft": "stdlib_sft", "grpo": "stdlib_grpo", "kto": "stdlib_kto"}
+    source = {**sources, "distill": "stdlib_sft"}.get(objective, "stdlib_dpo")
+    teacher = Path(pretrained["weights_path"]).parent
+    extra = [e.format(teacher=teacher) for e in extra]
     losses = _cli(
         2,
         f"recipe={recipe}",
