@@ -264,6 +264,13 @@ def test_post_training_runs_under_fsdp(runs, tmp_path, recipe, extra):
     source = {**sources, "distill": "stdlib_sft"}.get(objective, "stdlib_dpo")
     teacher = Path(pretrained["weights_path"]).parent
     extra = [e.format(teacher=teacher) for e in extra]
+    start = [f"stage.init_from={pretrained['weights_path']}"]
+    if objective == "distill":  # a student of the recipe's shape, from scratch
+        from safetensors import safe_open
+
+        with safe_open(pretrained["weights_path"], "pt") as weights:
+            vocab = weights.get_slice("tok_embeddings.weight").get_shape()[0]
+        start = [f"model.vocab_size={vocab}", f"data.tokenizer.vocab_size={vocab}"]
     losses = _cli(
         2,
         f"recipe={recipe}",
@@ -273,7 +280,7 @@ def test_post_training_runs_under_fsdp(runs, tmp_path, recipe, extra):
         "precision=bf16-mixed",
         "strategy=fsdp",
         "trainer.devices=2",
-        f"stage.init_from={pretrained['weights_path']}",
+        *start,
         f"data.tokenizer.path={pretrained['tokenizer_path']}",
         f"data.cache_dir={tmp_path / 'cache'}",
         f"data.sources.{source}.max_documents=400",
