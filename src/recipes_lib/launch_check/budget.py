@@ -16,7 +16,8 @@ import torch
 from recipes_lib.callbacks.throughput import peak_tflops_for, precision_arithmetic
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
-from recipes_lib.launch_check.memory import ParameterCounts, rows_per_micro_batch
+from recipes_lib.launch_check.memory import rows_per_micro_batch
+from recipes_lib.launch_check.parameters import ParameterCounts
 from recipes_lib.losses.preference import runs_reference
 from recipes_lib.models import Transformer
 from recipes_lib.parallel.precision import device_type, lightning_precision

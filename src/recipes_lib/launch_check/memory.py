@@ -49,6 +49,7 @@ from recipes_lib.launch_check.activations import (
     DecoderShape,
     block_bytes_per_token,
 )
+from recipes_lib.launch_check.parameters import ParameterCounts, adapted_linears
 from recipes_lib.losses.preference import TWO_SEQUENCE_OBJECTIVES, runs_reference
 from recipes_lib.parallel.precision import device_type
 from recipes_lib.parallel.strategy import StrategySpec, get_strategy
@@ -183,54 +184,9 @@ def nf4_bytes_per_weight(double_quant: bool) -> float:
     return NF4_BYTES + 4 / NF4_BLOCK
 
 
-def adapted_linears(cfg: RunConfig) -> dict[str, int] | None:
-    """Adapted linear name -> LoRA rank, or None without an adapter."""
-    if cfg.adapter.kind == "none":
-        return None
-    from recipes_lib.adapters.lora import native_targets
-
-    return {name: cfg.adapter.r for name in native_targets(cfg.adapter)}
-
-
 def rows_per_micro_batch(cfg: RunConfig) -> int:
     """Sequences in one micro-batch: a preference pair is two rows (chosen, rejected)."""
     return cfg.data.batch_size * (2 if cfg.stage.objective in TWO_SEQUENCE_OBJECTIVES else 1)
-
-
-@dataclass(frozen=True)
-class ParameterCounts:
-    """How many parameters of the run's decoder train, are quantized, are adapters, are
-    frozen projections stored in bf16 (``adapter.base_dtype``)."""
-
-    total: int  # every parameter of the decoder
-    trainable: int
-    quantized: int  # 4-bit NF4 weights (QLoRA's base linears)
-    adapters: int  # LoRA's A and B
-    narrowed: int = 0
-
-    @classmethod
-    def of(cls, shape: DecoderShape, cfg: RunConfig) -> ParameterCounts:
-        total, linears, lora = shape.num_params(), shape.linears(), adapted_linears(cfg)
-        if lora is None:
-            return cls(total=total, trainable=total, quantized=0, adapters=0)
-        from recipes_lib.adapters.frozen_base import base_storage_dtype
-        from recipes_lib.adapters.lora import EXPERTS_TARGET
-
-        # every expert's w1, w3 and w2 (C -> F, C -> F, F -> C) at the experts' rank
-        r = lora.pop(EXPERTS_TARGET, 0)
-        per_layer = r * shape.experts * 3 * (shape.dim + shape.expert_width)
-        adapters = shape.moe_layers * per_layer
-        adapters += shape.n_layers * sum(r * sum(linears[n]) for n, r in lora.items())
-        if cfg.adapter.kind == "qlora":
-            quantized = shape.n_layers * sum(i * o for n, (i, o) in linears.items() if n in lora)
-            return cls(total=total, trainable=adapters, quantized=quantized, adapters=adapters)
-        narrowed = 0
-        if base_storage_dtype(cfg.adapter.base_dtype, cfg.precision.name) == torch.bfloat16:
-            size = {n: i * o for n, (i, o) in linears.items()}
-            mlp = size["w1"] + size["w2"] + size["w3"]  # dense layers' (experts stay)
-            attention = size["wq"] + size["wk"] + size["wv"] + size["wo"]
-            narrowed = shape.n_layers * attention + (shape.n_layers - shape.moe_layers) * mlp
-        return cls(total, trainable=adapters, quantized=0, adapters=adapters, narrowed=narrowed)
 
 
 def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:

@@ -12,7 +12,8 @@ from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.launch_check import estimate_memory, step_time, token_budget
 from recipes_lib.launch_check.activations import DecoderShape
 from recipes_lib.launch_check.budget import ASSUMED_MFU, step_flops
-from recipes_lib.launch_check.memory import ParameterCounts, nf4_bytes_per_weight
+from recipes_lib.launch_check.memory import nf4_bytes_per_weight
+from recipes_lib.launch_check.parameters import ParameterCounts
 from recipes_lib.models import Transformer
 
 # a small decoder whose activations and logits matter, on the CPU (no CUDA overhead)
