@@ -39,7 +39,7 @@ Every constant that is not a shape is in the block below, with where it comes fr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,7 +49,11 @@ from recipes_lib.launch_check.activations import (
     DecoderShape,
     block_bytes_per_token,
 )
-from recipes_lib.launch_check.parameters import ParameterCounts, adapted_linears
+from recipes_lib.launch_check.parameters import (
+    ParameterCounts,
+    adapted_linears,
+    frozen_model_bytes,
+)
 from recipes_lib.losses.preference import TWO_SEQUENCE_OBJECTIVES, runs_reference
 from recipes_lib.parallel.precision import device_type
 from recipes_lib.parallel.strategy import StrategySpec, get_strategy
@@ -221,7 +225,8 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
 
     # --- what lives through the step
     dense = weights.total + weights.adapters - weights.quantized
-    parameters = share("parameters", dense * weight_bytes + _reference_bytes(cfg, lora, weights))
+    parameters = share("parameters", dense * weight_bytes + _reference_bytes(cfg, shape, lora))
+    parameters += _teacher_bytes(cfg)
     parameters += weights.quantized * nf4_bytes_per_weight(cfg.adapter.double_quant)
     parameters -= share("parameters", 2 * narrowed)
     gradients = share("gradients", weights.trainable * weight_bytes)
@@ -329,18 +334,26 @@ def _on_cuda(cfg: RunConfig) -> bool:
     return device_type(cfg.trainer.accelerator, torch.cuda.is_available()) == "cuda"
 
 
-def _reference_bytes(
-    cfg: RunConfig, lora: dict[str, int] | None, weights: ParameterCounts
-) -> float:
-    """A separate frozen DPO reference on the device: none with an adapter over the same
-    base (the policy without its adapters), once precomputed log-probs freed it, or for a
-    loss without a reference (simpo, orpo)."""
+def _reference_bytes(cfg: RunConfig, shape: DecoderShape, lora: dict[str, int] | None) -> float:
+    """A separate frozen DPO reference on the device (none with an adapter over the same
+    base: the policy without its adapters; none once precomputed log-probs freed it, or
+    for a loss without a reference: simpo, orpo)."""
     pref = cfg.preference
     if not runs_reference(cfg.stage.objective, pref.loss, pref.precompute_reference):
         return 0.0
-    settings = cfg.preference
-    same_base = settings.reference_from is None or settings.reference_from == cfg.stage.init_from
-    return 0.0 if (lora and same_base) else float(weights.total)
+    same_base = pref.reference_from is None or pref.reference_from == cfg.stage.init_from
+    return 0.0 if (lora and same_base) else frozen_model_bytes(shape, cfg.precision.name)
+
+
+def _teacher_bytes(cfg: RunConfig) -> float:
+    """A distillation's frozen teacher, of its own shape, whole on each rank."""
+    if cfg.stage.objective != "distill" or not cfg.distill.teacher_from:
+        return 0.0
+    from recipes_lib.checkpoint.source import recorded_model_config
+
+    teacher = recorded_model_config(cfg.distill.teacher_from, "distill.teacher_from")
+    shape = DecoderShape.of(replace(cfg, model=teacher))
+    return frozen_model_bytes(shape, cfg.precision.name)
 
 
 def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> list[str]:

@@ -1,6 +1,6 @@
 """The run's parameters as the pre-launch check counts them, from its config alone:
 every parameter of the decoder, what trains, what an adapter adds, what QLoRA stores in
-4 bits and what LoRA stores in bf16 (``adapter.base_dtype``)."""
+4 bits and what LoRA stores in bf16 (``adapter.base_dtype``); a frozen model's bytes."""
 
 from __future__ import annotations
 
@@ -50,8 +50,25 @@ class ParameterCounts:
             return cls(total=total, trainable=adapters, quantized=quantized, adapters=adapters)
         narrowed = 0
         if base_storage_dtype(cfg.adapter.base_dtype, cfg.precision.name) == torch.bfloat16:
-            size = {n: i * o for n, (i, o) in linears.items()}
-            mlp = size["w1"] + size["w2"] + size["w3"]  # dense layers' (experts stay)
-            attention = size["wq"] + size["wk"] + size["wv"] + size["wo"]
-            narrowed = shape.n_layers * attention + (shape.n_layers - shape.moe_layers) * mlp
+            narrowed = projection_params(shape)
         return cls(total, trainable=adapters, quantized=0, adapters=adapters, narrowed=narrowed)
+
+
+def projection_params(shape: DecoderShape) -> int:
+    """The blocks' projections: ``wq`` .. ``wo`` of every layer, ``w1`` .. ``w3`` of the
+    dense ones (a mixture's stacked experts are not among them)."""
+    size = {n: i * o for n, (i, o) in shape.linears().items()}
+    attention = size["wq"] + size["wk"] + size["wv"] + size["wo"]
+    mlp = size["w1"] + size["w2"] + size["w3"]
+    return shape.n_layers * attention + (shape.n_layers - shape.moe_layers) * mlp
+
+
+def frozen_model_bytes(shape: DecoderShape, precision: str) -> float:
+    """A frozen model's weights (a DPO reference, a teacher): in the run's storage dtype,
+    its projections in bf16 under bf16-mixed
+    (:func:`recipes_lib.adapters.frozen_base.narrow_frozen_linears`)."""
+    from recipes_lib.adapters.frozen_base import base_storage_dtype
+
+    weight_bytes = 2 if precision == "bf16-true" else 4
+    narrowed = projection_params(shape) if base_storage_dtype("auto", precision) else 0
+    return (shape.num_params() - narrowed) * weight_bytes + 2 * narrowed

@@ -5,7 +5,9 @@ applied here and nowhere else, in this order:
 1. the decoder, initialised under the run's seed in a forked RNG (so every strategy
    starts from the same weights and the global random streams are left as they were);
 2. its starting weights (``stage.init_from``, or a reference's own source);
-3. the adapter: LoRA or QLoRA (the policy only);
+3. the adapter: LoRA or QLoRA (the policy only); a frozen model is frozen here, its
+   blocks' projections stored in bf16 under bf16-mixed as a LoRA base's are (autocast
+   computes them in bf16 anyway: :mod:`recipes_lib.adapters.frozen_base`);
 4. float8 Linear layers (a model that trains);
 5. activation checkpointing (a model that trains);
 6. ``torch.compile`` of each block, in place (parameter names stay as they are);
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from recipes_lib.adapters import apply_adapter
+from recipes_lib.adapters.frozen_base import base_storage_dtype, narrow_frozen_linears
 from recipes_lib.checkpoint.source import load_model_weights
 from recipes_lib.checkpoint.upcycle import load_upcycled_weights
 from recipes_lib.config.schema import (
@@ -112,6 +115,11 @@ def build_model(
             load_model_weights(model, plan.init_from, plan.init_label)
     if plan.adapter is not None:  # 3
         model = apply_adapter(model, plan.adapter, plan.precision.name)
+    elif not plan.trains:
+        model.requires_grad_(False)
+        dtype = base_storage_dtype("auto", plan.precision.name)
+        if dtype is not None:
+            narrow_frozen_linears(model, dtype)
     spec = get_strategy(plan.strategy.name)
     if plan.trains and plan.precision.name == "fp8":  # 4
         from recipes_lib.parallel.fp8 import convert_to_fp8

@@ -138,3 +138,28 @@ def test_each_replaced_weight_is_freed_before_the_next_is_narrowed(monkeypatch):
     narrowed = frozen_base.narrow_frozen_linears(model, torch.bfloat16)
     assert narrowed == CONFIG.n_layers * 7
     assert alive_at_each_call == [len(weights) - i for i in range(narrowed)]
+
+
+def test_a_frozen_model_stores_its_projections_in_bf16_under_bf16_mixed():
+    """A DPO reference or a teacher (built with trains=False) computes as before under
+    autocast, with its blocks' projections stored in bf16."""
+
+    def frozen(precision: str) -> torch.nn.Module:
+        torch.manual_seed(0)
+        plan = ModelBuild(
+            model=CONFIG,
+            kernels=KernelsConfig(),
+            precision=PrecisionConfig(name=precision),
+            strategy=StrategyConfig(),
+            trains=False,
+        )
+        return build_model(plan, device=torch.device("cpu"))
+
+    narrowed, kept = frozen("bf16-mixed"), frozen("32-true")
+    assert not any(p.requires_grad for p in narrowed.parameters())
+    bf16 = [n for n, p in narrowed.named_parameters() if p.dtype == torch.bfloat16]
+    assert len(bf16) == CONFIG.n_layers * 7 and not any(
+        isinstance(m, NarrowedLinear) for m in kept.modules()
+    )
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(narrowed(_tokens()), kept(_tokens()))

@@ -207,3 +207,38 @@ def test_adapters_on_the_experts_are_counted_as_the_model_makes_them():
     model = apply_adapter(Transformer(cfg.model), cfg.adapter)
     made = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
     assert counted.adapters == made and estimate_memory(cfg).optimizer == made * 8
+
+
+def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(tmp_path):
+    """A separate DPO reference and a distillation's teacher are counted in the run's
+    storage dtype, their blocks' projections in bf16 under bf16-mixed; a teacher whole
+    on each rank even when the student is sharded."""
+    from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
+    from recipes_lib.launch_check.parameters import projection_params
+
+    base = ("precision=bf16-mixed", "stage=dpo", "data=stdlib_dpo")
+    live = estimate_memory(cfg_of(*base), world_size=1)
+    gone = estimate_memory(cfg_of(*base, "preference.precompute_reference=true"), 1)
+    shape = DecoderShape.of(cfg_of(*base))
+    total, projections = meta_params(cfg_of(*base)), projection_params(shape)
+    assert 0 < projections < total
+    assert live.parameters - gone.parameters == (total - projections) * 4 + projections * 2
+    fp32 = estimate_memory(cfg_of(*base[1:], "precision=32-true"), 1)
+    fp32_gone = estimate_memory(
+        cfg_of(*base[1:], "precision=32-true", "preference.precompute_reference=true"), 1
+    )
+    assert fp32.parameters - fp32_gone.parameters == total * 4  # nothing narrowed
+
+    teacher_cfg = cfg_of("model.dim=256", "model.n_heads=8", "model.n_layers=3")
+    export_hf_checkpoint(Transformer(teacher_cfg.model), teacher_cfg.model, tmp_path / "t")
+    student = ("precision=bf16-mixed", "stage=distill", "data=stdlib_sft")
+    alone = estimate_memory(cfg_of(*student), 1)
+    taught = estimate_memory(cfg_of(*student, f"distill.teacher_from={tmp_path / 't'}"), 1)
+    teacher = DecoderShape.of(teacher_cfg)
+    t_total, t_projections = meta_params(teacher_cfg), projection_params(teacher)
+    assert taught.parameters - alone.parameters == (t_total - t_projections) * 4 + t_projections * 2
+    sharded = estimate_memory(
+        cfg_of(*student, f"distill.teacher_from={tmp_path / 't'}", "strategy=fsdp"), 2
+    )
+    sharded_alone = estimate_memory(cfg_of(*student, "strategy=fsdp"), 2)
+    assert sharded.parameters - sharded_alone.parameters == taught.parameters - alone.parameters
