@@ -45,6 +45,8 @@
 #                                              # fp32 ones; estimate; LoRA GPU tests (2 GPUs)
 #   bash benchmarks/gpu_session.sh post3       # LoRA estimates; KTO, distillation, LoRA
 #                                              # under FSDP (2 GPUs)
+#   bash benchmarks/gpu_session.sh frozen_bf16 # DPO and distillation under FSDP over bf16
+#                                              # frozen projections; live DPO's peak
 #   bash benchmarks/gpu_session.sh ep2         # the expert-parallel test in fp32 and bf16,
 #                                              # then the MoE and evaluation GPU tests
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
@@ -323,6 +325,14 @@ post3)  # the LoRA memory estimates after the narrowing fix; KTO, distillation a
   wait
   job fsdp_post 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py \
     -k 'kto or distill or lora_sft' -p no:cacheprovider"
+  wait ;;
+frozen_bf16)  # DPO's reference and the teacher over bf16 projections: DPO and distillation
+  # under FSDP (2 GPUs), then live DPO's peak against TRL+Liger's recorded one
+  job fsdp_frozen 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py \
+    -k 'post_training and (dpo or distill)' -p no:cacheprovider"
+  wait
+  job dpo_live 0 "$PY benchmarks/posttrain_peer.py --side-timeout 150 --warmup-steps 3 \
+    --steps 10 --cases dpo_live --sides recipes_lib --out $OUT/posttrain_peer_dpo_frozen.json"
   wait ;;
 ep2)  # the expert-parallel test in fp32 and bf16 (2 GPUs), then the MoE and evaluation tests
   job ep_test 0,1 "$PY -m pytest -q -rs -s -m multigpu tests/gpu/test_family_gpu.py \
