@@ -59,21 +59,36 @@ def make_module(**kwargs) -> DPOModule:
 
 def random_batch(n_pairs: int = 3, seed: int = 0) -> dict:
     """Pairs of random tokens sharing a prompt, batched without packing."""
+    items = [{**item, "index": i} for i, item in enumerate(random_pair_items(n_pairs, seed))]
+    return collate_pairs(items, pad_id=0)
+
+
+def random_pair_items(n_pairs: int, seed: int) -> list[dict]:
+    """Chosen and rejected random responses to a shared random prompt, unbatched."""
     gen = torch.Generator().manual_seed(seed)
     items = []
-    for index in range(n_pairs):
-        prompt_len = int(torch.randint(2, 6, (1,), generator=gen))
-        prompt = torch.randint(0, VOCAB, (prompt_len,), generator=gen)
-        item = {"index": index}
+    for _ in range(n_pairs):
+        length = int(torch.randint(2, 6, (1,), generator=gen))
+        prompt = torch.randint(0, VOCAB, (length,), generator=gen)
+        item = {}
         for side in ("chosen", "rejected"):
             n = int(torch.randint(2, 9, (1,), generator=gen))
-            response = torch.randint(0, VOCAB, (n,), generator=gen)
-            item[f"{side}_ids"] = torch.cat([prompt, response])
-            item[f"{side}_mask"] = torch.cat(
-                [torch.zeros(len(prompt), dtype=torch.bool), torch.ones(n, dtype=torch.bool)]
-            )
+            item[f"{side}_ids"] = torch.cat([prompt, torch.randint(0, VOCAB, (n,), generator=gen)])
+            item[f"{side}_mask"] = torch.arange(len(item[f"{side}_ids"])) >= len(prompt)
         items.append(item)
-    return collate_pairs(items, pad_id=0)
+    return items
+
+
+def kto_module(**preference) -> KTOModule:
+    return KTOModule(
+        MODEL,
+        KernelsConfig(),
+        OptimConfig(),
+        SchedulerConfig(name="constant"),
+        total_steps=2,
+        tokens_per_step=8,
+        preference=PreferenceConfig(**{"loss": "kto", **preference}),
+    )
 
 
 def perturb(model: torch.nn.Module, seed: int = 1, scale: float = 0.05) -> None:
@@ -343,17 +358,7 @@ def test_reference_free_losses_build_no_reference_and_train_the_policy(loss):
 
 
 def test_kto_takes_only_its_own_loss_and_non_negative_weights():
-    def kto(**preference):
-        return KTOModule(
-            MODEL,
-            KernelsConfig(),
-            OptimConfig(),
-            SchedulerConfig(name="constant"),
-            total_steps=2,
-            tokens_per_step=8,
-            preference=PreferenceConfig(**{"loss": "kto", **preference}),
-        )
-
+    kto = kto_module
     assert kto().uses_reference
     with pytest.raises(ConfigError, match="preference.loss='sigmoid' with stage.objective=kto"):
         kto(loss="sigmoid")
@@ -366,24 +371,9 @@ def test_kto_takes_only_its_own_loss_and_non_negative_weights():
 def kto_batch(n: int = 6, seed: int = 0) -> dict:
     """Labelled completions with their twins, packed into rows of 32 tokens."""
     items = []
-    for index, item in enumerate(random_batch_items(n, seed)):
+    for index, item in enumerate(random_pair_items(n, seed)):
         items.append({**item, "index": index, "desirable": index % 2 == 0})
     return collate_pairs(items, pad_id=0, packing=True, seq_len=32)
-
-
-def random_batch_items(n_pairs: int, seed: int) -> list[dict]:
-    gen = torch.Generator().manual_seed(seed)
-    items = []
-    for _ in range(n_pairs):
-        length = int(torch.randint(2, 6, (1,), generator=gen))
-        prompt = torch.randint(0, VOCAB, (length,), generator=gen)
-        item = {}
-        for side in ("chosen", "rejected"):
-            n = int(torch.randint(2, 9, (1,), generator=gen))
-            item[f"{side}_ids"] = torch.cat([prompt, torch.randint(0, VOCAB, (n,), generator=gen)])
-            item[f"{side}_mask"] = torch.arange(len(item[f"{side}_ids"])) >= len(prompt)
-        items.append(item)
-    return items
 
 
 def test_kto_runs_the_twins_apart_without_a_gradient_and_trains_as_one_pass_does(monkeypatch):
@@ -391,15 +381,7 @@ def test_kto_runs_the_twins_apart_without_a_gradient_and_trains_as_one_pass_does
     split, ids, n = batch["twin_rows"], batch["sequence_ids"], batch["pair_index"].numel()
     assert 0 < split < ids.shape[0]  # the completions' rows, then the twins' own
     assert (ids[:split] < n).all() and ((ids[split:] >= n) | (ids[split:] < 0)).all()
-    module = KTOModule(
-        MODEL,
-        KernelsConfig(),
-        OptimConfig(),
-        SchedulerConfig(name="constant"),
-        total_steps=2,
-        tokens_per_step=8,
-        preference=PreferenceConfig(loss="kto"),
-    )
+    module = kto_module()
     module.configure_model()
     perturb(module.model)
     calls = []
