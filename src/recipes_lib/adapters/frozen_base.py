@@ -76,12 +76,13 @@ def base_storage_dtype(base_dtype: str, precision: str | None) -> torch.dtype | 
     check_base_dtype(base_dtype, precision)
     if base_dtype == "auto":
         return torch.bfloat16 if precision in NARROWED_UNDER else None
-    return BASE_DTYPES[base_dtype]
+    return None if base_dtype == "float32" else BASE_DTYPES[base_dtype]  # float32: as built
 
 
 def narrow_frozen_linears(blocks: nn.Module, dtype: torch.dtype) -> int:
     """Store the frozen projections of ``blocks`` (``wq`` .. ``w3``, also as a LoRA
-    layer's ``base_layer``) in ``dtype``, in place; routers and stacked experts stay.
+    layer's ``base_layer`` or a shared expert's) in ``dtype`` where they are wider, in
+    place; routers and stacked experts stay.
 
     Returns:
         How many linears were narrowed.
@@ -92,8 +93,9 @@ def narrow_frozen_linears(blocks: nn.Module, dtype: torch.dtype) -> int:
             owner = parent_name.rsplit(".", 1)[-1] if name == "base_layer" else name
             if owner not in PROJECTIONS or type(child) is not nn.Linear:
                 continue  # not a projection, quantized, or narrowed already
-            if not child.weight.requires_grad and child.weight.dtype != dtype:
-                targets.append((parent, name))
+            weight = child.weight
+            if not weight.requires_grad and weight.dtype.itemsize > dtype.itemsize:
+                targets.append((parent, name))  # frozen and wider than ``dtype``
     for parent, name in targets:
         setattr(parent, name, NarrowedLinear.of(getattr(parent, name), dtype))
     return len(targets)

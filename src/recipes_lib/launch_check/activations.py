@@ -49,7 +49,11 @@ class DecoderShape:
 
     @classmethod
     def of(cls, cfg: RunConfig) -> DecoderShape:
-        m = cfg.model
+        return cls.of_model(cfg.model)
+
+    @classmethod
+    def of_model(cls, m) -> DecoderShape:
+        """The shape of a model config (another model's: a teacher's)."""
         return cls(**_moe_widths(m), **cls._attention(m))
 
     @staticmethod

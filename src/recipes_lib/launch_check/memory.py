@@ -20,15 +20,18 @@ gradients, ``O`` optimizer state, per rank):
 
 Storage: fp32 weights under ``32-true``, ``bf16-mixed`` and ``fp8`` (float8 casts are
 transient), bf16 under ``bf16-true``; QLoRA's targeted base linears in 4-bit NF4 with
-their absmax constants. Gradients and AdamW's two moments exist for trainable parameters
-only (LoRA: the adapters), in the parameter's dtype. A strategy divides what its
+their absmax constants; under ``bf16-mixed`` the frozen projections of a LoRA base and of
+a frozen model (DPO's reference, a teacher: built whole first) in bf16. Gradients and
+AdamW's two moments exist for trainable parameters only (LoRA: the adapters), in the
+parameter's dtype. A strategy divides what its
 :class:`~recipes_lib.parallel.strategy.StrategySpec` declares in ``sharded_state`` by the
 world size, and ``strategy.cpu_offload`` moves that (and AdamW's step) to the host.
 
 Weight copies: under bf16-mixed autocast casts each weight to bf16 at its matmul and
 the matmul keeps the copy for its backward, so without activation checkpointing every
-matmul weight has a bf16 copy at the loss; with it only the head's (the blocks' copies
-are made again when they are recomputed; autocast's cache does not hold them). FSDP2
+matmul weight has a bf16 copy at the loss (a bf16-stored one needs none); with it only
+the head's (the blocks' copies are made again when they are recomputed; autocast's cache
+does not hold them). FSDP2
 gathers each block in the compute dtype and keeps the last one gathered for the
 backward. Activations per block and token: :mod:`recipes_lib.launch_check.activations`.
 
@@ -39,7 +42,7 @@ Every constant that is not a shape is in the block below, with where it comes fr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -225,10 +228,11 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
 
     # --- what lives through the step
     dense = weights.total + weights.adapters - weights.quantized
-    parameters = share("parameters", dense * weight_bytes + _reference_bytes(cfg, shape, lora))
-    parameters += _teacher_bytes(cfg)
+    parameters = share("parameters", dense * weight_bytes - 2 * narrowed)
     parameters += weights.quantized * nf4_bytes_per_weight(cfg.adapter.double_quant)
-    parameters -= share("parameters", 2 * narrowed)
+    policy_parameters = parameters
+    frozen_params, frozen_bytes, frozen_sharded = _frozen_model(cfg, lora)
+    parameters += share("parameters", frozen_bytes) if frozen_sharded else frozen_bytes
     gradients = share("gradients", weights.trainable * weight_bytes)
     optimizer = (
         0.0 if offload else share("optimizer", weights.trainable * ADAM_MOMENTS * weight_bytes)
@@ -308,6 +312,8 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         # a tied head is made as its own tensor before it is tied
         built = weights.total + (head if shape.tie_embeddings else 0)
     build = built * weight_bytes + buffers
+    # a frozen model is built whole in the storage dtype after the policy, then narrowed
+    build = max(build, policy_parameters + frozen_params * weight_bytes + buffers)
     steady = fixed + grads + acts + logits + transient
     if build > steady:
         phase = "build"
@@ -334,26 +340,22 @@ def _on_cuda(cfg: RunConfig) -> bool:
     return device_type(cfg.trainer.accelerator, torch.cuda.is_available()) == "cuda"
 
 
-def _reference_bytes(cfg: RunConfig, shape: DecoderShape, lora: dict[str, int] | None) -> float:
-    """A separate frozen DPO reference on the device (none with an adapter over the same
-    base: the policy without its adapters; none once precomputed log-probs freed it, or
-    for a loss without a reference: simpo, orpo)."""
+def _frozen_model(cfg: RunConfig, lora: dict[str, int] | None) -> tuple[int, float, bool]:
+    """The frozen model beside the policy, as (parameters, bytes, sharded as the policy):
+    a separate DPO reference (none with an adapter over the same base, the policy without
+    its adapters; none once precomputed log-probs freed it, or for a loss without one:
+    simpo, orpo), or a distillation's teacher, of its own shape, whole on each rank."""
     pref = cfg.preference
-    if not runs_reference(cfg.stage.objective, pref.loss, pref.precompute_reference):
-        return 0.0
-    same_base = pref.reference_from is None or pref.reference_from == cfg.stage.init_from
-    return 0.0 if (lora and same_base) else frozen_model_bytes(shape, cfg.precision.name)
+    if runs_reference(cfg.stage.objective, pref.loss, pref.precompute_reference):
+        same_base = pref.reference_from is None or pref.reference_from == cfg.stage.init_from
+        if not (lora and same_base):
+            return (*frozen_model_bytes(cfg.model, cfg.precision.name), True)
+    if cfg.stage.objective == "distill" and cfg.distill.teacher_from:
+        from recipes_lib.checkpoint.source import recorded_model_config
 
-
-def _teacher_bytes(cfg: RunConfig) -> float:
-    """A distillation's frozen teacher, of its own shape, whole on each rank."""
-    if cfg.stage.objective != "distill" or not cfg.distill.teacher_from:
-        return 0.0
-    from recipes_lib.checkpoint.source import recorded_model_config
-
-    teacher = recorded_model_config(cfg.distill.teacher_from, "distill.teacher_from")
-    shape = DecoderShape.of(replace(cfg, model=teacher))
-    return frozen_model_bytes(shape, cfg.precision.name)
+        teacher = recorded_model_config(cfg.distill.teacher_from, "distill.teacher_from")
+        return (*frozen_model_bytes(teacher, cfg.precision.name), False)
+    return 0, 0.0, False
 
 
 def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> list[str]:

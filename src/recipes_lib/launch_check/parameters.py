@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from recipes_lib.config.schema import RunConfig
+from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
 
 
@@ -50,25 +50,31 @@ class ParameterCounts:
             return cls(total=total, trainable=adapters, quantized=quantized, adapters=adapters)
         narrowed = 0
         if base_storage_dtype(cfg.adapter.base_dtype, cfg.precision.name) == torch.bfloat16:
-            narrowed = projection_params(shape)
+            narrowed = projection_params(cfg.model)
         return cls(total, trainable=adapters, quantized=0, adapters=adapters, narrowed=narrowed)
 
 
-def projection_params(shape: DecoderShape) -> int:
-    """The blocks' projections: ``wq`` .. ``wo`` of every layer, ``w1`` .. ``w3`` of the
-    dense ones (a mixture's stacked experts are not among them)."""
-    size = {n: i * o for n, (i, o) in shape.linears().items()}
-    attention = size["wq"] + size["wk"] + size["wv"] + size["wo"]
-    mlp = size["w1"] + size["w2"] + size["w3"]
-    return shape.n_layers * attention + (shape.n_layers - shape.moe_layers) * mlp
+def projection_params(model: ModelConfig) -> int:
+    """The blocks' projections with their biases: ``wq`` .. ``wo`` of every layer,
+    ``w1`` .. ``w3`` of the dense layers' MLPs and of a mixture's shared experts (its
+    routers and stacked experts are not among them)."""
+    m = model
+    head_dim = m.head_dim or m.dim // m.n_heads
+    q, kv = m.n_heads * head_dim, (m.n_kv_heads or m.n_heads) * head_dim
+    attention = 2 * m.dim * q + 2 * m.dim * kv + ((q + 2 * kv) if m.qkv_bias else 0)
+    dense = len(m.moe_dense_layers) if m.moe_experts else m.n_layers
+    shared = m.moe_shared_experts * (m.moe_ffn_dim or m.ffn_dim) if m.moe_experts else 0
+    mlp = 3 * m.dim * (dense * m.ffn_dim + (m.n_layers - dense) * shared)
+    return m.n_layers * attention + mlp
 
 
-def frozen_model_bytes(shape: DecoderShape, precision: str) -> float:
-    """A frozen model's weights (a DPO reference, a teacher): in the run's storage dtype,
-    its projections in bf16 under bf16-mixed
+def frozen_model_bytes(model: ModelConfig, precision: str) -> tuple[int, float]:
+    """A frozen model's parameters (a DPO reference, a teacher) and their bytes: in the
+    run's storage dtype, its projections in bf16 under bf16-mixed
     (:func:`recipes_lib.adapters.frozen_base.narrow_frozen_linears`)."""
     from recipes_lib.adapters.frozen_base import base_storage_dtype
 
+    total = DecoderShape.of_model(model).num_params()
     weight_bytes = 2 if precision == "bf16-true" else 4
-    narrowed = projection_params(shape) if base_storage_dtype("auto", precision) else 0
-    return (shape.num_params() - narrowed) * weight_bytes + 2 * narrowed
+    narrowed = projection_params(model) if base_storage_dtype("auto", precision) else 0
+    return total, (total - narrowed) * weight_bytes + 2 * narrowed

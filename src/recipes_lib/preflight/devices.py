@@ -124,11 +124,16 @@ def _check_fp8_layers(cfg: RunConfig) -> None:
         )
     if "output" not in converted:
         return
-    if cfg.kernels.loss_chunk_size is not None:
+    if cfg.kernels.loss_chunk_size is not None or cfg.stage.objective == "distill":
+        fused = (
+            "stage.objective=distill computes the divergence inside the head"
+            if cfg.kernels.loss_chunk_size is None
+            else f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size} computes the head "
+            "inside the loss"
+        )
         raise ConfigError(
             f"precision.fp8_skip={list(precision.fp8_skip)} lets the output head be converted "
-            f"to float8, but kernels.loss_chunk_size={cfg.kernels.loss_chunk_size} computes the "
-            "head inside the loss, bypassing it; add 'output' to precision.fp8_skip"
+            f"to float8, but {fused}, bypassing it; add 'output' to precision.fp8_skip"
         )
     spec = get_strategy(cfg.strategy.name)
     if cfg.model.tie_embeddings and float8_all_gather(precision, fsdp=spec.float8_all_gather):
@@ -249,8 +254,8 @@ def check_strategy(cfg: RunConfig) -> None:
     if cfg.stage.objective == "distill" and not spec.fused_head:
         raise ConfigError(
             f"stage.objective=distill with strategy={name}: the divergence is computed "
-            "inside the student head's forward, which is not tested under this strategy; "
-            "use strategy=ddp or fsdp"
+            "inside the student head's forward, which this strategy's engine is not known to "
+            "gather the head for; use strategy=ddp or fsdp"
         )
     if not spec.shards:
         return

@@ -19,6 +19,7 @@ from recipes_lib.config.schema import (
     StrategyConfig,
 )
 from recipes_lib.errors import ConfigError
+from recipes_lib.models import Transformer
 from recipes_lib.preflight import check_adapter
 from recipes_lib.stages.build import ModelBuild, build_model
 
@@ -82,6 +83,13 @@ def test_fp32_precision_keeps_the_weights_and_bf16_runs_outside_autocast():
     assert not any(
         isinstance(m, NarrowedLinear) for m in _built("32-true").modules()
     )  # auto narrows under bf16-mixed only
+    built = _built("bf16-mixed", base_dtype="float32")  # float32: as built
+    assert not any(isinstance(m, NarrowedLinear) for m in built.modules())
+    from recipes_lib.adapters.frozen_base import narrow_frozen_linears
+
+    bf16 = Transformer(CONFIG).to(torch.bfloat16).requires_grad_(False)
+    assert narrow_frozen_linears(bf16, torch.float32) == 0  # never wider
+    assert narrow_frozen_linears(bf16, torch.bfloat16) == 0  # nothing to narrow
     model = _built("32-true", base_dtype="bfloat16")
     assert any(isinstance(m, NarrowedLinear) for m in model.modules())
     logits = model(_tokens())  # fp32 activations through bf16 weights, no autocast

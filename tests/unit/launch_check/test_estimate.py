@@ -219,8 +219,7 @@ def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(
     base = ("precision=bf16-mixed", "stage=dpo", "data=stdlib_dpo")
     live = estimate_memory(cfg_of(*base), world_size=1)
     gone = estimate_memory(cfg_of(*base, "preference.precompute_reference=true"), 1)
-    shape = DecoderShape.of(cfg_of(*base))
-    total, projections = meta_params(cfg_of(*base)), projection_params(shape)
+    total, projections = meta_params(cfg_of(*base)), projection_params(cfg_of(*base).model)
     assert 0 < projections < total
     assert live.parameters - gone.parameters == (total - projections) * 4 + projections * 2
     fp32 = estimate_memory(cfg_of(*base[1:], "precision=32-true"), 1)
@@ -234,11 +233,37 @@ def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(
     student = ("precision=bf16-mixed", "stage=distill", "data=stdlib_sft")
     alone = estimate_memory(cfg_of(*student), 1)
     taught = estimate_memory(cfg_of(*student, f"distill.teacher_from={tmp_path / 't'}"), 1)
-    teacher = DecoderShape.of(teacher_cfg)
-    t_total, t_projections = meta_params(teacher_cfg), projection_params(teacher)
+    t_total, t_projections = meta_params(teacher_cfg), projection_params(teacher_cfg.model)
     assert taught.parameters - alone.parameters == (t_total - t_projections) * 4 + t_projections * 2
     sharded = estimate_memory(
         cfg_of(*student, f"distill.teacher_from={tmp_path / 't'}", "strategy=fsdp"), 2
     )
     sharded_alone = estimate_memory(cfg_of(*student, "strategy=fsdp"), 2)
     assert sharded.parameters - sharded_alone.parameters == taught.parameters - alone.parameters
+
+
+@pytest.mark.parametrize(
+    "moe",
+    [
+        (),
+        ("model=moe_tiny",),
+        ("model=moe_tiny", "model.moe_dense_layers=[0]"),
+        ("model=moe_tiny", "model.moe_shared_experts=1"),
+        ("model.family=qwen2", "model.qkv_bias=true"),
+    ],
+    ids=["dense", "moe", "moe_dense_layer", "moe_shared", "qkv_bias"],
+)
+def test_the_counted_projections_are_the_ones_a_frozen_model_narrows(moe):
+    from recipes_lib.adapters.frozen_base import narrow_frozen_linears
+    from recipes_lib.launch_check.parameters import projection_params
+
+    cfg = cfg_of(*moe)
+    model = Transformer(cfg.model).requires_grad_(False)
+    before = {n: p.dtype for n, p in model.named_parameters()}
+    narrow_frozen_linears(model, torch.bfloat16)
+    narrowed = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if p.dtype == torch.bfloat16 and before[n] != torch.bfloat16
+    )
+    assert narrowed == projection_params(cfg.model) > 0

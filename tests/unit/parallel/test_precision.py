@@ -176,6 +176,10 @@ def test_a_float8_output_head_the_loss_bypasses_is_refused(torchao_float8):
         _check(cfg)
     cfg.precision.fp8_skip = ["output"]
     _check(cfg)
+    cfg = _cfg(fp8_skip=[])
+    cfg.stage.objective = "distill"  # its divergence is computed inside the head
+    with pytest.raises(ConfigError, match="stage.objective=distill computes the divergence"):
+        _check(cfg)
 
 
 def test_a_tied_float8_head_under_fsdp_float8_all_gather_is_refused(torchao_float8):
