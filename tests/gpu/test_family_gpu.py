@@ -182,8 +182,8 @@ def test_expert_parallel_on_two_gpus_follows_the_gathered_experts(tmp_path, cach
     computation's loss rises at step 11), and there the expert-parallel run alone spiked
     at step 8 (6.636 against 6.327 gathered, 6.333 DDP, 6.325 one GPU; H100 and H200)
     before rejoining the others by step 12 (6.572 against 6.575), a departure not
-    explained (see benchmarks/results/NOTES.md). The balance loss is off: each rank
-    computes it on its own rows, which is not the whole batch's."""
+    explained (see benchmarks/results/NOTES.md). The balance loss is off, as when these
+    curves were measured."""
     settings = ["model.moe_aux_loss_coef=0"]
     if precision == "bf16-mixed":
         settings.append("optim.lr=1.5e-3")

@@ -272,6 +272,7 @@ MOE = (
     "model.moe_router=sigmoid",
     "model.moe_bias_update_rate=0.01",
     "model.moe_z_loss_coef=0.001",
+    "model.moe_aux_loss_coef=0.01",
 )
 
 
@@ -289,8 +290,8 @@ def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
     """The stacked experts shard and train under FSDP as on one process, gathered like
     every weight or each rank keeping two of the four (expert parallelism, the tokens
     sent to them and back), and the sigmoid router's bias, moved by the token counts
-    summed over both ranks, is the one process's. (The balance loss is left out: each
-    rank computes it on its own rows, which is not the loss of the whole batch.)"""
+    summed over both ranks, is the one process's; so is the balance loss, each expert's
+    share of the tokens summed over both ranks."""
     parallel = ["strategy.expert_parallel=true"] if experts == "expert_parallel" else []
     _torchrun(
         tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *MOE, *parallel

@@ -20,7 +20,9 @@ expert ``e`` took over the tokens and ``P_e`` its mean router probability: ``k``
 balanced, transformers' convention, so a checkpoint's ``router_aux_loss_coef`` means here
 what it meant there),
 ``z_loss`` (the mean squared log-sum-exp of the router logits) and
-``expert_counts`` (tokens per expert). :func:`moe_losses` weighs and collects them;
+``expert_counts`` (tokens per expert), with ``mean_probs`` and ``routed_tokens`` so that
+the balance can be taken over every rank's tokens
+(:func:`recipes_lib.stages.experts.moe_losses` weighs and collects them);
 they are not returned, so the block's signature stays one tensor in, one out (compiled
 blocks and activation checkpointing keep them, as the tests check).
 
@@ -255,6 +257,8 @@ class MoEFeedForward(nn.Module):
         self.balance_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
         self.expert_counts: Tensor | None = None
+        self.mean_probs: Tensor | None = None  # P_e, and the tokens f_e divides by
+        self.routed_tokens: Tensor | int = 0
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Router logits ``(N, E)``, each token's experts ``(N, k)`` and weights
@@ -322,16 +326,22 @@ class MoEFeedForward(nn.Module):
             counts = torch.zeros_like(counts).scatter_add_(
                 0, assignments, keep.long().repeat_interleave(self.top_k)
             )
-        share = counts.float() / tokens  # f_e: they sum to k
-        balance = self.n_experts * (share * mean_probs).sum()
-        # all three at once: activation checkpointing's recomputation may stop early
+        balance = balance_loss(counts.float(), tokens, mean_probs, self.n_experts)
+        # all at once: activation checkpointing's recomputation may stop early
         self.balance_loss, self.z_loss, self.expert_counts = balance, z, counts.detach()
+        self.mean_probs, self.routed_tokens = mean_probs, tokens
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor, rate: float) -> None:
         """Move the sigmoid router's bias by ``rate`` towards balance: up for the experts
         that took fewer than the mean of ``counts`` (one step's tokens), down for more."""
         self.expert_bias += rate * torch.sign(counts.float().mean() - counts.float())
+
+
+def balance_loss(counts: Tensor, tokens: Tensor | int, mean_probs: Tensor, experts: int) -> Tensor:
+    """Switch Transformer's ``E * sum_e f_e * P_e`` (``f_e``: ``counts`` over ``tokens``,
+    ``k`` in all; ``P_e``: ``mean_probs``), over the last dimension."""
+    return experts * (counts / tokens * mean_probs).sum(-1)
 
 
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
@@ -350,47 +360,3 @@ def set_expert_path(model: nn.Module, path: str) -> None:
     check_expert_path(path)
     for layer in moe_layers(model):
         layer.experts.path = path
-
-
-def moe_losses(
-    layers: list[MoEFeedForward], config: ModelConfig
-) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """After a training forward of a model's mixture ``layers`` (:func:`moe_layers`): the
-    auxiliary loss to add to the objective's (``moe_aux_loss_coef`` times the mean
-    balance loss of the layers plus ``moe_z_loss_coef`` times their mean z-loss; None
-    for a dense model or outside training) and the two means to log."""
-    if not layers or any(m.balance_loss is None for m in layers):
-        for m in layers:
-            m.balance_loss = m.z_loss = None
-        return None, {}
-    balance = torch.stack([m.balance_loss for m in layers]).mean()
-    z = torch.stack([m.z_loss for m in layers]).mean()
-    for m in layers:
-        m.balance_loss = m.z_loss = None
-    aux = config.moe_aux_loss_coef * balance + config.moe_z_loss_coef * z
-    return aux, {"moe_balance_loss": balance.detach(), "moe_z_loss": z.detach()}
-
-
-def take_expert_counts(layers: list[MoEFeedForward]) -> Tensor | None:
-    """Tokens per expert of each layer's last training forward, ``(layers, E)``, or None."""
-    counts = [m.expert_counts for m in layers]
-    if not counts or any(c is None for c in counts):
-        return None
-    for m in layers:
-        m.expert_counts = None
-    return torch.stack(counts)
-
-
-def load_metrics(counts: Tensor) -> dict[str, Tensor]:
-    """Per-layer balance of ``(layers, E)`` token counts: ``moe/load_max_mean/L`` (the
-    busiest expert's tokens over the mean: 1 when balanced) and
-    ``moe/load_min_mean/L``."""
-    counts = counts.float()
-    mean = counts.mean(-1).clamp_min(1e-9)
-    out = {}
-    for layer, (top, low, avg) in enumerate(
-        zip(counts.max(-1).values, counts.min(-1).values, mean, strict=True)
-    ):
-        out[f"moe/load_max_mean/{layer}"] = top / avg
-        out[f"moe/load_min_mean/{layer}"] = low / avg
-    return out

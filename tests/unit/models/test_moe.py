@@ -8,7 +8,8 @@ import torch
 from tiny import tiny_model_config
 
 from recipes_lib.models import Transformer
-from recipes_lib.models.moe import MoEFeedForward, load_metrics, moe_layers, moe_losses
+from recipes_lib.models.moe import MoEFeedForward, moe_layers
+from recipes_lib.stages.experts import load_metrics, moe_losses
 
 MOE = dict(family="qwen3_moe", qk_norm="head", moe_experts=4, moe_top_k=2, moe_ffn_dim=16)
 
