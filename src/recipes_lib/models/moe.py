@@ -228,11 +228,13 @@ class ExpertParallel:
         per_rank = counts.view(self.size, -1)  # (ranks, local experts): rows to send
         received = torch.empty_like(per_rank)  # rows from each rank for each local expert
         all_to_all_single(received, per_rank.contiguous(), group=self.group)
-        send, receive = per_rank.sum(1).tolist(), received.sum(1).tolist()
+        # the host's one wait of the layer: both split lists in one copy
+        send, receive = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()
         rows = exchange(x.new_empty(sum(receive), x.shape[1]), x, receive, send, self.group)
         local = received.shape[1]
         expert = torch.arange(local, device=x.device).repeat(self.size)
-        order = torch.argsort(torch.repeat_interleave(expert, received.flatten()), stable=True)
+        by_expert = torch.repeat_interleave(expert, received.flatten(), output_size=sum(receive))
+        order = torch.argsort(by_expert, stable=True)
         y = experts(rows[order], received.sum(0))  # by local expert
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
