@@ -257,7 +257,9 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         kept += 2 * weights.adapters if mixed else 0
 
     # --- activations and the loss
-    tokens = rows_per_micro_batch(cfg) * cfg.data.seq_len
+    # KTO's twins run without a gradient (a dense model's): only the completions' are kept
+    twins_apart = cfg.stage.objective == "kto" and not cfg.model.moe_experts
+    tokens = rows_per_micro_batch(cfg) // (2 if twins_apart else 1) * cfg.data.seq_len
     block = tokens * block_bytes_per_token(
         shape,
         dt,
@@ -289,6 +291,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     else:
         saved += shape.n_layers * block
         computing, recomputed = 0.0, 0.0
+    computing = max(computing, block) if twins_apart else computing  # beside the saved
     computing += gathering
     embedding_grad = head * dt.residual if weights.trainable == weights.total else 0
     recast = 2 * (block_linear - narrowed / shape.n_layers) if mixed and not fsdp else 0

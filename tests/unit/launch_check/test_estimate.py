@@ -267,3 +267,11 @@ def test_the_counted_projections_are_the_ones_a_frozen_model_narrows(moe):
         if p.dtype == torch.bfloat16 and before[n] != torch.bfloat16
     )
     assert narrowed == projection_params(cfg.model) > 0
+
+
+def test_kto_keeps_the_activations_of_its_completions_alone():
+    """Its twins run without a gradient: B completions keep what B / 2 DPO pairs keep."""
+    kto = estimate_memory(cfg_of("stage=kto", "data=stdlib_kto", "data.batch_size=4"), 1)
+    dpo = estimate_memory(cfg_of("stage=dpo", "data=stdlib_dpo", "data.batch_size=2"), 1)
+    twice = estimate_memory(cfg_of("stage=dpo", "data=stdlib_dpo", "data.batch_size=4"), 1)
+    assert kto.activations == dpo.activations < twice.activations
