@@ -22,7 +22,8 @@ from torch import Tensor, nn
 
 from recipes_lib.errors import ConfigError
 
-BASE_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+# adapter.base_dtype -> the dtype stored (None: as built; auto: see base_storage_dtype)
+BASE_DTYPES = {"auto": None, "float32": None, "bfloat16": torch.bfloat16}
 NARROWED_UNDER = ("bf16-mixed",)  # precisions where ``auto`` narrows
 REFUSED_UNDER = ("fp8",)
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # the blocks' linears
@@ -76,7 +77,7 @@ def base_storage_dtype(base_dtype: str, precision: str | None) -> torch.dtype | 
     check_base_dtype(base_dtype, precision)
     if base_dtype == "auto":
         return torch.bfloat16 if precision in NARROWED_UNDER else None
-    return None if base_dtype == "float32" else BASE_DTYPES[base_dtype]  # float32: as built
+    return BASE_DTYPES[base_dtype]
 
 
 def narrow_frozen_linears(blocks: nn.Module, dtype: torch.dtype) -> int:

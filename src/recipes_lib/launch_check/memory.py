@@ -56,6 +56,7 @@ from recipes_lib.launch_check.parameters import (
     ParameterCounts,
     adapted_linears,
     frozen_model_bytes,
+    weight_bytes_of,
 )
 from recipes_lib.losses.preference import TWO_SEQUENCE_OBJECTIVES, runs_reference
 from recipes_lib.parallel.precision import device_type
@@ -213,7 +214,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     offload = cfg.strategy.cpu_offload and spec.cpu_offload
     fsdp = spec.shard is not None
     mixed = precision in ("bf16-mixed", "fp8")
-    weight_bytes = 2 if precision == "bf16-true" else 4
+    weight_bytes = weight_bytes_of(precision)
     compute_bytes = 4 if precision == "32-true" else 2
     dt = ActivationDtypes.of(precision, fsdp and mixed)
     lora = adapted_linears(cfg)

@@ -12,6 +12,11 @@ from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
 
 
+def weight_bytes_of(precision: str) -> int:
+    """Bytes of a stored weight: bf16 under ``bf16-true``, fp32 under every other."""
+    return 2 if precision == "bf16-true" else 4
+
+
 def adapted_linears(cfg: RunConfig) -> dict[str, int] | None:
     """Adapted linear name -> LoRA rank, or None without an adapter."""
     if cfg.adapter.kind == "none":
@@ -75,6 +80,5 @@ def frozen_model_bytes(model: ModelConfig, precision: str) -> tuple[int, float]:
     from recipes_lib.adapters.frozen_base import base_storage_dtype
 
     total = DecoderShape.of_model(model).num_params()
-    weight_bytes = 2 if precision == "bf16-true" else 4
     narrowed = projection_params(model) if base_storage_dtype("auto", precision) else 0
-    return total, (total - narrowed) * weight_bytes + 2 * narrowed
+    return total, (total - narrowed) * weight_bytes_of(precision) + 2 * narrowed

@@ -256,7 +256,6 @@ class MoEFeedForward(nn.Module):
             self.shared = dense(config.dim, config.moe_shared_experts * hidden, config.activation)
         if self.router_kind == "sigmoid":  # moved by update_bias, never by the gradient
             self.register_buffer("expert_bias", torch.zeros(self.n_experts))
-        self.balance_loss: Tensor | None = None
         self.z_loss: Tensor | None = None
         self.expert_counts: Tensor | None = None
         self.mean_probs: Tensor | None = None  # P_e, and the tokens f_e divides by
@@ -312,7 +311,8 @@ class MoEFeedForward(nn.Module):
         counts: Tensor,
         token_mask: Tensor | None,
     ) -> None:
-        """The balance loss, the z-loss and the counts of the tokens ``token_mask`` keeps."""
+        """What the balance loss, the z-loss and the counts of the tokens ``token_mask``
+        keeps are taken from."""
         z = torch.logsumexp(logits.float(), dim=-1).square()  # (N,)
         tokens: Tensor | int
         if token_mask is None:
@@ -328,10 +328,18 @@ class MoEFeedForward(nn.Module):
             counts = torch.zeros_like(counts).scatter_add_(
                 0, assignments, keep.long().repeat_interleave(self.top_k)
             )
-        balance = balance_loss(counts.float(), tokens, mean_probs, self.n_experts)
         # all at once: activation checkpointing's recomputation may stop early
-        self.balance_loss, self.z_loss, self.expert_counts = balance, z, counts.detach()
+        self.z_loss, self.expert_counts = z, counts.detach()
         self.mean_probs, self.routed_tokens = mean_probs, tokens
+
+    @property
+    def balance_loss(self) -> Tensor | None:
+        """The balance loss over this layer's last training forward's tokens (None when
+        none is kept)."""
+        if self.mean_probs is None or self.expert_counts is None:
+            return None
+        counts = self.expert_counts.float()
+        return balance_loss(counts, self.routed_tokens, self.mean_probs, self.n_experts)
 
     @torch.no_grad()
     def update_bias(self, counts: Tensor, rate: float) -> None:

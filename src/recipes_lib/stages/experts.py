@@ -90,20 +90,19 @@ def moe_losses(
     (the sum over ranks), each expert's share of the tokens is the whole batch's."""
     if not layers or any(m.balance_loss is None for m in layers):
         for m in layers:
-            m.balance_loss = m.z_loss = m.mean_probs = None
+            m.z_loss = m.mean_probs = None
         return None, {}
-    if summed is None:
-        balance = torch.stack([m.balance_loss for m in layers]).mean()
-    else:  # (layers, E + 1): the counts and the tokens, summed at once
-        shares = torch.stack(
-            [torch.cat([m.expert_counts.float(), _as_row(m.routed_tokens, m)]) for m in layers]
-        )
+    # (layers, E + 1): the counts and the tokens, summed over the ranks at once
+    shares = torch.stack(
+        [torch.cat([m.expert_counts.float(), _as_row(m.routed_tokens, m)]) for m in layers]
+    )
+    if summed is not None:
         shares = summed(shares)
-        probs = torch.stack([m.mean_probs for m in layers])
-        balance = balance_loss(shares[:, :-1], shares[:, -1:], probs, config.moe_experts).mean()
+    probs = torch.stack([m.mean_probs for m in layers])
+    balance = balance_loss(shares[:, :-1], shares[:, -1:], probs, config.moe_experts).mean()
     z = torch.stack([m.z_loss for m in layers]).mean()
     for m in layers:
-        m.balance_loss = m.z_loss = m.mean_probs = None
+        m.z_loss = m.mean_probs = None
     aux = config.moe_aux_loss_coef * balance + config.moe_z_loss_coef * z
     return aux, {"moe_balance_loss": balance.detach(), "moe_z_loss": z.detach()}
 
