@@ -49,6 +49,9 @@
 #                                              # frozen projections; live DPO's peak
 #   bash benchmarks/gpu_session.sh ep2         # the expert-parallel test in fp32 and bf16,
 #                                              # then the MoE and evaluation GPU tests
+#   bash benchmarks/gpu_session.sh post_final  # every post-training case against TRL+Liger,
+#                                              # one per GPU; the expert-parallel test (4 GPUs)
+#   bash benchmarks/gpu_session.sh ep_final    # moe_1b fsdp on 1 and 4 GPUs, fsdp+ep on 2 and 4
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
 #                                              # against TRL and TRL+Liger at 1B (trl and
 #                                              # liger-kernel wheels)
@@ -344,6 +347,22 @@ ep2)  # the expert-parallel test in fp32 and bf16 (2 GPUs), then the MoE and eva
 eval)  # multiple-choice evaluation against lm-eval's HF backend, the evaluation GPU tests
   job eval_peer 0 "$PY benchmarks/eval_peer.py --side-timeout 120 --out $OUT/eval_peer.json"
   job eval_tests 1 "$PY -m pytest -q -rs tests/gpu -k eval -p no:cacheprovider"
+  wait ;;
+post_final)  # every case of posttrain_peer.py against TRL+Liger, then the expert-parallel
+  # test in fp32 (against one GPU too) and bf16
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 150 --warmup-steps 3 --steps 10 \
+    --sides recipes_lib,trl_liger"
+  job peer_sft 0 "$PEER --cases sft_full --out $OUT/posttrain_peer_sft.json"
+  job peer_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_lora.json"
+  job peer_dpo 2 "$PEER --cases dpo_live --out $OUT/posttrain_peer_dpo_live.json"
+  job peer_dpo_pre 3 "$PEER --cases dpo_precomputed --out $OUT/posttrain_peer_dpo_pre.json"
+  wait
+  job peer_orpo 0 "$PEER --cases orpo --out $OUT/posttrain_peer_orpo.json"
+  job ep_test 2,3 "timeout -s INT 240 $PY -m pytest -q -rs -s -m multigpu \
+      tests/gpu/test_family_gpu.py -k expert_parallel -p no:cacheprovider"
+  wait ;;
+ep_final)
+  job ep_scaling 0,1,2,3 "$(moe_scaling scaling_moe_1b_ep.json 1,4 2,4 220 240)"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"

@@ -223,14 +223,19 @@ class ExpertParallel:
         """The experts' outputs for rows ``x`` sorted by expert (``counts`` per expert),
         computed on the ranks that hold them."""
         from torch.distributed import all_to_all_single
-        from torch.distributed.nn.functional import all_to_all_single as exchange
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        def exchange(rows: Tensor, output_sizes: list[int], input_sizes: list[int]) -> Tensor:
+            # the differentiable all-to-all that replaces the deprecated
+            # torch.distributed.nn.functional one (torchtitan's expert parallelism uses it)
+            return all_to_all_single_autograd(rows, output_sizes, input_sizes, self.group)
 
         per_rank = counts.view(self.size, -1)  # (ranks, local experts): rows to send
         received = torch.empty_like(per_rank)  # rows from each rank for each local expert
         all_to_all_single(received, per_rank.contiguous(), group=self.group)
         # the host's one wait of the layer: both split lists in one copy
         send, receive = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()
-        rows = exchange(x.new_empty(sum(receive), x.shape[1]), x, receive, send, self.group)
+        rows = exchange(x, receive, send)
         local = received.shape[1]
         expert = torch.arange(local, device=x.device).repeat(self.size)
         by_expert = torch.repeat_interleave(expert, received.flatten(), output_size=sum(receive))
@@ -238,7 +243,7 @@ class ExpertParallel:
         y = experts(rows[order], received.sum(0))  # by local expert
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return exchange(x.new_empty(x.shape), y[back].contiguous(), send, receive, self.group)
+        return exchange(y[back].contiguous(), send, receive)
 
 
 class MoEFeedForward(nn.Module):
