@@ -51,7 +51,10 @@
 #                                              # then the MoE and evaluation GPU tests
 #   bash benchmarks/gpu_session.sh post_final  # every post-training case against TRL+Liger,
 #                                              # one per GPU; the expert-parallel test (4 GPUs)
-#   bash benchmarks/gpu_session.sh ep_final    # moe_1b fsdp on 1 and 4 GPUs, fsdp+ep on 2 and 4
+#   bash benchmarks/gpu_session.sh post_dpo    # DPO (live, precomputed) against TRL+Liger with
+#                                              # room for four compiles at once; moe_1b fsdp
+#                                              # on 1 GPU and fsdp+ep on 2 (4 GPUs)
+#   bash benchmarks/gpu_session.sh ep_final    # moe_1b fsdp and fsdp+ep on 4 GPUs
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
 #                                              # against TRL and TRL+Liger at 1B (trl and
 #                                              # liger-kernel wheels)
@@ -361,8 +364,18 @@ post_final)  # every case of posttrain_peer.py against TRL+Liger, then the exper
   job ep_test 2,3 "timeout -s INT 240 $PY -m pytest -q -rs -s -m multigpu \
       tests/gpu/test_family_gpu.py -k expert_parallel -p no:cacheprovider"
   wait ;;
+post_dpo)  # the DPO cases again, each side given 280 s (at 150 s both ran past it while
+  # four sides compiled at once); moe_1b's expert-parallel scaling on the two other GPUs
+  PEER="$PY benchmarks/posttrain_peer.py --side-timeout 280 --warmup-steps 3 --steps 10 \
+    --sides recipes_lib,trl_liger"
+  job peer_dpo 0 "$PEER --cases dpo_live --out $OUT/posttrain_peer_dpo_live.json"
+  job peer_dpo_pre 1 "$PEER --cases dpo_precomputed --out $OUT/posttrain_peer_dpo_pre.json"
+  job ep_scaling 2,3 "$(moe_scaling scaling_moe_1b_ep2.json 1 2 200 220)"
+  wait ;;
 ep_final)
-  job ep_scaling 0,1,2,3 "$(moe_scaling scaling_moe_1b_ep.json 1,4 2,4 220 240)"
+  job ep_scaling 0,1,2,3 "$PY benchmarks/scaling.py --recipe pretrain/moe_1b \
+    --no-single-baseline --warmup-steps 6 --steps 12 --timeout-s 150 --gpus 4 \
+    --strategies fsdp,fsdp+ep --budget-s 400 --out $OUT/scaling_moe_1b_ep4.json"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"
