@@ -83,7 +83,8 @@ def test_dpo_from_a_folder(tmp_path, model_type):
 def test_lora_on_the_experts_trains_them_and_merges_into_the_output(tmp_path):
     """``adapter.target_modules`` with ``experts``: each routed expert's weights take an
     update; the merged output, exported, is what transformers computes, and its experts
-    moved from the folder's. No PEFT folder is written for such adapters."""
+    moved from the folder's; the run's PEFT folder over the starting folder computes it
+    too."""
     folder = make_hf_folder(tmp_path / "moe", "qwen3_moe", **FAMILY_SETTINGS["qwen3_moe"])
     overrides = [
         "recipe=sft/lora",
@@ -98,7 +99,7 @@ def test_lora_on_the_experts_trains_them_and_merges_into_the_output(tmp_path):
         f"data.cache_dir={tmp_path / 'cache'}",
     ]
     result = run(compose_config(overrides))
-    assert result.global_step == 2 and not (result.output_dir / "adapter").exists()
+    assert result.global_step == 2 and (result.output_dir / "adapter").is_dir()
     model = to_run_config(fill_model_from_init(compose_config(overrides))).model
     state = load_weights(result.weights_path)
     start = Transformer(model)
@@ -110,5 +111,10 @@ def test_lora_on_the_experts_trains_them_and_merges_into_the_output(tmp_path):
     exported = export_hf_checkpoint(state, model, tmp_path / "export")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     x = torch.randint(0, model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
+    peft = pytest.importorskip("peft")
+    adapted = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    adapted = peft.PeftModel.from_pretrained(adapted, result.output_dir / "adapter").eval()
     with torch.no_grad():
-        torch.testing.assert_close(theirs(input_ids=x).logits, trained(x), atol=1e-4, rtol=1e-4)
+        ours = trained(x)
+        torch.testing.assert_close(theirs(input_ids=x).logits, ours, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(adapted(input_ids=x).logits, ours, atol=1e-4, rtol=1e-4)

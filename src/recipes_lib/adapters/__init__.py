@@ -19,15 +19,10 @@ from recipes_lib.adapters.lora import (
     lora_layers,
     merge_adapter,
 )
-from recipes_lib.adapters.peft_format import (
-    EXPERTS_FOLDER_REFUSAL,
-    hf_target_modules,
-    save_adapter,
-)
+from recipes_lib.adapters.peft_format import hf_target_modules, save_adapter
 
 __all__ = [
     "ADAPTER_KINDS",
-    "EXPERTS_FOLDER_REFUSAL",
     "NATIVE_TARGETS",
     "adapters_disabled",
     "apply_adapter",

@@ -12,6 +12,12 @@ gives the same outputs as the adapted native model. A family whose checkpoints f
 layers (Phi-3's ``qkv_proj``, ``gate_up_proj``) gets one adapter per fused module that
 computes what the parts' adapters do (their ranks stacked, ``rank_pattern`` and
 ``alpha_pattern`` set so that each part keeps its scale).
+
+Adapters on a mixture's routed experts follow transformers (5 and later), which holds a
+layer's experts stacked as ``mlp.experts.gate_up_proj`` ``(E, 2F, C)`` and ``down_proj``
+``(E, C, F)``: PEFT adapts those parameters (``target_parameters``), each expert with its
+own rank-r factors. ``w1`` and ``w3`` go into one ``gate_up_proj`` adapter of rank 2r,
+built as a fused layer's is.
 """
 
 from __future__ import annotations
@@ -28,7 +34,6 @@ from recipes_lib.adapters.lora import (
     ADAPTER_NAME,
     HF_TO_NATIVE_TARGET,
     SCORE_HEAD,
-    has_expert_adapter,
     has_score_head,
     lora_config,
     lora_layers,
@@ -39,16 +44,19 @@ from recipes_lib.errors import CheckpointError
 from recipes_lib.files import chmod_as_umask
 from recipes_lib.models import Transformer
 from recipes_lib.models.families import get_family
+from recipes_lib.models.families.base import TensorNames
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 _NATIVE_TO_HF_TARGET = {native: hf for hf, native in HF_TO_NATIVE_TARGET.items()}
-EXPERTS_FOLDER_REFUSAL = (
-    "adapters on a mixture's experts have no PEFT folder here (transformers fuses the "
-    "experts' weights, which such an adapter would have to follow); the merged weights "
-    "are the output"
-)
+# transformers' stacked experts: each parameter and the native weights it stacks
+EXPERT_PARAMETERS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+
+
+def model_config(model: nn.Module):
+    """The :class:`~recipes_lib.config.schema.ModelConfig` of the decoder in ``model``."""
+    return next(m for m in model.modules() if isinstance(m, Transformer)).config
 
 
 def hf_target_modules(config: AdapterConfig) -> list[str]:
@@ -85,19 +93,61 @@ def _fuse(parts: list[tuple[Tensor, Tensor] | None], rows: list[int]) -> tuple[T
     return a, b
 
 
+def _per_expert(a: Tensor, b: Tensor, experts: int) -> list[tuple[Tensor, Tensor]]:
+    """PEFT's factors of stacked expert weights, ``A`` ``(E * r, in)`` and ``B``
+    ``(out, r * E)`` (expert ``e``: rows ``e * r ..`` of A, columns ``e, e + E, ..`` of
+    B), as each expert's own ``(A_e, B_e)``."""
+    a = a.reshape(experts, -1, a.shape[-1])  # (E, r, in)
+    b = b.reshape(b.shape[0], -1, experts)  # (out, r, E)
+    return [(a[e], b[:, :, e]) for e in range(experts)]
+
+
+def _stacked(per_expert: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`_per_expert`."""
+    a = torch.stack([a for a, _ in per_expert])  # (E, r, in)
+    b = torch.stack([b for _, b in per_expert], dim=-1)  # (out, r, E)
+    return a.flatten(0, 1).contiguous(), b.flatten(1).contiguous()
+
+
+def _expert_adapters(
+    names: TensorNames, layers: dict[str, dict[str, tuple[Tensor, Tensor]]], experts: int
+) -> dict[str, Tensor]:
+    """PEFT's tensors for adapters on each layer's stacked experts (``layers``: native
+    block prefix -> ``w1``/``w3``/``w2`` -> factors). The nested wrappers PEFT makes for
+    two parameters of one module key the first one's factors under ``base_layer``."""
+    out = {}
+    for prefix, weights in layers.items():
+        block = prefix.split(".")[1]
+        module = f"{PEFT_PREFIX}model.layers.{block}.{names.experts_module}"
+        for i, parts in enumerate(EXPERT_PARAMETERS.values()):  # the target adapts all three
+            per_part = [_per_expert(*weights[part], experts) for part in parts]
+            rows = [weights[part][1].shape[0] for part in parts]  # each B: (out, r * E)
+            fused = [_fuse([p[e] for p in per_part], rows) for e in range(experts)]
+            a, b = _stacked(fused)
+            key = f"{module}.base_layer" if i == 0 else module
+            out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = a, b
+    return out
+
+
 def peft_state_dict(
     model: nn.Module, state: Mapping[str, Tensor] | None = None
 ) -> tuple[dict[str, Tensor], dict[str, int]]:
     """The LoRA factors of ``model`` (or of ``state``) under PEFT's Hugging Face keys, and
-    the fused Hugging Face modules (Phi-3's ``qkv_proj``, ``gate_up_proj``) with how many
-    adapted parts each one's adapter stacks (see :func:`_fuse`)."""
+    the fused Hugging Face modules (Phi-3's ``qkv_proj``, ``gate_up_proj``; the experts'
+    ``gate_up_proj``) with how many adapted parts each one's adapter stacks (see
+    :func:`_fuse`)."""
     decoder = next(m for m in model.modules() if isinstance(m, Transformer))
     names = get_family(decoder.config.family).names
     factors = _factors(model, state if state is not None else {})
     out: dict[str, Tensor] = {}
     fused: dict[str, list[tuple[Tensor, Tensor] | None]] = {}
     stacked: dict[str, int] = {}
+    expert_layers: dict[str, dict[str, tuple[Tensor, Tensor]]] = {}
     for name, (a, b) in factors.items():
+        if names.is_stacked(name):  # layers.N.feed_forward.experts.w1.weight
+            prefix, weight, _ = name.rsplit(".", 2)
+            expert_layers.setdefault(prefix, {})[weight] = (a, b)
+            continue
         hf_name, into = names.to_hf(name), names.fused_of(name)
         if into is not None:
             fused.setdefault(into[0], [None] * into[2])[into[1]] = (a, b)
@@ -117,6 +167,9 @@ def peft_state_dict(
         stacked[hf_name.removesuffix(".weight").rsplit(".", 1)[-1]] = sum(
             part is not None for part in parts
         )
+    if expert_layers:
+        out.update(_expert_adapters(names, expert_layers, decoder.config.moe_experts))
+        stacked["gate_up_proj"] = len(EXPERT_PARAMETERS["gate_up_proj"])
     return out, stacked
 
 
@@ -141,18 +194,19 @@ def save_adapter(
         base_model_name_or_path: recorded in ``adapter_config.json``.
 
     Raises:
-        CheckpointError: ``model`` has no adapters, or has adapters on a mixture's
-            experts (:data:`EXPERTS_FOLDER_REFUSAL`).
+        CheckpointError: ``model`` has no adapters.
     """
-    if has_expert_adapter(model):
-        raise CheckpointError(f"cannot save an adapter to {out_dir}: {EXPERTS_FOLDER_REFUSAL}")
     tensors, stacked = peft_state_dict(model, state)
     if not tensors:
         raise CheckpointError(f"cannot save an adapter to {out_dir}: the model has no LoRA layers")
     folder = Path(out_dir).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
-    targets = sorted({key.removeprefix(PEFT_PREFIX).split(".")[-3] for key in tensors})
-    peft_config = lora_config(config, targets)
+    keys = [key.removeprefix(PEFT_PREFIX) for key in tensors]
+    experts = get_family(model_config(model).family).names.experts_module
+    on_experts = [key for key in keys if experts and f".{experts}." in key]
+    targets = sorted({key.split(".")[-3] for key in keys if key not in on_experts})
+    parameters = [f"{experts}.{name}" for name in EXPERT_PARAMETERS] if on_experts else None
+    peft_config = lora_config(config, targets, parameters)
     peft_config.task_type = "CAUSAL_LM"
     if has_score_head(model):  # trained whole: saved beside the factors, as PEFT saves it
         head = (state or {}).get(SCORE_HEAD, model.get_parameter(SCORE_HEAD))

@@ -20,13 +20,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
-from recipes_lib.adapters import (
-    EXPERTS_FOLDER_REFUSAL,
-    has_adapter,
-    has_expert_adapter,
-    merge_adapter,
-    save_adapter,
-)
+from recipes_lib.adapters import has_adapter, merge_adapter, save_adapter
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.weights import average_checkpoints, list_step_checkpoints, save_weights
@@ -149,9 +143,7 @@ def export_weights(
                 f"tensor(s) ({', '.join(bad[:3])}); {path} is not written"
             )
         else:
-            if adapted and has_expert_adapter(module.model):
-                log.info("no adapter folder: %s", EXPERTS_FOLDER_REFUSAL)
-            elif adapted:
+            if adapted:
                 save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
             if adapted:
                 source = f"{source}, {cfg.adapter.kind} merged"

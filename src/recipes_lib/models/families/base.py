@@ -39,6 +39,10 @@ class TensorNames:
             ``{}`` for the expert's number (``mlp.experts.{}.gate_proj``) -> the native
             tensor that stacks every expert's along dim 0 (``feed_forward.experts.w1``).
             Expert ``e``'s slice is named ``<native name>[e]`` (:func:`expert_slice`).
+        experts_module: inside block ``N``: the module of transformers (5 and later)
+            that holds the routed experts stacked, as ``gate_up_proj`` ``(E, 2F, C)``
+            (the gates' rows first) and ``down_proj`` ``(E, C, F)``: what a PEFT adapter
+            on the experts targets (``mlp.experts``); empty without experts.
     """
 
     layer: Mapping[str, str]
@@ -46,6 +50,7 @@ class TensorNames:
     ignored: re.Pattern = re.compile(r".*rotary_emb\.inv_freq")
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     experts: Mapping[str, str] = field(default_factory=dict)
+    experts_module: str = ""
     _native_layer: dict[str, str] = field(init=False, repr=False)
     _native_top: dict[str, str] = field(init=False, repr=False)
     _native_fused: dict[str, tuple[str, int, int]] = field(init=False, repr=False)
@@ -320,12 +325,21 @@ MOE_READS = ("moe_experts", "moe_top_k", "moe_ffn_dim", "moe_renormalize")
 
 
 def with_experts(
-    base: TensorNames, mlp: str, gate: str, up: str, down: str, *, dense_layers: bool = False
+    base: TensorNames,
+    mlp: str,
+    gate: str,
+    up: str,
+    down: str,
+    *,
+    dense_layers: bool = False,
+    experts_module: str = "mlp.experts",
 ) -> TensorNames:
     """``base``'s tensor names for a model whose layers route their MLP: the router
     ``<mlp>.gate`` <-> ``feed_forward.router``, and one Hugging Face tensor per expert
     (``<mlp>.experts.{}.<gate>`` <-> ``feed_forward.experts.w1``, ``up`` w3, ``down`` w2).
-    ``base``'s dense MLP names stay only with ``dense_layers`` (layers that keep one)."""
+    ``base``'s dense MLP names stay only with ``dense_layers`` (layers that keep one).
+    ``experts_module``: see :class:`TensorNames` (transformers 5 renames Mixtral's
+    on-disk ``block_sparse_moe`` to ``mlp`` when it loads)."""
     experts = {
         f"{mlp}.experts.{{}}.{hf}": f"feed_forward.experts.{native}"
         for hf, native in ((gate, "w1"), (up, "w3"), (down, "w2"))
@@ -336,7 +350,10 @@ def with_experts(
         if dense_layers or not native.startswith("feed_forward.")
     }
     return TensorNames(
-        layer={**layer, f"{mlp}.gate": "feed_forward.router"}, top=base.top, experts=experts
+        layer={**layer, f"{mlp}.gate": "feed_forward.router"},
+        top=base.top,
+        experts=experts,
+        experts_module=experts_module,
     )
 
 
