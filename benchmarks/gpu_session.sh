@@ -55,6 +55,8 @@
 #                                              # room for four compiles at once; moe_1b fsdp
 #                                              # on 1 GPU and fsdp+ep on 2 (4 GPUs)
 #   bash benchmarks/gpu_session.sh ep_final    # moe_1b fsdp and fsdp+ep on 4 GPUs
+#   bash benchmarks/gpu_session.sh moe_lora    # LoRA on the experts under FSDP; the bf16
+#                                              # expert-parallel test (4 GPUs)
 #   bash benchmarks/gpu_session.sh posttrain   # SFT, LoRA, DPO (live, precomputed) and ORPO
 #                                              # against TRL and TRL+Liger at 1B (trl and
 #                                              # liger-kernel wheels)
@@ -376,6 +378,12 @@ ep_final)
   job ep_scaling 0,1,2,3 "$PY benchmarks/scaling.py --recipe pretrain/moe_1b \
     --no-single-baseline --warmup-steps 6 --steps 12 --timeout-s 150 --gpus 4 \
     --strategies fsdp,fsdp+ep --budget-s 400 --out $OUT/scaling_moe_1b_ep4.json"
+  wait ;;
+moe_lora)
+  job moe_lora 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -k experts \
+      -p no:cacheprovider"
+  job ep_bf16 2,3 "$PY -m pytest -q -rs -s -m multigpu tests/gpu/test_family_gpu.py \
+      -k 'expert_parallel and bf16' -p no:cacheprovider"
   wait ;;
 multigpu)
   job multigpu_tests 0,1 "$PY -m pytest -q -rs tests/gpu/test_multigpu.py -p no:cacheprovider"

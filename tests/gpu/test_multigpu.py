@@ -237,6 +237,50 @@ def test_deepspeed_trains_on_two_gpus(tmp_path, cache, strategy):
     }
 
 
+def test_lora_on_the_experts_runs_under_fsdp(runs, tmp_path):
+    """LoRA on the attention and a mixture's routed experts (PEFT swaps each gathered
+    expert weight for a computed one at every call), the experts sharded by FSDP like
+    every weight, blocks recomputed in the backward pass: finite losses, the merged
+    weights and the PEFT folder."""
+    from safetensors import safe_open
+
+    pretrained = runs("single")
+    with safe_open(pretrained["weights_path"], "pt") as weights:
+        vocab = weights.get_slice("tok_embeddings.weight").get_shape()[0]
+    run_dir = tmp_path / "moe_lora"
+    losses = _cli(
+        2,
+        "recipe=sft/lora_tiny",
+        f"run.dir={run_dir}",
+        "model=moe_tiny",
+        f"model.vocab_size={vocab}",
+        "adapter.target_modules=[wq,wk,wv,wo,experts]",
+        "adapter.dropout=0",
+        "kernels.compile=false",
+        "kernels.activation_checkpointing=true",
+        "trainer=gpu",
+        "precision=bf16-mixed",
+        "strategy=fsdp",
+        "trainer.devices=2",
+        f"data.tokenizer.path={pretrained['tokenizer_path']}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.sources.stdlib_sft.max_documents=400",
+        "data.seq_len=256",
+        "data.batch_size=4",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=6",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "scheduler.warmup=1",
+        "run.checkpoint_every_n_steps=6",
+        "callbacks=minimal",
+    )
+    assert len(losses) == 6 and all(math.isfinite(v) for _, v in losses)
+    assert (run_dir / "model.safetensors").is_file()
+    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize(
     ("recipe", "extra"),
     [

@@ -66,10 +66,12 @@ def test_unknown_experts_path_lists_choices(tiny_cfg):
         run(tiny_cfg("kernels.experts=fast"))
 
 
-def test_lora_on_sharded_experts_is_refused(tiny_cfg):
+def test_lora_on_the_experts_is_refused_where_it_cannot_work(tiny_cfg):
     lora = ("adapter=lora", "adapter.target_modules=[wq,experts]", "adapter.dropout=0")
-    with pytest.raises(ConfigError, match="adapter.target_modules: experts with strategy=fsdp"):
-        run(tiny_cfg("model=moe_tiny", *lora, "strategy=fsdp"))
+    with pytest.raises(ConfigError, match="experts with strategy=deepspeed_zero3: adapters"):
+        run(tiny_cfg("model=moe_tiny", *lora, "strategy=deepspeed_zero3"))
+    with pytest.raises(ConfigError, match="experts with strategy.expert_parallel=true"):
+        run(tiny_cfg("model=moe_tiny", *lora, "strategy=fsdp", "strategy.expert_parallel=true"))
     with pytest.raises(ConfigError, match="experts with kernels.compile=true"):
         run(tiny_cfg("model=moe_tiny", *lora, "kernels.compile=true"))
     with pytest.raises(ConfigError, match="experts, and this model has none"):

@@ -305,6 +305,30 @@ def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
     assert len(biases) == 2 and all(ours[b].abs().sum() > 0 for b in biases)
 
 
+def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(runs, tmp_path):
+    """Adapters on the routed experts (PEFT swaps each expert weight for a computed one at
+    every call) with the experts sharded by FSDP like every weight: the merged output and
+    the adapter folder are the one process's. Plain SGD: under AdamW one row of one
+    factor ends 5e-4 from the one process's, under DDP exactly as under FSDP, while
+    under SGD every factor agrees within 1e-8; AdamW divides each update by its
+    gradient's own running scale, which magnifies the rounding of a row whose gradient
+    is small."""
+    lora = (*MOE, "adapter=lora", "adapter.target_modules=[wq,experts]", "adapter.dropout=0")
+    lora += ("optim.name=SGD", "optim.lr=3.0")
+    single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *lora)))
+    _torchrun(tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *lora)
+    theirs = load_weights(single.weights_path)
+    ours = load_weights(tmp_path / "fsdp" / "model.safetensors")
+    _assert_same_weights(theirs, ours)
+    adapters = [
+        load_weights(tmp_path / run_dir / "adapter" / "adapter_model.safetensors")
+        for run_dir in ("single", "fsdp")
+    ]
+    _assert_same_weights(*adapters)
+    experts_b = [v for k, v in adapters[1].items() if "mlp.experts" in k and "lora_B" in k]
+    assert len(experts_b) == 4 and all(b.abs().max() > 0 for b in experts_b)  # B starts at 0
+
+
 def test_hsdp_on_two_by_two_processes_reaches_the_single_process_weights(runs, tmp_path):
     """Two copies of the model, each sharded over two processes (FSDP2's 2-D mesh), with
     a quarter of the global batch each: the one-process weights, and sharded checkpoints

@@ -266,6 +266,8 @@ class StrategySpec:
         fused_head: the head's loss may be fused with it (``kernels.loss_chunk_size``).
             The fused head computes the loss inside the head's forward, where FSDP
             has gathered the head's weight; not tested under DeepSpeed's engine.
+        expert_adapters: LoRA may adapt a mixture's experts under it (PEFT swaps their
+            gathered weights for a computed one at every call; not DeepSpeed's).
         needs_package: the package it imports, with its install hint.
         needs_cuda: it runs on CUDA GPUs only.
         build: the Lightning strategy (or ``"auto"``) for a ``strategy`` config and
@@ -289,6 +291,7 @@ class StrategySpec:
     async_checkpoint: bool = False
     expert_parallel: bool = False
     fused_head: bool = True
+    expert_adapters: bool = True
     needs_package: tuple[str, str] | None = None
     needs_cuda: bool = False
     shard: Callable[..., nn.Module] | None = None
@@ -317,6 +320,7 @@ _ZERO = dict(
     steps_in_engine=True,
     frees_gradients=False,
     fused_head=False,
+    expert_adapters=False,
 )
 _ALL_STATE = ("parameters", "gradients", "optimizer")
 _REPLICATED = dict(

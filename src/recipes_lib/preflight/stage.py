@@ -109,11 +109,18 @@ def check_adapter(cfg: RunConfig) -> None:
         check_base_dtype(adapter.base_dtype, cfg.precision.name)
     check_expert_target(adapter, has_experts=bool(cfg.model.moe_experts))
     if adapter.kind != "none" and EXPERTS_TARGET in native_targets(adapter):
-        if get_strategy(cfg.strategy.name).shards:
+        if not get_strategy(cfg.strategy.name).expert_adapters:
             raise ConfigError(
                 f"adapter.target_modules: {EXPERTS_TARGET} with strategy={cfg.strategy.name}: "
-                "adapters on the experts are not supported where the weights are sharded; "
-                "use strategy=single or ddp, or adapt the attention only"
+                "adapters on the experts are not supported under its engine (PEFT "
+                "re-parametrizes their weights at every call); use strategy=fsdp or ddp, "
+                "or adapt the attention only"
+            )
+        if cfg.strategy.expert_parallel:
+            raise ConfigError(
+                f"adapter.target_modules: {EXPERTS_TARGET} with strategy.expert_parallel=true: "
+                "an expert's adapter would have to live on the rank that holds the expert, "
+                "which is not built; gather the experts (strategy.expert_parallel=false)"
             )
         if cfg.kernels.compile:
             raise ConfigError(
