@@ -237,6 +237,31 @@ def test_deepspeed_trains_on_two_gpus(tmp_path, cache, strategy):
     }
 
 
+def _six_fsdp_steps(run_dir: Path, cache: Path, pretrained: dict, source: str) -> list[str]:
+    """Six bf16 steps of a tiny recipe on two GPUs under FSDP, reading 400 documents of
+    ``source`` with the pretrained run's tokenizer, one validation and one checkpoint."""
+    return [
+        f"run.dir={run_dir}",
+        "trainer=gpu",
+        "precision=bf16-mixed",
+        "strategy=fsdp",
+        "trainer.devices=2",
+        f"data.tokenizer.path={pretrained['tokenizer_path']}",
+        f"data.cache_dir={cache}",
+        f"data.sources.{source}.max_documents=400",
+        "data.seq_len=256",
+        "data.batch_size=4",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=6",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "trainer.enable_progress_bar=false",
+        "scheduler.warmup=1",
+        "run.checkpoint_every_n_steps=6",
+        "callbacks=minimal",
+    ]
+
+
 def test_lora_on_the_experts_runs_under_fsdp(runs, tmp_path):
     """LoRA on the attention and a mixture's routed experts (PEFT swaps each gathered
     expert weight for a computed one at every call), the experts sharded by FSDP like
@@ -251,30 +276,13 @@ def test_lora_on_the_experts_runs_under_fsdp(runs, tmp_path):
     losses = _cli(
         2,
         "recipe=sft/lora_tiny",
-        f"run.dir={run_dir}",
+        *_six_fsdp_steps(run_dir, tmp_path / "cache", pretrained, "stdlib_sft"),
         "model=moe_tiny",
         f"model.vocab_size={vocab}",
         "adapter.target_modules=[wq,wk,wv,wo,experts]",
         "adapter.dropout=0",
         "kernels.compile=false",
         "kernels.activation_checkpointing=true",
-        "trainer=gpu",
-        "precision=bf16-mixed",
-        "strategy=fsdp",
-        "trainer.devices=2",
-        f"data.tokenizer.path={pretrained['tokenizer_path']}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "data.sources.stdlib_sft.max_documents=400",
-        "data.seq_len=256",
-        "data.batch_size=4",
-        "trainer.max_steps=6",
-        "trainer.val_check_interval=6",
-        "trainer.limit_val_batches=2",
-        "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "scheduler.warmup=1",
-        "run.checkpoint_every_n_steps=6",
-        "callbacks=minimal",
     )
     assert len(losses) == 6 and all(math.isfinite(v) for _, v in losses)
     assert (run_dir / "model.safetensors").is_file()
@@ -318,26 +326,9 @@ def test_post_training_runs_under_fsdp(runs, tmp_path, recipe, extra):
     losses = _cli(
         2,
         f"recipe={recipe}",
-        f"run.dir={run_dir}",
+        *_six_fsdp_steps(run_dir, tmp_path / "cache", pretrained, source),
         "model=small",
-        "trainer=gpu",
-        "precision=bf16-mixed",
-        "strategy=fsdp",
-        "trainer.devices=2",
         *start,
-        f"data.tokenizer.path={pretrained['tokenizer_path']}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        f"data.sources.{source}.max_documents=400",
-        "data.seq_len=256",
-        "data.batch_size=4",
-        "trainer.max_steps=6",
-        "trainer.val_check_interval=6",
-        "trainer.limit_val_batches=2",
-        "trainer.log_every_n_steps=1",
-        "trainer.enable_progress_bar=false",
-        "scheduler.warmup=1",
-        "run.checkpoint_every_n_steps=6",
-        "callbacks=minimal",
         *extra,
     )
     assert len(losses) == 6 and all(math.isfinite(v) for _, v in losses)
