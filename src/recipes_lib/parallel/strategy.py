@@ -263,11 +263,9 @@ class StrategySpec:
             (``strategy.async_checkpoint``; FSDP2's sharded folders, through DCP).
         expert_parallel: it can spread a mixture's experts over the ranks
             (``strategy.expert_parallel``).
-        fused_head: the head's loss may be fused with it (``kernels.loss_chunk_size``).
-            The fused head computes the loss inside the head's forward, where FSDP
-            has gathered the head's weight; not tested under DeepSpeed's engine.
-        expert_adapters: LoRA may adapt a mixture's experts under it (PEFT swaps their
-            gathered weights for a computed one at every call; not DeepSpeed's).
+        fused_head: the head's loss may be fused with it (``kernels.loss_chunk_size``),
+            inside the head's forward, where FSDP has gathered the head's weight.
+        expert_adapters: LoRA may adapt a mixture's experts (PEFT's per-call weights).
         needs_package: the package it imports, with its install hint.
         needs_cuda: it runs on CUDA GPUs only.
         build: the Lightning strategy (or ``"auto"``) for a ``strategy`` config and

@@ -39,10 +39,8 @@ class TensorNames:
             ``{}`` for the expert's number (``mlp.experts.{}.gate_proj``) -> the native
             tensor that stacks every expert's along dim 0 (``feed_forward.experts.w1``).
             Expert ``e``'s slice is named ``<native name>[e]`` (:func:`expert_slice`).
-        experts_module: inside block ``N``: the module of transformers (5 and later)
-            that holds the routed experts stacked, as ``gate_up_proj`` ``(E, 2F, C)``
-            (the gates' rows first) and ``down_proj`` ``(E, C, F)``: what a PEFT adapter
-            on the experts targets (``mlp.experts``); empty without experts.
+        experts_module: inside block ``N``: transformers' (5+) module of the stacked
+            experts, ``gate_up_proj`` and ``down_proj``, which PEFT adapters target.
     """
 
     layer: Mapping[str, str]
@@ -338,8 +336,7 @@ def with_experts(
     ``<mlp>.gate`` <-> ``feed_forward.router``, and one Hugging Face tensor per expert
     (``<mlp>.experts.{}.<gate>`` <-> ``feed_forward.experts.w1``, ``up`` w3, ``down`` w2).
     ``base``'s dense MLP names stay only with ``dense_layers`` (layers that keep one).
-    ``experts_module``: see :class:`TensorNames` (transformers 5 renames Mixtral's
-    on-disk ``block_sparse_moe`` to ``mlp`` when it loads)."""
+    ``experts_module``: see :class:`TensorNames` (Mixtral's is ``mlp`` in memory)."""
     experts = {
         f"{mlp}.experts.{{}}.{hf}": f"feed_forward.experts.{native}"
         for hf, native in ((gate, "w1"), (up, "w3"), (down, "w2"))
