@@ -352,7 +352,8 @@ def _merged(
             a, b = a.detach().float(), b.detach().float()
             scale = layer.scaling[ADAPTER_NAME]
             if _is_expert_adapter(layer):
-                delta = _experts_delta(a, b, weight.shape[0]) * scale  # (E, out, in)
+                a, b = expert_factors(a, b, weight.shape[0])
+                delta = torch.einsum("ore,eri->eoi", b, a) * scale  # (E, out, in)
             else:
                 delta = (b @ a) * scale  # (out, in)
             weight = weight.float() + delta.to(weight.device)
@@ -364,14 +365,12 @@ def _merged(
     return out
 
 
-def _experts_delta(a: Tensor, b: Tensor, experts: int) -> Tensor:
-    """The update of stacked ``(E, out, in)`` expert weights from PEFT's factors of them:
-    ``A`` ``(E * r, in)`` and ``B`` ``(out, r * E)``, expert ``e`` taking rows
-    ``e * r ..`` of ``A`` and the columns ``e, e + E, ..`` of ``B``:
-    ``delta[e] = B_e A_e``."""
-    a = a.reshape(experts, -1, a.shape[-1])  # (E, r, in)
-    b = b.reshape(b.shape[0], -1, experts)  # (out, r, E)
-    return torch.einsum("ore,eri->eoi", b, a)
+def expert_factors(a: Tensor, b: Tensor, experts: int) -> tuple[Tensor, Tensor]:
+    """PEFT's factors of stacked ``(E, out, in)`` expert weights, ``A`` ``(E * r, in)``
+    and ``B`` ``(out, r * E)`` (expert ``e`` takes rows ``e * r ..`` of ``A`` and the
+    columns ``e, e + E, ..`` of ``B``), as ``(E, r, in)`` and ``(out, r, E)``: expert
+    ``e``'s update is ``B[:, :, e] @ A[e]``."""
+    return a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts)
 
 
 def merge_adapter(model: nn.Module, state: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:

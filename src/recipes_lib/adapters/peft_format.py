@@ -34,6 +34,7 @@ from recipes_lib.adapters.lora import (
     ADAPTER_NAME,
     HF_TO_NATIVE_TARGET,
     SCORE_HEAD,
+    expert_factors,
     has_score_head,
     lora_config,
     lora_layers,
@@ -94,11 +95,9 @@ def _fuse(parts: list[tuple[Tensor, Tensor] | None], rows: list[int]) -> tuple[T
 
 
 def _per_expert(a: Tensor, b: Tensor, experts: int) -> list[tuple[Tensor, Tensor]]:
-    """PEFT's factors of stacked expert weights, ``A`` ``(E * r, in)`` and ``B``
-    ``(out, r * E)`` (expert ``e``: rows ``e * r ..`` of A, columns ``e, e + E, ..`` of
-    B), as each expert's own ``(A_e, B_e)``."""
-    a = a.reshape(experts, -1, a.shape[-1])  # (E, r, in)
-    b = b.reshape(b.shape[0], -1, experts)  # (out, r, E)
+    """PEFT's factors of stacked expert weights as each expert's own ``(A_e, B_e)``
+    (see :func:`~recipes_lib.adapters.lora.expert_factors`)."""
+    a, b = expert_factors(a, b, experts)  # (E, r, in), (out, r, E)
     return [(a[e], b[:, :, e]) for e in range(experts)]
 
 
