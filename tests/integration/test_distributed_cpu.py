@@ -305,10 +305,14 @@ def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
     assert len(biases) == 2 and all(ours[b].abs().sum() > 0 for b in biases)
 
 
-def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(runs, tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
+def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(
+    runs, tmp_path, strategy
+):
     """Adapters on the routed experts (PEFT swaps each expert weight for a computed one at
-    every call) with the experts sharded by FSDP like every weight: the merged output and
-    the adapter folder are the one process's. Plain SGD: under AdamW one row of one
+    every call) with the experts sharded by FSDP like every weight (HSDP: two copies,
+    each sharded over two processes): the merged output and the adapter folder are the
+    one process's. Plain SGD: under AdamW one row of one
     factor ends 5e-4 from the one process's, under DDP exactly as under FSDP, while
     under SGD every factor agrees within 1e-8; AdamW divides each update by its
     gradient's own running scale, which magnifies the rounding of a row whose gradient
@@ -316,7 +320,11 @@ def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(runs,
     lora = (*MOE, "adapter=lora", "adapter.target_modules=[wq,experts]", "adapter.dropout=0")
     lora += ("optim.name=SGD", "optim.lr=3.0")
     single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *lora)))
-    _torchrun(tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *lora)
+    if strategy == "fsdp":
+        _torchrun(tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *lora)
+    else:
+        hsdp = ("strategy=hsdp", "strategy.replicas=2", "data.batch_size=1")
+        _torchrun(tmp_path / "fsdp", runs["cache"], *hsdp, *lora, processes=4)
     theirs = load_weights(single.weights_path)
     ours = load_weights(tmp_path / "fsdp" / "model.safetensors")
     _assert_same_weights(theirs, ours)
