@@ -268,6 +268,7 @@ def test_lora_on_the_experts_runs_under_fsdp(runs, tmp_path):
     every weight, blocks recomputed in the backward pass: finite losses, the merged
     weights and the PEFT folder."""
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
     pretrained = runs("single")
     with safe_open(pretrained["weights_path"], "pt") as weights:
@@ -286,7 +287,9 @@ def test_lora_on_the_experts_runs_under_fsdp(runs, tmp_path):
     )
     assert len(losses) == 6 and all(math.isfinite(v) for _, v in losses)
     assert (run_dir / "model.safetensors").is_file()
-    assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    factors = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    experts_b = [v for k, v in factors.items() if ".mlp.experts." in k and "lora_B" in k]
+    assert len(experts_b) == 4 and all(b.abs().max() > 0 for b in experts_b)  # B starts at 0
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.data.chat.module import build_chat_data
-from recipes_lib.errors import ConfigError
+from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.train import run
 
 
@@ -65,6 +65,24 @@ def test_sft_lowers_the_held_out_loss_on_assistant_tokens(tmp_path, pretrained):
     output = load_weights(result.weights_path)
     assert not any("lora" in k for k in output)
     assert not (result.output_dir / "adapter").exists()
+
+
+def test_an_adapter_folder_that_fails_loses_none_of_the_merged_weights(
+    tmp_path, pretrained, monkeypatch
+):
+    """The merged weights are written before the adapter folder; a folder that cannot be
+    written is one clear error that says where the weights are."""
+
+    def refuse(model, out_dir, *args, **kwargs):
+        raise CheckpointError(f"cannot save an adapter to {out_dir}: a test's refusal")
+
+    monkeypatch.setattr("recipes_lib.stages.outputs.save_adapter", refuse)
+    overrides = sft_overrides(tmp_path, pretrained, "sft/lora_tiny", "trainer.max_steps=2")
+    weights = tmp_path / "run" / "model.safetensors"
+    with pytest.raises(CheckpointError, match="a test's refusal; the merged weights are wr"):
+        run(compose_config([*overrides, "trainer.val_check_interval=null", "scheduler.warmup=1"]))
+    assert set(load_weights(weights)) == set(load_weights(pretrained.weights_path))
+    assert not (tmp_path / "run" / "adapter").exists()
 
 
 def test_lora_sft_trains_adapters_and_exports_merged_weights(tmp_path, pretrained):

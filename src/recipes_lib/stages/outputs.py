@@ -142,12 +142,14 @@ def export_weights(
                 f"the output weights ({source}) hold non-finite values in {len(bad)} "
                 f"tensor(s) ({', '.join(bad[:3])}); {path} is not written"
             )
-        else:
-            if adapted:
-                save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
-            if adapted:
-                source = f"{source}, {cfg.adapter.kind} merged"
-            save_weights(merged, path, metadata={"global_step": str(step), "weights": source})
+        else:  # the merged weights first: an adapter folder that fails loses nothing
+            merged_from = f"{source}, {cfg.adapter.kind} merged" if adapted else source
+            save_weights(merged, path, metadata={"global_step": str(step), "weights": merged_from})
+            try:
+                if adapted:
+                    save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
+            except CheckpointError as err:
+                refusal = f"{err}; the merged weights are written to {path}"
     # every rank learns rank 0's verdict, so none waits on a rank that has given up
     refusal = trainer.strategy.broadcast(refusal, src=0)
     if refusal is not None:

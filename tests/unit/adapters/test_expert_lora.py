@@ -67,7 +67,7 @@ def test_expert_adapters_train_merge_and_switch_off():
     assert (adapted - base).abs().max() > 1e-3
 
 
-def test_expert_adapters_are_refused_where_they_cannot_work(tmp_path):
+def test_expert_adapters_are_refused_where_they_cannot_work():
     with pytest.raises(ConfigError, match="adapter.dropout=0.05 with adapter.target_modules: ex"):
         check_adapter_config(AdapterConfig(kind="lora", dropout=0.05, target_modules=["experts"]))
     with pytest.raises(ConfigError, match="this model has none \\(model.moe_experts=0\\)"):
