@@ -55,9 +55,9 @@ _NATIVE_TO_HF_TARGET = {native: hf for hf, native in HF_TO_NATIVE_TARGET.items()
 EXPERT_PARAMETERS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
 
 
-def model_config(model: nn.Module):
-    """The :class:`~recipes_lib.config.schema.ModelConfig` of the decoder in ``model``."""
-    return next(m for m in model.modules() if isinstance(m, Transformer)).config
+def model_decoder(model: nn.Module) -> Transformer:
+    """The decoder in ``model`` (itself, or the one a PEFT wrapper holds)."""
+    return next(m for m in model.modules() if isinstance(m, Transformer))
 
 
 def hf_target_modules(config: AdapterConfig) -> list[str]:
@@ -135,7 +135,7 @@ def peft_state_dict(
     the fused Hugging Face modules (Phi-3's ``qkv_proj``, ``gate_up_proj``; the experts'
     ``gate_up_proj``) with how many adapted parts each one's adapter stacks (see
     :func:`_fuse`)."""
-    decoder = next(m for m in model.modules() if isinstance(m, Transformer))
+    decoder = model_decoder(model)
     names = get_family(decoder.config.family).names
     factors = _factors(model, state if state is not None else {})
     out: dict[str, Tensor] = {}
@@ -201,7 +201,7 @@ def save_adapter(
     folder = Path(out_dir).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     keys = [key.removeprefix(PEFT_PREFIX) for key in tensors]
-    experts = get_family(model_config(model).family).names.experts_module
+    experts = get_family(model_decoder(model).config.family).names.experts_module
     on_experts = [key for key in keys if experts and f".{experts}." in key]
     targets = sorted({key.split(".")[-3] for key in keys if key not in on_experts})
     parameters = [f"{experts}.{name}" for name in EXPERT_PARAMETERS] if on_experts else None

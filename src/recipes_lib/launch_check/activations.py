@@ -99,11 +99,16 @@ class DecoderShape:
         """Norms around the sublayers: two, four with ``norm_placement=both`` (Gemma 3)."""
         return 4 if self.norm_placement == "both" else 2
 
+    @property
+    def qkv_bias_params(self) -> int:
+        """The q, k and v biases of one block (``model.qkv_bias``), else 0."""
+        return self.q_width + 2 * self.kv_width if self.qkv_bias else 0
+
     def block_params(self) -> int:
         """Parameters of one block: its linears, q/k/v biases, the norm gains around the
         sublayers and the query and key norms' gains."""
         weights = sum(i * o for i, o in self.linears().values())
-        bias = self.q_width + 2 * self.kv_width if self.qkv_bias else 0
+        bias = self.qkv_bias_params
         qk = 0
         if self.qk_norm != "none":
             qk = sum(qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, self.head_dim))

@@ -63,10 +63,10 @@ def projection_params(model: ModelConfig) -> int:
     """The blocks' projections with their biases: ``wq`` .. ``wo`` of every layer,
     ``w1`` .. ``w3`` of the dense layers' MLPs and of a mixture's shared experts (its
     routers and stacked experts are not among them)."""
-    m = model
-    head_dim = m.head_dim or m.dim // m.n_heads
-    q, kv = m.n_heads * head_dim, (m.n_kv_heads or m.n_heads) * head_dim
-    attention = 2 * m.dim * q + 2 * m.dim * kv + ((q + 2 * kv) if m.qkv_bias else 0)
+    m, shape = model, DecoderShape.of_model(model)
+    linears = shape.linears()
+    attention = sum(i * o for i, o in (linears[n] for n in ("wq", "wk", "wv", "wo")))
+    attention += shape.qkv_bias_params
     dense = len(m.moe_dense_layers) if m.moe_experts else m.n_layers
     shared = m.moe_shared_experts * (m.moe_ffn_dim or m.ffn_dim) if m.moe_experts else 0
     mlp = 3 * m.dim * (dense * m.ffn_dim + (m.n_layers - dense) * shared)

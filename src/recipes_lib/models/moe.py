@@ -223,19 +223,16 @@ class ExpertParallel:
         """The experts' outputs for rows ``x`` sorted by expert (``counts`` per expert),
         computed on the ranks that hold them."""
         from torch.distributed import all_to_all_single
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
-        def exchange(rows: Tensor, output_sizes: list[int], input_sizes: list[int]) -> Tensor:
-            # the differentiable all-to-all that replaces the deprecated
-            # torch.distributed.nn.functional one (torchtitan's expert parallelism uses it)
-            return all_to_all_single_autograd(rows, output_sizes, input_sizes, self.group)
+        from torch.distributed._functional_collectives import (  # differentiable
+            all_to_all_single_autograd as exchange,
+        )
 
         per_rank = counts.view(self.size, -1)  # (ranks, local experts): rows to send
         received = torch.empty_like(per_rank)  # rows from each rank for each local expert
         all_to_all_single(received, per_rank.contiguous(), group=self.group)
         # the host's one wait of the layer: both split lists in one copy
         send, receive = torch.stack([per_rank.sum(1), received.sum(1)]).tolist()
-        rows = exchange(x, receive, send)
+        rows = exchange(x, receive, send, self.group)
         local = received.shape[1]
         expert = torch.arange(local, device=x.device).repeat(self.size)
         by_expert = torch.repeat_interleave(expert, received.flatten(), output_size=sum(receive))
@@ -243,7 +240,7 @@ class ExpertParallel:
         y = experts(rows[order], received.sum(0))  # by local expert
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)
-        return exchange(y[back].contiguous(), send, receive)
+        return exchange(y[back].contiguous(), send, receive, self.group)
 
 
 class MoEFeedForward(nn.Module):

@@ -88,14 +88,12 @@ def moe_losses(
     balance loss of the layers plus ``moe_z_loss_coef`` times their mean z-loss; None
     for a dense model or outside training) and the two means to log. With ``summed``
     (the sum over ranks), each expert's share of the tokens is the whole batch's."""
-    if not layers or any(m.balance_loss is None for m in layers):
+    if not layers or any(m.mean_probs is None or m.expert_counts is None for m in layers):
         for m in layers:
             m.z_loss = m.mean_probs = None
         return None, {}
     # (layers, E + 1): the counts and the tokens, summed over the ranks at once
-    shares = torch.stack(
-        [torch.cat([m.expert_counts.float(), _as_row(m.routed_tokens, m)]) for m in layers]
-    )
+    shares = torch.stack([torch.cat([m.expert_counts.float(), _tokens(m)]) for m in layers])
     if summed is not None:
         shares = summed(shares)
     probs = torch.stack([m.mean_probs for m in layers])
@@ -107,10 +105,10 @@ def moe_losses(
     return aux, {"moe_balance_loss": balance.detach(), "moe_z_loss": z.detach()}
 
 
-def _as_row(tokens: Tensor | int, layer: MoEFeedForward) -> Tensor:
-    """A layer's token count as a one-element float row beside its expert counts."""
-    counts = layer.expert_counts
-    return torch.as_tensor(tokens, dtype=torch.float32, device=counts.device).reshape(1)
+def _tokens(layer: MoEFeedForward) -> Tensor:
+    """A layer's routed tokens as a one-element float row beside its expert counts."""
+    device = layer.expert_counts.device
+    return torch.as_tensor(layer.routed_tokens, dtype=torch.float32, device=device).reshape(1)
 
 
 def take_expert_counts(layers: list[MoEFeedForward]) -> Tensor | None:

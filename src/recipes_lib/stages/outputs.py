@@ -145,11 +145,11 @@ def export_weights(
         else:  # the merged weights first: an adapter folder that fails loses nothing
             merged_from = f"{source}, {cfg.adapter.kind} merged" if adapted else source
             save_weights(merged, path, metadata={"global_step": str(step), "weights": merged_from})
-            try:
-                if adapted:
+            if adapted:
+                try:
                     save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
-            except CheckpointError as err:
-                refusal = f"{err}; the merged weights are written to {path}"
+                except CheckpointError as err:
+                    refusal = f"{err}; the merged weights are written to {path}"
     # every rank learns rank 0's verdict, so none waits on a rank that has given up
     refusal = trainer.strategy.broadcast(refusal, src=0)
     if refusal is not None:
