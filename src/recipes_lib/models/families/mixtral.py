@@ -24,11 +24,13 @@ from recipes_lib.config.schema import ModelConfig
 from recipes_lib.models.families.base import (
     Family,
     common_from_hf,
+    without_attention_bias,
+)
+from recipes_lib.models.families.experts import (
     moe_from_hf,
     moe_hf_fields,
     needs_experts,
     with_experts,
-    without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
 

@@ -23,15 +23,17 @@ from typing import Any
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.errors import CheckpointError
 from recipes_lib.models.families.base import (
-    MOE_READS,
     Family,
     TensorNames,
     common_from_hf,
+    without_attention_bias,
+)
+from recipes_lib.models.families.experts import (
+    MOE_READS,
     moe_from_hf,
     moe_hf_fields,
     needs_experts,
     with_experts,
-    without_attention_bias,
 )
 from recipes_lib.models.families.llama import LLAMA_NAMES
 from recipes_lib.models.families.qwen3 import QK_NORM_NAMES

@@ -24,14 +24,16 @@ from typing import Any
 
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.models.families.base import (
-    MOE_READS,
     Family,
     common_from_hf,
+    required,
+    without_attention_bias,
+)
+from recipes_lib.models.families.experts import (
+    MOE_READS,
     moe_from_hf,
     moe_hf_fields,
-    required,
     with_experts,
-    without_attention_bias,
 )
 from recipes_lib.models.families.qwen2 import qwen_sliding_window
 from recipes_lib.models.families.qwen3 import QWEN3_NAMES
