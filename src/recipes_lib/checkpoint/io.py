@@ -13,7 +13,7 @@ load on each rank, so no callback needs to know:
   naming the file and how (a checkpoint without a record loads as before);
 - a removal takes the record with the file.
 
-Sharded folders are written by :class:`~recipes_lib.parallel.strategy.FSDP2Strategy`,
+Sharded folders are written by :class:`~recipes_lib.parallel.engines.FSDP2Strategy`,
 which asks this plugin for the retention (:meth:`VerifiedCheckpointIO.retain`).
 """
 

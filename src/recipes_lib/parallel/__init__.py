@@ -6,11 +6,10 @@ decoder block by block (FSDP2); ``precision`` maps the ``precision`` group onto
 Lightning; ``fp8`` converts Linear layers to float8 training through torchao.
 """
 
+from recipes_lib.parallel.engines import FSDP2Strategy, ZeroStrategy
 from recipes_lib.parallel.strategy import (
     STRATEGIES,
-    FSDP2Strategy,
     StrategySpec,
-    ZeroStrategy,
     build_strategy,
     get_strategy,
     trainer_devices,
