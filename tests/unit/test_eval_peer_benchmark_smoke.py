@@ -7,12 +7,14 @@ processes' imports."""
 
 from __future__ import annotations
 
+import pytest
 from run_helpers import benchmark_smoke
 
 SIDES = {"recipes_lib", "lm_eval_hf"}
 
 
 def test_eval_peer_smoke(tmp_path):
+    pytest.importorskip("lm_eval")  # the peer side: lm-eval's Hugging Face backend
     figures = benchmark_smoke(
         "eval_peer.py",
         tmp_path / "eval.json",

@@ -172,13 +172,20 @@ def resolve_tasks(tasks: Sequence[str], task_dirs: Sequence[str | Path] = ()) ->
         elif entry in folders:
             refs.append(TaskRef(entry, "lm_eval", folder=folders[entry]))
         else:
-            registry = registry if registry is not None else _lm_eval_names(None)
+            absent = None  # without lm-eval, a name close to a task here is still named
+            try:
+                registry = registry if registry is not None else _lm_eval_names(None)
+            except ConfigError as err:
+                registry, absent = [], err
             if entry not in registry:
                 close = difflib.get_close_matches(str(entry), [*BUILTIN_TASKS, *folders, *registry])
+                if absent is not None and not close:
+                    raise absent
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ConfigError(
                     f"task {entry!r} is not a built-in task ({', '.join(BUILTIN_TASKS)}), a "
                     f".jsonl file, a task folder or an lm-eval task{hint}"
+                    + (f"; {absent}" if absent is not None else "")
                 )
             refs.append(TaskRef(entry, "lm_eval"))
     names = [r.name for r in refs]

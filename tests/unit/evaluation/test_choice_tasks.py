@@ -118,3 +118,20 @@ def test_a_task_folder_with_a_bad_yaml_or_record_is_refused(tmp_path):
     (folder / "mc.yaml").write_text("dataset_path: json\n")
     with pytest.raises(ConfigError, match="names no task"):
         read_task_folder(folder)
+
+
+def test_without_lm_eval_a_misspelt_task_is_still_named(monkeypatch):
+    """Without lm-evaluation-harness a name close to a built-in task is named as the
+    typo it likely is, beside the install hint; any other name gets the hint alone."""
+    import recipes_lib.evaluation.tasks as tasks
+
+    def absent(folder):
+        raise ConfigError("lm-eval's tasks need lm-evaluation-harness: pip install it")
+
+    monkeypatch.setattr(tasks, "_lm_eval_names", absent)
+    with pytest.raises(ConfigError, match=r"'stdlib_bodys' is not a built-in task") as typo:
+        resolve_tasks(["stdlib_bodys"])
+    assert "did you mean stdlib_bodies?" in str(typo.value)
+    assert str(typo.value).endswith("; lm-eval's tasks need lm-evaluation-harness: pip install it")
+    with pytest.raises(ConfigError, match=r"^lm-eval's tasks need lm-evaluation-harness"):
+        resolve_tasks(["hellaswag"])
