@@ -285,6 +285,10 @@ _DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_EXAMPLES = (
+    "recipes-generate checkpoint=runs/tiny/checkpoints/last.ckpt prompt='def ' max_new_tokens=64",
+    "recipes-generate checkpoint=HF_FOLDER prompt='Once' temperature=0.8 top_p=0.95 seed=0",
+)
 
 
 def key_value_args(argv: Sequence[str], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -303,6 +307,33 @@ def key_value_args(argv: Sequence[str], defaults: dict[str, Any]) -> dict[str, A
             raise ConfigError(f"unknown argument {key!r}; choose from: {', '.join(defaults)}")
         args[key] = value
     return args
+
+
+HELP_ARGS = ("-h", "--help", "help")
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` asks for the usage (``-h``, ``--help`` or ``help`` anywhere)."""
+    return any(item in HELP_ARGS for item in argv)
+
+
+def usage(
+    script: str, defaults: dict[str, Any], examples: Sequence[str], required: Sequence[str] = ()
+) -> str:
+    """The usage of a ``key=value`` console script: its keys with their defaults, then
+    ``examples``."""
+
+    def shown(key: str) -> str:
+        value = defaults[key]
+        if key in required:
+            return "(required)"
+        return "-" if value is None else repr(value) if value == "" else str(value)
+
+    width = max(map(len, defaults))
+    lines = [f"usage: {script} key=value ...", "", "keys (default):"]
+    lines += [f"  {key:<{width}}  {shown(key)}" for key in defaults]
+    lines += ["", "examples:", *(f"  {example}" for example in examples)]
+    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str]) -> dict[str, Any]:
@@ -331,10 +362,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``recipes-generate``: print the prompt and its continuation.
 
     Returns:
-        0, or 2 after printing the error of a bad argument, checkpoint or tokenizer.
+        0 (also after printing the usage for ``--help``), or 2 after printing the error
+        of a bad argument, checkpoint or tokenizer.
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(usage("recipes-generate", _DEFAULTS, _EXAMPLES, required=["checkpoint"]))
+        return 0
     try:
-        args = parse_args(sys.argv[1:] if argv is None else argv)
+        args = parse_args(argv)
         device = args["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

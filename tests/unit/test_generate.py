@@ -329,3 +329,12 @@ def test_cli_prints_the_prompt_and_its_continuation(tmp_path, tokenizer_file, ca
 def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_cli_help_prints_the_keys_their_defaults_and_an_example(flag, capsys):
+    assert main([flag]) == 0
+    out = capsys.readouterr().out
+    assert "checkpoint      (required)" in out
+    assert "max_new_tokens  64" in out
+    assert "recipes-generate checkpoint=" in out

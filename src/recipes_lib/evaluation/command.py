@@ -26,7 +26,7 @@ from recipes_lib.evaluation.run import (
     print_report,
     write_report,
 )
-from recipes_lib.generate import key_value_args
+from recipes_lib.generate import key_value_args, usage, wants_help
 
 _DEFAULTS: dict[str, Any] = {
     "checkpoint": None,
@@ -45,6 +45,10 @@ _DEFAULTS: dict[str, Any] = {
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BOOLS = {"true": True, "false": False, "1": True, "0": False}
+_EXAMPLES = (
+    "recipes-eval checkpoint=outputs/pipelines/demo/anneal tasks=stdlib_bodies",
+    "recipes-eval checkpoint=HF_FOLDER tasks=hellaswag,arc_easy limit=500 batch_size=64",
+)
 
 
 def _optional_int(key: str, value: Any) -> int | None:
@@ -99,11 +103,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``recipes-eval``.
 
     Returns:
-        0, or 2 after printing the one-line error of a bad argument, task, checkpoint or
-        tokenizer.
+        0 (also after printing the usage for ``--help``), or 2 after printing the
+        one-line error of a bad argument, task, checkpoint or tokenizer.
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if wants_help(argv):
+        print(usage("recipes-eval", _DEFAULTS, _EXAMPLES, required=["checkpoint", "tasks"]))
+        return 0
     try:
-        settings, args = parse_args(sys.argv[1:] if argv is None else argv)
+        settings, args = parse_args(argv)
         device = args["device"]
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -89,3 +89,11 @@ def test_a_checkpoint_without_its_tokenizer_is_named(native_run, tmp_path, capsy
         (folder / name).write_bytes((native_run / name).read_bytes())
     line = one_line_error(capsys, f"checkpoint={folder}", "tasks=stdlib_bodies")
     assert "no tokenizer found" in line and str(folder) in line
+
+
+def test_help_prints_the_keys_their_defaults_and_an_example(capsys):
+    code, out, err = run(capsys, "--help")
+    assert code == 0 and not err
+    assert "tasks          (required)" in out
+    assert "batch_size     256" in out
+    assert "recipes-eval checkpoint=" in out
