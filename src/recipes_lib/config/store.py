@@ -14,6 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from recipes_lib.config.fitted import register_fitted_resolvers
 from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.errors import ConfigError
 
@@ -101,6 +102,7 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=run_schema_node())
     if not OmegaConf.has_resolver(FROM_INIT):
         OmegaConf.register_new_resolver(FROM_INIT, _unfilled)
+    register_fitted_resolvers()  # recipe defaults fitted to the model and the run
 
 
 def conf_dir() -> Path:
