@@ -82,7 +82,7 @@ class ChatDataModule(ChatRecordsDataModule):
         tokenizer, template, tokenizer_path = self._load_tokenizer()
         check_vocab_fits(tokenizer, self.model_vocab_size)
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer.from_config(tokenizer, config, template)
+        self.renderer = ChatRenderer.from_config(tokenizer, config, template, self.tokenizer_path)
         eos = tokenizer.token_to_id(config.tokenizer.eos_token)
         self.pad_id = eos if eos is not None else 0
         train: dict[str, Dataset] = {}

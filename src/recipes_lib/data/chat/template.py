@@ -94,11 +94,15 @@ def compile_template(text: str) -> jinja2.Template:
         raise ConfigError(f"{_TEMPLATE_KEY}: the chat template does not parse: {err}") from err
 
 
-def resolve_template(configured: str | None, tokenizer_template: str | None) -> tuple[str, str]:
+def resolve_template(
+    configured: str | None, tokenizer_template: str | None, tokenizer_source: str | None = None
+) -> tuple[str, str]:
     """``(name, Jinja text)`` of the template to use.
 
     ``configured`` (``data.chat.chat_template``) is Jinja text or a built-in name; when
-    it is None, the tokenizer's template is used, else the built-in ``chatml``.
+    it is None, the tokenizer's template is used, else the built-in ``chatml``. A
+    tokenizer from ``tokenizer_source`` (a user's folder) without a template of its own
+    gets ``chatml`` with one log line saying so.
 
     Raises:
         ConfigError: ``configured`` is neither Jinja nor a built-in name.
@@ -106,6 +110,13 @@ def resolve_template(configured: str | None, tokenizer_template: str | None) -> 
     if configured is None:
         if tokenizer_template is not None:
             return "tokenizer", tokenizer_template
+        if tokenizer_source is not None:
+            log.info(
+                "the tokenizer at %s has no chat template of its own: the built-in chatml is "
+                "used and saved with the output (set %s to choose another)",
+                tokenizer_source,
+                _TEMPLATE_KEY,
+            )
         return "chatml", CHATML_TEMPLATE
     if configured in BUILTIN_TEMPLATES:
         chosen = configured, BUILTIN_TEMPLATES[configured]
@@ -152,6 +163,8 @@ class ChatRenderer:
         tokenizer_template: the tokenizer's own chat template, if it has one.
         eos_token: the end-of-document token, ``eos_token`` inside templates.
         bos_token: ``bos_token`` inside templates (None: empty).
+        tokenizer_source: where a tokenizer the run did not train came from (named when
+            it has no chat template and ``chatml`` is used).
 
     Raises:
         ConfigError: the template does not parse, or a built-in template needs special
@@ -166,9 +179,12 @@ class ChatRenderer:
         tokenizer_template: str | None = None,
         eos_token: str = "<|endoftext|>",
         bos_token: str | None = None,
+        tokenizer_source: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.template_name, self.template_text = resolve_template(template, tokenizer_template)
+        self.template_name, self.template_text = resolve_template(
+            template, tokenizer_template, tokenizer_source
+        )
         self._template = compile_template(self.template_text)
         self.eos_token = eos_token
         self.bos_token = bos_token or ""
@@ -177,15 +193,21 @@ class ChatRenderer:
 
     @classmethod
     def from_config(
-        cls, tokenizer: Tokenizer, config: DataConfig, tokenizer_template: str | None
+        cls,
+        tokenizer: Tokenizer,
+        config: DataConfig,
+        tokenizer_template: str | None,
+        tokenizer_source: str | None = None,
     ) -> ChatRenderer:
         """The renderer of a run: ``data.chat.chat_template`` (else ``tokenizer_template``,
-        the tokenizer's own) with ``data.tokenizer.eos_token``."""
+        the tokenizer's own) with ``data.tokenizer.eos_token``; ``tokenizer_source``
+        names a tokenizer the run did not train (see :func:`resolve_template`)."""
         return cls(
             tokenizer,
             config.chat.chat_template,
             tokenizer_template=tokenizer_template,
             eos_token=config.tokenizer.eos_token,
+            tokenizer_source=tokenizer_source,
         )
 
     def _check_tokens(self) -> None:

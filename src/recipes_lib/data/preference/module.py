@@ -132,7 +132,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
         tokenizer, template, tokenizer_path = self._load_tokenizer()
         check_vocab_fits(tokenizer, self.model_vocab_size)
         eos_id = eos_token_id(tokenizer, config.tokenizer.eos_token)
-        renderer = ChatRenderer.from_config(tokenizer, config, template)
+        renderer = ChatRenderer.from_config(tokenizer, config, template, self.tokenizer_path)
         encoder = PairEncoder(renderer, config.seq_len, config.chat, shifted=self.shifted)
         splits: dict[str, list[EncodedPair]] = {"train": [], "val": []}
         for name in self.sources:

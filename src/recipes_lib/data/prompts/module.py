@@ -188,7 +188,7 @@ class PromptDataModule(ChatRecordsDataModule):
             return
         tokenizer, template, tokenizer_path = self._load_tokenizer()
         check_vocab_fits(tokenizer, self.model_vocab_size)
-        renderer = ChatRenderer.from_config(tokenizer, self.config, template)
+        renderer = ChatRenderer.from_config(tokenizer, self.config, template, self.tokenizer_path)
         splits: dict[str, list[Prompt]] = {"train": [], "val": []}
         on_bad = self.config.chat.on_bad_record
         for name in self.sources:
