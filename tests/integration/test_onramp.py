@@ -23,13 +23,16 @@ import pytest
 import torch
 from hf_folders import (
     TEMPLATE,
+    make_hf_folder,
     write_chat_records,
     write_preference_records,
     write_unpaired_records,
 )
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
-from recipes_lib.config import compose_config
+from recipes_lib.checkpoint.source import fill_model_from_init
+from recipes_lib.config import compose_config, to_run_config
+from recipes_lib.data.chat.template import CHATML_TEMPLATE
 from recipes_lib.errors import ConfigError, DataError
 from recipes_lib.pipeline import parse_pipeline, run_pipeline
 from recipes_lib.train import run
@@ -233,3 +236,71 @@ def test_a_pipeline_starts_from_a_folder_with_data_per_stage(tmp_path, hf_folder
     assert result["dpo"].manifest.model["dim"] == 64
     tokenizer = result["dpo"].manifest.tokenizer_path.read_bytes()
     assert tokenizer == (hf_folder / "tokenizer.json").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def short_folder(tmp_path_factory) -> Path:
+    """A tiny Qwen2 of 512 positions: fewer than the on-ramp recipes' 2048."""
+    return make_hf_folder(tmp_path_factory.mktemp("hf") / "short", max_position_embeddings=512)
+
+
+def test_the_recipe_fits_its_defaults_to_the_model_and_the_run(
+    tmp_path, short_folder, records, caplog
+):
+    base = ["recipe=sft/full", f"stage.init_from={short_folder}", f"data.path={records['chat']}"]
+    short = ["trainer=cpu", "trainer.max_steps=5", "trainer.val_check_interval=5"]
+    with caplog.at_level(logging.INFO, logger="recipes_lib"):
+        result = run(compose_config([*base, *short, *QUIET_OVERRIDES, f"run.dir={tmp_path}"]))
+    assert result.global_step == 5 and result.weights_path.is_file()
+    assert "data.seq_len=512: the recipe's 2048 is more than the model's 512 positions" in (
+        caplog.text
+    )
+    assert "scheduler.warmup=0: the recipe's 20 steps of warmup cut to a tenth" in caplog.text
+    # a run long enough keeps the recipe's warmup
+    cfg = to_run_config(fill_model_from_init(compose_config([*base, "trainer.max_steps=1000"])))
+    assert (cfg.data.seq_len, cfg.scheduler.warmup) == (512, 20)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.seq_len=1024", r"^data\.seq_len=1024 is above model\.max_seq_len=512$"),
+        ("scheduler.warmup=20", r"^scheduler\.warmup \(20 steps\) .* exceed the run's 5 steps"),
+    ],
+)
+def test_a_value_the_user_sets_is_kept_and_refused_when_it_does_not_fit(
+    tmp_path, short_folder, records, override, message
+):
+    with pytest.raises(ConfigError, match=message):
+        run(
+            compose_config(
+                [
+                    "recipe=sft/full",
+                    f"stage.init_from={short_folder}",
+                    f"data.path={records['chat']}",
+                    "trainer=cpu",
+                    "trainer.max_steps=5",
+                    override,
+                    *QUIET_OVERRIDES,
+                    f"run.dir={tmp_path}",
+                ]
+            )
+        )
+
+
+def test_a_folder_without_a_chat_template_gets_chatml_and_the_run_says_so(
+    tmp_path, hf_folder, records, caplog
+):
+    folder = tmp_path / "no-template"
+    shutil.copytree(hf_folder, folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    del settings["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    with caplog.at_level(logging.INFO, logger="recipes_lib"):
+        _run(
+            tmp_path, "recipe=sft/full", f"stage.init_from={folder}", f"data.path={records['chat']}"
+        )
+    assert "has no chat template of its own: the built-in chatml is used" in caplog.text
+    assert str(folder) in caplog.text
+    saved = json.loads((tmp_path / "run" / "tokenizer_config.json").read_text())
+    assert saved["chat_template"] == CHATML_TEMPLATE
