@@ -38,6 +38,7 @@ from recipes_lib.config.schema import (
 )
 from recipes_lib.errors import CheckpointError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
+from recipes_lib.kernels.compiled import compile_blocks
 from recipes_lib.models import Transformer
 from recipes_lib.models.moe import set_expert_path
 from recipes_lib.parallel.strategy import get_strategy
@@ -53,6 +54,8 @@ class ModelBuild:
         init_label: how errors name ``init_from`` (default ``stage.init_from='...'``).
         adapter: the adapter to apply (None: none; a frozen model has none).
         trains: the model is trained (float8 and activation checkpointing apply).
+        dynamic_shapes: its batches vary in shape: compiled blocks trace dynamic batch
+            and sequence dimensions from their first call.
     """
 
     model: ModelConfig
@@ -64,6 +67,7 @@ class ModelBuild:
     upcycle: bool = False  # init_from is dense: each expert starts as its layer's MLP
     adapter: AdapterConfig | None = None
     trains: bool = True
+    dynamic_shapes: bool = False  # batches vary in shape (recipes_lib.kernels.compiled)
 
 
 def _seeded_decoder(config: ModelConfig, backend: AttentionBackend) -> Transformer:
@@ -129,8 +133,7 @@ def build_model(
     if plan.trains and plan.kernels.activation_checkpointing:  # 5
         model.set_activation_checkpointing(True)
     if plan.kernels.compile:  # 6
-        for block in _blocks(model):
-            block.compile()  # in place: parameter names stay as they are
+        compile_blocks(_blocks(model), dynamic_shapes=plan.dynamic_shapes)
     if mesh is not None and spec.shard is not None:  # 7
         spec.shard(model, mesh, plan.strategy, plan.precision)
     return model

@@ -79,6 +79,9 @@ class CausalLMModule(L.LightningModule):
     """
 
     config_groups: tuple[str, ...] = ()  # run config groups a subclass also takes
+    # the batches' shapes vary (pairs, padded rows, rollouts): compiled blocks trace
+    # dynamic shapes from their first call (recipes_lib.kernels.compiled)
+    varying_shapes: bool = False
 
     def __init__(
         self,
@@ -177,7 +180,14 @@ class CausalLMModule(L.LightningModule):
             **extra,
         )
         module.guard.checkpoint_every = cfg.run.checkpoint_every_n_steps
+        module.varying_shapes = cls.batches_vary(cfg)
         return module
+
+    @classmethod
+    def batches_vary(cls, cfg: RunConfig) -> bool:
+        """Whether this objective's batches vary in shape under ``cfg`` (pretraining's
+        rows all have ``data.seq_len`` tokens)."""
+        return cls.varying_shapes
 
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
@@ -201,6 +211,7 @@ class CausalLMModule(L.LightningModule):
             init_from=self.init_from,
             adapter=self.adapter_config,
             upcycle=self.upcycle,
+            dynamic_shapes=self.varying_shapes,
         )
 
     def _placement(self) -> tuple[torch.device, Any]:

@@ -97,6 +97,7 @@ class DPOModule(CausalLMModule):
     """
 
     config_groups = ("preference",)
+    varying_shapes = True  # pairs of every length
 
     def __init__(self, *args: Any, preference: PreferenceConfig | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)

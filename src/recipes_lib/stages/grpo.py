@@ -114,6 +114,7 @@ class GRPOModule(CausalLMModule):
     """
 
     config_groups = ("grpo",)
+    varying_shapes = True  # prompts and completions of every length
 
     @classmethod
     def from_run_config(cls, cfg, **kwargs: Any) -> GRPOModule:

@@ -56,6 +56,7 @@ class RewardModule(CausalLMModule):
     """
 
     config_groups = ("reward",)
+    varying_shapes = True  # pairs of every length
 
     def __init__(self, *args: Any, reward: RewardConfig | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)

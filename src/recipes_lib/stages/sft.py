@@ -18,6 +18,7 @@ from pathlib import Path
 import lightning as L
 from torch import Tensor
 
+from recipes_lib.config.schema import RunConfig
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.stages.causal_lm import Batch, CausalLMModule
 
@@ -42,6 +43,10 @@ class SFTModule(CausalLMModule):
 
     Takes the arguments of :class:`~recipes_lib.stages.causal_lm.CausalLMModule`.
     """
+
+    @classmethod
+    def batches_vary(cls, cfg: RunConfig) -> bool:
+        return not cfg.data.chat.packing  # packed rows all have data.seq_len tokens
 
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         loss, metrics = super().compute_loss(batch)
