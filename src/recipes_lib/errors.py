@@ -47,3 +47,7 @@ class RewardError(RecipesError):
 class GateFailed(RecipesError):
     """A pipeline stage whose metrics did not meet one of its gates: the pipeline stops
     after recording the stage's outcome (``recipes-pipeline`` exits with status 3)."""
+
+
+class RunDirInUse(RecipesError):
+    """A run folder another live process is writing (it holds the folder's ``run.lock``)."""

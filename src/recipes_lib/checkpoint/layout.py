@@ -18,8 +18,10 @@ A run (``recipes-train``, or one stage of a pipeline) writes into ``run.dir``::
     stage_fingerprint.json     what a pipeline stage computes, written when it starts
     hang_stacks.rankN.txt      every thread's Python stack on rank N when the hang
                                watchdog ended the run (conf/callbacks: watchdog)
+    run.lock                   while a run writes here: the process holding the folder
+                               (``recipes_lib.checkpoint.run_lock``)
 
-A pipeline's folder holds one such folder per stage and ``report/``.
+A pipeline's folder holds one such folder per stage, ``report/`` and its own ``run.lock``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ CHECKSUM_SUFFIX = ".sha256.json"
 SHARDED_CHECKSUM_NAME = "sha256.json"
 PARTIAL_SUFFIX = ".partial"  # a sharded folder being written: ``.<name>.partial``
 HANG_STACKS = "hang_stacks.rank{rank}.txt"  # (conf/callbacks: watchdog.stacks_file)
+LOCK_NAME = "run.lock"
 _STEP_IN_NAME = re.compile(r"step=?(\d+)")
 
 
@@ -96,6 +99,11 @@ class RunDir:
     @property
     def fingerprint(self) -> Path:
         return self.root / FINGERPRINT_NAME
+
+    @property
+    def lock(self) -> Path:
+        """``run.lock``: held by the one process writing the folder."""
+        return self.root / LOCK_NAME
 
     def step_checkpoint(self, step: int) -> Path:
         """``checkpoints/stepNNNNNN.ckpt``: the checkpoint saved after ``step`` updates."""

@@ -8,7 +8,8 @@
 2. train each stage that needs it with :func:`recipes_lib.train.run`, starting from
    the previous stage's manifest as its ``init`` says, and write its manifest; an eval
    or promote stage hands on an earlier stage's weights instead
-   (:mod:`recipes_lib.pipeline.decisions`);
+   (:mod:`recipes_lib.pipeline.decisions`). The pipeline holds its folder's lock
+   meanwhile (:mod:`recipes_lib.checkpoint.run_lock`): one pipeline at a time there;
 3. evaluate the stage's output where it says ``evaluate`` and check its ``gates``: a
    gate that fails stops the pipeline after the report is written;
 4. print a summary table and write ``<dir>/report/`` (plots and ``summary.json``).
@@ -48,6 +49,7 @@ from recipes_lib.checkpoint.manifest import (
     write_manifest,
 )
 from recipes_lib.checkpoint.resume import resume_checkpoint
+from recipes_lib.checkpoint.run_lock import hold_run_dir
 from recipes_lib.checkpoint.weights import checkpoint_step, sha256_file
 from recipes_lib.config import RunConfig
 from recipes_lib.data.text.prepare import resolve_sources
@@ -312,9 +314,22 @@ def run_pipeline(
     result = PipelineResult(name=pipeline.name, dir=pipeline.dir)
     if dry_run or pipeline.dry_run:
         return result
+    # one pipeline at a time in its folder; each stage's run holds its own folder too
+    with hold_run_dir(pipeline.dir):
+        return _run_stages(pipeline, plans, result, stage_callbacks or {}, console)
+
+
+def _run_stages(
+    pipeline: PipelineSpec,
+    plans: list[StagePlan],
+    result: PipelineResult,
+    callbacks: Mapping[str, Sequence[Callback]],
+    console: Console | None,
+) -> PipelineResult:
+    """Train, decide and gate each planned stage in order, then write the report."""
+    rank_zero = global_rank() == 0
     manifests: dict[str, StageManifest] = {}
     values: dict[str, dict[str, float]] = {}  # each stage's metrics: gates, promotions
-    callbacks = stage_callbacks or {}
     stopped: GateFailed | None = None
     trackers: list = []  # the last run's: the report goes to them
     specs = {p.spec.name: p.spec for p in plans}
