@@ -8,11 +8,9 @@ The order below matters and reads top to bottom:
    turns token durations into steps;
 3. build the data module (tokenizer + shards are prepared once, on rank 0) and the
    objective's LightningModule (the model itself is built in ``configure_model``);
-4. hold ``run.dir`` (one run at a time, :mod:`.checkpoint.run_lock`), remove what an
-   interrupted write left there, and fit, resuming from ``run.ckpt_path`` when set, or
-   when ``run.dir`` holds checkpoints of the same config (a rerun of the same command);
-   SIGTERM or SIGUSR1 stops every rank after the same step with a checkpoint and exit
-   status 75 (:mod:`.callbacks.preemption`);
+4. fit, resuming from ``run.ckpt_path`` when set, or when ``run.dir`` holds checkpoints
+   of the same config (a rerun of the same command); SIGTERM or SIGUSR1 stops every rank
+   after the same step with a checkpoint and exit status 75 (:mod:`.callbacks.preemption`);
 5. export the stage's output weights to ``<run.dir>/model.safetensors`` (rank 0): the
    final weights, the mean of the last ``stage.average_last_k`` step checkpoints, or
    the ``stage.ema_decay`` moving average. With an adapter (LoRA/QLoRA) these are the
@@ -40,11 +38,12 @@ from recipes_lib.callbacks.preemption import Preemption
 from recipes_lib.callbacks.summary import ModelSizeSummary
 from recipes_lib.checkpoint.io import VerifiedCheckpointIO
 from recipes_lib.checkpoint.layout import RunDir
-from recipes_lib.checkpoint.resume import auto_resume, remove_unfinished_writes, resolve_ckpt_path
+from recipes_lib.checkpoint.resume import auto_resume, resolve_ckpt_path
 from recipes_lib.checkpoint.retention import retention_of
-from recipes_lib.checkpoint.run_lock import hold_run_dir
 from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
+from recipes_lib.config.instantiate import CALLBACKS, LOGGERS
+from recipes_lib.config.widening import widening_line
 from recipes_lib.data import PretrainDataModule
 from recipes_lib.data.chat.module import build_chat_data, build_distill_data
 from recipes_lib.data.preference.module import build_preference_data
@@ -52,7 +51,7 @@ from recipes_lib.data.preference.unpaired import build_unpaired_data
 from recipes_lib.data.prompts.module import build_prompt_data
 from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
-from recipes_lib.files import global_rank, write_text_atomic
+from recipes_lib.files import write_text_atomic
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
     build_strategy,
@@ -130,7 +129,8 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     else:
         kwargs["limit_val_batches"] = 0
     allowed = cfg.run.allowed_targets
-    callbacks = instantiate_dict(cfg.callbacks, "callbacks", allowed) + list(extra_callbacks)
+    callbacks = instantiate_dict(cfg.callbacks, "callbacks", CALLBACKS, allowed)
+    callbacks += list(extra_callbacks)
     # float8 all-gather under FSDP: every weight's scale refreshed after each step
     callbacks += fp8_callbacks(
         cfg.precision, fsdp=get_strategy(cfg.strategy.name).float8_all_gather
@@ -144,7 +144,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     if summary and not any(isinstance(cb, ModelSummary) for cb in callbacks):
         callbacks.append(ModelSizeSummary(seq_len=cfg.data.seq_len))
     kwargs["enable_model_summary"] = False
-    loggers = instantiate_dict(cfg.logger, "logger", allowed)
+    loggers = instantiate_dict(cfg.logger, "logger", LOGGERS, allowed)
     kwargs["devices"] = trainer_devices(cfg)
     retention = retention_of(cfg.run, cfg.stage.average_last_k)
     return L.Trainer(
@@ -245,9 +245,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         A :class:`RunResult` with the output folder, last checkpoint and final metrics.
 
     Raises:
-        RecipesError: a bad config, data path, tokenizer or checkpoint, before training;
-            a ``run.dir`` another live run holds (:class:`~recipes_lib.errors.RunDirInUse`);
-            a disk that fills (:class:`~recipes_lib.errors.DiskFullError`).
+        RecipesError: a bad config, data path, tokenizer or checkpoint, before training.
         Preempted: SIGTERM or SIGUSR1 stopped training at a checkpoint (a ``SystemExit``
             with status 75, :mod:`recipes_lib.callbacks.preemption`).
     """
@@ -255,18 +253,10 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         cfg = fill_model_from_init(cfg)  # model=from_init: the shape of stage.init_from
     cfg = resolve_device_choices(to_run_config(cfg))
     check_run_config(cfg)
-    with hold_run_dir(cfg.run.dir):  # one run at a time in run.dir (rank 0 holds it)
-        return _run(cfg, callbacks)
-
-
-def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:
-    """:func:`run` once its folder is held."""
-    run_dir = RunDir(cfg.run.dir)
-    if global_rank() == 0:  # an interrupted write's leftovers, never anyone else's
-        for folder in (run_dir.root, run_dir.checkpoints):
-            remove_unfinished_writes(folder)
+    if (widened := widening_line(cfg.run.allowed_targets)) is not None:
+        log.info("%s", widened)  # code of the user's own, trusted on the command line
     ckpt_path = resolve_ckpt_path(auto_resume(cfg))
-    # SIGTERM/SIGUSR1: a step checkpoint, then exit 75
+    run_dir = RunDir(cfg.run.dir)  # SIGTERM/SIGUSR1: a step checkpoint, then exit 75
     callbacks = [*callbacks, Preemption(run_dir.step_checkpoint, run_dir.last_checkpoint)]
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     fit = _fit(cfg, callbacks, ckpt_path)

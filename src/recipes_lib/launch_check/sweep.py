@@ -28,7 +28,6 @@ requeued and resumes); outside training submitit's own handler keeps it.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import sys
@@ -39,9 +38,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.config import to_run_config
-from recipes_lib.config.instantiate import check_targets
 from recipes_lib.config.validate import check_values
 from recipes_lib.errors import ConfigError, RecipesError
+from recipes_lib.preflight.targets import check_run_targets
 
 # hydra-submitit-launcher's own options (not submitit's): the folder and the retries
 LAUNCHER_OWN = {"submitit_folder", "max_num_timeout", "_target_"}
@@ -166,7 +165,7 @@ def check_train_job(executor: str, params: Mapping[str, Any], job: DictConfig) -
     from recipes_lib.train import OBJECTIVES
 
     cfg = to_run_config(fill_model_from_init(job))  # model=from_init: the source's shape
-    check_targets(dataclasses.asdict(cfg), "", cfg.run.allowed_targets)
+    check_run_targets(cfg)
     check_values(cfg, tuple(OBJECTIVES))
     devices = _count(cfg.trainer.devices, "trainer.devices")
     nodes = _count(cfg.trainer.num_nodes, "trainer.num_nodes")

@@ -24,7 +24,6 @@ from typing import Any
 
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
-from recipes_lib.config.instantiate import check_targets
 from recipes_lib.errors import ConfigError
 from recipes_lib.pipeline.checks import check_stage, source_of
 from recipes_lib.pipeline.compose import compose_stage
@@ -43,6 +42,7 @@ from recipes_lib.pipeline.handoff import (
 )
 from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
 from recipes_lib.pipeline.stage_plan import StagePlan, source_handoff, stage_dir_of
+from recipes_lib.preflight.targets import check_run_targets
 
 TRAINING_ACTIONS = ("train", "resume", "rerun")
 
@@ -211,7 +211,7 @@ def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
         # model=from_init: the stage takes the model of what it starts from
         config = compose_stage(pipeline, stage, source_model, source_label)
         # an unallowed _target_ in any stage stops the pipeline before anything runs
-        check_targets(asdict(config), stage.key, config.run.allowed_targets)
+        check_run_targets(config, stage.key)
         plan = StagePlan(stage, config, source_stage, source_file)
         check_stage(pipeline, plans, plan)
         earlier = {name: (p.spec, p.config) for name, p in plans.items()}

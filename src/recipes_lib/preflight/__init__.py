@@ -5,7 +5,8 @@ A single value is checked where it is consumed (a constructor checks its own arg
 keys, or on a key and this machine, is checked here, in this order, and the first
 problem stops the run with one line naming the keys:
 
-1. every ``_target_`` at any depth against the allowlist (before anything is imported);
+1. every ``_target_`` at any depth against what its key builds (before anything is
+   imported; :mod:`recipes_lib.preflight.targets`);
 2. the model against the weights ``stage.init_from`` holds (every difference at once;
    upcycling: a dense model);
 3. the schema's single values (:func:`recipes_lib.config.validate.check_values`);
@@ -24,9 +25,6 @@ declarations instead of comparing names.
 
 from __future__ import annotations
 
-import dataclasses
-
-from recipes_lib.config.instantiate import check_targets
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.config.validate import check_values
 from recipes_lib.preflight.devices import (
@@ -45,6 +43,7 @@ from recipes_lib.preflight.stage import (
     check_rollouts,
     check_stage_io,
 )
+from recipes_lib.preflight.targets import check_run_targets
 
 
 def check_run(cfg: RunConfig, objectives: tuple[str, ...]) -> None:
@@ -59,7 +58,7 @@ def check_run(cfg: RunConfig, objectives: tuple[str, ...]) -> None:
         ConfigError: the first problem found, naming its keys.
         CheckpointError: ``stage.init_from`` is missing or unreadable.
     """
-    check_targets(dataclasses.asdict(cfg), "", cfg.run.allowed_targets)
+    check_run_targets(cfg)
     check_init_source(cfg)
     check_values(cfg, objectives)
     check_stage_io(cfg)

@@ -1,8 +1,8 @@
 """The rewards of a run: ``grpo.rewards``, a mapping of names to rewards.
 
-Each reward is a ``weight`` in the total and a function node ``fn``: a ``_target_`` (a
-built-in function of :mod:`recipes_lib.rewards.functions`, or your own under
-``run.allowed_targets``, built through the one allowlisted
+Each reward is a ``weight`` in the total and a function node ``fn``: a ``_target_`` (one
+of the declared :data:`REWARD_FUNCTIONS`, or your own under ``run.allowed_targets`` given
+on the command line, built through the one
 :func:`~recipes_lib.config.instantiate.instantiate`) with the function's settings::
 
     grpo:
@@ -32,10 +32,37 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from recipes_lib.config.instantiate import TARGET_KEY, instantiate
+from recipes_lib.config.instantiate import TARGET_KEY, TargetKind, instantiate
 from recipes_lib.errors import ConfigError, RecipesError, RewardError
+from recipes_lib.rewards.functions import (
+    defines_function,
+    exact_match,
+    format_match,
+    function_header,
+    python_syntax,
+    unit_tests,
+)
+from recipes_lib.rewards.model import RewardModelScore
 
 WEIGHT_KEY, FN_KEY = "weight", "fn"
+
+# The functions a config may name as a reward. Declared one by one: the package holds
+# helpers too, and a reward is built with its settings bound, never called at build.
+REWARD_FUNCTIONS = (
+    exact_match,
+    format_match,
+    python_syntax,
+    defines_function,
+    function_header,
+    unit_tests,
+    RewardModelScore,
+)
+REWARDS = TargetKind(
+    "reward function",
+    ("recipes_lib.rewards.",),
+    lambda obj: any(obj is fn for fn in REWARD_FUNCTIONS),
+    "the functions of recipes_lib.rewards.registry.REWARD_FUNCTIONS",
+)
 
 
 @dataclass(frozen=True)
@@ -86,7 +113,7 @@ def _build(fn: Mapping[str, Any], key: str, extra_prefixes: Sequence[str] | None
     """The reward function a node names, its settings bound; a class (a reward that
     loads something, as :class:`~recipes_lib.rewards.model.RewardModelScore`) is
     built once with them, and its instance is the function."""
-    built = instantiate({**fn, "_partial_": True}, key, extra_prefixes)
+    built = instantiate({**fn, "_partial_": True}, key, REWARDS, extra_prefixes)
     if isinstance(built, functools.partial) and inspect.isclass(built.func):
         try:
             return built()

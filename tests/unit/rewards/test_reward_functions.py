@@ -96,8 +96,11 @@ def test_the_registry_weights_builtins_and_names_bad_ones():
     assert torch.equal(each["shape"], torch.tensor([1.0, 0.0]))
     with pytest.raises(ConfigError, match=r"grpo\.rewards\.answer\.fn\.colour: not an argument"):
         rewards(answer={"fn": {"_target_": "recipes_lib.rewards.exact_match", "colour": 1}})
-    with pytest.raises(ConfigError, match=r"os\.system. is outside the allowed prefixes"):
+    with pytest.raises(ConfigError, match=r"os\.system. is not a reward function"):
         rewards(answer={"fn": {"_target_": "os.system"}})
+    helper = "recipes_lib.rewards.functions._kill_group"  # of the package, not a reward
+    with pytest.raises(ConfigError, match=r"_kill_group. is not a reward function"):
+        rewards(answer={"fn": {"_target_": helper}})
     with pytest.raises(ConfigError, match=r"grpo\.rewards\.answer\.weight='high'"):
         rewards(answer={"weight": "high", "fn": {"_target_": "recipes_lib.rewards.exact_match"}})
     with pytest.raises(ConfigError, match="unknown key 'wieght'"):
