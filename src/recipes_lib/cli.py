@@ -25,10 +25,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.config import register_schema
+from recipes_lib.config.overrides import check_command_line
+from recipes_lib.config.schema import RunConfig
 from recipes_lib.console import configure_console
 from recipes_lib.errors import GateFailed, RecipesError
 from recipes_lib.files import global_rank
-from recipes_lib.pipeline.spec import register_pipeline_schema
+from recipes_lib.pipeline.spec import PipelineConfig, register_pipeline_schema
 
 log = logging.getLogger("recipes_lib")
 EXIT_GATE_FAILED = 3  # recipes-pipeline: a stage did not meet one of its gates
@@ -183,9 +185,19 @@ def _close_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _run_and_exit(entry: Callable[[], object]) -> NoReturn:
-    """Run a command's ``entry`` and end the process with its exit status, without the
-    interpreter's own teardown.
+def _check_overrides(schema: type) -> None:
+    """Exit with status 2 and one line when an override names a group option or key that
+    does not exist, before Hydra's longer message (:mod:`recipes_lib.config.overrides`)."""
+    try:
+        check_command_line(sys.argv[1:], schema)
+    except RecipesError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _run_and_exit(entry: Callable[[], object], schema: type = RunConfig) -> NoReturn:
+    """Run a command's ``entry`` (its overrides checked against ``schema`` first) and end
+    the process with its exit status, without the interpreter's own teardown.
 
     After a run, the interpreter would free what is left (the CUDA context, tensors,
     the compile workers' pipes, thousands of modules) object by object: seconds after a
@@ -196,6 +208,7 @@ def _run_and_exit(entry: Callable[[], object]) -> NoReturn:
     _quiet_other_ranks()
     status: int | str | None = 0
     try:
+        _check_overrides(schema)
         entry()
     except SystemExit as stop:
         status = stop.code
@@ -228,7 +241,7 @@ def check_main() -> None:
 
 def pipeline_main() -> None:
     """Entry point of ``recipes-pipeline``: run the stages of ``pipeline=NAME`` in order."""
-    _run_and_exit(_pipeline)
+    _run_and_exit(_pipeline, PipelineConfig)
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ The order below matters and reads top to bottom:
    turns token durations into steps;
 3. build the data module (tokenizer + shards are prepared once, on rank 0) and the
    objective's LightningModule (the model itself is built in ``configure_model``);
-4. fit, resuming from ``run.ckpt_path`` when set, or when ``run.dir`` holds checkpoints
-   of the same config (a rerun of the same command); SIGTERM or SIGUSR1 stops every rank
-   after the same step with a checkpoint and exit status 75 (:mod:`.callbacks.preemption`);
+4. hold ``run.dir`` (one run at a time, :mod:`.checkpoint.run_lock`), remove what an
+   interrupted write left there, and fit, resuming from ``run.ckpt_path`` when set, or
+   when ``run.dir`` holds checkpoints of the same config (a rerun of the same command);
+   SIGTERM or SIGUSR1 stops every rank after the same step with a checkpoint and exit
+   status 75 (:mod:`.callbacks.preemption`);
 5. export the stage's output weights to ``<run.dir>/model.safetensors`` (rank 0): the
    final weights, the mean of the last ``stage.average_last_k`` step checkpoints, or
    the ``stage.ema_decay`` moving average. With an adapter (LoRA/QLoRA) these are the
@@ -38,8 +40,9 @@ from recipes_lib.callbacks.preemption import Preemption
 from recipes_lib.callbacks.summary import ModelSizeSummary
 from recipes_lib.checkpoint.io import VerifiedCheckpointIO
 from recipes_lib.checkpoint.layout import RunDir
-from recipes_lib.checkpoint.resume import auto_resume, resolve_ckpt_path
+from recipes_lib.checkpoint.resume import auto_resume, remove_unfinished_writes, resolve_ckpt_path
 from recipes_lib.checkpoint.retention import retention_of
+from recipes_lib.checkpoint.run_lock import hold_run_dir
 from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
 from recipes_lib.config.instantiate import CALLBACKS, LOGGERS
@@ -51,7 +54,7 @@ from recipes_lib.data.preference.unpaired import build_unpaired_data
 from recipes_lib.data.prompts.module import build_prompt_data
 from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
-from recipes_lib.files import write_text_atomic
+from recipes_lib.files import global_rank, write_text_atomic
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
     build_strategy,
@@ -245,7 +248,9 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         A :class:`RunResult` with the output folder, last checkpoint and final metrics.
 
     Raises:
-        RecipesError: a bad config, data path, tokenizer or checkpoint, before training.
+        RecipesError: a bad config, data path, tokenizer or checkpoint, before training;
+            a ``run.dir`` another live run holds (:class:`~recipes_lib.errors.RunDirInUse`);
+            a disk that fills (:class:`~recipes_lib.errors.DiskFullError`).
         Preempted: SIGTERM or SIGUSR1 stopped training at a checkpoint (a ``SystemExit``
             with status 75, :mod:`recipes_lib.callbacks.preemption`).
     """
@@ -255,8 +260,18 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     check_run_config(cfg)
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:
         log.info("%s", widened)  # code of the user's own, trusted on the command line
+    with hold_run_dir(cfg.run.dir):  # one run at a time in run.dir (rank 0 holds it)
+        return _run(cfg, callbacks)
+
+
+def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:
+    """:func:`run` once its folder is held."""
+    run_dir = RunDir(cfg.run.dir)
+    if global_rank() == 0:  # an interrupted write's leftovers, never anyone else's
+        for folder in (run_dir.root, run_dir.checkpoints):
+            remove_unfinished_writes(folder)
     ckpt_path = resolve_ckpt_path(auto_resume(cfg))
-    run_dir = RunDir(cfg.run.dir)  # SIGTERM/SIGUSR1: a step checkpoint, then exit 75
+    # SIGTERM/SIGUSR1: a step checkpoint, then exit 75
     callbacks = [*callbacks, Preemption(run_dir.step_checkpoint, run_dir.last_checkpoint)]
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     fit = _fit(cfg, callbacks, ckpt_path)

@@ -79,6 +79,25 @@ def test_bad_input_exits_with_a_one_line_message(tmp_path, shared_cache):
     assert "Traceback" not in proc.stderr
 
 
+def test_misspelt_recipe_or_key_names_the_closest_before_composing(tmp_path):
+    for override, expected in [
+        ("recipe=sft/ful", "error: recipe=sft/ful: no such recipe (did you mean sft/full?)"),
+        ("optim.lrr=1", "error: optim.lrr=1: no such key (did you mean optim.lr?)"),
+    ]:
+        proc = _run_cli(override, cwd=tmp_path, check=False)
+        assert proc.returncode == 2
+        assert proc.stderr.strip() == expected
+    pipeline = subprocess.run(
+        [_script("recipes-pipeline"), "pipeline=demoo"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert pipeline.returncode == 2
+    assert pipeline.stderr.strip() == "error: pipeline=demoo: no such pipeline (did you mean demo?)"
+
+
 def test_non_finite_learning_rate_exits_with_one_error_line(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     proc = _run_cli(

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recipes_lib.config import compose_config, list_recipes
+from recipes_lib.config.overrides import check_overrides, did_you_mean, unknown_key
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.config.store import fill_from_init, run_schema_node
 from recipes_lib.errors import ConfigError
@@ -36,8 +37,8 @@ def compose_stage(
     recipes = list_recipes()
     if stage.recipe not in recipes:
         raise ConfigError(
-            f"{stage.key}.recipe={stage.recipe!r}: no such recipe; choose one of: "
-            + ", ".join(recipes)
+            f"{stage.key}.recipe={stage.recipe!r}: no such recipe"
+            + did_you_mean(stage.recipe, recipes)
         )
     for key in RUNNER_KEYS:
         if sets_key(pipeline, stage, key):
@@ -46,6 +47,10 @@ def compose_stage(
                 "keys and its folder); do not set it"
             )
     overrides = [f"recipe={stage.recipe}", *pipeline.overrides, *stage.overrides]
+    try:
+        check_overrides(overrides[1:], RunConfig)
+    except ConfigError as err:
+        raise ConfigError(f"stage {stage.name}: {err}") from err
     try:
         composed = compose_config(overrides)
     except Exception as err:  # Hydra's composition errors carry the key at fault
@@ -59,7 +64,7 @@ def compose_stage(
         typed = OmegaConf.merge(typed, stage.settings)
     except OmegaConfBaseException as err:
         full_key = getattr(err, "full_key", None) or ""
-        reason = str(err).splitlines()[0]
+        reason = unknown_key(full_key, RunConfig) or str(err).splitlines()[0]
         raise ConfigError(f"{stage.key}.{full_key}: {reason}") from err
     typed.run.dir = str(pipeline.dir / stage.name)
     try:

@@ -46,6 +46,27 @@ def test_unknown_recipe_is_named_with_its_stage(tmp_path):
     _fails_before_training(spec, ConfigError, r"stages\.anneal\.recipe='anneal/nope': no such")
 
 
+@pytest.mark.parametrize(
+    ("stage", "match"),
+    [
+        (
+            {"recipe": "anneal/tny"},
+            r"anneal\.recipe='anneal/tny': no such recipe \(did you mean anneal/tiny\?\)",
+        ),
+        (
+            {**ANNEAL, "overrides": ["optim.lrr=1"]},
+            r"stage anneal: optim\.lrr=1: no such key \(did you mean optim\.lr\?\)",
+        ),
+        (
+            {**ANNEAL, "optim": {"lrr": 1}},
+            r"stages\.anneal\.optim\.lrr: no such key \(did you mean optim\.lr\?\)",
+        ),
+    ],
+)
+def test_misspelt_stage_recipe_or_key_names_the_closest(tmp_path, stage, match):
+    _fails_before_training(_two_stage(tmp_path, stage), ConfigError, match)
+
+
 def test_unknown_or_later_source_stage(tmp_path):
     spec = _two_stage(tmp_path, {"recipe": "anneal/tiny", "from": "pretrian"})
     _fails_before_training(

@@ -1,0 +1,180 @@
+"""Overrides checked before Hydra composes them: a group option or a key that does not
+exist is named with the closest ones.
+
+Hydra's own message for ``recipe=sft/ful`` lists its search path, and for ``optim.lrr=1``
+suggests ``+optim.lrr=1``, which the typed schema then refuses as well. Here each is one
+line naming what exists::
+
+    recipe=sft/ful: no such recipe (did you mean sft/full?)
+    optim.lrr=1: no such key (did you mean optim.lr?)
+
+Group options are the YAML files under the shipped ``conf/<group>/`` (and under
+``--config-dir``); keys are the fields of the root schema's dataclasses, down to the
+first field whose keys are open (``data.sources``, ``callbacks``, ``stages``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import difflib
+import io
+import typing
+from collections.abc import Sequence
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+from recipes_lib.config.store import conf_dir
+from recipes_lib.errors import ConfigError
+
+# What one option of a group is called in a message; other groups say "<group> option".
+_NOUNS = {
+    "recipe": "recipe",
+    "pipeline": "pipeline",
+    "model": "model",
+    "strategy": "strategy",
+    "optim": "optimizer",
+    "scheduler": "scheduler",
+    "adapter": "adapter",
+    "logger": "logger",
+}
+
+
+def group_options(group: str, extra_dirs: Sequence[Path] = ()) -> list[str]:
+    """The options of config group ``group`` (e.g. ``sft/full`` for ``recipe``), from the
+    shipped ``conf/`` and ``extra_dirs``; empty if ``group`` is not a group."""
+    names: set[str] = set()
+    for root in (conf_dir(), *extra_dirs):
+        folder = Path(root) / group
+        if folder.is_dir():
+            names.update(str(p.relative_to(folder).with_suffix("")) for p in folder.rglob("*.yaml"))
+    return sorted(names)
+
+
+def _is_group(group: str, extra_dirs: Sequence[Path]) -> bool:
+    return any((Path(root) / group).is_dir() for root in (conf_dir(), *extra_dirs))
+
+
+def _top_groups(extra_dirs: Sequence[Path]) -> list[str]:
+    roots = (conf_dir(), *extra_dirs)
+    return sorted(
+        {p.name for root in roots for p in Path(root).iterdir() if p.is_dir()} - {"hydra"}
+    )
+
+
+def did_you_mean(word: str, options: Sequence[str]) -> str:
+    """`` (did you mean X?)`` for the closest of ``options`` to ``word``, else
+    `` (choose from: ...)``; empty when there are no options."""
+    close = difflib.get_close_matches(word, options, n=1)
+    if close:
+        return f" (did you mean {close[0]}?)"
+    return f" (choose from: {', '.join(options)})" if options else ""
+
+
+def _dataclass_of(hint: Any) -> type | None:
+    """The dataclass a field's type hint holds (``X | None`` unwrapped), else None."""
+    if isinstance(hint, type) and is_dataclass(hint):
+        return hint
+    for arg in typing.get_args(hint):
+        if isinstance(arg, type) and is_dataclass(arg):
+            return arg
+    return None
+
+
+def unknown_key(key: str, schema: type, groups: Sequence[str] = ()) -> str | None:
+    """Why dotted ``key`` is not in ``schema`` (a dataclass), with the closest field at
+    the level it leaves the schema (or of ``groups``, for a top-level name); None when it
+    is there or lies under open keys."""
+    node: type | None = schema
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        if node is None:
+            return None  # open keys (a dict or Any field): nothing to check against
+        hints = typing.get_type_hints(node)
+        names = [f.name for f in fields(node)]
+        if part not in names:
+            candidates = [*names, *groups] if len(parts) == 1 else names
+            close = difflib.get_close_matches(part, candidates, n=1)
+            if close:
+                spelled = ".".join([*parts[:depth], close[0], *parts[depth + 1 :]])
+                return f"no such key (did you mean {spelled}?)"
+            where = ".".join(parts[:depth]) or "the config"
+            return f"no such key ({where} takes: {', '.join(names)})"
+        node = _dataclass_of(hints[part])
+    return None
+
+
+def _command_line(argv: Sequence[str]) -> argparse.Namespace | None:
+    """Hydra's reading of ``argv``; None when Hydra would refuse it (Hydra says why)."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args, _ = parser.parse_known_args(list(argv))
+    except (SystemExit, argparse.ArgumentError):
+        return None
+    return args
+
+
+def check_overrides(
+    overrides: Sequence[str], schema: type, extra_dirs: Sequence[Path] = ()
+) -> None:
+    """Refuse the first override that names a missing group option or schema key.
+
+    Overrides Hydra cannot parse, of ``hydra`` itself, with a package (``group@pkg``),
+    deleting (``~key``) or sweeping a range are left to Hydra.
+
+    Raises:
+        ConfigError: ``<override>: no such <thing> (did you mean ...?)``.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return
+    for override, text in zip(parsed, overrides, strict=True):
+        key = override.key_or_group
+        if key.split(".")[0].split("/")[0] == "hydra" or override.package or override.is_delete():
+            continue
+        if "." not in key and _is_group(key, extra_dirs):
+            if override.is_sweep_override() and not override.is_choice_sweep():
+                continue
+            values = (
+                list(override.sweep_string_iterator())
+                if override.is_choice_sweep()
+                else [override.get_value_element_as_str()]
+            )
+            options = group_options(key, extra_dirs)
+            for value in values:
+                if value not in ("null", *options):
+                    noun = _NOUNS.get(key, f"{key} option")
+                    raise ConfigError(f"{text}: no such {noun}{did_you_mean(value, options)}")
+            continue
+        groups = [] if "." in key else _top_groups(extra_dirs)
+        reason = unknown_key(key, schema, groups)
+        if reason is not None:
+            raise ConfigError(f"{text}: {reason}")
+
+
+def check_command_line(argv: Sequence[str], schema: type) -> None:
+    """:func:`check_overrides` on a console script's arguments, as Hydra reads them.
+
+    Left to Hydra: ``--help``, shell completion, another primary config
+    (``--config-path``, ``--config-name``) or search path (``hydra.searchpath``).
+
+    Raises:
+        ConfigError: the first override naming a missing group option or key.
+    """
+    args = _command_line(argv)
+    if args is None or args.help or args.hydra_help or args.shell_completion:
+        return
+    if args.config_path or args.config_name or args.experimental_rerun:
+        return
+    if any(o.lstrip("+").startswith("hydra.searchpath") for o in args.overrides):
+        return
+    extra = [Path(args.config_dir)] if args.config_dir else []
+    check_overrides(args.overrides, schema, extra)
