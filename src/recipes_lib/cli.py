@@ -105,6 +105,8 @@ def _train(cfg: DictConfig) -> float | None:
         _report_preempted(err)
         raise
     log.info("finished at step %d; output in %s", result.global_step, result.output_dir)
+    for line in result.summary_lines():  # the weights, the exported folder, what to run next
+        log.info("%s", line)
     if result.skipped_records:
         reasons = "; ".join(f"{n} {reason}" for reason, n in result.skipped_records.items())
         log.info("  data: %d record(s) left out: %s", sum(result.skipped_records.values()), reasons)

@@ -17,7 +17,9 @@ The order below matters and reads top to bottom:
    final weights, the mean of the last ``stage.average_last_k`` step checkpoints, or
    the ``stage.ema_decay`` moving average. With an adapter (LoRA/QLoRA) these are the
    base weights with the adapters merged in, and ``<run.dir>/adapter/`` holds the
-   adapters alone in PEFT's format.
+   adapters alone in PEFT's format. The tokenizer is written beside them, and with
+   ``stage.export_hf`` they are also ``<run.dir>/hf/``, a Hugging Face folder checked
+   against transformers (:mod:`recipes_lib.export`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from recipes_lib.data.preference.unpaired import build_unpaired_data
 from recipes_lib.data.prompts.module import build_prompt_data
 from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
+from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
@@ -69,7 +72,12 @@ from recipes_lib.stages.distill import DistillModule
 from recipes_lib.stages.dpo import DPOModule
 from recipes_lib.stages.grpo import GRPOModule
 from recipes_lib.stages.kto import KTOModule
-from recipes_lib.stages.outputs import OutputWeights, export_weights, prepare_averaging
+from recipes_lib.stages.outputs import (
+    OutputWeights,
+    export_weights,
+    prepare_averaging,
+    save_tokenizer_beside,
+)
 from recipes_lib.stages.reward import RewardModule
 from recipes_lib.stages.rollback import plan_rollback
 from recipes_lib.stages.sft import SFTModule
@@ -100,6 +108,21 @@ class RunResult:
     guard: dict[str, Any] = field(default_factory=dict)
     # the experiment trackers among its loggers (W&B, MLflow: recipes_lib.trackers)
     trackers: list[Any] = field(default_factory=list, repr=False)
+    hf_path: Path | None = None  # hf/: the output weights as a Hugging Face folder
+
+    def summary_lines(self) -> list[str]:
+        """What the run left and what to run next, for its closing summary."""
+        if self.weights_path is None:
+            return [f"  no output weights in {self.output_dir}: the run stopped before its end"]
+        out = self.output_dir
+        lines = [f"  weights: {self.weights_path}"]
+        if self.hf_path is not None:
+            lines.append(f"  Hugging Face folder: {self.hf_path} (transformers, vLLM, PEFT)")
+        else:
+            lines.append(f"  as a Hugging Face folder: recipes-export checkpoint={out} out=DIR")
+        lines.append(f'  next: recipes-generate checkpoint={out} prompt="..."')
+        lines.append(f"        recipes-eval checkpoint={out} tasks=TASKS")
+        return lines
 
 
 def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
@@ -309,6 +332,10 @@ def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:
         attach_files(trackers, [RunDir(out).config], "config")
     last = RunDir(out).last_checkpoint
     prepared = datamodule.prepared
+    hf_path = None
+    if trainer.is_global_zero and weights_path is not None:  # the folder loads on its own
+        save_tokenizer_beside(cfg, out, prepared.tokenizer_path if prepared is not None else None)
+        hf_path = export_run(cfg, out)
     return RunResult(
         output_dir=out,
         last_checkpoint=last if last.exists() else None,  # a folder when sharded
@@ -324,6 +351,7 @@ def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:
         skipped_records=datamodule.skipped_records(),
         guard={"skipped_updates": skipped, "rollbacks": rollbacks},
         trackers=trackers,
+        hf_path=hf_path,
     )
 
 

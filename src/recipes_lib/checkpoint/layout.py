@@ -12,6 +12,8 @@ A run (``recipes-train``, or one stage of a pipeline) writes into ``run.dir``::
     logs/version_N/            the CSV (and TensorBoard) logs of each attempt
     model.safetensors          the output weights (final, averaged or EMA)
     adapter/                   LoRA/QLoRA adapters alone, in PEFT's format
+    hf/                        the output as a Hugging Face folder (``stage.export_hf``):
+                               config.json, weights and tokenizer in the model's family
     tokenizer.json             the tokenizer the run read with (and, for chat stages,
     tokenizer_config.json      the chat template it rendered with, as transformers reads it)
     manifest.json              a pipeline stage's hand-off to the next
@@ -39,6 +41,7 @@ LAST_CHECKPOINT_NAME = "last.ckpt"
 LOGS_DIR = "logs"
 WEIGHTS_NAME = "model.safetensors"
 ADAPTER_DIR = "adapter"
+HF_DIR = "hf"
 TOKENIZER_CONFIG_NAME = "tokenizer_config.json"
 MANIFEST_NAME = "manifest.json"
 FINGERPRINT_NAME = "stage_fingerprint.json"
@@ -87,6 +90,11 @@ class RunDir:
     @property
     def adapter(self) -> Path:
         return self.root / ADAPTER_DIR
+
+    @property
+    def hf(self) -> Path:
+        """``hf/``: the output weights as a Hugging Face folder."""
+        return self.root / HF_DIR
 
     @property
     def tokenizer(self) -> Path:

@@ -33,6 +33,7 @@ LOCATION_KEYS = (
     "trainer.enable_progress_bar",
     "trainer.enable_model_summary",
     "callbacks.watchdog",  # a longer hang timeout after a hang is still the same run
+    "stage.export_hf",  # a Hugging Face copy of the output is written, not computed
 )
 
 

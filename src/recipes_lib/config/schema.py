@@ -186,6 +186,9 @@ class StageConfig:
     upcycle: bool = False
     average_last_k: int | None = None  # output: mean of the last K step checkpoints
     ema_decay: float | None = None  # output: exponential moving average of the weights
+    # hf/: the output weights also as a Hugging Face folder, checked against transformers;
+    # None: when the stage starts from one (or from a stage that wrote one)
+    export_hf: bool | None = None
     batch_ramp: BatchRampConfig = field(default_factory=BatchRampConfig)
 
 

@@ -22,9 +22,12 @@ from lightning.pytorch.callbacks import Checkpoint, ModelCheckpoint
 
 from recipes_lib.adapters import has_adapter, merge_adapter, save_adapter
 from recipes_lib.callbacks.ema import WeightEMA
+from recipes_lib.checkpoint.hf_tokenizer import HF_TOKENIZER_CONFIG_NAME, read_json, token_text
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.weights import average_checkpoints, list_step_checkpoints, save_weights
 from recipes_lib.config import RunConfig
+from recipes_lib.data.chat_records import tokenizer_chat_template
+from recipes_lib.data.tokenizer import load_tokenizer, save_tokenizer_folder
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.parallel.strategy import get_strategy
 
@@ -156,6 +159,30 @@ def export_weights(
         raise CheckpointError(refusal)
     trainer.strategy.barrier("export_weights")
     return path, chosen
+
+
+def save_tokenizer_beside(cfg: RunConfig, out: Path, tokenizer_path: Path | None) -> None:
+    """Write the run's tokenizer beside its output weights where the stage has not (a
+    pretraining run reads its own from the data cache), so the folder loads on its own:
+    ``recipes-generate checkpoint=<run.dir>``, the ``hf/`` export.
+
+    The EOS token and chat template are those beside the tokenizer, else
+    ``data.tokenizer.eos_token`` where the tokenizer has it.
+    """
+    if tokenizer_path is None or RunDir(out).tokenizer.is_file():
+        return
+    beside = Path(tokenizer_path).parent
+    eos = token_text(read_json(beside / HF_TOKENIZER_CONFIG_NAME).get("eos_token"))
+    configured = cfg.data.tokenizer.eos_token
+    if eos is None and load_tokenizer(tokenizer_path).token_to_id(configured) is not None:
+        eos = configured
+    save_tokenizer_folder(
+        out,
+        tokenizer_path,
+        eos_token=eos,
+        chat_template=tokenizer_chat_template(beside),
+        model_max_length=cfg.model.max_seq_len,
+    )
 
 
 class OutputWeights(Checkpoint):

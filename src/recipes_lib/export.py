@@ -1,0 +1,277 @@
+"""Any checkpoint as a Hugging Face folder, checked against transformers: ``recipes-export``
+and the ``hf/`` folder a stage writes at its end (``stage.export_hf``).
+
+    recipes-export checkpoint=outputs/sft-full out=my-model
+    recipes-export checkpoint=runs/tiny/checkpoints/last.ckpt out=tiny-hf dtype=bfloat16
+
+``checkpoint`` is a run folder, its ``model.safetensors``, a stage's ``manifest.json``, a
+Lightning ``.ckpt`` or a sharded checkpoint folder (what ``stage.init_from`` takes). The
+folder written is the model's own family (``config.json``, safetensors weights, the
+tokenizer and its chat template), which ``transformers.AutoModelForCausalLM``, vLLM and
+PEFT load. A LoRA stage's weights are already merged; its ``adapter/`` loads over the
+folder it started from, or over this one.
+
+After writing, transformers loads the folder and its float32 logits on a few tokens must
+match this library's within 1e-4, or the export fails with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from recipes_lib.checkpoint.hf import empty_model, load_hf_checkpoint
+from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
+from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, read_hf_config
+from recipes_lib.checkpoint.layout import CHECKPOINTS_DIR, RunDir
+from recipes_lib.checkpoint.source import read_init_source
+from recipes_lib.checkpoint.weights import load_state_into, load_weights
+from recipes_lib.config.schema import ModelConfig, RunConfig
+from recipes_lib.config.store import as_config
+from recipes_lib.data.tokenizer import TOKENIZER_FILE
+from recipes_lib.errors import CheckpointError, ConfigError, DataError, RecipesError
+from recipes_lib.generate import key_value_args, usage, wants_help
+from recipes_lib.models import Transformer
+
+log = logging.getLogger(__name__)
+
+PARITY_TOLERANCE = 1e-4  # float32 logits, absolute and relative
+_PARITY_SHAPE = (2, 16)  # rows and tokens of the parity check
+
+
+def load_checkpoint(source: str | Path) -> tuple[Transformer, ModelConfig]:
+    """The model a checkpoint holds, in its stored dtype on the CPU, and its shape.
+
+    Raises:
+        CheckpointError: the path is missing, records no model shape, or its weights do
+            not fit that shape.
+    """
+    found = read_init_source(source, "checkpoint")
+    if found.kind == "hf":
+        return load_hf_checkpoint(found.path)
+    if found.model is None:
+        raise CheckpointError(
+            f"checkpoint={str(source)!r}: no manifest.json or config.yaml beside the weights "
+            "says the model's shape"
+        )
+    config = as_config(ModelConfig, found.model, f"checkpoint={str(source)!r} model")
+    state = load_weights(found.weights)
+    dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    model = empty_model(config, dtype=dtype)
+    load_state_into(model, state, f"checkpoint={str(source)!r}")
+    return model.eval(), config
+
+
+def tokenizer_of(source: str | Path) -> Path:
+    """The ``tokenizer.json`` a checkpoint was trained with: beside its weights, or in
+    the run folder above ``checkpoints/``.
+
+    Raises:
+        DataError: none is found (the places looked at are named).
+    """
+    path = Path(source).expanduser()
+    folder = path if path.is_dir() else path.parent
+    folders = [folder, folder.parent] if folder.name == CHECKPOINTS_DIR else [folder]
+    for candidate in (f / TOKENIZER_FILE for f in folders):
+        if candidate.is_file():
+            return candidate
+    looked = ", ".join(str(f / TOKENIZER_FILE) for f in folders)
+    raise DataError(
+        f"checkpoint={str(source)!r}: no tokenizer (looked for {looked}); pass tokenizer=PATH"
+    )
+
+
+def check_against_transformers(folder: Path, model: Transformer, config: ModelConfig) -> float:
+    """Load ``folder`` with transformers and compare its float32 logits on a few tokens
+    with ``model``'s (as exported); return the largest difference.
+
+    Raises:
+        CheckpointError: transformers is missing or cannot load the folder, or the
+            logits differ by more than :data:`PARITY_TOLERANCE`.
+    """
+    try:
+        import transformers
+    except ImportError as err:
+        raise CheckpointError(
+            f"'{folder}' is written but not checked: the check loads it with transformers, "
+            "which is not installed (pip install transformers)"
+        ) from err
+    rows, length = _PARITY_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(
+        0, config.vocab_size, (rows, min(length, config.max_seq_len)), generator=generator
+    )
+    score = config.head == "score"
+    pad = read_hf_config(folder).get("pad_token_id")
+    if score and pad is not None:  # transformers reads a score at the last token not padding
+        x[x == pad] = (pad + 1) % config.vocab_size
+    with torch.no_grad():
+        ours = model.float()(x)
+        ours = ours[:, -1] if score else ours
+    auto = transformers.AutoModelForCausalLM
+    if score:
+        auto = transformers.AutoModelForSequenceClassification
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # a bar per load at a run's end is noise
+    try:
+        theirs_model = auto.from_pretrained(folder, attn_implementation="eager").float().eval()
+    except Exception as err:  # transformers raises many kinds; the first line says which
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"transformers cannot load '{folder}': {reason}") from err
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
+    with torch.no_grad():
+        theirs: Tensor = theirs_model(input_ids=x).logits
+    difference = float((ours - theirs).abs().max())
+    if not torch.allclose(ours, theirs, atol=PARITY_TOLERANCE, rtol=PARITY_TOLERANCE):
+        raise CheckpointError(
+            f"'{folder}': transformers' float32 logits differ from the checkpoint's by up to "
+            f"{difference:.2e}, more than {PARITY_TOLERANCE:g}"
+        )
+    return difference
+
+
+def export_checkpoint(
+    source: str | Path,
+    out_dir: str | Path,
+    tokenizer: str | Path | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    check: bool = True,
+) -> Path:
+    """Write the model ``source`` holds as a Hugging Face folder in ``out_dir``.
+
+    Args:
+        source: a run folder, its weights, a manifest, a ``.ckpt`` or a sharded folder.
+        out_dir: the folder to write (created if needed).
+        tokenizer: a tokenizer.json or a folder holding one; default the one beside
+            ``source`` (its tokenizer_config.json's chat template and EOS come along).
+        dtype: the dtype to store; default the checkpoint's.
+        check: load the folder with transformers and compare logits after writing.
+
+    Raises:
+        CheckpointError: an unreadable checkpoint, a model transformers cannot hold, or
+            logits that differ.
+        DataError: no tokenizer found.
+    """
+    tokenizer_path = Path(tokenizer).expanduser() if tokenizer is not None else tokenizer_of(source)
+    model, config = load_checkpoint(source)
+    if dtype is not None:
+        model = model.to(dtype)
+    folder = export_hf_checkpoint(model, config, out_dir, tokenizer_path)
+    if check:
+        difference = check_against_transformers(folder, model, config)
+        log.info("%s: transformers' logits match within %.1e", folder, difference)
+    return folder
+
+
+def wants_hf_export(cfg: RunConfig) -> bool:
+    """``stage.export_hf``, or when it is None (auto) whether the stage starts from a
+    Hugging Face folder or from a stage that wrote one."""
+    if cfg.stage.export_hf is not None:
+        return cfg.stage.export_hf
+    if cfg.stage.init_from is None:
+        return False
+    path = Path(cfg.stage.init_from).expanduser()
+    folder = path if path.is_dir() else path.parent
+    if folder.name == CHECKPOINTS_DIR:
+        folder = folder.parent
+    return (folder / HF_CONFIG_NAME).is_file() or RunDir(folder).hf.is_dir()
+
+
+def export_run(cfg: RunConfig, out: Path) -> Path | None:
+    """Write a finished run's output weights as ``hf/`` in its folder when the stage
+    asks for it (:func:`wants_hf_export`); return the folder, or None.
+
+    With ``stage.export_hf=true`` a failure is an error; when the stage chose it on its
+    own, a warning names what failed and the run's outputs stand.
+
+    Raises:
+        CheckpointError, DataError: ``stage.export_hf=true`` and the export failed.
+    """
+    if not wants_hf_export(cfg):
+        return None
+    run_dir = RunDir(out)
+    try:
+        return export_checkpoint(run_dir.root, run_dir.hf, run_dir.tokenizer)
+    except RecipesError as err:
+        if cfg.stage.export_hf:
+            raise
+        log.warning("stage.export_hf: %s is not written: %s", run_dir.hf, err)
+        return None
+
+
+# ------------------------------------------------------------------------- CLI
+_DEFAULTS: dict[str, Any] = {
+    "checkpoint": None,
+    "out": None,
+    "tokenizer": None,
+    "dtype": "auto",
+    "check": "true",
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BOOLS = {"true": True, "false": False}
+_EXAMPLES = (
+    "recipes-export checkpoint=outputs/sft-full out=my-model",
+    "recipes-export checkpoint=runs/tiny/checkpoints/last.ckpt out=tiny-hf dtype=bfloat16",
+)
+
+
+def parse_args(argv: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` arguments over :data:`_DEFAULTS`.
+
+    Raises:
+        ConfigError: an argument without ``=``, an unknown key, a bad value, or no
+            ``checkpoint`` or ``out``.
+    """
+    args = key_value_args(argv, _DEFAULTS)
+    for key in ("checkpoint", "out"):
+        if not args[key]:
+            raise ConfigError(f"{key}=PATH is required")
+    if args["dtype"] not in ("auto", *_DTYPES):
+        raise ConfigError(f"dtype={args['dtype']!r}; choose from: auto, {', '.join(_DTYPES)}")
+    if str(args["check"]).lower() not in _BOOLS:
+        raise ConfigError(f"check={args['check']!r} must be true or false")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``recipes-export``: write the folder and print where it is.
+
+    Returns:
+        0, or 2 after printing the error of a bad argument, checkpoint or check.
+    """
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_help(argv):
+        print(usage("recipes-export", _DEFAULTS, _EXAMPLES, required=["checkpoint", "out"]))
+        return 0
+    try:
+        args = parse_args(argv)
+        folder = export_checkpoint(
+            args["checkpoint"],
+            args["out"],
+            args["tokenizer"],
+            dtype=_DTYPES.get(args["dtype"]),
+            check=_BOOLS[str(args["check"]).lower()],
+        )
+    except RecipesError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {folder} (transformers, vLLM and PEFT load it)")
+    return 0
+
+
+def cli_main() -> None:
+    """Entry point of ``recipes-export``."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli_main()
