@@ -78,6 +78,8 @@ def test_a_folder_and_a_data_file_are_enough(tmp_path, hf_folder, records, recip
     # rendered with the folder's own chat template, which the output carries on
     out_config = json.loads((tmp_path / "run" / "tokenizer_config.json").read_text())
     assert out_config["chat_template"] == TEMPLATE
+    # started from a Hugging Face folder: the output is one too, checked against transformers
+    assert result.hf_path == tmp_path / "run" / "hf" and (result.hf_path / "config.json").is_file()
 
 
 def _readme_commands() -> list[list[str]]:
