@@ -51,3 +51,37 @@ class GateFailed(RecipesError):
 
 class RunDirInUse(RecipesError):
     """A run folder another live process is writing (it holds the folder's ``run.lock``)."""
+
+
+class DiskFullError(RecipesError):
+    """No space left on the device while writing a file; what was there before is kept.
+
+    Attributes:
+        path: the file being written.
+        needed: its size in bytes; with ``at_least``, only what was written before the
+            disk filled.
+        free: the bytes free on its file system once the torn write was removed.
+    """
+
+    def __init__(self, path: object, needed: int, free: int, at_least: bool = False):
+        size = f"{'at least ' if at_least else ''}{_bytes(needed)}"
+        super().__init__(
+            f"no space left on device while writing {path} ({size} needed, {_bytes(free)} free)"
+        )
+        self.path = path
+        self.needed = needed
+        self.free = free
+        self.at_least = at_least
+
+    def __reduce__(self):  # pickled with its arguments, not the joined message
+        return type(self), (self.path, self.needed, self.free, self.at_least)
+
+
+def _bytes(n: int) -> str:
+    """A size in B, KiB, MiB, GiB or TiB with one decimal."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(size) < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"

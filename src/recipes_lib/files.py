@@ -4,7 +4,8 @@ Every file the library writes goes through :func:`write_atomic`: the content goe
 hidden temporary name in the target's folder, is flushed to disk, takes the mode a
 plain ``open(path, "w")`` would give it (the umask's), and is renamed into place; the
 folder is then synced so the rename survives a crash. An interrupted write leaves the
-old file, or none, never a torn one.
+old file, or none, never a torn one; a disk that fills meanwhile is one
+:class:`~recipes_lib.errors.DiskFullError` naming the file, its size and the space free.
 
 :func:`global_rank` says which process of a multi-process launch this is, before and
 after the process group exists: only rank 0 writes configs, manifests and reports.
@@ -12,6 +13,7 @@ after the process group exists: only rank 0 writes configs, manifests and report
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -19,6 +21,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from recipes_lib.errors import DiskFullError
+
+# what a write fails with when its file system is full, or its owner's quota is spent
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _umask() -> int:
@@ -57,20 +64,24 @@ def fsync_dir(directory: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path:
+def write_atomic(
+    path: str | os.PathLike, write: Callable[[Path], None], size: int | None = None
+) -> Path:
     """Write ``path`` atomically: ``write(temporary)`` fills a hidden file beside it,
     which is synced, given the umask's mode and renamed into place.
 
     Args:
         path: the file to write; its folder is created if needed.
         write: writes the whole content to the path it is given.
+        size: the bytes it will write, where known: what a full disk is said to need.
 
     Returns:
         ``path`` as a :class:`~pathlib.Path`.
 
     Raises:
-        whatever ``write`` or the file system raises; ``path`` is then left as it was
-        and the temporary file removed.
+        DiskFullError: the file system filled (or a quota ran out) during the write.
+        whatever else ``write`` or the file system raises. ``path`` is then left as it
+            was and the temporary file removed.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -81,11 +92,34 @@ def write_atomic(path: str | os.PathLike, write: Callable[[Path], None]) -> Path
             os.fsync(f.fileno())
         chmod_as_umask(partial)
         os.replace(partial, target)
-    except BaseException:
+    except BaseException as err:
+        written = partial.stat().st_size if partial.is_file() else 0
         partial.unlink(missing_ok=True)
+        if is_disk_full(err):
+            free = shutil.disk_usage(target.parent).free  # with the torn write gone
+            needed = size if size is not None else written
+            raise DiskFullError(target, needed, free, at_least=size is None) from err
         raise
     fsync_dir(target.parent)
     return target
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """Whether ``err`` (or what caused it) says the disk is full.
+
+    ``torch.save`` into a file reports a short write from its zip writer as a
+    ``RuntimeError`` ("... unexpected pos N vs M") rather than the ``OSError`` below it.
+    """
+    seen: BaseException | None = err
+    for _ in range(8):  # the chain of causes is short; never follow a cycle for ever
+        if seen is None:
+            return False
+        if isinstance(seen, OSError) and seen.errno in _DISK_FULL:
+            return True
+        if isinstance(seen, RuntimeError) and "unexpected pos" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

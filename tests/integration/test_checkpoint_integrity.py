@@ -1,6 +1,8 @@
 """A damaged newest checkpoint is moved aside and the run resumes from the one before
-it, naming both; a run killed while writing a checkpoint resumes to the same weights;
-a checkpoint written before checksums still resumes; sharded FSDP folders (two gloo
+it, naming both; a run killed while writing a checkpoint resumes to the same weights,
+and its torn write is removed; a checkpoint written before checksums still resumes; a
+checkpoint that is a link is resumed through and never replaced; a run with nothing
+left to resume says it starts from step 0 and why; sharded FSDP folders (two gloo
 processes, written in the background) fall back the same way."""
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import pytest
 import torch
 from damage import flip_byte, truncate
 from integration_helpers import tiny_overrides
+from lightning.pytorch.callbacks import Callback
 from run_helpers import torchrun
 
-from recipes_lib.checkpoint.integrity import verify_checkpoint
+from recipes_lib.checkpoint.integrity import save_torch_checkpoint, verify_checkpoint
 from recipes_lib.checkpoint.weights import list_step_checkpoints, load_weights
 from recipes_lib.config import compose_config
+from recipes_lib.errors import CheckpointError, CorruptCheckpointError
 from recipes_lib.train import run
 
 EVERY = ("run.checkpoint_every_n_steps=4",)  # 16 steps: step checkpoints 12 and 16 stay
@@ -139,6 +143,99 @@ def test_a_run_killed_while_writing_a_checkpoint_resumes_to_the_same_weights(
     resumed = _resume(tmp_path, shared_cache)
     assert resumed.global_step == 16
     assert not list(ckpts.glob(".*.partial"))
+    _assert_same_weights(_weights(tmp_path / "run"), _weights(straight))
+
+
+def test_a_kill_during_the_first_checkpoint_leaves_nothing_behind_after_the_rerun(
+    straight, tmp_path, shared_cache, caplog
+):
+    killer = KILLER.replace("step000012.ckpt", "step000004.ckpt").replace("1_000_000", "100_000")
+    overrides = tiny_overrides(tmp_path, shared_cache, *EVERY)
+    killed = subprocess.run(
+        [sys.executable, "-c", killer, *overrides], capture_output=True, text=True, timeout=300
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    ckpts = tmp_path / "run" / "checkpoints"
+    [torn] = ckpts.glob(".step000004.ckpt.*.partial")  # no checkpoint yet, only the torn one
+    with caplog.at_level(logging.INFO, logger="recipes_lib"):
+        rerun = run(compose_config(overrides))  # a plain rerun: nothing to resume
+    assert rerun.global_step == 16
+    [line] = [r.getMessage() for r in caplog.records if "interrupted write" in r.getMessage()]
+    assert torn.name in line and str(ckpts) in line
+    assert not list(ckpts.glob(".*.partial"))
+    assert [r for r in caplog.records if "taking over the lock" in r.getMessage()]  # kill -9
+    _assert_same_weights(_weights(tmp_path / "run"), _weights(straight))
+
+
+def test_checkpoints_that_are_links_are_resumed_through_and_never_replaced(
+    straight, tmp_path, shared_cache
+):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("step000012.ckpt", "step000012.ckpt.sha256.json"):
+        shutil.copyfile(straight / "checkpoints" / name, elsewhere / name)
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    shutil.copyfile(straight / "config.yaml", tmp_path / "run" / "config.yaml")
+    (ckpts / "step000012.ckpt").symlink_to(elsewhere / "step000012.ckpt")
+    before = (elsewhere / "step000012.ckpt").read_bytes()
+    seen = {}
+
+    class FirstStep(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.setdefault("step", trainer.global_step)
+
+    resumed = run(
+        compose_config(tiny_overrides(tmp_path, shared_cache, *EVERY)), callbacks=[FirstStep()]
+    )
+    assert seen["step"] == 12 and resumed.global_step == 16  # a plain rerun, through the link
+    _assert_same_weights(_weights(tmp_path / "run"), _weights(straight))
+    assert (ckpts / "step000012.ckpt").is_symlink()
+    assert (elsewhere / "step000012.ckpt").read_bytes() == before
+
+
+def test_a_checkpoint_name_that_is_a_placed_link_is_refused_by_name(tmp_path):
+    other = tmp_path / "other.ckpt"
+    other.write_bytes(b"someone else's")
+    (tmp_path / "step000004.ckpt").symlink_to(other)
+    with pytest.raises(CheckpointError, match="step000004.ckpt' is a link to .*other.ckpt"):
+        save_torch_checkpoint({"global_step": 4}, tmp_path / "step000004.ckpt")
+    assert other.read_bytes() == b"someone else's"
+    assert (tmp_path / "step000004.ckpt").is_symlink()
+    # the run's own last.ckpt, a link to a checkpoint beside it, is replaced as before
+    (tmp_path / "last.ckpt").symlink_to("other.ckpt")
+    save_torch_checkpoint({"global_step": 4}, tmp_path / "last.ckpt")
+    assert not (tmp_path / "last.ckpt").is_symlink()
+    assert other.read_bytes() == b"someone else's"
+
+
+def test_a_rerun_after_every_checkpoint_was_moved_aside_says_it_starts_from_step_zero(
+    straight, tmp_path, shared_cache, caplog
+):
+    ckpts = _copy(straight, tmp_path) / "checkpoints"
+    for step in (12, 16):
+        flip_byte(ckpts / f"step{step:06d}.ckpt")
+    with pytest.raises(CorruptCheckpointError, match="no checkpoint that verifies"):
+        run(compose_config(tiny_overrides(tmp_path, shared_cache, *EVERY)))
+    assert (ckpts / "last.ckpt").is_symlink() and not (ckpts / "last.ckpt").exists()
+    seen = {}
+
+    class FirstStep(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.setdefault("step", trainer.global_step)
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="recipes_lib"):
+        again = run(
+            compose_config(tiny_overrides(tmp_path, shared_cache, *EVERY)),
+            callbacks=[FirstStep()],
+        )
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "resuming" in m]
+    [line] = [m for m in messages if "starting from step 0" in m]
+    assert "moved aside as corrupt (step000012.ckpt.corrupt-" in line
+    assert "last.ckpt links to step000016.ckpt, which is not there" in line
+    assert seen["step"] == 0 and again.global_step == 16
     _assert_same_weights(_weights(tmp_path / "run"), _weights(straight))
 
 

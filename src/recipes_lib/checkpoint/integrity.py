@@ -34,6 +34,7 @@ from recipes_lib.checkpoint.layout import (
     PARTIAL_SUFFIX,
     SHARDED_CHECKSUM_NAME,
     checksum_sidecar,
+    is_own_link,
 )
 from recipes_lib.errors import CheckpointError, CorruptCheckpointError
 from recipes_lib.files import write_atomic, write_json_atomic
@@ -156,6 +157,34 @@ class _HashingWriter:
         return self._digest.hexdigest()
 
 
+def refuse_foreign_link(path: str | os.PathLike) -> None:
+    """Refuse to write a checkpoint at ``path`` when it is a link someone placed there.
+
+    Writing would replace the link with a file (or, written through, change the file it
+    names, perhaps another run's); the run's own ``last.ckpt`` link is replaced as usual.
+
+    Raises:
+        CheckpointError: naming the link and where it points.
+    """
+    link = Path(path)
+    if link.is_symlink() and not is_own_link(link):
+        raise CheckpointError(
+            f"checkpoint '{link}' is a link to '{os.readlink(link)}', which a run never "
+            "writes through or replaces; move the link away or train in another run.dir"
+        )
+
+
+def tensor_bytes(state: Any) -> int:
+    """The bytes of every tensor in a (nested) checkpoint: about its size on disk."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(tensor_bytes(v) for v in state.values())
+    if isinstance(state, list | tuple):
+        return sum(tensor_bytes(v) for v in state)
+    return 0
+
+
 def save_torch_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> Checksums:
     """``torch.save`` ``checkpoint`` to ``path`` atomically, then record its size, SHA-256
     and ``global_step`` beside it.
@@ -164,8 +193,13 @@ def save_torch_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -
     one written after the file is in place, so a crash anywhere leaves either a file
     that matches its record or one without a record (checked by loading it), never a
     good file whose record disagrees.
+
+    Raises:
+        CheckpointError: ``path`` is a link placed by someone else (:func:`refuse_foreign_link`).
+        DiskFullError: the disk filled; the older checkpoints are as they were.
     """
     target = Path(path)
+    refuse_foreign_link(target)
     written: dict[str, FileDigest] = {}
     checksum_sidecar(target).unlink(missing_ok=True)
 
@@ -175,7 +209,7 @@ def save_torch_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -
             torch.save(checkpoint, hashing)
         written["file"] = FileDigest(hashing.size, hashing.hexdigest())
 
-    write_atomic(target, write)
+    write_atomic(target, write, size=tensor_bytes(checkpoint))
     step = checkpoint.get("global_step")
     checksums = Checksums({target.name: written["file"]}, step if isinstance(step, int) else None)
     write_checksums(target, checksums)

@@ -122,14 +122,26 @@ class RunDir:
         return self.root / HANG_STACKS.format(rank=rank)
 
     def has_checkpoints(self) -> bool:
-        """Whether any checkpoint (file or sharded folder) is in ``checkpoints/``."""
-        return self.checkpoints.is_dir() and any(self.checkpoints.glob("*.ckpt"))
+        """Whether any checkpoint (file or sharded folder, or a link to one) is in
+        ``checkpoints/``; a link to nothing is none."""
+        found = self.checkpoints.glob("*.ckpt") if self.checkpoints.is_dir() else ()
+        return any(p.exists() for p in found)
 
 
 def checksum_sidecar(checkpoint: str | os.PathLike) -> Path:
     """``<name>.sha256.json`` beside a checkpoint file: its checksum, recorded as it was written."""
     path = Path(checkpoint)
     return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def is_own_link(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is the link a run makes itself: ``last.ckpt`` naming a checkpoint in
+    its own folder. Any other link there was placed by someone else."""
+    link = Path(path)
+    if not (link.is_symlink() and link.name == LAST_CHECKPOINT_NAME):
+        return False
+    target = Path(os.readlink(link))
+    return not target.is_absolute() and target.parent == Path(".")
 
 
 def partial_checkpoint(checkpoint: str | os.PathLike) -> Path:

@@ -2,10 +2,11 @@
 
 ``run.ckpt_path=last`` and a pipeline's resume both call :func:`newest_good_checkpoint`
 on the run's ``checkpoints/`` folder. It lists every checkpoint there (step files,
-sharded folders, ``last.ckpt`` when it is a copy rather than a link), newest step first,
-and checks each in turn (:func:`check_checkpoint`) until one passes. A newer one that
-fails is moved aside (``<name>.corrupt-<time>``, never deleted) with one line naming it,
-what is wrong and the checkpoint used instead.
+sharded folders, ``last.ckpt`` when it is a copy rather than a link, a link to a
+checkpoint elsewhere, followed), newest step first, and checks each in turn
+(:func:`check_checkpoint`) until one passes. A newer one that fails is moved aside
+(``<name>.corrupt-<time>``, never deleted) with one line naming it, what is wrong and
+the checkpoint used instead.
 
 Every process of a multi-process launch makes the same choice on its own (the process
 group does not exist yet): each checks the same files, and only global rank 0 moves
@@ -15,7 +16,9 @@ is the same verdict.
 What a run resumes at all: :func:`auto_resume` turns a rerun of the same command (its
 ``run.dir`` holds checkpoints and a ``config.yaml`` of the same config) into
 ``run.ckpt_path=last`` and refuses a changed config with the keys that changed;
-:func:`resolve_ckpt_path` turns ``run.ckpt_path`` into the checkpoint to load.
+:func:`resolve_ckpt_path` turns ``run.ckpt_path`` into the checkpoint to load. A run
+with nothing to resume where something was (checkpoints moved aside as corrupt, a
+``last.ckpt`` linking to nothing) says in one line that it starts from step 0, and why.
 """
 
 from __future__ import annotations
@@ -27,7 +30,12 @@ import shutil
 from pathlib import Path
 
 from recipes_lib.checkpoint.integrity import verify_checkpoint
-from recipes_lib.checkpoint.layout import PARTIAL_SUFFIX, RunDir, checksum_sidecar
+from recipes_lib.checkpoint.layout import (
+    CHECKSUM_SUFFIX,
+    PARTIAL_SUFFIX,
+    RunDir,
+    checksum_sidecar,
+)
 from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME, is_sharded_checkpoint
 from recipes_lib.checkpoint.weights import listed_step, read_checkpoint
 from recipes_lib.config import RunConfig
@@ -96,11 +104,13 @@ def check_checkpoint(path: str | os.PathLike) -> bool:
 def _candidates(folder: Path, at_most_step: int | None) -> list[Path]:
     """Every checkpoint in ``folder`` (up to ``at_most_step``), the newest step first
     (``last.ckpt`` before a step checkpoint of the same step; one whose step cannot be
-    told, last). Links are left out: ``last.ckpt`` as a link is the step checkpoint it
-    points at."""
+    told, last). A link to a checkpoint elsewhere is followed; one to a checkpoint in
+    ``folder`` is left out (``last.ckpt`` as a link is the step checkpoint it points
+    at), and so is one to nothing."""
     ranked = []
+    here = folder.resolve()
     for path in folder.glob("*.ckpt"):
-        if path.is_symlink() or not path.exists():
+        if not path.exists() or (path.is_symlink() and path.resolve().parent == here):
             continue
         is_last = path.name.startswith("last")
         step = listed_step(path)
@@ -125,8 +135,11 @@ def move_aside_corrupt(path: Path) -> Path:
 def remove_unfinished_writes(folder: str | os.PathLike) -> list[Path]:
     """Remove what an interrupted run left half-written in ``folder`` (hidden
     ``.*.partial`` files and sharded folders, never renamed into place, so never a
-    checkpoint); call it only before this run writes anything there."""
+    checkpoint), in one line naming them; call it only while holding the run folder's
+    lock (:mod:`~recipes_lib.checkpoint.run_lock`), before this run writes there."""
     directory = Path(folder)
+    if not directory.is_dir():
+        return []
     removed = []
     for path in sorted(directory.glob(f".*{PARTIAL_SUFFIX}")):
         if path.is_dir() and not path.is_symlink():
@@ -136,7 +149,7 @@ def remove_unfinished_writes(folder: str | os.PathLike) -> list[Path]:
         removed.append(path)
     if removed:
         names = ", ".join(p.name for p in removed)
-        log.info("removed what an interrupted checkpoint write left in %s: %s", directory, names)
+        log.info("removed what an interrupted write left in %s: %s", directory, names)
     return removed
 
 
@@ -196,17 +209,34 @@ def newest_good_checkpoint(
 
 
 def resume_checkpoint(folder: str | os.PathLike) -> Path | None:
-    """What ``run.ckpt_path=last`` (and a pipeline's resume) starts from: what an
-    interrupted write left is removed (rank 0), then the newest checkpoint in ``folder``
-    that verifies; None when there is none yet.
+    """What ``run.ckpt_path=last`` (and a pipeline's resume) starts from: the newest
+    checkpoint in ``folder`` that verifies; None when there is none yet. (What an
+    interrupted write left is removed by the run once it holds its folder.)
 
     Raises:
         CorruptCheckpointError: checkpoints are there but none verifies.
     """
+    return newest_good_checkpoint(folder)
+
+
+def afresh_reason(folder: str | os.PathLike) -> str | None:
+    """Why a run folder's ``checkpoints/`` that looks used holds nothing to resume: its
+    checkpoints moved aside as corrupt, links to nothing; None when it looks unused."""
     directory = Path(folder)
-    if global_rank() == 0 and directory.is_dir():
-        remove_unfinished_writes(directory)
-    return newest_good_checkpoint(directory)
+    if not directory.is_dir():
+        return None
+    reasons = []
+    corrupt = sorted(
+        p.name
+        for p in directory.glob("*.corrupt-*")
+        if CHECKSUM_SUFFIX not in p.name  # a sidecar goes with its checkpoint
+    )
+    if corrupt:
+        reasons.append(f"its checkpoints were moved aside as corrupt ({', '.join(corrupt)})")
+    dangling = sorted(p for p in directory.glob("*.ckpt") if p.is_symlink() and not p.exists())
+    for link in dangling:
+        reasons.append(f"{link.name} links to {os.readlink(link)}, which is not there")
+    return "; ".join(reasons) or None
 
 
 # ------------------------------------------------------------- a run's resume point
@@ -220,7 +250,11 @@ def resolve_ckpt_path(cfg: RunConfig) -> str | None:
     if path is None or path in ("hpc", "best"):
         return path
     if path == "last":
-        found = resume_checkpoint(RunDir(cfg.run.dir).checkpoints)
+        folder = RunDir(cfg.run.dir).checkpoints
+        found = resume_checkpoint(folder)
+        if found is None and global_rank() == 0:
+            why = afresh_reason(folder) or "it holds no checkpoint yet"
+            log.warning("run.ckpt_path=last: starting from step 0: %s: %s", folder, why)
         return str(found) if found is not None else None
     if not (Path(path).is_file() or is_sharded_checkpoint(path)):
         raise CheckpointError(
@@ -243,7 +277,12 @@ def auto_resume(cfg: RunConfig) -> RunConfig:
         CheckpointError: there are checkpoints but no recorded config.
     """
     run_dir = RunDir(cfg.run.dir)
-    if cfg.run.ckpt_path is not None or not run_dir.has_checkpoints():
+    if cfg.run.ckpt_path is not None:
+        return cfg
+    if not run_dir.has_checkpoints():
+        why = afresh_reason(run_dir.checkpoints)
+        if why is not None and global_rank() == 0:
+            log.warning("run.dir=%s: starting from step 0: %s", cfg.run.dir, why)
         return cfg
     afresh = "start afresh with another run.dir (or run.name)"
     if not run_dir.config.is_file():

@@ -34,6 +34,7 @@ from recipes_lib.checkpoint.integrity import (
     Checksums,
     FileDigest,
     folder_files,
+    refuse_foreign_link,
     remember_verified,
     write_checksums,
 )
@@ -115,6 +116,7 @@ class ShardedSaver:
         rank calls it, with the same ``path``."""
         import torch.distributed.checkpoint as dcp
 
+        refuse_foreign_link(path)  # every rank sees the same link and stops alike
         self.wait()
         started = time.perf_counter()
         group = self._process_group()

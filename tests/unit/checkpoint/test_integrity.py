@@ -140,11 +140,12 @@ def test_no_checkpoint_that_verifies_is_an_error_naming_them(tmp_path):
     assert newest_good_checkpoint(tmp_path / "missing") is None
 
 
-def test_a_resume_clears_what_an_interrupted_write_left(tmp_path):
+def test_what_an_interrupted_write_left_is_removed_and_never_resumed(tmp_path):
     _save(tmp_path, 4)
     (tmp_path / ".step000008.ckpt.123.abcd.partial").write_bytes(b"half")
     (tmp_path / ".step000008.ckpt.partial").mkdir()  # a sharded folder never renamed
     assert resume_checkpoint(tmp_path) == tmp_path / "step000004.ckpt"
+    assert len(remove_unfinished_writes(tmp_path)) == 2  # by the run, holding its folder
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "step000004.ckpt",
         "step000004.ckpt.sha256.json",
