@@ -112,3 +112,14 @@ def test_data_read_too_often_warns_and_a_checkpoint_that_does_not_load_fails(tin
     trip = next(r.figure for r in report.rows if r.check == "checkpoint round trip")
     assert "differ after loading" in trip and "model.layers.0.attention" in trip
     assert report.exit_code == 1
+
+
+def test_the_checkpoint_size_estimate_matches_a_checkpoint_written(tiny_cfg):
+    from recipes_lib.config import to_run_config
+    from recipes_lib.launch_check.disk import checkpoint_bytes
+    from recipes_lib.train import run
+
+    cfg = tiny_cfg("trainer.max_steps=8")
+    result = run(cfg)
+    written = (result.output_dir / "checkpoints" / "step000008.ckpt").stat().st_size
+    assert 0.95 < written / checkpoint_bytes(to_run_config(cfg)) < 1.1

@@ -7,14 +7,18 @@
 3. **token budget**: steps x global batch x sequence length against the parameters
    and Chinchilla's ~20 tokens per parameter;
 4. **step time**: the FLOPs of a step at an assumed MFU of the card's peak;
-5. **data**: the objective's data prepared and set up; what each source holds and how
+5. **checkpoint space**: the checkpoints the run keeps at once against the free space
+   of ``run.dir``'s disk (FAIL when they do not fit, WARN above 90% of it; :mod:`.disk`);
+6. **data**: the objective's data prepared and set up; what each source holds and how
    many times the run reads it (WARN above :data:`~.live.MAX_DATA_REPEATS`);
-6. **forward/backward**: two optimizer steps of one micro-batch of that data, as the
+7. **forward/backward**: two optimizer steps of one micro-batch of that data, as the
    run builds them; on a GPU the measured peak against the estimate;
-7. **checkpoint round trip**: the trained state saved and loaded back, bitwise equal.
+8. **checkpoint round trip**: the trained state saved and loaded back, bitwise equal.
 
-The live checks (5-7) are skipped after a failed pre-flight, and the training steps
-when the estimate does not fit the GPU (or, on a CPU, the host's available memory).
+The live checks (6-8) train in a scratch folder and take no lock on ``run.dir``, so
+the check may run while a run trains there. They are skipped after a failed
+pre-flight, and the training steps when the estimate does not fit the GPU (or, on a
+CPU, the host's available memory).
 Any FAIL makes :attr:`LaunchReport.exit_code` 1.
 """
 
@@ -38,6 +42,7 @@ from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, to_run_config
 from recipes_lib.launch_check import live
 from recipes_lib.launch_check.budget import step_time, token_budget
+from recipes_lib.launch_check.disk import checkpoint_space
 from recipes_lib.launch_check.memory import GIB, MemoryEstimate, estimate_memory
 from recipes_lib.losses.preference import TWO_SEQUENCE_OBJECTIVES
 from recipes_lib.parallel.precision import device_type, resolve_device_choices
@@ -50,11 +55,13 @@ CHECKS = (
     "memory",
     "token budget",
     "step time",
+    "checkpoint space",
     "data",
     "forward/backward",
     "checkpoint round trip",
 )
 MEMORY_WARN_SHARE = 0.9  # of the GPU's memory: little room for fragmentation
+DISK_WARN_SHARE = 0.9  # of the free space: logs and the output weights need some too
 ESTIMATE_TOLERANCE = 0.15  # measured peak against the estimate before it is flagged
 MESSAGE_CHARS = 400  # an error's text in a row
 
@@ -129,8 +136,9 @@ def check_launch(cfg: RunConfig | DictConfig) -> LaunchReport:
     _guarded(report, "memory", lambda: _memory(cfg, world, report))
     _guarded(report, "token budget", lambda: _budget(cfg, world, report))
     _guarded(report, "step time", lambda: _step_time(cfg, world, report))
+    _guarded(report, "checkpoint space", lambda: _checkpoint_space(cfg, world, report))
     if not preflight_ok:
-        for check in CHECKS[4:]:
+        for check in CHECKS[CHECKS.index("data") :]:
             report.add(check, SKIP, "the pre-flight failed")
         return report
     with live.quiet_lightning():
@@ -228,6 +236,24 @@ def _budget(cfg: RunConfig, world: int, report: LaunchReport) -> None:
 def _step_time(cfg: RunConfig, world: int, report: LaunchReport) -> None:
     expected = step_time(cfg, world)
     report.add("step time", OK if expected.seconds is not None else SKIP, expected.summary())
+
+
+def _checkpoint_space(cfg: RunConfig, world: int, report: LaunchReport) -> None:
+    space = checkpoint_space(cfg, total_steps(cfg, batch_schedule(cfg, world)))
+    figure = (
+        f"{space.count} checkpoint(s) of about {_size(space.each)} at once "
+        f"(run.keep_last_checkpoints={cfg.run.keep_last_checkpoints}, one more while the "
+        f"next lands): {_size(space.needed)}; {_size(space.free)} free on the disk of "
+        f"{space.folder}"
+    )
+    if space.existing:
+        figure += f", and {_size(space.existing)} in checkpoints already there"
+    if space.needed > space.available:
+        report.add("checkpoint space", FAIL, f"{figure}: they do not fit")
+    elif space.needed > DISK_WARN_SHARE * space.available:
+        report.add("checkpoint space", WARN, f"{figure}: little room left for the rest")
+    else:
+        report.add("checkpoint space", OK, figure)
 
 
 def _trains_on_cuda(cfg: RunConfig) -> bool:
