@@ -327,3 +327,26 @@ def test_bad_pipeline_exits_with_a_one_line_message(tmp_path):
     assert "error: stages.cpt.from='nowhere' is neither an earlier stage" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "p" / "pretrain").exists()  # nothing trained
+
+
+@pytest.mark.parametrize("dry_run", ["true", "false"])
+def test_a_later_stage_bad_value_stops_the_pipeline_before_any_stage_trains(tmp_path, dry_run):
+    # anneal starts from cpt's weights, which do not exist until cpt has trained: its
+    # config is checked with the paths cpt will write
+    proc = subprocess.run(
+        [
+            PIPELINE,
+            "pipeline=three_stage",
+            f"dir={tmp_path / 'p'}",
+            f"dry_run={dry_run}",
+            "stages.anneal.trainer.max_steps=-3",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "HYDRA_FULL_ERROR": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "error: stage anneal: trainer.max_steps=-3 must be positive" in proc.stderr
+    assert not [s for s in ("pretrain", "cpt", "anneal") if (tmp_path / "p" / s).exists()]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, hf_weight_files
+from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
 from recipes_lib.checkpoint.source import read_init_source, recorded_model
 from recipes_lib.checkpoint.weights import sha256_file
@@ -289,21 +290,14 @@ def apply_handoff(
     cfg = copy.deepcopy(cfg)
     if handoff is None:
         return cfg
-    if stage.init in ("weights", "upcycle"):
-        cfg.stage.init_from = str(handoff.weights)
-        cfg.stage.upcycle = stage.init == "upcycle"
-    elif stage.init in ("weights+optimizer", "full"):
+    if stage.init in ("weights+optimizer", "full"):
         if handoff.checkpoint is None or not handoff.checkpoint.is_file():
             raise CheckpointError(
                 f"stage {stage.name}: init={stage.init} needs a single-file Lightning "
                 f"checkpoint of {handoff.label}, which has none (a stage run with a sharded "
                 "strategy keeps folder checkpoints: continue it with init: weights)"
             )
-        if stage.init == "full":
-            cfg.run.ckpt_path = str(handoff.checkpoint)
-        else:
-            cfg.stage.init_from = str(handoff.checkpoint)
-            cfg.stage.init_optimizer = True
+    _set_start(stage, cfg, handoff.weights, handoff.checkpoint)
     if cfg.data.tokenizer.path is None:
         if handoff.tokenizer is None:
             raise ConfigError(
@@ -334,4 +328,30 @@ def apply_handoff(
         cfg.data.sources = replay_sources(
             stage, cfg.data.sources, handoff.data_sources or {}, stage.replay_fraction
         )
+    return cfg
+
+
+def _set_start(stage: StageSpec, cfg: RunConfig, weights: Path, checkpoint: Path | None) -> None:
+    """Set in ``cfg`` what ``stage.init`` starts from: the source's ``weights`` or its
+    Lightning ``checkpoint`` (with its optimizer state, or resumed whole)."""
+    if stage.init in ("weights", "upcycle"):
+        cfg.stage.init_from = str(weights)
+        cfg.stage.upcycle = stage.init == "upcycle"
+    elif stage.init == "weights+optimizer":
+        cfg.stage.init_from = str(checkpoint)
+        cfg.stage.init_optimizer = True
+    elif stage.init == "full":
+        cfg.run.ckpt_path = str(checkpoint)
+
+
+def expected_start(stage: StageSpec, cfg: RunConfig, source_dir: Path) -> RunConfig:
+    """A copy of ``cfg`` with the paths :func:`apply_handoff` will set once the stage in
+    ``source_dir`` has run (they need not exist yet): what a plan checks a stage's config
+    with before its source trains. The learning rate and data stay as configured; the
+    source's last rate and data sources are not known yet."""
+    cfg = copy.deepcopy(cfg)
+    folder = RunDir(source_dir)
+    _set_start(stage, cfg, folder.weights, folder.last_checkpoint)
+    if cfg.data.tokenizer.path is None:
+        cfg.data.tokenizer.path = str(folder.tokenizer)
     return cfg

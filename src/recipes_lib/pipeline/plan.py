@@ -3,7 +3,9 @@
 :func:`plan_pipeline` composes every stage's config and checks, before anything
 trains, that each recipe exists and composes, each ``from`` names an earlier stage or
 an existing file, consecutive models have the same weight shapes, a later stage
-reuses its source's tokenizer and ``init: full`` has steps left to run. Then it
+reuses its source's tokenizer and ``init: full`` has steps left to run, and each
+stage's config passes the run's own pre-flight (:mod:`recipes_lib.preflight`) as the
+stage will start (a source stage's outputs stood in for by their paths). Then it
 decides per stage, from what the stage folder holds:
 
 - ``skip``: a valid manifest whose config fingerprint matches;
@@ -25,6 +27,7 @@ from typing import Any
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
 from recipes_lib.errors import ConfigError
+from recipes_lib.parallel.precision import resolve_device_choices
 from recipes_lib.pipeline.checks import check_stage, source_of
 from recipes_lib.pipeline.compose import compose_stage
 from recipes_lib.pipeline.decisions import (
@@ -38,11 +41,14 @@ from recipes_lib.pipeline.fingerprint import describe_changes, stage_fingerprint
 from recipes_lib.pipeline.handoff import (
     apply_handoff,
     check_model_compatible,
+    expected_start,
     handoff_from_path,
 )
 from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
 from recipes_lib.pipeline.stage_plan import StagePlan, source_handoff, stage_dir_of
+from recipes_lib.preflight import check_run
 from recipes_lib.preflight.targets import check_run_targets
+from recipes_lib.train import OBJECTIVES
 
 TRAINING_ACTIONS = ("train", "resume", "rerun")
 
@@ -187,6 +193,27 @@ def _plan_decision(pipeline: PipelineSpec, stage: StageSpec, plans: dict[str, St
     return StagePlan(stage, first.config, source_stage=sources[0], sources=sources)
 
 
+def _preflight(pipeline: PipelineSpec, plan: StagePlan, plans: dict[str, StagePlan]) -> None:
+    """The run's own pre-flight on the stage's config as it will start, so that a later
+    stage's bad value stops the pipeline before the first stage trains. The hand-off of
+    an outside file is applied as it will be; a source stage's is stood in for by the
+    paths it will write (its weights are not read: :func:`check_stage` checked the
+    models against each other)."""
+    stage = plan.spec
+    written = True
+    if plan.source_file is not None:
+        cfg = apply_handoff(pipeline, stage, plan.config, plan.source_file)
+    elif plan.source_stage is not None:
+        source_dir = stage_dir_of(pipeline, plans[plan.source_stage].spec)
+        cfg, written = expected_start(stage, plan.config, source_dir), False
+    else:
+        cfg = plan.config
+    try:
+        check_run(resolve_device_choices(cfg), tuple(OBJECTIVES), init_written=written)
+    except ConfigError as err:
+        raise ConfigError(f"stage {stage.name}: {err}") from err
+
+
 def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
     """Validate every stage and decide what to do with it; nothing is trained.
 
@@ -216,6 +243,7 @@ def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
         check_stage(pipeline, plans, plan)
         earlier = {name: (p.spec, p.config) for name, p in plans.items()}
         check_decisions(stage, config, source_stage, earlier)
+        _preflight(pipeline, plan, plans)
         plans[stage.name] = plan
     manifests: dict[str, StageManifest] = {}
     for plan in plans.values():

@@ -46,20 +46,24 @@ from recipes_lib.preflight.stage import (
 from recipes_lib.preflight.targets import check_run_targets
 
 
-def check_run(cfg: RunConfig, objectives: tuple[str, ...]) -> None:
+def check_run(cfg: RunConfig, objectives: tuple[str, ...], *, init_written: bool = True) -> None:
     """Every check of a run, in the order of the module docstring.
 
     Args:
         cfg: the typed run config (``precision=auto`` and ``kernels.compile=null``
             already resolved for the device).
         objectives: the objectives a LightningModule exists for (``stage.objective``).
+        init_written: False where ``stage.init_from`` is not written yet (a pipeline's
+            plan, before the stage it comes from has trained): it is not read, and the
+            plan checks the model against the source stage's instead.
 
     Raises:
         ConfigError: the first problem found, naming its keys.
         CheckpointError: ``stage.init_from`` is missing or unreadable.
     """
     check_run_targets(cfg)
-    check_init_source(cfg)
+    if init_written:
+        check_init_source(cfg)
     check_values(cfg, objectives)
     check_stage_io(cfg)
     check_head(cfg)

@@ -67,6 +67,16 @@ def test_misspelt_stage_recipe_or_key_names_the_closest(tmp_path, stage, match):
     _fails_before_training(_two_stage(tmp_path, stage), ConfigError, match)
 
 
+@pytest.mark.parametrize("init", ["weights", "weights+optimizer"])
+def test_a_later_stage_fails_the_run_preflight_before_the_first_trains(tmp_path, init):
+    # the source's weights and checkpoint are not written yet: the pre-flight runs on
+    # the paths it will write
+    anneal = {**ANNEAL, "init": init, "trainer": {"max_steps": -3}}
+    _fails_before_training(
+        _two_stage(tmp_path, anneal), ConfigError, "stage anneal: trainer.max_steps=-3"
+    )
+
+
 def test_unknown_or_later_source_stage(tmp_path):
     spec = _two_stage(tmp_path, {"recipe": "anneal/tiny", "from": "pretrian"})
     _fails_before_training(
