@@ -25,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.config import register_schema
+from recipes_lib.config.hydra_guard import check_hydra_app
 from recipes_lib.config.overrides import check_command_line
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.console import configure_console
@@ -33,6 +34,7 @@ from recipes_lib.files import global_rank
 from recipes_lib.pipeline.spec import PipelineConfig, register_pipeline_schema
 
 log = logging.getLogger("recipes_lib")
+CONFIG_PATH = "pkg://recipes_lib.conf"
 EXIT_GATE_FAILED = 3  # recipes-pipeline: a stage did not meet one of its gates
 
 register_schema()
@@ -86,7 +88,7 @@ def _launch_check(cfg: DictConfig) -> None:
         sys.exit(report.exit_code)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _train(cfg: DictConfig) -> float | None:
     configure_console()
     _join_submitit_job()
@@ -124,7 +126,7 @@ def _train(cfg: DictConfig) -> float | None:
     return result.metrics.get("val/loss")  # the value a sweeper optimises
 
 
-@hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _prepare(cfg: DictConfig) -> None:
     configure_console()
     from recipes_lib.config import to_run_config
@@ -138,13 +140,13 @@ def _prepare(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _check(cfg: DictConfig) -> None:
     configure_console()
     _launch_check(cfg)
 
 
-@hydra.main(version_base="1.3", config_path="pkg://recipes_lib.conf", config_name="pipeline_root")
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="pipeline_root")
 def _pipeline(cfg: DictConfig) -> float | None:
     configure_console()
     _join_submitit_job()
@@ -197,9 +199,23 @@ def _check_overrides(schema: type) -> None:
         sys.exit(2)
 
 
-def _run_and_exit(entry: Callable[[], object], schema: type = RunConfig) -> NoReturn:
-    """Run a command's ``entry`` (its overrides checked against ``schema`` first) and end
-    the process with its exit status, without the interpreter's own teardown.
+def _check_hydra_config(entry: Callable[[], object], config_name: str) -> None:
+    """Exit with status 2 and one line when the composed config would have Hydra run code
+    that is not shipped, or a file widens ``run.allowed_targets``, before Hydra acts on
+    it (:mod:`recipes_lib.config.hydra_guard`)."""
+    try:
+        check_hydra_app(entry, CONFIG_PATH, config_name, sys.argv[1:])
+    except RecipesError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _run_and_exit(
+    entry: Callable[[], object], schema: type = RunConfig, config_name: str = "config"
+) -> NoReturn:
+    """Run a command's ``entry`` (its overrides checked against ``schema``, and its
+    composed ``config_name`` against what may run code, first) and end the process with
+    its exit status, without the interpreter's own teardown.
 
     After a run, the interpreter would free what is left (the CUDA context, tensors,
     the compile workers' pipes, thousands of modules) object by object: seconds after a
@@ -211,6 +227,7 @@ def _run_and_exit(entry: Callable[[], object], schema: type = RunConfig) -> NoRe
     status: int | str | None = 0
     try:
         _check_overrides(schema)
+        _check_hydra_config(entry, config_name)
         entry()
     except SystemExit as stop:
         status = stop.code
@@ -243,7 +260,7 @@ def check_main() -> None:
 
 def pipeline_main() -> None:
     """Entry point of ``recipes-pipeline``: run the stages of ``pipeline=NAME`` in order."""
-    _run_and_exit(_pipeline, PipelineConfig)
+    _run_and_exit(_pipeline, PipelineConfig, "pipeline_root")
 
 
 if __name__ == "__main__":

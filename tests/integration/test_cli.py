@@ -206,6 +206,47 @@ def test_user_callback_module_runs_once_its_prefix_is_allowed(tmp_path, shared_c
     assert marker.read_text() == "6"
 
 
+def test_code_in_hydra_config_or_a_widening_recipe_is_refused_before_hydra_acts(tmp_path):
+    victim, made = tmp_path / "victim.txt", tmp_path / "made"
+    victim.write_text("precious")
+    hydra_code = (
+        f"hydra:\n  callbacks:\n    x: {{_target_: os.makedirs, name: '{made}'}}\n"
+        "  job_logging:\n    formatters:\n      evil:\n        (): builtins.open\n"
+        f"        file: '{victim}'\n        mode: w\n"
+    )
+    commands = {
+        "hydra.callbacks.x: ": [
+            TRAIN,
+            "--config-dir",
+            str(_user_recipe(tmp_path / "a", hydra_code)),
+        ],
+        "run.allowed_targets=['os.'] is set by a config file (recipe=mine)": [
+            TRAIN,
+            "--config-dir",
+            str(_user_recipe(tmp_path / "b", "run: {allowed_targets: [os.]}\n")),
+        ],
+        "hydra.callbacks.y: ": [
+            _script("recipes-pipeline"),
+            "+hydra.callbacks.y._target_=os.makedirs",
+            f"+hydra.callbacks.y.name={made}",
+        ],
+    }
+    for message, command in commands.items():
+        recipe = ["recipe=mine"] if "--config-dir" in command else []
+        proc = subprocess.run(
+            [*command, *recipe, f"run.dir={tmp_path / 'run'}" if recipe else f"dir={tmp_path}"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+        assert errors[0].startswith(f"error: {message}")
+    assert victim.read_text() == "precious" and not made.exists()
+    assert not (tmp_path / "run").exists()
+
+
 def test_console_shows_each_line_once_and_no_library_noise(tmp_path, shared_cache, monkeypatch):
     """What a user sees of a run (progress line, model summary, Lightning's records),
     piped: every line once, no advertisement, no epoch counter, no library warnings."""

@@ -16,6 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from recipes_lib.config.fitted import register_fitted_resolvers
 from recipes_lib.config.schema import ModelConfig, RunConfig
+from recipes_lib.config.widening import check_composed_widening
 from recipes_lib.errors import ConfigError
 
 CONFIG_MODULE = "recipes_lib.conf"
@@ -140,12 +141,18 @@ def compose_config(
 
     Returns:
         The composed, typed (but unresolved) config.
+
+    Raises:
+        ConfigError: a composed file sets ``run.allowed_targets``
+            (:mod:`recipes_lib.config.widening`).
     """
     register_schema()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return compose(config_name, list(overrides), return_hydra_config=return_hydra_config)
+        cfg = compose(config_name, list(overrides), return_hydra_config=return_hydra_config)
+    check_composed_widening(cfg, overrides)  # the overrides are the caller's; files may not
+    return cfg
 
 
 def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:

@@ -104,3 +104,40 @@ def choice(overrides: Sequence[str], group: str) -> str:
     """``group=value`` as the overrides choose it (the last one), or ``""``."""
     chosen = [o for o in overrides if o.lstrip("+").split("=", 1)[0] == group]
     return chosen[-1].lstrip("+") if chosen else ""
+
+
+def check_composed_widening(cfg: DictConfig, overrides: Sequence[str]) -> None:
+    """:func:`check_widening_source` for a run's config (``run.allowed_targets``) or a
+    pipeline's (each stage's ``stages.<name>.run.allowed_targets``).
+
+    Raises:
+        ConfigError: naming the key and the file chosen.
+    """
+    choices = OmegaConf.select(cfg, "hydra.runtime.choices", default=None) or {}
+    if "stages" in cfg and "run" not in cfg:
+        source = f"pipeline={choices['pipeline']}" if choices.get("pipeline") else ""
+        for stage in cfg.stages or {}:
+            key = f"stages.{stage}.{ALLOWED_TARGETS_KEY}"
+            check_widening_source(cfg, overrides, key, source or choice(overrides, "pipeline"))
+        return
+    source = f"recipe={choices['recipe']}" if choices.get("recipe") else ""
+    check_widening_source(
+        cfg, overrides, ALLOWED_TARGETS_KEY, source or choice(overrides, "recipe")
+    )
+
+
+def check_no_widening(overrides: Sequence[str], key: str) -> None:
+    """Refuse an override in a list a file may hold (a pipeline's ``overrides``) that
+    sets ``run.allowed_targets``: composing them would count it as the command line's.
+
+    Raises:
+        ConfigError: naming ``key[<index>]``.
+    """
+    for index, line in enumerate(overrides):
+        name, _, value = line.lstrip("+~").partition("=")
+        if name == ALLOWED_TARGETS_KEY or (name == "run" and "allowed_targets" in value):
+            raise ConfigError(
+                f"{key}[{index}]={line!r}: a pipeline's overrides may not widen "
+                f"{ALLOWED_TARGETS_KEY}; give it to the stage on the command line "
+                f"(stages.<name>.{ALLOWED_TARGETS_KEY}=[...]) or in {ENV_VAR}"
+            )

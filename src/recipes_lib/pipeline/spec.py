@@ -36,6 +36,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.config.store import CONFIG_MODULE
+from recipes_lib.config.widening import check_composed_widening, check_no_widening
 from recipes_lib.errors import ConfigError
 from recipes_lib.evaluation.settings import EvalSettings
 from recipes_lib.pipeline.gates import Gate, parse_evaluate, parse_gates
@@ -184,12 +185,18 @@ def compose_pipeline(overrides: Sequence[str] = ()) -> DictConfig:
 
     Args:
         overrides: e.g. ``["pipeline=demo", "stages.anneal.optim.lr=1e-4"]``.
+
+    Raises:
+        ConfigError: the pipeline file sets a stage's ``run.allowed_targets``
+            (:mod:`recipes_lib.config.widening`).
     """
     register_pipeline_schema()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return compose(PIPELINE_ROOT, list(overrides))
+        cfg = compose(PIPELINE_ROOT, list(overrides))
+    check_composed_widening(cfg, overrides)  # a stage's run.allowed_targets: the caller's
+    return cfg
 
 
 def _as_bool(key: str, value: Any) -> bool:
@@ -243,6 +250,7 @@ def parse_stage(name: str, node: Any, position: int) -> StageSpec:
     overrides = node.get("overrides") or []
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError(f"{key}.overrides must be a list of Hydra override strings")
+    check_no_widening(overrides, f"{key}.overrides")
     replay = node.get("replay_fraction", 0.0)
     if isinstance(replay, bool) or not isinstance(replay, int | float) or not 0 <= replay < 1:
         raise ConfigError(f"{key}.replay_fraction={replay!r} must be a number in [0, 1)")
@@ -348,6 +356,7 @@ def parse_pipeline(cfg: DictConfig | Mapping[str, Any]) -> PipelineSpec:
     overrides = data.get("overrides") or []
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError("overrides must be a list of Hydra override strings")
+    check_no_widening(overrides, "overrides")
     stages_node = data.get("stages") or {}
     if not isinstance(stages_node, Mapping) or not stages_node:
         raise ConfigError("stages: a pipeline needs at least one stage")
