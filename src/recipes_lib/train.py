@@ -58,6 +58,7 @@ from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
 from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
+from recipes_lib.moved import moved_from
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
     build_strategy,
@@ -84,6 +85,9 @@ from recipes_lib.stages.sft import SFTModule
 from recipes_lib.trackers import attach_files, trackers_of
 
 log = logging.getLogger(__name__)
+
+# functions this module once held, at their old import path
+__getattr__ = moved_from(__name__, {"check_init_source": "recipes_lib.preflight.stage"})
 
 
 @dataclass
