@@ -5,6 +5,8 @@ the folder it started from, are what transformers computes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hf_folders import FAMILY_SETTINGS, make_hf_folder, write_chat_records, write_preference_records
@@ -41,6 +43,9 @@ def test_lora_sft_from_each_family_folder(tmp_path, model_type):
     result = run(compose_config(overrides))
     assert result.global_step == 2 and result.weights_path.is_file()
     assert (result.output_dir / "adapter" / "adapter_model.safetensors").is_file()
+    # the stage's own hf/, in the folder's architecture and checked against transformers
+    hf_config = json.loads((result.hf_path / "config.json").read_text())
+    assert hf_config["model_type"] == model_type
 
     model = to_run_config(fill_model_from_init(compose_config(overrides))).model
     assert model.family == FAMILY_OF[model_type]
