@@ -65,6 +65,7 @@ def test_sigterm_saves_exits_75_and_the_same_command_resumes_bitwise(tmp_path, s
     assert read_checkpoint(run_dir.step_checkpoint(step))["global_step"] == step
     assert run_dir.last_checkpoint.resolve() == run_dir.step_checkpoint(step).resolve()
     assert not run_dir.weights.exists()  # an unfinished run has no output
+    assert not run_dir.lock.exists()  # released on the way out, not left to look stale
 
     rerun = subprocess.run(
         command, env=env_with_helpers(), capture_output=True, text=True, timeout=300
