@@ -126,6 +126,10 @@ def test_the_readme_commands_run_as_written(tmp_path, hf_folder, records):
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert (run_dir / "model.safetensors").is_file()
+        # the closing summary names the weights and what to run next
+        console = proc.stdout + proc.stderr
+        assert f"weights: {run_dir / 'model.safetensors'}" in console
+        assert f"recipes-generate checkpoint={run_dir}" in console
 
 
 def test_a_chosen_model_that_disagrees_is_listed_with_every_difference(
