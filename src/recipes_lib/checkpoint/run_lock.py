@@ -40,13 +40,16 @@ from recipes_lib.files import global_rank
 
 log = logging.getLogger(__name__)
 
+# what flock fails with on a file system that keeps no locks (some FUSE and network mounts)
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
 
 class RunLock:
     """The held lock of one run folder (see the module docstring); :meth:`release` it."""
 
-    def __init__(self, path: Path, fd: int):
+    def __init__(self, path: Path, fd: int | None):
         self.path = path
-        self._fd: int | None = fd
+        self._fd = fd  # None: a file system without locks, nothing held
 
     @classmethod
     def take(cls, folder: str | os.PathLike) -> RunLock:
@@ -63,6 +66,17 @@ class RunLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as err:
                 os.close(fd)
+                if err.errno in _NO_LOCKS:
+                    log.warning(
+                        "%s: its file system takes no locks (%s); a second run there would "
+                        "not be stopped",
+                        folder,
+                        os.strerror(err.errno),
+                    )
+                    with contextlib.suppress(OSError):
+                        if path.stat().st_size == 0:  # only made by the open above
+                            path.unlink()
+                    return cls(path, None)
                 if err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
                     raise
                 raise RunDirInUse(_in_use(Path(folder), _read(path))) from None

@@ -4,6 +4,8 @@ that died is taken over with a line saying so. Only rank 0 takes it."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import logging
 import os
@@ -92,3 +94,17 @@ def test_a_held_folder_refuses_quickly(tmp_path, holder):
     with pytest.raises(RunDirInUse):
         RunLock.take(tmp_path)
     assert time.monotonic() - started < 5  # never waits for the holder
+
+
+def test_a_file_system_without_locks_is_said_once_and_the_run_goes_on(
+    tmp_path, monkeypatch, caplog
+):
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING, logger="recipes_lib"), hold_run_dir(tmp_path):
+        pass
+    [line] = [r.getMessage() for r in caplog.records]
+    assert str(tmp_path) in line and "takes no locks" in line
+    assert not RunDir(tmp_path).lock.exists()
