@@ -9,7 +9,7 @@ Lightning ``.ckpt`` or a sharded checkpoint folder (what ``stage.init_from`` tak
 folder written is the model's own family (``config.json``, safetensors weights, the
 tokenizer and its chat template), which ``transformers.AutoModelForCausalLM``, vLLM and
 PEFT load. A LoRA stage's weights are already merged; its ``adapter/`` loads over the
-folder it started from, or over this one.
+folder the stage started from.
 
 After writing, transformers loads the folder and its float32 logits on a few tokens must
 match this library's within 1e-4, or the export fails with one line.
