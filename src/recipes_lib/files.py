@@ -124,7 +124,8 @@ def is_disk_full(err: BaseException) -> bool:
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """:func:`write_atomic` of ``text`` (UTF-8)."""
-    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    data = text.encode("utf-8")
+    return write_atomic(path, lambda tmp: tmp.write_bytes(data), size=len(data))
 
 
 def write_json_atomic(path: str | os.PathLike, data: Any, **dumps: Any) -> Path:
@@ -135,7 +136,8 @@ def write_json_atomic(path: str | os.PathLike, data: Any, **dumps: Any) -> Path:
 
 def copy_atomic(source: str | os.PathLike, path: str | os.PathLike) -> Path:
     """:func:`write_atomic` of a copy of ``source``'s bytes."""
-    return write_atomic(path, lambda tmp: shutil.copyfile(source, tmp))
+    size = os.path.getsize(source)
+    return write_atomic(path, lambda tmp: shutil.copyfile(source, tmp), size=size)
 
 
 def move_aside(path: str | os.PathLike, tag: str = "old") -> Path:

@@ -82,6 +82,15 @@ def test_any_file_written_atomically_says_at_least_what_it_had_written(tmp_path,
     assert target.read_text() == "old\n" and len(list(tmp_path.iterdir())) == 1
 
 
+def test_a_text_file_names_its_own_size(tmp_path, small_disk, monkeypatch):
+    def full(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(type(tmp_path), "write_bytes", full)
+    with pytest.raises(DiskFullError, match=r"record.json \(2.0 KiB needed, 5.0 MiB free\)"):
+        write_text_atomic(tmp_path / "record.json", "x" * 2048)
+
+
 def test_torch_reports_enospc_as_a_zip_writer_error_which_is_recognised():
     class FillingFile:  # takes 2 KB, then the disk is full
         size = 0
