@@ -26,9 +26,11 @@ checks that ``run.allowed_targets`` comes from the command line
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
+import io
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -219,7 +221,8 @@ def check_hydra_app(
     from hydra.types import RunMode
 
     try:
-        args = get_args_parser().parse_args(list(argv))
+        with contextlib.redirect_stderr(io.StringIO()):  # Hydra prints its own usage
+            args = get_args_parser().parse_args(list(argv))
     except SystemExit:
         return
     if args.shell_completion:
@@ -251,7 +254,11 @@ def check_hydra_app(
         except Exception:  # noqa: BLE001 - Hydra reports it, before acting on anything
             return
         checked = [(cfg, list(args.overrides))]
-        for job in _job_overrides(cfg, args.overrides, hydra_app.config_loader):
+        try:
+            jobs = _job_overrides(cfg, args.overrides, hydra_app.config_loader)
+        except Exception:  # noqa: BLE001 - Hydra's sweeper cannot expand them either
+            jobs = []
+        for job in jobs:
             try:
                 checked.append((compose(job, RunMode.RUN), job))
             except Exception:  # noqa: BLE001 - that job fails in Hydra's own composition

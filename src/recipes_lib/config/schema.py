@@ -103,6 +103,8 @@ class ChatFormatConfig:
     packing: bool = True  # several conversations per sequence, with document masking
     truncation: str = "right"  # right | left | drop: what to do with over-long samples
     on_bad_record: str = "error"  # error | skip (skips are counted and reported)
+    # a record with more text than this (bytes) is a bad record; null: no limit
+    max_record_bytes: int | None = 4_000_000
 
 
 def _as_source(name: str, value: Any) -> SourceConfig:
@@ -362,8 +364,9 @@ class RunInfoConfig:
     # ModelCheckpoint's own pruning: -1 writes every step checkpoint (the two keys above
     # decide which stay), 0 writes none (last.ckpt only); 1 (deprecated) keeps one
     save_top_k: int = -1
-    # extra ``_target_`` prefixes (a module path ending in '.', or one exact target) a
-    # run may build from callbacks and loggers, e.g. [mypkg.callbacks.]
+    # code of your own a run may build from config (a module path ending in '.', or one
+    # exact target), e.g. [mypkg.callbacks.]; set only on the command line (or with
+    # RECIPES_ALLOWED_TARGETS), never in a recipe: recipes_lib.config.widening
     allowed_targets: list[str] = field(default_factory=list)
     # run the pre-launch check (recipes_lib.launch_check) instead of training: recipes-train
     # prints its table and exits, non-zero on a problem (the same as recipes-check)
