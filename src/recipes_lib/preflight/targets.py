@@ -32,7 +32,7 @@ def _sites(cfg: Mapping[str, Any]) -> list[tuple[tuple[str, ...], TargetKind]]:
     sites += [
         (("grpo", "rewards", name, FN_KEY), REWARDS)
         for name, node in rewards.items()
-        if isinstance(node, Mapping)
+        if isinstance(node, Mapping) and FN_KEY in node  # else the registry names what is missing
     ]
     return sites
 
