@@ -7,9 +7,12 @@ other on this card:
 - the folder: a preset's shape (default ``llama_1b``) made by transformers at random
   init and saved (bf16) with a tokenizer (a BPE trained on the records, with the ChatML
   tokens) and a ChatML chat template: what a user's downloaded folder holds;
-- the data: the built-in instruction conversations (``stdlib_sft``) as ``chat.jsonl``,
-  and the built-in preference pairs (``stdlib_dpo``: a function's real body against a
-  corrupted copy) as ``pairs.jsonl``, both as chat messages;
+- the data (``--data``): synthetic text in one of three shapes (``short``: prompts of
+  20-80 words and answers near 100; ``long``: prompts and answers near 300; ``heavy``:
+  Pareto-distributed lengths, most short and some near the sequence length), or
+  ``builtin``: the built-in instruction conversations (``stdlib_sft``) and preference
+  pairs (``stdlib_dpo``: a function's real body against a corrupted copy); as
+  ``chat.jsonl`` and ``pairs.jsonl``, both as chat messages;
 - the cases: ``sft_full``, ``sft_lora`` (r 16, alpha 32, dropout 0.05, every linear of
   the blocks), ``dpo_live`` (a reference model in memory), ``dpo_precomputed`` (its
   log-probs computed once before training) and ``orpo``;
@@ -81,6 +84,47 @@ BETA = 0.1
 
 
 # ---------------------------------------------------------------------------- data
+DATA_SHAPES = ("builtin", "short", "long", "heavy")
+# a word list for synthetic text: the BPE learns each word, so words are about tokens
+_WORDS = (
+    "the of and to in is that for it as with was on be by this are from at or an "
+    "model data train loss token layer value step batch memory speed error function "
+    "return list index item name path file result output input weight gradient sample "
+    "reason answer question because therefore first second then finally each every"
+).split()
+
+
+def _words(rng, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
+
+
+def synthetic_records(shape: str, n: int, seq_len: int, seed: int) -> list[dict]:
+    """``n`` prompt/response/rejected records of synthetic text, their lengths in words
+    (about tokens) by ``shape``: ``short`` prompts of 20-80 and answers near 100;
+    ``long`` prompts and answers near 300; ``heavy`` Pareto-distributed lengths, most
+    short and some up to the sequence length."""
+    import random
+
+    rng = random.Random(seed)
+
+    def lengths() -> tuple[int, int, int]:
+        if shape == "short":
+            return rng.randint(20, 80), rng.randint(60, 140), rng.randint(60, 140)
+        if shape == "long":
+            return rng.randint(250, 350), rng.randint(250, 350), rng.randint(250, 350)
+        budget = seq_len // 2 - 8  # a pair's prompt and longer answer fit one row
+        tail = [min(budget // 2, int(rng.paretovariate(1.2) * 30)) for _ in range(3)]
+        return tuple(tail)  # type: ignore[return-value]
+
+    records = []
+    for _ in range(n):
+        p, c, r = lengths()
+        records.append(
+            {"prompt": _words(rng, p), "response": _words(rng, c), "rejected": _words(rng, r)}
+        )
+    return records
+
+
 def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
     """The model folder, ``chat.jsonl`` and ``pairs.jsonl`` every side trains on."""
     import torch
@@ -93,7 +137,15 @@ def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
 
     folder, chat, pairs = root / "model", root / "chat.jsonl", root / "pairs.jsonl"
     folder.mkdir(parents=True)
-    records = stdlib_instruction_records(args.records)
+    if args.data == "builtin":
+        records = stdlib_instruction_records(args.records)
+        pair_records = [
+            {"prompt": r["prompt"], "response": r["chosen"], "rejected": r["rejected"]}
+            for r in stdlib_preference_records(args.pairs)
+        ]
+    else:
+        records = synthetic_records(args.data, args.records, args.seq_len, args.seed)
+        pair_records = synthetic_records(args.data, args.pairs, args.seq_len, args.seed + 1)
     with open(chat, "w") as f:
         for r in records:
             turns = [
@@ -102,10 +154,10 @@ def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
             ]
             f.write(json.dumps({"messages": turns}) + "\n")
     with open(pairs, "w") as f:
-        for r in stdlib_preference_records(args.pairs):
+        for r in pair_records:
             row = {
                 "prompt": [{"role": "user", "content": r["prompt"]}],
-                "chosen": [{"role": "assistant", "content": r["chosen"]}],
+                "chosen": [{"role": "assistant", "content": r["response"]}],
                 "rejected": [{"role": "assistant", "content": r["rejected"]}],
             }
             f.write(json.dumps(row) + "\n")
@@ -173,9 +225,26 @@ def run_recipes_lib(args, case: str, root: Path, start: float) -> dict:
         overrides += [f"preference.loss={loss}", f"preference.beta={BETA}"]
         overrides.append(f"preference.precompute_reference={case == 'dpo_precomputed'}".lower())
     clock = lightning_clock()
+    before = compile_counts()
     result = run(compose_config(overrides), callbacks=[clock])
     report = figures(clock.ends, clock.tokens, args.warmup_steps, start)
-    return {**report, "final_loss": result.metrics.get("train/loss"), "overrides": overrides}
+    graphs, hits = (now - then for now, then in zip(compile_counts(), before, strict=True))
+    return {
+        **report,
+        "final_loss": result.metrics.get("train/loss"),
+        "compiled": {"graphs": graphs, "recompile_limit_hits": hits},
+        "overrides": overrides,
+    }
+
+
+def compile_counts() -> tuple[int, int]:
+    """Dynamo's graphs compiled and recompile-limit hits so far in this process, read
+    here rather than from the run's result so that any version of the library is
+    measured the same way."""
+    from torch._dynamo.utils import counters
+
+    hits = sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason)
+    return int(counters["stats"].get("unique_graphs", 0)), int(hits)
 
 
 # --------------------------------------------------------------------------- TRL
@@ -336,6 +405,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--records", type=int, default=4000)
     p.add_argument("--pairs", type=int, default=2000)
     p.add_argument("--vocab-size", type=int, default=32768)
+    p.add_argument(
+        "--data",
+        default="long",
+        choices=DATA_SHAPES,
+        help="the records: builtin (the standard library's) or synthetic text, short, "
+        "long or heavy-tailed",
+    )
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--warmup-steps", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
@@ -350,6 +426,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.seq_len, args.batch_size, args.pair_batch = 256, 2, 2
         args.records, args.pairs, args.vocab_size = 200, 60, 512
         args.warmup_steps, args.steps = 1, 2
+        if args.data == "long":  # does not fit the smoke run's rows
+            args.data = "short"
     check_choices(p, args, cases=CASES, sides=(SIDES[0], *PEER_SIDES))
     return args
 

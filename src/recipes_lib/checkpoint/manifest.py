@@ -51,6 +51,8 @@ class StageMetrics:
     steps: int = 0  # optimizer steps taken in this stage
     seconds: float = 0.0  # wall time of the training run that finished the stage
     skipped_records: int = 0  # records the data left out (malformed, too long, ...)
+    compiled_graphs: int = 0  # graphs torch.compile compiled (recipes_lib.kernels.compiled)
+    recompile_limit_hits: int = 0  # code that passed dynamo's recompile limit, then ran eager
 
 
 @dataclass

@@ -187,6 +187,8 @@ def _finish_stage(
         steps=result.global_step - start_step,
         seconds=result.seconds,
         skipped_records=sum(result.skipped_records.values()),
+        compiled_graphs=result.compiled.get("graphs", 0),
+        recompile_limit_hits=result.compiled.get("recompile_limit_hits", 0),
     )
     manifest = StageManifest(
         pipeline=pipeline.name,

@@ -54,8 +54,8 @@ class ModelBuild:
         init_label: how errors name ``init_from`` (default ``stage.init_from='...'``).
         adapter: the adapter to apply (None: none; a frozen model has none).
         trains: the model is trained (float8 and activation checkpointing apply).
-        dynamic_shapes: its batches vary in shape: compiled blocks trace dynamic batch
-            and sequence dimensions from their first call.
+        varying_shapes: its batches vary in shape: compiled blocks may keep more
+            graphs (:func:`recipes_lib.kernels.compiled.compile_blocks`).
     """
 
     model: ModelConfig
@@ -67,7 +67,7 @@ class ModelBuild:
     upcycle: bool = False  # init_from is dense: each expert starts as its layer's MLP
     adapter: AdapterConfig | None = None
     trains: bool = True
-    dynamic_shapes: bool = False  # batches vary in shape (recipes_lib.kernels.compiled)
+    varying_shapes: bool = False  # batches vary in shape (recipes_lib.kernels.compiled)
 
 
 def _seeded_decoder(config: ModelConfig, backend: AttentionBackend) -> Transformer:
@@ -133,7 +133,7 @@ def build_model(
     if plan.trains and plan.kernels.activation_checkpointing:  # 5
         model.set_activation_checkpointing(True)
     if plan.kernels.compile:  # 6
-        compile_blocks(_blocks(model), dynamic_shapes=plan.dynamic_shapes)
+        compile_blocks(_blocks(model), varying_shapes=plan.varying_shapes)
     if mesh is not None and spec.shard is not None:  # 7
         spec.shard(model, mesh, plan.strategy, plan.precision)
     return model

@@ -79,8 +79,8 @@ class CausalLMModule(L.LightningModule):
     """
 
     config_groups: tuple[str, ...] = ()  # run config groups a subclass also takes
-    # the batches' shapes vary (pairs, padded rows, rollouts): compiled blocks trace
-    # dynamic shapes from their first call (recipes_lib.kernels.compiled)
+    # the batches' shapes vary (pairs, padded rows, rollouts): compiled blocks keep a
+    # graph per shape kind (recipes_lib.kernels.compiled)
     varying_shapes: bool = False
 
     def __init__(
@@ -211,7 +211,7 @@ class CausalLMModule(L.LightningModule):
             init_from=self.init_from,
             adapter=self.adapter_config,
             upcycle=self.upcycle,
-            dynamic_shapes=self.varying_shapes,
+            varying_shapes=self.varying_shapes,
         )
 
     def _placement(self) -> tuple[torch.device, Any]:
