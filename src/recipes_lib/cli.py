@@ -112,6 +112,12 @@ def _train(cfg: DictConfig) -> float | None:
     if result.skipped_records:
         reasons = "; ".join(f"{n} {reason}" for reason, n in result.skipped_records.items())
         log.info("  data: %d record(s) left out: %s", sum(result.skipped_records.values()), reasons)
+    if result.compiled.get("graphs"):
+        log.info(
+            "  compiled: %d graph(s), %d recompile-limit hit(s)",
+            result.compiled["graphs"],
+            result.compiled["recompile_limit_hits"],
+        )
     rollbacks = result.guard.get("rollbacks", [])
     if result.guard.get("skipped_updates") or rollbacks:
         moved = sum(r["skipped_batches"] for r in rollbacks)

@@ -58,6 +58,7 @@ from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
 from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
+from recipes_lib.kernels.compiled import watch_compiles
 from recipes_lib.moved import moved_from
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
@@ -110,6 +111,8 @@ class RunResult:
     skipped_records: dict[str, int] = field(default_factory=dict)
     # what the training guard did: updates skipped, rollbacks (each with the data skipped)
     guard: dict[str, Any] = field(default_factory=dict)
+    # what torch.compile compiled: graphs, recompile-limit hits (recipes_lib.kernels.compiled)
+    compiled: dict[str, int] = field(default_factory=dict)
     # the experiment trackers among its loggers (W&B, MLflow: recipes_lib.trackers)
     trackers: list[Any] = field(default_factory=list, repr=False)
     hf_path: Path | None = None  # hf/: the output weights as a Hugging Face folder
@@ -287,8 +290,10 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     check_run_config(cfg)
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:
         log.info("%s", widened)  # code of the user's own, trusted on the command line
-    with hold_run_dir(cfg.run.dir):  # one run at a time in run.dir (rank 0 holds it)
-        return _run(cfg, callbacks)
+    with hold_run_dir(cfg.run.dir), watch_compiles() as compiled:  # one run at a time
+        result = _run(cfg, callbacks)
+    result.compiled = compiled.as_dict()
+    return result
 
 
 def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:
