@@ -21,12 +21,14 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from recipes_lib.config.schema import ChatFormatConfig, DataConfig, SourceConfig
-from recipes_lib.data.module import ResumableDataModule
+from recipes_lib.data.module import ResumableDataModule, rank_zero_warning
 from recipes_lib.data.records import (
     RecordBuiltin,
     Records,
     RecordSource,
     load_source_records,
+    record_text_bytes,
+    record_where,
     split_records,
 )
 from recipes_lib.data.sources import (
@@ -62,6 +64,10 @@ def check_chat_format(chat: ChatFormatConfig) -> None:
         raise ConfigError(
             f"data.chat.on_bad_record={chat.on_bad_record!r} is not one of "
             f"{list(BAD_RECORD_POLICIES)}"
+        )
+    if chat.max_record_bytes is not None and chat.max_record_bytes < 1:
+        raise ConfigError(
+            f"data.chat.max_record_bytes={chat.max_record_bytes} must be positive (or null)"
         )
 
 
@@ -264,6 +270,7 @@ class ChatRecordsDataModule(ResumableDataModule):
         self.prepared: PreparedChat | None = None
         self._sources: dict[str, SourceConfig] | None = None
         self._records: dict[str, Records] = {}
+        self._oversized: dict[str, set[int]] = {}  # by source: records over max_record_bytes
 
     # ------------------------------------------------------------- sources
     @property
@@ -277,20 +284,62 @@ class ChatRecordsDataModule(ResumableDataModule):
         return configured_sources(self.config, self.default_sources)
 
     def _source_records(self, name: str) -> Records:
-        """Every record of source ``name``, loaded once."""
+        """Every record of source ``name``, loaded once (and its over-long ones found)."""
         if name not in self._records:
-            self._records[name] = load_source_records(
-                self.config, name, self.sources[name], self.builtins
-            )
+            records = load_source_records(self.config, name, self.sources[name], self.builtins)
+            self._records[name] = records
+            self._oversized[name] = self._find_oversized(name, records)
         return self._records[name]
 
+    def _find_oversized(self, name: str, records: Records) -> set[int]:
+        """The records over ``data.chat.max_record_bytes`` of text: an error naming the
+        first, or with ``on_bad_record=skip`` left out of both splits and counted.
+
+        A record of megabytes costs its size many times over, in the tokenizer's
+        per-token records above all (about 140 bytes a byte of text), however little
+        of it ``data.seq_len`` keeps."""
+        limit = self.config.chat.max_record_bytes
+        if limit is None:
+            return set()
+        sizes = {i: n for i, r in enumerate(records) if (n := record_text_bytes(r)) > limit}
+        if not sizes:
+            return set()
+        first = min(sizes)
+        where = record_where(self._where_of(name, records), first)
+        problem = (
+            f"{where}: {sizes[first]:,} bytes of text, over data.chat.max_record_bytes={limit}"
+        )
+        if self.config.chat.on_bad_record == "error":
+            raise bad_record_error(problem)
+        rank_zero_warning(
+            f"{source_key(name)}: skipped {len(sizes)} record(s) over "
+            f"data.chat.max_record_bytes (data.chat.on_bad_record=skip); first: {problem}"
+        )
+        return set(sizes)
+
     def _split(self, name: str) -> tuple[list[int], list[int]]:
-        """Indices of the source's training and held-out records."""
-        return split_records(self._source_records(name), self.config.val_fraction, self.config.seed)
+        """Indices of the source's training and held-out records (over-long ones left
+        out after the split, so the others' split does not move)."""
+        records = self._source_records(name)
+        train, val = split_records(records, self.config.val_fraction, self.config.seed)
+        oversized = self._oversized.get(name)
+        if oversized:
+            train = [i for i in train if i not in oversized]
+            val = [i for i in val if i not in oversized]
+        return train, val
+
+    def oversized_skipped(self) -> dict[str, int]:
+        """The records left out for their size (``skipped_records``' entry)."""
+        count = sum(len(found) for found in self._oversized.values())
+        reason = "over data.chat.max_record_bytes (data.chat.on_bad_record=skip)"
+        return {reason: count} if count else {}
 
     def _record_source(self, name: str) -> RecordSource:
         """How messages name the source's records: by file and line where known."""
-        records = self._source_records(name)
+        return self._where_of(name, self._source_records(name))
+
+    @staticmethod
+    def _where_of(name: str, records: Records) -> RecordSource:
         return records.where if isinstance(records, Records) else source_key(name)
 
     # ------------------------------------------------------------- tokenizer

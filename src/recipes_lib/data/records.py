@@ -48,6 +48,18 @@ def record_where(source: RecordSource, index: int) -> str:
     return source(index) if callable(source) else f"{source}: record {index}"
 
 
+def record_text_bytes(record: Any) -> int:
+    """The UTF-8 bytes of the text in ``record`` (its strings at any depth, keys too): what
+    rendering and tokenizing it costs in proportion to."""
+    if isinstance(record, str):
+        return len(record) if record.isascii() else len(record.encode("utf-8", "replace"))
+    if isinstance(record, Mapping):
+        return sum(record_text_bytes(k) + record_text_bytes(v) for k, v in record.items())
+    if isinstance(record, list | tuple):
+        return sum(record_text_bytes(item) for item in record)
+    return 0
+
+
 def _is_json_lines(file: Path) -> bool:
     """Whether a .json/.jsonl file holds one record per line (not one JSON array)."""
     if file.suffix.lower() in JSON_LINES_SUFFIXES:

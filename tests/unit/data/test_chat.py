@@ -283,6 +283,50 @@ def test_bad_records_fail_or_are_counted_and_skipped(tmp_path, chat_tokenizer_fi
         )
 
 
+def test_records_over_max_record_bytes_fail_or_are_skipped_before_tokenizing(
+    tmp_path, chat_tokenizer_file, caplog
+):
+    good = {"prompt": "What does the model read?", "response": "Tokens."}
+    huge = {"prompt": "word " * 1_000, "response": "Tokens."}  # 5,000 bytes of prompt
+    _write_jsonl(tmp_path / "chat.jsonl", [good, huge, good, good])
+    config = _chat_config(tmp_path, chat_tokenizer_file, max_record_bytes=4_000)
+    with pytest.raises(
+        DataError,
+        match=r"chat\.jsonl:2: 5,\d{3} bytes of text, over data\.chat\.max_record_bytes=4000 "
+        r"\(set data\.chat\.on_bad_record=skip",
+    ):
+        ChatDataModule(config, 512, 128).setup()
+    config.chat.on_bad_record = "skip"
+    module = ChatDataModule(config, 512, 128)
+    with caplog.at_level(logging.WARNING, logger="recipes_lib"):
+        module.setup()
+    assert re.search(r"skipped 1 record.*max_record_bytes.*chat\.jsonl:2", caplog.text)
+    assert module.stats["chat"].train == 3
+    assert module.skipped_records() == {
+        "over data.chat.max_record_bytes (data.chat.on_bad_record=skip)": 1
+    }
+    with pytest.raises(ConfigError, match="data.chat.max_record_bytes=0"):
+        ChatDataModule(_chat_config(tmp_path, chat_tokenizer_file, max_record_bytes=0), 512, 128)
+
+
+def test_a_record_of_megabytes_is_refused_by_default(tmp_path, chat_tokenizer_file):
+    # 5 MB of text in one line: refused as it is read, before the seconds and gigabytes
+    # that tokenizing it would take
+    huge = {
+        "messages": [
+            {"role": "user", "content": "x" * 5_000_000},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
+    _write_jsonl(tmp_path / "chat.jsonl", [huge])
+    module = ChatDataModule(_chat_config(tmp_path, chat_tokenizer_file), 512, 128)
+    with pytest.raises(
+        DataError,
+        match=r"chat\.jsonl:1: 5,000,\d+ bytes of text, over data\.chat\.max_record_bytes=4000000",
+    ):
+        module.setup()
+
+
 def test_over_long_conversations_by_policy(tmp_path, chat_tokenizer_file):
     long = {"prompt": "the model reads " * 40, "response": "tokens and predicts " * 40}
     short = {"prompt": "read?", "response": "tokens."}

@@ -312,6 +312,27 @@ def test_data_module_reads_jsonl_holds_out_pairs_and_resumes(
     assert torch.cat(ordered).tolist() == list(range(5))
 
 
+def test_pairs_over_max_record_bytes_fail_or_are_skipped(tmp_path, small_tokenizer_path):
+    path = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": f"No {i}."}
+        for i in range(8)
+    ]
+    rows[3]["chosen"] = "long " * 400  # 2,000 bytes
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = pairs_config(tmp_path, small_tokenizer_path, {"pairs": SourceConfig(path=str(path))})
+    config.chat.max_record_bytes = 1_000
+    with pytest.raises(DataError, match=r"pairs\.jsonl:4: 2,\d+ bytes of text, over data\.chat"):
+        PreferenceDataModule(config, 512, 1024).setup()
+    config.chat.on_bad_record = "skip"
+    module = PreferenceDataModule(config, 512, 1024)
+    module.setup()
+    assert module.prepared.num_train + module.prepared.num_val == 7
+    assert module.skipped_records() == {
+        "over data.chat.max_record_bytes (data.chat.on_bad_record=skip)": 1
+    }
+
+
 def test_packing_without_document_masking_is_refused(tmp_path, small_tokenizer_path):
     config = pairs_config(tmp_path, small_tokenizer_path, {})
     config.chat.packing = True

@@ -141,7 +141,7 @@ class ChatDataModule(ChatRecordsDataModule):
             "malformed (data.chat.on_bad_record=skip)": sum(s.skipped for s in self.stats.values()),
             "too long or without assistant tokens": sum(s.dropped for s in self.stats.values()),
         }
-        return {reason: n for reason, n in counts.items() if n}
+        return {reason: n for reason, n in counts.items() if n} | self.oversized_skipped()
 
     def collate_fn(self) -> Callable | None:
         """Padding to the longest row, unless samples are already packed rows."""

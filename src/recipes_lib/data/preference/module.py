@@ -179,8 +179,9 @@ class PreferenceDataModule(ChatRecordsDataModule):
 
     def skipped_records(self) -> dict[str, int]:
         """Pairs left out, by reason (malformed ones with ``data.chat.on_bad_record=skip``,
-        and pairs that truncation made empty or identical)."""
-        return dict(self.skipped)
+        and pairs that truncation made empty or identical, and records over
+        ``data.chat.max_record_bytes``)."""
+        return dict(self.skipped) | self.oversized_skipped()
 
     # ------------------------------------------------------------- loaders
     def collate_fn(self) -> PairCollator:

@@ -222,7 +222,7 @@ class PromptDataModule(ChatRecordsDataModule):
         )
 
     def skipped_records(self) -> dict[str, int]:
-        return dict(self.skipped)
+        return dict(self.skipped) | self.oversized_skipped()
 
     def collate_fn(self):
         return collate_prompts
