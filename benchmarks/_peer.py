@@ -79,6 +79,9 @@ def spawn(args, case: str, side: str, root: Path, script: str) -> dict:
     command = [sys.executable, script, *args.argv, "--worker"]
     command += ["--case", case, "--side", side, "--root", str(root), "--worker-out", str(out)]
     env = {**os.environ, "PEER_START": repr(time.time())}
+    # compile caches of its own: no side starts from kernels another side compiled
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        env[name] = str(root / "caches" / f"{case}.{side}" / name.lower())
     try:
         done = subprocess.run(command, env=env, timeout=args.side_timeout, check=False)
     except subprocess.TimeoutExpired:
