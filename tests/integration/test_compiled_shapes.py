@@ -79,6 +79,9 @@ def eager_backend(monkeypatch):
 
     monkeypatch.setattr(torch.nn.Module, "compile", compile_eager)
     monkeypatch.setattr(torch, "compile", compile_fn)
+    torch._dynamo.reset()  # no graph of an earlier test in this process serves this one
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.mark.slow

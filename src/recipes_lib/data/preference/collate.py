@@ -26,8 +26,8 @@ sequences first.
 Without packing (``data.chat.packing=false``) every sequence has its own row, padded
 to the longest of the batch: rows ``0..P-1`` are the chosen sequences and ``P..2P-1``
 the rejected ones, so one forward pass sees both. With packing, sequences share rows
-of ``data.seq_len`` (first fit, longest first) and ``doc_ids`` keeps them apart, which
-needs ``data.document_mask=true``.
+of ``data.seq_len`` tokens (first fit, longest first; the rest of a row is padding) and
+``doc_ids`` keeps them apart, which needs ``data.document_mask=true``.
 """
 
 from __future__ import annotations
@@ -124,7 +124,10 @@ def collate_pairs(
             rows = _first_fit_rows(lengths, seq_len)
     else:
         rows = [[s] for s in range(len(sequences))]
-    width = max(sum(lengths[s] for s in row) for row in rows)
+    # packed rows are data.seq_len wide whatever the pairs' lengths, so compiled blocks
+    # see one row width (a width per batch traced a graph per width: see
+    # recipes_lib.kernels.compiled); first fit leaves at most the last row part empty
+    width = seq_len if packing else max(sum(lengths[s] for s in row) for row in rows)
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, -100, dtype=torch.long)
