@@ -13,6 +13,7 @@ after the process group exists: only rank 0 writes configs, manifests and report
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -93,15 +94,24 @@ def write_atomic(
         chmod_as_umask(partial)
         os.replace(partial, target)
     except BaseException as err:
-        written = partial.stat().st_size if partial.is_file() else 0
-        partial.unlink(missing_ok=True)
+        written = 0
+        with contextlib.suppress(OSError):  # the write's own error is the one to tell
+            written = partial.stat().st_size if partial.is_file() else 0
+            partial.unlink(missing_ok=True)
         if is_disk_full(err):
-            free = shutil.disk_usage(target.parent).free  # with the torn write gone
-            needed = size if size is not None else written
-            raise DiskFullError(target, needed, free, at_least=size is None) from err
+            raise disk_full(target, size if size is not None else written, size is None) from err
         raise
     fsync_dir(target.parent)
     return target
+
+
+def disk_full(path: Path, needed: int, at_least: bool = False) -> DiskFullError:
+    """The error of a write to ``path`` that filled its disk: ``needed`` bytes, and the
+    space free on its file system now (0 where even that cannot be read)."""
+    free = 0
+    with contextlib.suppress(OSError):
+        free = shutil.disk_usage(path.parent).free
+    return DiskFullError(path, needed, free, at_least=at_least)
 
 
 def is_disk_full(err: BaseException) -> bool:

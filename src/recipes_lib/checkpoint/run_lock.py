@@ -36,7 +36,7 @@ from typing import Any
 
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.errors import RunDirInUse
-from recipes_lib.files import global_rank
+from recipes_lib.files import disk_full, global_rank, is_disk_full
 
 log = logging.getLogger(__name__)
 
@@ -103,9 +103,16 @@ class RunLock:
         # written in place, not renamed: the lock belongs to this inode, and a reader
         # that finds the body short says so rather than misreading it
         data = (json.dumps(body) + "\n").encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, data, 0)
-        os.fsync(fd)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, data, 0)
+            os.fsync(fd)
+        except BaseException as err:  # never left holding a lock no run will release
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            if is_disk_full(err):
+                raise disk_full(path, len(data)) from err
+            raise
         return cls(path, fd)
 
     def release(self) -> None:
