@@ -38,6 +38,19 @@ CALL_KINDS = 4  # training; the policy without gradients; adapters bypassed; a f
 SPECIALISATIONS = 4  # dynamic graphs of a kind: batch and length each of size 1 or more
 GRAPH_BOUND = CALL_KINDS * (1 + SPECIALISATIONS)  # graphs of one compiled block, any data
 _LIMIT_MESSAGE = "recompile_limit"  # in dynamo's warning when a code object passes it
+# dynamo's setting of the graphs one code object may keep (its older name before 2.7)
+_LIMIT_NAME = (
+    "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else ("cache_size_limit")
+)
+
+
+def _config():
+    return torch._dynamo.config
+
+
+def recompile_limit() -> int:
+    """Dynamo's limit of graphs per code object, as this process has it now."""
+    return int(getattr(_config(), _LIMIT_NAME))
 
 
 def compile_blocks(blocks: Iterable[nn.Module], *, varying_shapes: bool) -> None:
@@ -50,9 +63,9 @@ def compile_blocks(blocks: Iterable[nn.Module], *, varying_shapes: bool) -> None
             per kind of call.
     """
     if varying_shapes:
-        # the bound is structural (kinds of call x their graphs), not a guess
-        limit = torch._dynamo.config.recompile_limit
-        torch._dynamo.config.recompile_limit = max(limit, GRAPH_BOUND)
+        # the bound is structural (kinds of call x their graphs), not a guess;
+        # watch_compiles puts the process's own limit back when the run ends
+        setattr(_config(), _LIMIT_NAME, max(recompile_limit(), GRAPH_BOUND))
     for block in blocks:
         block.compile()
 
@@ -71,12 +84,13 @@ class CompileStats:
 
 def _counts() -> tuple[int, int]:
     """Dynamo's process-wide counters: graphs compiled, recompile-limit hits."""
-    from torch._dynamo.utils import counters
-
-    graphs = int(counters["stats"].get("unique_graphs", 0))
-    hits = sum(
-        int(n) for reason, n in counters["unimplemented"].items() if "recompile limit" in reason
-    )
+    try:  # dynamo's own bookkeeping: read, never written
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0, 0
+    graphs = int(counters.get("stats", {}).get("unique_graphs", 0))
+    unimplemented = counters.get("unimplemented", {})
+    hits = sum(int(n) for reason, n in unimplemented.items() if "recompile limit" in reason)
     return graphs, hits
 
 
@@ -91,7 +105,7 @@ class _LimitWarning(logging.Handler):
         log.warning(
             "torch.compile hit its recompile limit (%d)%s: that code now runs eagerly, "
             "slower; kernels.compile=false runs every block eagerly from the start",
-            torch._dynamo.config.recompile_limit,
+            recompile_limit(),
             f" in {where.removeprefix('function:').strip()}" if where else "",
         )
 
@@ -102,6 +116,7 @@ def watch_compiles() -> Iterator[CompileStats]:
     and warn in one line when a code object hits the recompile limit."""
     stats = CompileStats()
     graphs, hits = _counts()
+    limit = recompile_limit()  # what compile_blocks may raise for the run, restored after
     handler = _LimitWarning(level=logging.WARNING)
     dynamo_log = logging.getLogger("torch._dynamo")
     dynamo_log.addHandler(handler)
@@ -109,6 +124,7 @@ def watch_compiles() -> Iterator[CompileStats]:
         yield stats
     finally:
         dynamo_log.removeHandler(handler)
+        setattr(_config(), _LIMIT_NAME, limit)
         now_graphs, now_hits = _counts()
         stats.graphs = now_graphs - graphs
         stats.recompile_limit_hits = now_hits - hits
