@@ -55,7 +55,7 @@ def fit_to_run(default: int, *, _root_: Any) -> int:
     else:
         return default
     cap = int(length * RUN_FRACTION)
-    if default <= cap:
+    if length <= 0 or default <= cap:  # a run of no set length keeps the recipe's
         return default
     log.info(
         "scheduler.warmup=%d: the recipe's %d %s of warmup cut to a tenth of the run "
