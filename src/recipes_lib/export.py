@@ -32,11 +32,11 @@ from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, read_hf_config
 from recipes_lib.checkpoint.layout import CHECKPOINTS_DIR, RunDir
 from recipes_lib.checkpoint.source import read_init_source
 from recipes_lib.checkpoint.weights import load_state_into, load_weights
+from recipes_lib.cli_args import key_value_args, usage, wants_help
 from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
 from recipes_lib.errors import CheckpointError, ConfigError, DataError, RecipesError
-from recipes_lib.generate import key_value_args, usage, wants_help
 from recipes_lib.models import Transformer
 
 log = logging.getLogger(__name__)
@@ -201,7 +201,7 @@ def export_run(cfg: RunConfig, out: Path) -> Path | None:
     run_dir = RunDir(out)
     try:
         return export_checkpoint(run_dir.root, run_dir.hf, run_dir.tokenizer)
-    except RecipesError as err:
+    except Exception as err:  # chosen by the stage: the run's own outputs stand
         if cfg.stage.export_hf:
             raise
         log.warning("stage.export_hf: %s is not written: %s", run_dir.hf, err)

@@ -36,6 +36,7 @@ from recipes_lib.checkpoint.weights import (
     load_state_into,
     load_weights,
 )
+from recipes_lib.cli_args import key_value_args, usage, wants_help
 from recipes_lib.config.schema import ModelConfig, TokenizerConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
@@ -289,51 +290,6 @@ _EXAMPLES = (
     "recipes-generate checkpoint=runs/tiny/checkpoints/last.ckpt prompt='def ' max_new_tokens=64",
     "recipes-generate checkpoint=HF_FOLDER prompt='Once' temperature=0.8 top_p=0.95 seed=0",
 )
-
-
-def key_value_args(argv: Sequence[str], defaults: dict[str, Any]) -> dict[str, Any]:
-    """``key=value`` arguments over ``defaults`` (values as text), as the library's
-    plain console scripts (``recipes-generate``, ``recipes-eval``) take them.
-
-    Raises:
-        ConfigError: an argument without ``=`` or a key ``defaults`` does not have.
-    """
-    args = dict(defaults)
-    for item in argv:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError(f"argument {item!r} is not key=value")
-        if key not in defaults:
-            raise ConfigError(f"unknown argument {key!r}; choose from: {', '.join(defaults)}")
-        args[key] = value
-    return args
-
-
-HELP_ARGS = ("-h", "--help", "help")
-
-
-def wants_help(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` asks for the usage (``-h``, ``--help`` or ``help`` anywhere)."""
-    return any(item in HELP_ARGS for item in argv)
-
-
-def usage(
-    script: str, defaults: dict[str, Any], examples: Sequence[str], required: Sequence[str] = ()
-) -> str:
-    """The usage of a ``key=value`` console script: its keys with their defaults, then
-    ``examples``."""
-
-    def shown(key: str) -> str:
-        value = defaults[key]
-        if key in required:
-            return "(required)"
-        return "-" if value is None else repr(value) if value == "" else str(value)
-
-    width = max(map(len, defaults))
-    lines = [f"usage: {script} key=value ...", "", "keys (default):"]
-    lines += [f"  {key:<{width}}  {shown(key)}" for key in defaults]
-    lines += ["", "examples:", *(f"  {example}" for example in examples)]
-    return "\n".join(lines)
 
 
 def parse_args(argv: Sequence[str]) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from recipes_lib.cli_args import key_value_args, usage, wants_help
 from recipes_lib.errors import ConfigError, RecipesError
 from recipes_lib.evaluation.run import (
     EvalSettings,
@@ -26,7 +27,6 @@ from recipes_lib.evaluation.run import (
     print_report,
     write_report,
 )
-from recipes_lib.generate import key_value_args, usage, wants_help
 
 _DEFAULTS: dict[str, Any] = {
     "checkpoint": None,
