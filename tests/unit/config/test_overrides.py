@@ -55,3 +55,9 @@ def test_a_config_dir_adds_its_own_recipes(tmp_path):
     check_command_line(["--config-dir", str(tmp_path), "recipe=mine"], RunConfig)
     with pytest.raises(ConfigError, match=r"did you mean mine\?"):
         check_command_line(["--config-dir", str(tmp_path), "recipe=mien"], RunConfig)
+
+
+def test_a_list_of_group_options_is_checked_option_by_option():
+    check_overrides(["logger=[csv,mlflow]"], RunConfig)
+    with pytest.raises(ConfigError, match=r"logger=\[csv,mlflw\]: no such logger .*mlflow"):
+        check_overrides(["logger=[csv,mlflw]"], RunConfig)
