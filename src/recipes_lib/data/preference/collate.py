@@ -26,8 +26,9 @@ sequences first.
 Without packing (``data.chat.packing=false``) every sequence has its own row, padded
 to the longest of the batch: rows ``0..P-1`` are the chosen sequences and ``P..2P-1``
 the rejected ones, so one forward pass sees both. With packing, sequences share rows
-of ``data.seq_len`` tokens (first fit, longest first; the rest of a row is padding) and
-``doc_ids`` keeps them apart, which needs ``data.document_mask=true``.
+of ``data.seq_len`` (first fit, longest first; as wide as the fullest row, or with
+compiled blocks ``data.seq_len`` wide) and ``doc_ids`` keeps them apart, which needs
+``data.document_mask=true``.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def collate_pairs(
     packing: bool = False,
     seq_len: int | None = None,
     shifted: bool = True,
+    fixed_width: bool = False,
 ) -> dict[str, Tensor]:
     """Batch pairs as described in the module docstring.
 
@@ -107,6 +109,8 @@ def collate_pairs(
         seq_len: the row length when packing.
         shifted: inputs and next-token labels; False: every token an input, and each
             sequence's ``score_index``.
+        fixed_width: packed rows are ``seq_len`` wide, not as wide as the fullest row
+            (for compiled blocks).
     """
     n_pairs = len(items)
     sequences = [(it["chosen_ids"], it["chosen_mask"]) for it in items]
@@ -124,10 +128,11 @@ def collate_pairs(
             rows = _first_fit_rows(lengths, seq_len)
     else:
         rows = [[s] for s in range(len(sequences))]
-    # packed rows are data.seq_len wide whatever the pairs' lengths, so compiled blocks
-    # see one row width (a width per batch traced a graph per width: see
-    # recipes_lib.kernels.compiled); first fit leaves at most the last row part empty
-    width = seq_len if packing else max(sum(lengths[s] for s in row) for row in rows)
+    width = max(sum(lengths[s] for s in row) for row in rows)
+    if packing and fixed_width:
+        # one row width whatever the pairs' lengths: compiled blocks traced a graph per
+        # width (recipes_lib.kernels.compiled); first fit leaves the last row part empty
+        width = seq_len
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, -100, dtype=torch.long)
@@ -171,9 +176,18 @@ def collate_pairs(
 class PairCollator:
     """:func:`collate_pairs` with the run's padding id and packing (picklable for workers)."""
 
-    def __init__(self, pad_id: int, packing: bool, seq_len: int, shifted: bool = True) -> None:
+    def __init__(
+        self,
+        pad_id: int,
+        packing: bool,
+        seq_len: int,
+        shifted: bool = True,
+        fixed_width: bool = False,
+    ) -> None:
         self.pad_id, self.packing, self.seq_len = pad_id, packing, seq_len
-        self.shifted = shifted
+        self.shifted, self.fixed_width = shifted, fixed_width
 
     def __call__(self, items: Sequence[Mapping]) -> dict[str, Tensor]:
-        return collate_pairs(items, self.pad_id, self.packing, self.seq_len, self.shifted)
+        return collate_pairs(
+            items, self.pad_id, self.packing, self.seq_len, self.shifted, self.fixed_width
+        )

@@ -74,6 +74,8 @@ class PreferenceDataModule(ChatRecordsDataModule):
         ConfigError: bad sizes or policies, or packing without document masking.
     """
 
+    fixed_width = False  # packed rows data.seq_len wide (compiled blocks): see collate
+
     default_sources = DEFAULT_PREFERENCE_SOURCES
     builtin_records: dict[str, RecordBuiltin] = PREFERENCE_BUILTINS
 
@@ -188,7 +190,9 @@ class PreferenceDataModule(ChatRecordsDataModule):
         if self.eos_id is None:
             raise RuntimeError("call setup() first")
         chat = self.config.chat
-        return PairCollator(self.eos_id, chat.packing, self.config.seq_len, self.shifted)
+        return PairCollator(
+            self.eos_id, chat.packing, self.config.seq_len, self.shifted, self.fixed_width
+        )
 
     def split_dataset(self, split: str) -> PreferencePairDataset | None:
         if split not in ("train", "val"):
@@ -231,7 +235,7 @@ def build_preference_data(
         ConfigError: ``stage.init_from`` is set but no tokenizer for its weights is known.
     """
     tokenizer = init_tokenizer_path(cfg.data, cfg.stage.init_from)
-    return PreferenceDataModule(
+    module = PreferenceDataModule(
         cfg.data,
         model_vocab_size=cfg.model.vocab_size,
         model_max_seq_len=cfg.model.max_seq_len,
@@ -239,3 +243,5 @@ def build_preference_data(
         tokenizer_path=tokenizer,
         shifted=shifted,
     )
+    module.fixed_width = bool(cfg.kernels.compile)  # one row width for compiled blocks
+    return module

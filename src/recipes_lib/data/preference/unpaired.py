@@ -160,10 +160,12 @@ class UnpairedDataModule(PreferenceDataModule):
 def build_unpaired_data(cfg: RunConfig, *, total_train_samples: int) -> UnpairedDataModule:
     """The data module of the ``kto`` objective (tokenizer as for ``dpo``)."""
     data: DataConfig = cfg.data
-    return UnpairedDataModule(
+    module = UnpairedDataModule(
         data,
         model_vocab_size=cfg.model.vocab_size,
         model_max_seq_len=cfg.model.max_seq_len,
         total_train_samples=total_train_samples,
         tokenizer_path=init_tokenizer_path(data, cfg.stage.init_from),
     )
+    module.fixed_width = bool(cfg.kernels.compile)  # one row width for compiled blocks
+    return module
