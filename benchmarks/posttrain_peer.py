@@ -137,7 +137,7 @@ def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
 
     folder, chat, pairs = root / "model", root / "chat.jsonl", root / "pairs.jsonl"
     folder.mkdir(parents=True)
-    if args.data == "builtin":
+    if getattr(args, "data", "builtin") == "builtin":  # grpo_peer.py has no --data
         records = stdlib_instruction_records(args.records)
         pair_records = [
             {"prompt": r["prompt"], "response": r["chosen"], "rejected": r["rejected"]}

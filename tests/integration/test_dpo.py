@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -109,8 +110,12 @@ def test_lora_dpo_trains_adapters_over_the_frozen_reference(tmp_path, shared_cac
 def test_dpo_from_weights_without_a_known_tokenizer_stops_before_training(
     tmp_path, shared_cache, pretrained
 ):
+    alone = tmp_path / "alone"  # the weights without the tokenizer a run writes beside them
+    alone.mkdir()
+    shutil.copyfile(pretrained.weights_path, alone / "model.safetensors")
     overrides = dpo_overrides(tmp_path, shared_cache, pretrained)
     overrides.remove(f"data.tokenizer.path={pretrained.tokenizer_path}")
+    overrides = [o.replace(str(pretrained.weights_path), str(alone)) for o in overrides]
     with pytest.raises(ConfigError, match="no tokenizer.json beside it"):
         run(compose_config(overrides))
     assert not (tmp_path / "checkpoints").exists()

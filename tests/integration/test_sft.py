@@ -132,10 +132,15 @@ def test_tokenizer_comes_from_beside_the_init_weights(tmp_path, pretrained):
     overrides = [
         o for o in sft_overrides(tmp_path, pretrained, "sft/tiny") if "tokenizer.path" not in o
     ]
+    alone = tmp_path / "alone"  # the weights without the tokenizer a run writes beside them
+    alone.mkdir()
+    shutil.copyfile(pretrained.weights_path, alone / "model.safetensors")
     with pytest.raises(
         ConfigError, match="has no tokenizer.json beside it; set data.tokenizer.path"
     ):
-        run(compose_config(overrides))
+        run(
+            compose_config([o.replace(str(pretrained.weights_path), str(alone)) for o in overrides])
+        )
     stage_dir = tmp_path / "stage"
     stage_dir.mkdir()
     shutil.copyfile(pretrained.weights_path, stage_dir / "model.safetensors")

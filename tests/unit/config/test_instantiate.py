@@ -21,7 +21,9 @@ def test_builds_an_allowlisted_target():
 
 
 def test_refuses_a_target_outside_the_allowlist():
-    with pytest.raises(ConfigError, match=r"callbacks.evil._target_: 'os.system' is not a callback"):
+    with pytest.raises(
+        ConfigError, match=r"callbacks.evil._target_: 'os.system' is not a callback"
+    ):
         instantiate({"_target_": "os.system", "command": "true"}, "callbacks.evil", CALLBACKS)
 
 

@@ -43,7 +43,9 @@ def victim(tmp_path):
 
 
 def test_depth_one_is_refused_with_its_key():
-    with pytest.raises(ConfigError, match=r"^callbacks\.x\._target_: 'os\.system' is not a callback"):
+    with pytest.raises(
+        ConfigError, match=r"^callbacks\.x\._target_: 'os\.system' is not a callback"
+    ):
         check_targets({"_target_": "os.system", "command": "true"}, "callbacks.x", CALLBACKS)
 
 
@@ -117,7 +119,9 @@ def test_a_callback_argument_built_from_config_is_refused():
         "_target_": LAMBDA,
         "on_fit_start": {"_target_": "recipes_lib.callbacks.GarbageCollection"},
     }
-    with pytest.raises(ConfigError, match=r"^callbacks\.x\.on_fit_start\._target_: .*allowed_targets"):
+    with pytest.raises(
+        ConfigError, match=r"^callbacks\.x\.on_fit_start\._target_: .*allowed_targets"
+    ):
         check_targets(node, "callbacks.x", CALLBACKS)
 
 
