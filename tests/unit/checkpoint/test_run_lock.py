@@ -93,7 +93,7 @@ def test_a_held_folder_refuses_quickly(tmp_path, holder):
     started = time.monotonic()
     with pytest.raises(RunDirInUse):
         RunLock.take(tmp_path)
-    assert time.monotonic() - started < 5  # never waits for the holder
+    assert time.monotonic() - started < 60  # never waits for the holder (it sleeps 600 s)
 
 
 def test_a_file_system_without_locks_is_said_once_and_the_run_goes_on(
