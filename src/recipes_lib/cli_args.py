@@ -7,7 +7,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from recipes_lib.errors import ConfigError
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")  # what dtype= takes besides auto
 
 
 def key_value_args(argv: Sequence[str], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -53,3 +57,16 @@ def usage(
     lines += [f"  {key:<{width}}  {shown(key)}" for key in defaults]
     lines += ["", "examples:", *(f"  {example}" for example in examples)]
     return "\n".join(lines)
+
+
+def dtype_arg(value: str) -> torch.dtype | None:
+    """``dtype=``: ``auto`` (None: as the weights are stored) or a floating dtype by name.
+
+    Raises:
+        ConfigError: any other name.
+    """
+    if value == "auto":
+        return None
+    if value not in DTYPE_NAMES:
+        raise ConfigError(f"dtype={value!r}; choose from: auto, {', '.join(DTYPE_NAMES)}")
+    return getattr(torch, value)

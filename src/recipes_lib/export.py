@@ -32,7 +32,7 @@ from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, read_hf_config
 from recipes_lib.checkpoint.layout import CHECKPOINTS_DIR, RunDir
 from recipes_lib.checkpoint.source import read_init_source
 from recipes_lib.checkpoint.weights import load_state_into, load_weights
-from recipes_lib.cli_args import key_value_args, usage, wants_help
+from recipes_lib.cli_args import dtype_arg, key_value_args, usage, wants_help
 from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
@@ -216,7 +216,6 @@ _DEFAULTS: dict[str, Any] = {
     "dtype": "auto",
     "check": "true",
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BOOLS = {"true": True, "false": False}
 _EXAMPLES = (
     "recipes-export checkpoint=outputs/sft-full out=my-model",
@@ -235,8 +234,7 @@ def parse_args(argv: Sequence[str]) -> dict[str, Any]:
     for key in ("checkpoint", "out"):
         if not args[key]:
             raise ConfigError(f"{key}=PATH is required")
-    if args["dtype"] not in ("auto", *_DTYPES):
-        raise ConfigError(f"dtype={args['dtype']!r}; choose from: auto, {', '.join(_DTYPES)}")
+    dtype_arg(args["dtype"])  # a bad name fails here
     if str(args["check"]).lower() not in _BOOLS:
         raise ConfigError(f"check={args['check']!r} must be true or false")
     return args
@@ -258,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args["checkpoint"],
             args["out"],
             args["tokenizer"],
-            dtype=_DTYPES.get(args["dtype"]),
+            dtype=dtype_arg(args["dtype"]),
             check=_BOOLS[str(args["check"]).lower()],
         )
     except RecipesError as err:

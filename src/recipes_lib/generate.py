@@ -36,7 +36,7 @@ from recipes_lib.checkpoint.weights import (
     load_state_into,
     load_weights,
 )
-from recipes_lib.cli_args import key_value_args, usage, wants_help
+from recipes_lib.cli_args import dtype_arg, key_value_args, usage, wants_help
 from recipes_lib.config.schema import ModelConfig, TokenizerConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
@@ -285,7 +285,6 @@ _DEFAULTS: dict[str, Any] = {
     "device": "auto",
     "dtype": "auto",
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _EXAMPLES = (
     "recipes-generate checkpoint=runs/tiny/checkpoints/last.ckpt prompt='def ' max_new_tokens=64",
     "recipes-generate checkpoint=HF_FOLDER prompt='Once' temperature=0.8 top_p=0.95 seed=0",
@@ -309,8 +308,7 @@ def parse_args(argv: Sequence[str]) -> dict[str, Any]:
         raise ConfigError(f"bad number in the arguments: {err}") from err
     if not args["checkpoint"]:
         raise ConfigError("checkpoint=PATH is required")
-    if args["dtype"] not in ("auto", *_DTYPES):
-        raise ConfigError(f"dtype={args['dtype']!r}; choose from: auto, {', '.join(_DTYPES)}")
+    dtype_arg(args["dtype"])  # a bad name fails here
     return args
 
 
@@ -334,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args["checkpoint"],
             args["tokenizer"],
             device=device,
-            dtype=_DTYPES.get(args["dtype"]),
+            dtype=dtype_arg(args["dtype"]),
         )
         prompt_ids = loaded.tokenizer.encode(args["prompt"]).ids
         if not prompt_ids and loaded.eos_ids:

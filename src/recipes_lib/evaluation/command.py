@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from recipes_lib.cli_args import key_value_args, usage, wants_help
+from recipes_lib.cli_args import dtype_arg, key_value_args, usage, wants_help
 from recipes_lib.errors import ConfigError, RecipesError
 from recipes_lib.evaluation.run import (
     EvalSettings,
@@ -43,7 +43,6 @@ _DEFAULTS: dict[str, Any] = {
     "output": None,
     "seed": "0",
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _BOOLS = {"true": True, "false": False, "1": True, "0": False}
 _EXAMPLES = (
     "recipes-eval checkpoint=outputs/pipelines/demo/anneal tasks=stdlib_bodies",
@@ -80,8 +79,7 @@ def parse_args(argv: Sequence[str]) -> tuple[EvalSettings, dict[str, Any]]:
         raise ConfigError("checkpoint=PATH is required")
     if not args["tasks"]:
         raise ConfigError("tasks=NAME[,NAME...] is required")
-    if args["dtype"] not in ("auto", *_DTYPES):
-        raise ConfigError(f"dtype={args['dtype']!r}; choose from: auto, {', '.join(_DTYPES)}")
+    dtype_arg(args["dtype"])  # a bad name fails here
     chat = str(args["chat_template"]).lower()
     if chat not in _BOOLS:
         raise ConfigError(f"chat_template={args['chat_template']!r} must be true or false")
@@ -119,7 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.device(device)
         except RuntimeError as err:
             raise ConfigError(f"device={device!r} is not a device (cpu, cuda, cuda:1)") from err
-        dtype = _DTYPES.get(args["dtype"])
+        dtype = dtype_arg(args["dtype"])
         if dtype is None and device != "cpu":
             dtype = torch.bfloat16
         report = evaluate_checkpoint(
