@@ -249,8 +249,10 @@ def check_hydra_app(
             detect_task_name(calling_file, calling_module), search_path
         )
         compose = functools.partial(hydra_app.compose_config, name, with_log_configuration=False)
+        # composed as Hydra will compose it, so a config that fails here fails there too
+        mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
         try:
-            cfg = compose(list(args.overrides), RunMode.MULTIRUN, validate_sweep_overrides=False)
+            cfg = compose(list(args.overrides), mode, validate_sweep_overrides=False)
         except Exception:  # noqa: BLE001 - Hydra reports it, before acting on anything
             return
         checked = [(cfg, list(args.overrides))]
