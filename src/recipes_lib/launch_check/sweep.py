@@ -20,7 +20,7 @@ job's own pre-flight when it starts.
 In a job's processes, :func:`join_submitit_job` runs first: under the local executor it
 exports submitit's ranks as ``torch.distributed``'s variables (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``; under SLURM Lightning reads ``srun``'s,
-as for the README's ``srun`` command), and it passes submitit's time-limit signal
+as for the ``srun`` command in docs/multi-gpu.md), and it passes submitit's time-limit signal
 (SIGUSR2) on to the run's SIGUSR1 handler while it trains, on which it saves at the end
 of its step and stops (:mod:`recipes_lib.callbacks.preemption`; under SLURM the job is
 requeued and resumes); outside training submitit's own handler keeps it.

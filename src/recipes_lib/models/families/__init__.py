@@ -3,7 +3,7 @@ Hugging Face adapter (``model_type`` values, ``config.json`` mapping, tensor nam
 
 ``model.family`` names the family; it is never guessed from a flag. Adding a family is
 one module here, one entry in :data:`FAMILIES`, presets in ``conf/model/`` and a parity
-test against transformers (see "Adding a model family" in the README).
+test against transformers (see "Adding a model family" in docs/models.md).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ FAMILIES: dict[str, Family] = {
     family.name: family
     for family in (LLAMA, QWEN2, QWEN3, OLMO2, SMOLLM3, PHI3, GEMMA3, QWEN3_MOE, OLMOE, MIXTRAL)
 }
-GUIDE = "README.md, 'Adding a model family'"
+GUIDE = "docs/models.md, 'Adding a model family'"
 
 
 def get_family(name: str) -> Family:
