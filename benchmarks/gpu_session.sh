@@ -265,7 +265,7 @@ posttrain_memory)  # what is alive at each side's peak (allocation history on)
   job mem_sft 0 "$PEER --cases sft_full --out $OUT/posttrain_peer_memory_sft.json"
   job mem_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_memory_lora.json"
   job mem_dpo 2 "$PEER --cases dpo_live --out $OUT/posttrain_peer_memory_dpo.json"
-  job head_tests 3 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \
+  job head_tests 3 "$PY -m pytest -q -rs tests/unit/training/test_causal_lm_gpu.py \
       tests/gpu/test_dpo_gpu.py tests/gpu/test_stage_curves.py -p no:cacheprovider"
   wait ;;
 posttrain_memory2)  # the peaks' breakdown for full SFT and live DPO, and the head test
@@ -273,7 +273,7 @@ posttrain_memory2)  # the peaks' breakdown for full SFT and live DPO, and the he
     --memory-breakdown --sides recipes_lib,trl_liger"
   job mem_sft 0 "$PEER --cases sft_full --out $OUT/posttrain_peer_memory_sft.json"
   job mem_dpo 1 "$PEER --cases dpo_live --out $OUT/posttrain_peer_memory_dpo.json"
-  job head_test 2 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py -k fused \
+  job head_test 2 "$PY -m pytest -q -rs tests/unit/training/test_causal_lm_gpu.py -k fused \
       -p no:cacheprovider"
   wait ;;
 posttrain3)  # after the fused head's memory changes: each case against TRL+Liger
@@ -283,7 +283,7 @@ posttrain3)  # after the fused head's memory changes: each case against TRL+Lige
   job peer_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_lora.json"
   job peer_dpo 2 "$PEER --cases dpo_live --out $OUT/posttrain_peer_dpo_live.json"
   job peer_dpo_pre 3 "$PEER --cases dpo_precomputed --out $OUT/posttrain_peer_dpo_pre.json;
-    $PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py -k 'fused or chunked' \
+    $PY -m pytest -q -rs tests/unit/training/test_causal_lm_gpu.py -k 'fused or chunked' \
       -p no:cacheprovider"
   wait ;;
 posttrain4)  # gradients freed at each optimizer step: full SFT, live DPO and LoRA against
@@ -294,7 +294,7 @@ posttrain4)  # gradients freed at each optimizer step: full SFT, live DPO and Lo
   job peer_lora 1 "$PEER --cases sft_lora --out $OUT/posttrain_peer_lora.json"
   wait ;;
 posttrain_tests)
-  job head_tests 0 "$PY -m pytest -q -rs tests/unit/stages/test_causal_lm_gpu.py \
+  job head_tests 0 "$PY -m pytest -q -rs tests/unit/training/test_causal_lm_gpu.py \
       tests/gpu/test_dpo_gpu.py tests/gpu/test_gpu_recipes.py -p no:cacheprovider"
   job curves 1 "env $REC $PY -m pytest -q -rs tests/gpu/test_stage_curves.py -p no:cacheprovider;
     cp tests/gpu/reference_losses.json $OUT/"

@@ -77,8 +77,8 @@ from recipes_lib.data.chat.module import ChatDataModule
 from recipes_lib.data.chat.packing import pad_collate
 from recipes_lib.data.preference.module import PreferenceDataModule
 from recipes_lib.errors import ConfigError
-from recipes_lib.stages.dpo import DPOModule
-from recipes_lib.stages.sft import SFTModule
+from recipes_lib.objectives.dpo import DPOModule
+from recipes_lib.objectives.sft import SFTModule
 
 GRAD_CLIP = 1.0
 LEAN_LOSS_CHUNK = 2048  # rows of the chunked output+loss in the lean memory setting

@@ -12,8 +12,8 @@ import torch
 
 from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.data.tokenizer import load_tokenizer
-from recipes_lib.stages import CausalLMModule
 from recipes_lib.train import run
+from recipes_lib.training import CausalLMModule
 
 
 def main(overrides: list[str]) -> None:

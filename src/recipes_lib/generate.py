@@ -3,7 +3,7 @@
     recipes-generate checkpoint=runs/tiny/checkpoints/last.ckpt prompt="def " \\
         max_new_tokens=64 temperature=0.8 top_p=0.95 seed=0
 
-``checkpoint`` is a Lightning ``.ckpt`` of a :class:`~recipes_lib.stages.CausalLMModule`,
+``checkpoint`` is a Lightning ``.ckpt`` of a :class:`~recipes_lib.training.CausalLMModule`,
 a stage output folder (``model.safetensors`` with the run's ``config.yaml`` or a
 ``manifest.json``), or a Hugging Face folder (``config.json``). The tokenizer is found
 beside it (for a ``.ckpt``: in its folder or the run folder above) unless
@@ -12,7 +12,6 @@ beside it (for a ``.ckpt``: in its folder or the run folder above) unless
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +35,11 @@ from recipes_lib.checkpoint.weights import (
     load_state_into,
     load_weights,
 )
-from recipes_lib.cli_args import dtype_arg, key_value_args, usage, wants_help
+from recipes_lib.config.commands import GenerateConfig
 from recipes_lib.config.schema import ModelConfig, TokenizerConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
-from recipes_lib.errors import CheckpointError, ConfigError, DataError, RecipesError
+from recipes_lib.errors import CheckpointError, ConfigError, DataError
 from recipes_lib.models import KVCache, Transformer
 from recipes_lib.models.rope import longrope_restarts
 from recipes_lib.models.sampling import check_sampling, sample_next
@@ -274,89 +273,29 @@ def load_for_generation(
 
 
 # ------------------------------------------------------------------------- CLI
-_DEFAULTS: dict[str, Any] = {
-    "checkpoint": None,
-    "prompt": "",
-    "max_new_tokens": 64,
-    "temperature": 0.0,
-    "top_p": 1.0,
-    "seed": None,
-    "tokenizer": None,
-    "device": "auto",
-    "dtype": "auto",
-}
-_EXAMPLES = (
-    "recipes-generate checkpoint=runs/tiny/checkpoints/last.ckpt prompt='def ' max_new_tokens=64",
-    "recipes-generate checkpoint=HF_FOLDER prompt='Once' temperature=0.8 top_p=0.95 seed=0",
-)
-
-
-def parse_args(argv: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` arguments over :data:`_DEFAULTS`, with numbers converted.
+def command(cfg: GenerateConfig) -> None:
+    """The body of ``recipes-generate`` (a Hydra app in :mod:`recipes_lib.cli`): print
+    the prompt and its continuation.
 
     Raises:
-        ConfigError: an argument without ``=``, an unknown key, a bad number, or no
-            ``checkpoint``.
+        RecipesError: a bad checkpoint, tokenizer or sampling setting.
     """
-    args = key_value_args(argv, _DEFAULTS)
-    try:
-        args["max_new_tokens"] = int(args["max_new_tokens"])
-        args["temperature"] = float(args["temperature"])
-        args["top_p"] = float(args["top_p"])
-        args["seed"] = None if args["seed"] in (None, "null") else int(args["seed"])
-    except ValueError as err:
-        raise ConfigError(f"bad number in the arguments: {err}") from err
-    if not args["checkpoint"]:
-        raise ConfigError("checkpoint=PATH is required")
-    dtype_arg(args["dtype"])  # a bad name fails here
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``recipes-generate``: print the prompt and its continuation.
-
-    Returns:
-        0 (also after printing the usage for ``--help``), or 2 after printing the error
-        of a bad argument, checkpoint or tokenizer.
-    """
-    argv = sys.argv[1:] if argv is None else argv
-    if wants_help(argv):
-        print(usage("recipes-generate", _DEFAULTS, _EXAMPLES, required=["checkpoint"]))
-        return 0
-    try:
-        args = parse_args(argv)
-        device = args["device"]
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        loaded = load_for_generation(
-            args["checkpoint"],
-            args["tokenizer"],
-            device=device,
-            dtype=dtype_arg(args["dtype"]),
-        )
-        prompt_ids = loaded.tokenizer.encode(args["prompt"]).ids
-        if not prompt_ids and loaded.eos_ids:
-            prompt_ids = loaded.eos_ids[:1]  # documents start after an end-of-document token
-        new_ids = generate(
-            loaded.model,
-            prompt_ids,
-            args["max_new_tokens"],
-            temperature=args["temperature"],
-            top_p=args["top_p"],
-            eos_id=loaded.eos_ids,
-            seed=args["seed"],
-        )
-    except RecipesError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load_for_generation(
+        cfg.checkpoint, cfg.tokenizer, device=device, dtype=cfg.dtype.torch_dtype()
+    )
+    prompt_ids = loaded.tokenizer.encode(cfg.prompt).ids
+    if not prompt_ids and loaded.eos_ids:
+        prompt_ids = loaded.eos_ids[:1]  # documents start after an end-of-document token
+    new_ids = generate(
+        loaded.model,
+        prompt_ids,
+        cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        eos_id=loaded.eos_ids,
+        seed=cfg.seed,
+    )
     print(loaded.tokenizer.decode(prompt_ids + new_ids))
-    return 0
-
-
-def cli_main() -> None:
-    """Entry point of ``recipes-generate``."""
-    sys.exit(main())
-
-
-if __name__ == "__main__":
-    cli_main()

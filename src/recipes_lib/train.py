@@ -60,6 +60,12 @@ from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
 from recipes_lib.kernels.compiled import watch_compiles
 from recipes_lib.moved import moved_from
+from recipes_lib.objectives.distill import DistillModule
+from recipes_lib.objectives.dpo import DPOModule
+from recipes_lib.objectives.grpo import GRPOModule
+from recipes_lib.objectives.kto import KTOModule
+from recipes_lib.objectives.reward import RewardModule
+from recipes_lib.objectives.sft import SFTModule
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
     build_strategy,
@@ -69,21 +75,15 @@ from recipes_lib.parallel import (
 from recipes_lib.parallel.fp8 import fp8_callbacks
 from recipes_lib.parallel.precision import lightning_precision, resolve_device_choices
 from recipes_lib.preflight import check_run
-from recipes_lib.stages.causal_lm import CausalLMModule
-from recipes_lib.stages.distill import DistillModule
-from recipes_lib.stages.dpo import DPOModule
-from recipes_lib.stages.grpo import GRPOModule
-from recipes_lib.stages.kto import KTOModule
-from recipes_lib.stages.outputs import (
+from recipes_lib.trackers import attach_files, trackers_of
+from recipes_lib.training.module import CausalLMModule
+from recipes_lib.training.outputs import (
     OutputWeights,
     export_weights,
     prepare_averaging,
     save_tokenizer_beside,
 )
-from recipes_lib.stages.reward import RewardModule
-from recipes_lib.stages.rollback import plan_rollback
-from recipes_lib.stages.sft import SFTModule
-from recipes_lib.trackers import attach_files, trackers_of
+from recipes_lib.training.rollback import plan_rollback
 
 log = logging.getLogger(__name__)
 

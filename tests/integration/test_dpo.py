@@ -17,7 +17,7 @@ from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.data.tokenizer import load_tokenizer
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
-from recipes_lib.stages.reward import sequence_scores
+from recipes_lib.objectives.reward import sequence_scores
 from recipes_lib.train import run
 
 

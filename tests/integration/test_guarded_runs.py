@@ -17,8 +17,8 @@ from integration_helpers import tiny_overrides
 from recipes_lib.checkpoint.weights import load_weights, read_checkpoint
 from recipes_lib.config import compose_config
 from recipes_lib.pipeline import parse_pipeline, run_pipeline
-from recipes_lib.stages.guard import TrainingStopped
 from recipes_lib.train import run
+from recipes_lib.training.guard import TrainingStopped
 
 GUARD = ("guard.window=8", "guard.min_history=4", "guard.spikes=true")
 

@@ -76,7 +76,7 @@ def test_an_adapter_folder_that_fails_loses_none_of_the_merged_weights(
     def refuse(model, out_dir, *args, **kwargs):
         raise CheckpointError(f"cannot save an adapter to {out_dir}: a test's refusal")
 
-    monkeypatch.setattr("recipes_lib.stages.outputs.save_adapter", refuse)
+    monkeypatch.setattr("recipes_lib.training.outputs.save_adapter", refuse)
     overrides = sft_overrides(tmp_path, pretrained, "sft/lora_tiny", "trainer.max_steps=2")
     weights = tmp_path / "run" / "model.safetensors"
     with pytest.raises(CheckpointError, match="a test's refusal; the merged weights are wr"):

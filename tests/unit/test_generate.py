@@ -214,7 +214,7 @@ def assert_same_weights(loaded: Transformer, model: Transformer):
 
 def train_lightning_run(run_dir):
     """A two-step CausalLMModule run whose last.ckpt lands in run_dir/checkpoints."""
-    from recipes_lib.stages import CausalLMModule
+    from recipes_lib.training import CausalLMModule
 
     module = CausalLMModule(
         tiny(max_seq_len=32),

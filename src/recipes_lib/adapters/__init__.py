@@ -1,7 +1,7 @@
 """Parameter-efficient fine-tuning as transforms of a built model: LoRA and QLoRA.
 
 ``apply_adapter(model, AdapterConfig)`` is called by
-:meth:`~recipes_lib.stages.causal_lm.CausalLMModule.configure_model` once the model is
+:meth:`~recipes_lib.training.module.CausalLMModule.configure_model` once the model is
 built and its weights loaded; ``merge_adapter`` folds the adapters back into plain
 :class:`~recipes_lib.models.Transformer` weights for export, and ``save_adapter``
 writes them in PEFT's format for ``peft.PeftModel.from_pretrained``.

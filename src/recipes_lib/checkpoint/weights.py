@@ -231,7 +231,7 @@ def load_state_into(
 def average_checkpoints(paths: Iterable[str | os.PathLike]) -> dict[str, Tensor]:
     """The element-wise fp32 mean of the model weights of several checkpoints.
 
-    Each path is a Lightning checkpoint of a :class:`~recipes_lib.stages.CausalLMModule`
+    Each path is a Lightning checkpoint of a :class:`~recipes_lib.training.CausalLMModule`
     (its ``model.`` weights are averaged, the prefix removed) or a plain state dict.
     Names that share one tensor in the first checkpoint (a tied head) share the mean
     too. Non-floating tensors are taken from the last checkpoint.

@@ -49,7 +49,7 @@ class RewardConfig:
 
 @dataclass
 class GRPOConfig:
-    """Online RL with verifiable rewards (objective ``grpo``; recipes_lib.stages.grpo):
+    """Online RL with verifiable rewards (objective ``grpo``; recipes_lib.objectives.grpo):
     ``completions_per_prompt`` samples of each prompt, scored by ``rewards`` (see
     recipes_lib.rewards.registry), their group-normalised advantages, and the clipped
     objective (recipes_lib.losses.rl) over ``updates_per_batch`` optimizer steps."""

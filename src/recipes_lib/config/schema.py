@@ -323,7 +323,7 @@ class TrainerConfig:
 @dataclass
 class GuardConfig:
     """What a run does about a non-finite (or, with ``spikes``, spiking) loss or gradient
-    norm (any objective; see ``recipes_lib.stages.guard``). Such an update is always
+    norm (any objective; see ``recipes_lib.training.guard``). Such an update is always
     skipped and counted.
 
     ``policy``: ``auto`` (``skip``, or ``off`` under DeepSpeed) | ``skip`` (go on) |

@@ -102,7 +102,7 @@ class StrategySpec:
             optimizer step to itself (DeepSpeed): the training guard cannot judge or
             skip an update, nor a batch ramp vary the accumulation.
         frees_gradients: the gradients are released right after each optimizer step
-            (:func:`recipes_lib.stages.optimization.free_gradients`), so the next forward
+            (:func:`recipes_lib.training.optimization.free_gradients`), so the next forward
             pass runs without them; not where they outlive the step anyway (DDP keeps
             them as views of its communication buckets, DeepSpeed's engine its own).
         async_checkpoint: it writes checkpoints in the background

@@ -19,7 +19,7 @@ from recipes_lib.kernels import get_attention_backend
 from recipes_lib.models.moe import check_expert_path
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.strategy import get_strategy
-from recipes_lib.stages.guard import check_guard_config
+from recipes_lib.training.guard import check_guard_config
 
 
 def check_init_source(cfg: RunConfig) -> None:

@@ -21,7 +21,7 @@ from recipes_lib.config.schema import (
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
 from recipes_lib.preflight import check_adapter
-from recipes_lib.stages.build import ModelBuild, build_model
+from recipes_lib.training.build import ModelBuild, build_model
 
 CONFIG = tiny_model_config(vocab_size=96)
 ATTENTION = ["wq", "wk", "wv", "wo"]

@@ -200,7 +200,7 @@ def test_saved_adapter_loads_in_peft_on_the_transformers_model(tmp_path, shape):
 def test_causal_lm_module_adapts_the_model_after_loading_its_weights(tmp_path):
     from recipes_lib.checkpoint.weights import save_weights
     from recipes_lib.config.schema import KernelsConfig, SchedulerConfig
-    from recipes_lib.stages.sft import SFTModule
+    from recipes_lib.objectives.sft import SFTModule
 
     torch.manual_seed(7)
     weights = Transformer(SHAPES["llama"]).state_dict()

@@ -7,7 +7,7 @@ import torch
 from tiny import tiny_model_config
 
 from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.training import CausalLMModule
 
 BATCH, SEQ_LEN, VOCAB = 2, 8, 32
 # one layer, two heads: these tests watch the training loop, not the model

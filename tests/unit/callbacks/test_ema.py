@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import WeightEMA
 from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.training import CausalLMModule
 
 VOCAB, SEQ_LEN = 64, 16
 

@@ -20,7 +20,7 @@ from recipes_lib.callbacks import (
 from recipes_lib.callbacks.progress import format_count, format_duration
 from recipes_lib.config.schema import SchedulerConfig
 from recipes_lib.optim import build_lr_lambda
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.training import CausalLMModule
 
 STEPS = 8
 SCHEDULE = SchedulerConfig(name="linear", warmup=2, min_lr_ratio=0.0)

@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import TokenProgressBar, ValidateAtStart
 from recipes_lib.config.schema import SchedulerConfig
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.training import CausalLMModule
 
 STEPS = 6
 

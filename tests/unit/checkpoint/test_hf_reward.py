@@ -15,7 +15,7 @@ from recipes_lib.checkpoint.hf_export import export_hf_checkpoint, hf_config_fro
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.errors import CheckpointError
 from recipes_lib.models import Transformer
-from recipes_lib.stages.reward import sequence_scores
+from recipes_lib.objectives.reward import sequence_scores
 
 PAD = 0
 LENGTHS = [12, 7, 9, 3]

@@ -9,7 +9,7 @@ from tiny import tiny_model_config
 
 from recipes_lib.models import Transformer
 from recipes_lib.models.moe import MoEFeedForward, moe_layers
-from recipes_lib.stages.experts import load_metrics, moe_losses
+from recipes_lib.training.experts import load_metrics, moe_losses
 
 MOE = dict(family="qwen3_moe", qk_norm="head", moe_experts=4, moe_top_k=2, moe_ffn_dim=16)
 

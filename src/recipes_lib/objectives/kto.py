@@ -1,6 +1,6 @@
 """Kahneman-Tversky optimisation: the ``kto`` objective, on unpaired completions.
 
-:class:`KTOModule` is a :class:`~recipes_lib.stages.dpo.DPOModule` (same frozen
+:class:`KTOModule` is a :class:`~recipes_lib.objectives.dpo.DPOModule` (same frozen
 reference, built, precomputed or bypassed the same way) whose batches come from
 :mod:`recipes_lib.data.preference.unpaired`: each example is a completion of its prompt,
 labelled desirable or not, beside a mismatched twin (another example's completion after
@@ -26,9 +26,9 @@ from torch import Tensor
 
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import PREFERENCE_LOSSES, kto_loss
+from recipes_lib.objectives.dpo import DPOModule, pair_sums
 from recipes_lib.parallel.collectives import summed_over_ranks
-from recipes_lib.stages.causal_lm import Batch
-from recipes_lib.stages.dpo import DPOModule, pair_sums
+from recipes_lib.training.module import Batch
 
 KTO_LOSS = "kto"
 

@@ -12,7 +12,7 @@ from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME
 from recipes_lib.checkpoint.weights import list_step_checkpoints, read_checkpoint
 from recipes_lib.config.schema import GuardConfig
 from recipes_lib.files import global_rank, move_aside
-from recipes_lib.stages.guard import Rollback, TrainingStopped
+from recipes_lib.training.guard import Rollback, TrainingStopped
 
 
 def scale_lr_in_window(scheduler: Any, start: int, end: int, factor: float) -> None:

@@ -14,12 +14,12 @@ from torch import Tensor, nn
 
 from recipes_lib.adapters import adapters_disabled, has_adapter
 from recipes_lib.checkpoint.source import load_model_weights
-from recipes_lib.stages.build import build_model
+from recipes_lib.training.build import build_model
 
 REFERENCE_SOURCE_KEY = "dpo_reference_from"  # checkpoint entry: where the reference came from
 
 if TYPE_CHECKING:
-    from recipes_lib.stages.causal_lm import CausalLMModule
+    from recipes_lib.training.module import CausalLMModule
 
 
 class FrozenReference:

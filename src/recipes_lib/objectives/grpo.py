@@ -42,15 +42,15 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.rl import LOSS_NORMS, group_advantages, grpo_loss
 from recipes_lib.models.sampling import Completions, sample_completions
+from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.rewards import build_rewards, score_completions
-from recipes_lib.stages.causal_lm import Batch, CausalLMModule
-from recipes_lib.stages.reference import (
+from recipes_lib.training.module import Batch, CausalLMModule
+from recipes_lib.training.reference import (
     REFERENCE_SOURCE_KEY,
     FrozenReference,
     build_reference,
     restore_reference,
 )
-from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
 
 ROLLOUT_KEY = "grpo_rollout"  # checkpoint entry: completions later steps train on
 

@@ -19,7 +19,7 @@ from recipes_lib.losses import (
     linear_token_logprobs,
     token_logprobs,
 )
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.training import CausalLMModule
 
 pytestmark = [
     pytest.mark.gpu,

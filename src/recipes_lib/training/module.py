@@ -40,12 +40,12 @@ from recipes_lib.models import Transformer
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel.precision import compute_dtype
-from recipes_lib.stages.build import ModelBuild, build_model
-from recipes_lib.stages.experts import ExpertLoad
-from recipes_lib.stages.guard import StepGuard, resolve_policy
-from recipes_lib.stages.optimization import clip_and_judge, configure_optimization, free_gradients
-from recipes_lib.stages.outputs import release_training_state
-from recipes_lib.stages.rollback import scale_lr_in_window
+from recipes_lib.training.build import ModelBuild, build_model
+from recipes_lib.training.experts import ExpertLoad
+from recipes_lib.training.guard import StepGuard, resolve_policy
+from recipes_lib.training.optimization import clip_and_judge, configure_optimization, free_gradients
+from recipes_lib.training.outputs import release_training_state
+from recipes_lib.training.rollback import scale_lr_in_window
 
 Batch = Mapping[str, Tensor]
 
@@ -191,7 +191,7 @@ class CausalLMModule(L.LightningModule):
 
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
-        """Build the model once (:func:`~recipes_lib.stages.build.build_model`), where
+        """Build the model once (:func:`~recipes_lib.training.build.build_model`), where
         :meth:`_placement` says; later calls (a second ``fit``) keep it."""
         if self.model is not None:
             return
@@ -202,7 +202,7 @@ class CausalLMModule(L.LightningModule):
             self._loss_fn = torch.compile(causal_lm_loss)
 
     def policy_build(self) -> ModelBuild:
-        """How the trained model is built (see :mod:`recipes_lib.stages.build`)."""
+        """How the trained model is built (see :mod:`recipes_lib.training.build`)."""
         return ModelBuild(
             model=self.model_config,
             kernels=self.kernels_config,

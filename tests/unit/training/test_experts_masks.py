@@ -8,7 +8,7 @@ from tiny import tiny_model_config
 
 from recipes_lib.data.chat.packing import pad_collate
 from recipes_lib.data.preference.collate import collate_pairs
-from recipes_lib.stages.experts import ExpertLoad, up_to_last_label
+from recipes_lib.training.experts import ExpertLoad, up_to_last_label
 
 MOE = dict(family="qwen3_moe", qk_norm="head", moe_experts=4, moe_top_k=2, moe_ffn_dim=16)
 
@@ -53,7 +53,7 @@ def test_grpo_rows_end_at_their_last_label():
 
 def test_a_training_step_counts_the_real_tokens_of_a_padded_batch():
     from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
-    from recipes_lib.stages import CausalLMModule
+    from recipes_lib.training import CausalLMModule
 
     module = CausalLMModule(
         tiny_model_config(**MOE),

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
 from recipes_lib.errors import CheckpointError, ConfigError, UnsupportedKernelError
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.training import CausalLMModule
 
 VOCAB = 64
 SEQ_LEN = 16

@@ -1,6 +1,6 @@
 """Knowledge distillation: the ``distill`` objective.
 
-:class:`DistillModule` is an :class:`~recipes_lib.stages.sft.SFTModule` whose loss is a
+:class:`DistillModule` is an :class:`~recipes_lib.objectives.sft.SFTModule` whose loss is a
 divergence between a frozen teacher's next-token distributions and the student's, on the
 assistant tokens of SFT data (:mod:`recipes_lib.losses.distill`: forward KL or GKD's
 generalised Jensen-Shannon divergence, at a temperature). The teacher is any checkpoint
@@ -33,9 +33,9 @@ from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.distill import DISTILL_LOSSES, chunked_distill_loss
-from recipes_lib.stages.build import build_model
-from recipes_lib.stages.causal_lm import Batch
-from recipes_lib.stages.sft import SFTModule
+from recipes_lib.objectives.sft import SFTModule
+from recipes_lib.training.build import build_model
+from recipes_lib.training.module import Batch
 
 DEFAULT_CHUNK = 256
 

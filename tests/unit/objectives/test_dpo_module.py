@@ -28,8 +28,8 @@ from recipes_lib.data.preference.module import PreferenceDataModule
 from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
-from recipes_lib.stages.dpo import DPOModule, pair_logprobs
-from recipes_lib.stages.kto import KTOModule
+from recipes_lib.objectives.dpo import DPOModule, pair_logprobs
+from recipes_lib.objectives.kto import KTOModule
 
 VOCAB = 320
 MODEL = tiny_model_config(vocab_size=VOCAB, n_kv_heads=None, max_seq_len=64)

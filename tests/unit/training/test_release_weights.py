@@ -4,7 +4,7 @@ import torch
 from tiny import tiny_model_config
 
 from recipes_lib.models import Transformer
-from recipes_lib.stages.outputs import release_weights
+from recipes_lib.training.outputs import release_weights
 
 
 def test_plain_tensors_and_gradients_are_freed_once_each():

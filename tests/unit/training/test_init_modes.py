@@ -19,7 +19,7 @@ from recipes_lib.config.validate import check_values
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.preflight import check_stage_io
-from recipes_lib.stages import CausalLMModule
+from recipes_lib.training import CausalLMModule
 
 VOCAB, SEQ_LEN = 64, 16
 

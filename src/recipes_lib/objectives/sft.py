@@ -6,7 +6,7 @@ assistant output (its content and end-of-turn token) and ``-100`` on system and 
 turns, role headers, padding and each conversation's last position; ``doc_ids``
 ``(B, T)`` numbering the conversations packed into a row (used when
 ``data.document_mask``). Because the labels already carry the mask, the loss is the
-causal-LM loss of :class:`~recipes_lib.stages.causal_lm.CausalLMModule`: a mean over the
+causal-LM loss of :class:`~recipes_lib.training.module.CausalLMModule`: a mean over the
 assistant tokens of the batch. LoRA and QLoRA come from the ``adapter`` config, applied
 by the base module.
 """
@@ -20,7 +20,7 @@ from torch import Tensor
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
-from recipes_lib.stages.causal_lm import Batch, CausalLMModule
+from recipes_lib.training.module import Batch, CausalLMModule
 
 
 def save_chat_tokenizer_beside_outputs(module: L.LightningModule) -> Path | None:
@@ -41,7 +41,7 @@ class SFTModule(CausalLMModule):
     When fitting ends, the run's folder gets the tokenizer and chat template the
     conversations were rendered with (see :func:`save_chat_tokenizer_beside_outputs`).
 
-    Takes the arguments of :class:`~recipes_lib.stages.causal_lm.CausalLMModule`.
+    Takes the arguments of :class:`~recipes_lib.training.module.CausalLMModule`.
     """
 
     @classmethod

@@ -11,8 +11,8 @@ from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.config.schema import DistillConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models import Transformer
+from recipes_lib.objectives.distill import check_distill
 from recipes_lib.preflight import check_strategy
-from recipes_lib.stages.distill import check_distill
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_a_missing_teacher_is_refused_and_fsdp_is_not(tmp_path, teacher):
 
 def test_the_teacher_is_frozen_and_outside_the_students_state_and_parameters(teacher):
     from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
-    from recipes_lib.stages.distill import DistillModule
+    from recipes_lib.objectives.distill import DistillModule
 
     module = DistillModule(
         tiny_model_config(vocab_size=320),

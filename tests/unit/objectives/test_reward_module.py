@@ -22,8 +22,8 @@ from recipes_lib.data.preference.collate import collate_pairs
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.losses.reward import bradley_terry_loss
 from recipes_lib.models import Transformer
+from recipes_lib.objectives.reward import RewardModule, sequence_scores
 from recipes_lib.preflight import check_head
-from recipes_lib.stages.reward import RewardModule, sequence_scores
 
 VOCAB = 64
 PAD = 0

@@ -26,8 +26,8 @@ from recipes_lib.config.schema import RewardConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.reward import bradley_terry_loss
-from recipes_lib.stages.causal_lm import Batch, CausalLMModule
-from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
+from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
+from recipes_lib.training.module import Batch, CausalLMModule
 
 
 def sequence_scores(

@@ -1,6 +1,6 @@
 """Direct preference optimisation: the ``dpo`` objective.
 
-:class:`DPOModule` is a :class:`~recipes_lib.stages.causal_lm.CausalLMModule` whose loss
+:class:`DPOModule` is a :class:`~recipes_lib.training.module.CausalLMModule` whose loss
 compares the policy with a frozen reference on preference pairs (batches of
 :mod:`recipes_lib.data.preference.collate`). One forward pass of the policy covers the chosen
 and the rejected sequences of every pair (they are rows of one batch, or documents of
@@ -43,14 +43,14 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.logprobs import token_logprobs
 from recipes_lib.losses.preference import PREFERENCE_LOSSES, PairLogps, PreferenceLoss
-from recipes_lib.stages.causal_lm import Batch, CausalLMModule
-from recipes_lib.stages.reference import (
+from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
+from recipes_lib.training.module import Batch, CausalLMModule
+from recipes_lib.training.reference import (
     REFERENCE_SOURCE_KEY,
     FrozenReference,
     build_reference,
     restore_reference,
 )
-from recipes_lib.stages.sft import save_chat_tokenizer_beside_outputs
 
 SPLITS = ("train", "val")
 
@@ -142,7 +142,7 @@ class DPOModule(CausalLMModule):
             self.reference = self._build_reference()
 
     def _build_reference(self) -> FrozenReference:
-        """The frozen reference (:func:`~recipes_lib.stages.reference.build_reference`):
+        """The frozen reference (:func:`~recipes_lib.training.reference.build_reference`):
         ``preference.reference_from``, else the weights the policy started from."""
         settings = self.preference_config
         source = settings.reference_from or self.init_from

@@ -13,7 +13,7 @@ from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.config.schema import GuardConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.preflight import check_guard
-from recipes_lib.stages.guard import (
+from recipes_lib.training.guard import (
     Rollback,
     StepGuard,
     TrainingStopped,
@@ -21,7 +21,7 @@ from recipes_lib.stages.guard import (
     resolve_policy,
     skip_bad_update,
 )
-from recipes_lib.stages.rollback import plan_rollback, scale_lr_in_window
+from recipes_lib.training.rollback import plan_rollback, scale_lr_in_window
 
 
 def _guard(**changes) -> StepGuard:

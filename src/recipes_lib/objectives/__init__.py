@@ -1,0 +1,1 @@
+"""One module per training objective, each ending in its spec."""
