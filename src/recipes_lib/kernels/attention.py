@@ -130,6 +130,12 @@ class AttentionBackend:
         """
         raise NotImplementedError
 
+    def row_tensors(self, mask: object | None) -> list[Tensor]:
+        """The tensors of a mask from :meth:`build_mask` that hold one entry per row of
+        the batch (dim 0): compiled blocks trace that dim dynamic with the rows'
+        (:mod:`recipes_lib.kernels.compiled`). None here: a mask shared by every row."""
+        return []
+
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
     ) -> Tensor:
@@ -280,7 +286,16 @@ class FlexAttention(AttentionBackend):
             return causal(b, h, q_idx, kv_idx) & same_document
 
         # The mask differs per row, so B is the batch size (H broadcasts).
+        document_causal.doc_ids = doc_ids  # type: ignore[attr-defined]  # see row_tensors
         return build(document_causal, doc_ids.shape[0], None, padded_len, padded_len, device)
+
+    def row_tensors(self, mask: object | None) -> list[Tensor]:
+        if not isinstance(mask, BlockMask) or mask.kv_num_blocks.shape[0] < 2:
+            return []  # a causal mask: one for every row
+        # the block tables (B, H, ...) and the document ids the mask_mod reads
+        tables = [t for t in mask.as_tuple() if isinstance(t, Tensor) and t.ndim >= 3]
+        doc_ids = getattr(mask.mask_mod, "doc_ids", None)
+        return tables + ([doc_ids] if doc_ids is not None else [])
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None

@@ -1,25 +1,39 @@
-"""Compiled blocks with a bounded number of graphs on any data, and what a run compiled.
+"""Compiled blocks with a small, fixed number of graphs on any data, and what a run
+compiled.
 
 ``torch.compile`` keeps one cache of graphs per code object: every transformer block of
 every model in the process (the policy, a frozen reference or teacher) shares
-``TransformerBlock.forward``'s. A graph is guarded on the shapes it was traced with, on
-the grad mode and on the modules' types, so each kind of call takes graphs of its own:
-the policy's training pass, its no-grad passes (validation, a precomputed reference),
-the adapters-bypassed reference, a frozen model's pass (its projections stored
-narrower). Under dynamo's automatic dynamic shapes a kind first traces its static shape;
-when a length changes it traces once more with that dimension dynamic, and again where
-a dimension of size 1 (a batch of one row, a sequence of one attention block) is
-specialised. On data whose batches vary in shape (preference pairs, unpadded rows,
-rollouts) the kinds together passed dynamo's recompile limit of 8, and past it the
-blocks ran eagerly, several times slower.
+``TransformerBlock.forward``'s, and the recompile limit counts them together. A graph
+is guarded on the shapes it was traced with, on the grad mode and on the modules'
+types, so each kind of call takes graphs of its own: the policy's training pass, its
+no-grad passes (validation, a precomputed reference, KTO's twin rows), the
+adapters-bypassed reference, a frozen model's pass (its projections stored narrower).
+Dynamo's cache already keeps these apart: a no-grad pass never replaces the policy's
+training graph, it only adds one beside it.
 
-The count is bounded all the same: at most :data:`CALL_KINDS` kinds, each with its
-static graph and at most :data:`SPECIALISATIONS` dynamic ones, so where batches vary the
-recompile limit is raised to that bound (:data:`GRAPH_BOUND`). Tracing every dimension
-as dynamic from the first call would need fewer graphs, but on an H200 it made DPO's
-steps 27% slower than the static graph of the common shape.
+Left to dynamo's automatic dynamic shapes, each kind traced its first shape static,
+then again with a changed dimension dynamic, then again for a batch of one row: on
+data whose batches vary (preference pairs, padded rows) that was a dozen graphs, most
+of them compiled inside the training steps. Tracing every dimension dynamic from the
+first call (``dynamic=True``) needs fewer, but made DPO's steps 27% slower on an H200.
+So where an objective's batches vary, only what varies is dynamic (``mark_varying``):
+
+- the rows of a batch (dim 0 of the hidden states and of the attention mask's
+  per-row tensors) are dynamic from the first call: how many rows a batch of packed
+  pairs fills varies, their width ``data.seq_len`` does not and stays static;
+- padded lengths are rounded up to a multiple of :data:`LENGTH_MULTIPLE`
+  (:func:`bucketed_length`, used by every collate that pads to its longest row under
+  compile), so the few distinct lengths align with the attention kernels' blocks; the
+  second length a kind sees makes the length dynamic, once.
+
+A kind thus takes one graph on packed rows and at most two on padded ones
+(:data:`GRAPHS_PER_KIND`), each compiled in its first steps; a batch of a single row
+would be specialised by dynamo and take a third, so packed preference batches hold at
+least two rows. :data:`GRAPH_BOUND` is the recompile limit a varying-shape run sets.
+A call the compiled path cannot take (dynamo or its backend fails on that shape) runs
+eagerly instead, with one warning line naming the shape (:func:`call_block`).
 :func:`watch_compiles` counts what a run compiled and turns a limit hit into one
-warning line the user sees.
+warning line.
 """
 
 from __future__ import annotations
@@ -30,13 +44,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
 
 CALL_KINDS = 4  # training; the policy without gradients; adapters bypassed; a frozen model
-SPECIALISATIONS = 4  # dynamic graphs of a kind: batch and length each of size 1 or more
-GRAPH_BOUND = CALL_KINDS * (1 + SPECIALISATIONS)  # graphs of one compiled block, any data
+GRAPHS_PER_KIND = 2  # the first length static, then the length dynamic (padded rows)
+GRAPH_BOUND = CALL_KINDS * GRAPHS_PER_KIND  # graphs of one compiled block, any data
+# padded rows are a multiple of this long under compile: flex attention's block of 128
+# keys, and matmul tiles; more lengths would only add guard checks, fewer would pad more
+LENGTH_MULTIPLE = 128
+MIN_ROWS = 2  # a batch of one row is specialised by dynamo: packed batches hold at least 2
 _LIMIT_MESSAGE = "recompile_limit"  # in dynamo's warning when a code object passes it
 # dynamo's setting of the graphs one code object may keep (its older name before 2.7)
 _LIMIT_NAME = (
@@ -58,9 +76,10 @@ def compile_blocks(blocks: Iterable[nn.Module], *, varying_shapes: bool) -> None
 
     Args:
         blocks: the transformer blocks of a model.
-        varying_shapes: the batches vary in shape: let dynamo keep :data:`GRAPH_BOUND`
-            graphs of a block. Fixed-shape rows (pretraining, packed SFT) take a graph
-            per kind of call.
+        varying_shapes: the batches vary in shape: the rows are traced dynamic from the
+            first call (:func:`mark_varying`) and dynamo may keep :data:`GRAPH_BOUND`
+            graphs of a block. Fixed-shape rows (pretraining, packed SFT) take a static
+            graph per kind of call.
     """
     if varying_shapes:
         # the bound is structural (kinds of call x their graphs), not a guess;
@@ -68,6 +87,73 @@ def compile_blocks(blocks: Iterable[nn.Module], *, varying_shapes: bool) -> None
         setattr(_config(), _LIMIT_NAME, max(recompile_limit(), GRAPH_BOUND))
     for block in blocks:
         block.compile()
+        block.varying_shapes = varying_shapes  # read by mark_varying and call_block
+
+
+def bucketed_length(length: int, limit: int | None = None) -> int:
+    """The length a padded batch is widened to under compile: ``length`` rounded up to a
+    multiple of :data:`LENGTH_MULTIPLE`, but never past ``limit`` (``data.seq_len``)
+    when ``length`` fits it."""
+    rounded = -(-length // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+    if limit is not None and length <= limit:
+        rounded = min(rounded, limit)
+    return rounded
+
+
+def varying(block: nn.Module) -> bool:
+    """Whether ``block`` was compiled for batches of varying shape."""
+    return bool(getattr(block, "varying_shapes", False))
+
+
+def mark_varying(*tensors: Tensor | None) -> None:
+    """Trace dim 0 (the rows) of each tensor dynamic from the first call.
+
+    Dynamo would specialise a size of 1 anyway, so those are left static; a dim it must
+    specialise all the same (a guard on its value) is never an error.
+    """
+    for tensor in tensors:
+        if tensor is not None and tensor.ndim > 0 and tensor.shape[0] >= MIN_ROWS:
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+
+
+# the shapes of the calls the compiled path could not take, run eagerly from then on
+_eager_shapes: set[tuple] = set()
+
+
+def _shape_key(args: tuple) -> tuple:
+    shapes = tuple(tuple(a.shape) for a in args if isinstance(a, Tensor))
+    return (shapes, torch.is_grad_enabled())
+
+
+def call_block(block: nn.Module, *args) -> Tensor:
+    """``block(*args)``; where compiling it for these shapes fails, the call runs
+    eagerly instead (and so does every later one of the same shapes), with one warning
+    line naming the shapes: a slower step, never a crash."""
+    if not hasattr(block, "varying_shapes") or torch.compiler.is_compiling():
+        return block(*args)  # not compiled here, or inside a larger compiled region
+    key = _shape_key(args)
+    if key not in _eager_shapes:
+        try:
+            return block(*args)
+        except _compile_errors() as err:
+            _eager_shapes.add(key)
+            log.warning(
+                "torch.compile could not compile a block for inputs of shapes %s "
+                "(%s: %s); these shapes run eagerly, slower",
+                list(key[0]),
+                type(err).__name__,
+                str(err).strip().splitlines()[0][:200] if str(err).strip() else "",
+            )
+    with torch.compiler.set_stance("force_eager"):
+        return block(*args)
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What dynamo raises when it cannot trace or compile a call (not the call's own
+    errors: those an eager rerun raises again)."""
+    from torch._dynamo import exc
+
+    return (exc.Unsupported, exc.BackendCompilerFailed, exc.TorchRuntimeError, exc.UserError)
 
 
 @dataclass
@@ -77,21 +163,30 @@ class CompileStats:
 
     graphs: int = 0
     recompile_limit_hits: int = 0
+    # graphs inductor took from its caches (FX graph and AOTAutograd) instead of compiling
+    cache_hits: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"graphs": self.graphs, "recompile_limit_hits": self.recompile_limit_hits}
+        return {
+            "graphs": self.graphs,
+            "recompile_limit_hits": self.recompile_limit_hits,
+            "cache_hits": self.cache_hits,
+        }
 
 
-def _counts() -> tuple[int, int]:
-    """Dynamo's process-wide counters: graphs compiled, recompile-limit hits."""
+def _counts() -> tuple[int, int, int]:
+    """Dynamo's process-wide counters: graphs compiled, recompile-limit hits, and
+    inductor's cache hits."""
     try:  # dynamo's own bookkeeping: read, never written
         from torch._dynamo.utils import counters
     except ImportError:
-        return 0, 0
+        return 0, 0, 0
     graphs = int(counters.get("stats", {}).get("unique_graphs", 0))
     unimplemented = counters.get("unimplemented", {})
     hits = sum(int(n) for reason, n in unimplemented.items() if "recompile limit" in reason)
-    return graphs, hits
+    cached = int(counters.get("inductor", {}).get("fxgraph_cache_hit", 0))
+    cached += int(counters.get("aot_autograd", {}).get("autograd_cache_hit", 0))
+    return graphs, hits, cached
 
 
 class _LimitWarning(logging.Handler):
@@ -115,7 +210,7 @@ def watch_compiles() -> Iterator[CompileStats]:
     """Count what ``torch.compile`` compiles inside the block into the yielded stats,
     and warn in one line when a code object hits the recompile limit."""
     stats = CompileStats()
-    graphs, hits = _counts()
+    graphs, hits, cached = _counts()
     limit = recompile_limit()  # what compile_blocks may raise for the run, restored after
     handler = _LimitWarning(level=logging.WARNING)
     dynamo_log = logging.getLogger("torch._dynamo")
@@ -125,6 +220,7 @@ def watch_compiles() -> Iterator[CompileStats]:
     finally:
         dynamo_log.removeHandler(handler)
         setattr(_config(), _LIMIT_NAME, limit)
-        now_graphs, now_hits = _counts()
+        now_graphs, now_hits, now_cached = _counts()
         stats.graphs = now_graphs - graphs
         stats.recompile_limit_hits = now_hits - hits
+        stats.cache_hits = now_cached - cached

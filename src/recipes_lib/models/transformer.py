@@ -33,6 +33,7 @@ from torch import Tensor
 from recipes_lib.config.model import HEADS, head_tied
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
+from recipes_lib.kernels.compiled import call_block, mark_varying, varying
 from recipes_lib.models.blocks import TransformerBlock
 from recipes_lib.models.families import check_family
 from recipes_lib.models.head import OutputHead, head_loss
@@ -220,11 +221,17 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         if self.config.scale_embeddings:  # by sqrt(C) rounded to their dtype, as Gemma's
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
+        rows_vary = cache is None and varying(self.layers[0])
+        if rows_vary:  # compiled blocks trace the rows dynamic from the first call
+            backend = self.attention_backend
+            mark_varying(token_mask, *(t for m in masks.values() for t in backend.row_tensors(m)))
         for index, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layer(index, start)
             cos, sin = tables[layer.attention.local_rope]  # (T, rotated dims)
             mask = masks[layer.attention.window]
-            h = layer(h, cos, sin, mask, layer_cache, token_mask)  # (B, T, C)
+            if rows_vary:
+                mark_varying(h)  # each layer's input is a new tensor
+            h = call_block(layer, h, cos, sin, mask, layer_cache, token_mask)  # (B, T, C)
         if cache is not None:
             cache.length = end
         return self.norm(h)  # (B, T, C)

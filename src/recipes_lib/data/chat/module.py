@@ -74,6 +74,8 @@ class ChatDataModule(ChatRecordsDataModule):
         self.renderer: ChatRenderer | None = None
         self.pad_id = 0
         self.stats: dict[str, ChatSourceStats] = {}
+        # padded rows widened to a few lengths for compiled blocks (kernels.compile)
+        self.bucketed = False
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_dataset is not None:
@@ -145,7 +147,9 @@ class ChatDataModule(ChatRecordsDataModule):
 
     def collate_fn(self) -> Callable | None:
         """Padding to the longest row, unless samples are already packed rows."""
-        return None if self.config.chat.packing else pad_collate(self.pad_id)
+        if self.config.chat.packing:
+            return None
+        return pad_collate(self.pad_id, self.config.seq_len if self.bucketed else None)
 
 
 def build_chat_data(
@@ -169,12 +173,14 @@ def build_chat_data(
         weights, weights_key = cfg.stage.init_from, "stage.init_from"
     tokenizer = init_tokenizer_path(cfg.data, weights, key=weights_key)
     data = replace(cfg.data, tokenizer=replace(cfg.data.tokenizer, path=tokenizer))
-    return ChatDataModule(
+    module = ChatDataModule(
         data,
         model_vocab_size=cfg.model.vocab_size,
         model_max_seq_len=cfg.model.max_seq_len,
         total_train_samples=total_train_samples,
     )
+    module.bucketed = bool(cfg.kernels.compile)  # a few row lengths for compiled blocks
+    return module
 
 
 def build_distill_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModule:

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes_lib.data.chat.examples import IGNORE_INDEX, ChatExample
+from recipes_lib.kernels.compiled import bucketed_length
 
 _OPEN_ROWS = 64  # packing looks for room in the most recent rows only
 
@@ -99,13 +100,19 @@ class ChatExampleDataset(Dataset):
         }
 
 
-def pad_collate(pad_id: int) -> Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]:
+def pad_collate(
+    pad_id: int, bucket_within: int | None = None
+) -> Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]]:
     """A collate function padding examples on the right to the longest of the batch
     (inputs with ``pad_id``, labels with ``-100``; ``doc_ids`` 0, then 1 on padding;
-    ``padding`` True there)."""
+    ``padding`` True there). With ``bucket_within`` (``data.seq_len``, for compiled
+    blocks) the longest is rounded up to a bucket of
+    :func:`~recipes_lib.kernels.compiled.bucketed_length`."""
 
     def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         longest = max(len(item["input_ids"]) for item in items)
+        if bucket_within is not None:
+            longest = bucketed_length(longest, bucket_within)
         batch = len(items)
         input_ids = torch.full((batch, longest), pad_id, dtype=torch.int64)
         labels = torch.full((batch, longest), IGNORE_INDEX, dtype=torch.int64)

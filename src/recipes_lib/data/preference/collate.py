@@ -24,11 +24,12 @@ the padding id (as transformers' ``...ForSequenceClassification`` reads it), cho
 sequences first.
 
 Without packing (``data.chat.packing=false``) every sequence has its own row, padded
-to the longest of the batch: rows ``0..P-1`` are the chosen sequences and ``P..2P-1``
-the rejected ones, so one forward pass sees both. With packing, sequences share rows
-of ``data.seq_len`` (first fit, longest first; as wide as the fullest row, or with
-compiled blocks ``data.seq_len`` wide) and ``doc_ids`` keeps them apart, which needs
-``data.document_mask=true``.
+to the longest of the batch (with compiled blocks, rounded up to a few widths): rows
+``0..P-1`` are the chosen sequences and ``P..2P-1`` the rejected ones, so one forward
+pass sees both. With packing, sequences share rows of ``data.seq_len`` (first fit,
+longest first; as wide as the fullest row, or with compiled blocks ``data.seq_len``
+wide and at least two rows per pass, an empty one where all fit in one) and
+``doc_ids`` keeps them apart, which needs ``data.document_mask=true``.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from recipes_lib.data.preference.pairs import EncodedPair
+from recipes_lib.kernels.compiled import MIN_ROWS, bucketed_length
 
 
 class PreferencePairDataset(Dataset):
@@ -92,6 +94,11 @@ def _first_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
+def _at_least(rows: list[list[int]], count: int) -> list[list[int]]:
+    """``rows`` and empty ones after them, ``count`` in all."""
+    return rows + [[] for _ in range(count - len(rows))]
+
+
 def collate_pairs(
     items: Sequence[Mapping],
     pad_id: int,
@@ -109,8 +116,10 @@ def collate_pairs(
         seq_len: the row length when packing.
         shifted: inputs and next-token labels; False: every token an input, and each
             sequence's ``score_index``.
-        fixed_width: packed rows are ``seq_len`` wide, not as wide as the fullest row
-            (for compiled blocks).
+        fixed_width: shapes for compiled blocks: packed rows are ``seq_len`` wide (not as
+            wide as the fullest row) and at least ``MIN_ROWS`` of them, padded rows as
+            wide as :func:`~recipes_lib.kernels.compiled.bucketed_length` makes the
+            longest.
     """
     n_pairs = len(items)
     sequences = [(it["chosen_ids"], it["chosen_mask"]) for it in items]
@@ -120,19 +129,26 @@ def collate_pairs(
     if packing:
         if seq_len is None:
             raise ValueError("packing needs seq_len")
-        if kto:  # completions' rows, then the twins' own
-            rows = _first_fit_rows(lengths[:n_pairs], seq_len)
-            twins = _first_fit_rows(lengths[n_pairs:], seq_len)
+        # empty rows pad a pass of one row to two: dynamo would specialise a single
+        # row, one more graph (recipes_lib.kernels.compiled)
+        min_rows = MIN_ROWS if fixed_width else 1
+        if kto:  # completions' rows, then the twins' own (each pass of the policy's)
+            rows = _at_least(_first_fit_rows(lengths[:n_pairs], seq_len), min_rows)
+            twins = _at_least(_first_fit_rows(lengths[n_pairs:], seq_len), min_rows)
+            twin_rows = len(rows)
             rows += [[n_pairs + s for s in row] for row in twins]
         else:
-            rows = _first_fit_rows(lengths, seq_len)
+            rows = _at_least(_first_fit_rows(lengths, seq_len), min_rows)
     else:
         rows = [[s] for s in range(len(sequences))]
+        twin_rows = n_pairs
     width = max(sum(lengths[s] for s in row) for row in rows)
     if packing and fixed_width:
         # one row width whatever the pairs' lengths: compiled blocks traced a graph per
         # width (recipes_lib.kernels.compiled); first fit leaves the last row part empty
         width = seq_len
+    elif fixed_width:  # a few widths (recipes_lib.kernels.compiled)
+        width = bucketed_length(width, seq_len)
     shape = (len(rows), width)
     input_ids = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, -100, dtype=torch.long)
@@ -167,7 +183,7 @@ def collate_pairs(
         batch["score_index"] = score_index
     if kto:
         batch["desirable"] = torch.tensor([bool(it["desirable"]) for it in items])
-        batch["twin_rows"] = next(r for r, row in enumerate(rows) if row[0] >= n_pairs)
+        batch["twin_rows"] = twin_rows
     if n_pairs and all("reference_logps" in it for it in items):
         batch["reference_logps"] = torch.stack([it["reference_logps"] for it in items]).float()
     return batch
