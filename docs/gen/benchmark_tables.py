@@ -1,0 +1,137 @@
+"""The benchmark results page, generated from the JSON files in ``benchmarks/results/``.
+
+Each file is the output of one benchmark command. The page gives, per file, the card it
+ran on (its ``device``), the command (its ``command``), the date the file was first
+committed, and one table of its headline figures: every object in the file holding one of
+the ``METRICS`` keys becomes a row, named by its path in the file. Values are printed as
+the file holds them, never rounded. A new result file appears on the next build.
+
+Run ``python docs/gen/benchmark_tables.py`` to print the page.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+
+# the figures worth a column, in the order they are shown
+METRICS = (
+    "tokens_per_sec",
+    "tokens_per_sec_per_gpu",
+    "mfu",
+    "step_time_ms",
+    "step_time_ms_median",
+    "step_ms_median",
+    "ms_median",
+    "peak_memory_gib",
+    "scaling_efficiency",
+    "speed_vs_trl_liger",
+    "speed_vs_trl",
+    "speed",
+    "memory_vs_trl_liger",
+    "memory_vs_trl",
+    "examples_per_sec",
+    "flex_causal/sdpa_causal",
+    "flex_document_mean512/sdpa_causal",
+    "flex_document_mean1024/sdpa_causal",
+    "val_loss",
+    "train_loss_last10_mean",
+    "optimizer_state_bytes_per_param",
+    "largest_model",
+    "after_last_step_s",
+    "writes_s",
+    "overhead_per_checkpoint_s",
+    "save_blocked_s",
+    "estimate_gib",
+    "measured_gib",
+    "error",
+)
+# parts of a file that describe a run rather than measure it
+SKIPPED = {"config", "settings", "versions", "overrides", "top_frames", "phases_s", "definitions"}
+# container names left out of a row's label
+CONTAINERS = {"models", "trainers", "cases", "sides", "runs", "summary", "presets"}
+CONTAINERS |= {"shapes", "masks", "backends"}
+
+
+def render() -> str:
+    lines = [
+        "# All benchmark results",
+        "",
+        "Generated from the JSON files in `benchmarks/results/` each time the site is built:",
+        "for each file, the card and command it records, the date it was first committed, and",
+        "the headline figures it holds, exactly as written there. What limits each figure is",
+        "in `benchmarks/results/NOTES.md`; the [Benchmarks](../benchmarks.md) page summarises",
+        "them.",
+        "",
+    ]
+    for path in sorted(RESULTS.glob("*.json")):
+        lines += _section(path)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _section(path: Path) -> list[str]:
+    data = json.loads(path.read_text())
+    card = data.get("device") or "not recorded"
+    command = data.get("command")
+    lines = [
+        f"## `{path.name}`",
+        "",
+        f"- card: {card}",
+        f"- command: `{command}`" if command else "- command: not recorded in the file",
+        f"- first committed: {_first_committed(path)}",
+        "",
+    ]
+    rows = list(_rows(data, ()))
+    if not rows:
+        return lines + ["No headline figures in this file; read it whole.", ""]
+    columns = [m for m in METRICS if any(m in values for _, values in rows)]
+    lines += ["| " + " | ".join(["what", *columns]) + " |", "|" + "---|" * (len(columns) + 1)]
+    for label, values in rows:
+        cells = [_cell(values.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join([label or "(the file)", *cells]) + " |")
+    return lines + [""]
+
+
+def _rows(node: Any, path: tuple[str, ...]):
+    """(label, {metric: value}) for every object holding a metric, outermost first."""
+    if not isinstance(node, dict):
+        return
+    values = {k: v for k, v in node.items() if k in METRICS and _scalar(v)}
+    if isinstance(node.get("step_time_ms"), dict) and "median" in node["step_time_ms"]:
+        values["step_time_ms"] = node["step_time_ms"]["median"]
+    if values:
+        yield " / ".join(p for p in path if p not in CONTAINERS), values
+    for key, child in node.items():
+        if key not in SKIPPED and isinstance(child, dict):
+            yield from _rows(child, (*path, key))
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (int, float, str)) and not isinstance(value, bool)
+
+
+def _first_committed(path: Path) -> str:
+    try:
+        out = subprocess.run(
+            ["git", "log", "--diff-filter=A", "--format=%cs", "--", path.name],
+            cwd=path.parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git history)"
+    return out[-1] if out else "not committed yet"
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("<", "&lt;")
+
+
+if __name__ == "__main__":
+    print(render(), end="")
