@@ -54,91 +54,46 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _peer import (  # noqa: E402
+    DATA_SHAPES,
     add_peer_arguments,
     check_choices,
+    compile_counts,
     figures,
     lightning_clock,
+    make_folder,
+    real_tokens,
     report_header,
     spawn,
+    synthetic_records,
     trainer_clock,
+    write_records,
 )
 
 CASES = ("sft_full", "sft_lora", "dpo_live", "dpo_precomputed", "orpo")
 SIDES = ("recipes_lib", "trl", "trl_liger")
 PEER_SIDES = (*SIDES[1:], "trl_liger_bf16")  # the last one on request
-PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-CHATML = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] "
-    "+ '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 LORA = {"r": 16, "alpha": 32, "dropout": 0.05}
 HF_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BETA = 0.1
 
 
 # ---------------------------------------------------------------------------- data
-DATA_SHAPES = ("builtin", "short", "long", "heavy")
-# a word list for synthetic text: the BPE learns each word, so words are about tokens
-_WORDS = (
-    "the of and to in is that for it as with was on be by this are from at or an "
-    "model data train loss token layer value step batch memory speed error function "
-    "return list index item name path file result output input weight gradient sample "
-    "reason answer question because therefore first second then finally each every"
-).split()
-
-
-def _words(rng, n: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
-
-
-def synthetic_records(shape: str, n: int, seq_len: int, seed: int) -> list[dict]:
-    """``n`` prompt/response/rejected records of synthetic text, their lengths in words
-    (about tokens) by ``shape``: ``short`` prompts of 20-80 and answers near 100;
-    ``long`` prompts and answers near 300; ``heavy`` Pareto-distributed lengths, most
-    short and some up to the sequence length."""
-    import random
-
-    rng = random.Random(seed)
-
-    def lengths() -> tuple[int, int, int]:
-        if shape == "short":
-            return rng.randint(20, 80), rng.randint(60, 140), rng.randint(60, 140)
-        if shape == "long":
-            return rng.randint(250, 350), rng.randint(250, 350), rng.randint(250, 350)
-        budget = seq_len // 2 - 8  # a pair's prompt and longer answer fit one row
-        tail = [min(budget // 2, int(rng.paretovariate(1.2) * 30)) for _ in range(3)]
-        return tuple(tail)  # type: ignore[return-value]
-
-    records = []
-    for _ in range(n):
-        p, c, r = lengths()
-        records.append(
-            {"prompt": _words(rng, p), "response": _words(rng, c), "rejected": _words(rng, r)}
-        )
-    return records
-
-
 def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
     """The model folder, ``chat.jsonl`` and ``pairs.jsonl`` every side trains on."""
-    import torch
-
-    from recipes_lib.checkpoint.hf_export import hf_config_from_model
-    from recipes_lib.config import compose_config, to_run_config
     from recipes_lib.data.chat.instructions import stdlib_instruction_records
     from recipes_lib.data.preference.stdlib_pairs import stdlib_preference_records
-    from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 
     folder, chat, pairs = root / "model", root / "chat.jsonl", root / "pairs.jsonl"
-    folder.mkdir(parents=True)
     if getattr(args, "data", "builtin") == "builtin":  # grpo_peer.py has no --data
-        records = stdlib_instruction_records(args.records)
+        records = [
+            {"prompt": r["prompt"], "response": r["response"]}
+            for r in stdlib_instruction_records(args.records)
+        ]
         pair_records = [
             {"prompt": r["prompt"], "response": r["chosen"], "rejected": r["rejected"]}
             for r in stdlib_preference_records(args.pairs)
@@ -146,47 +101,17 @@ def make_inputs(args, root: Path) -> tuple[Path, Path, Path]:
     else:
         records = synthetic_records(args.data, args.records, args.seq_len, args.seed)
         pair_records = synthetic_records(args.data, args.pairs, args.seq_len, args.seed + 1)
-    with open(chat, "w") as f:
-        for r in records:
-            turns = [
-                {"role": "user", "content": r["prompt"]},
-                {"role": "assistant", "content": r["response"]},
-            ]
-            f.write(json.dumps({"messages": turns}) + "\n")
-    with open(pairs, "w") as f:
-        for r in pair_records:
-            row = {
-                "prompt": [{"role": "user", "content": r["prompt"]}],
-                "chosen": [{"role": "assistant", "content": r["response"]}],
-                "rejected": [{"role": "assistant", "content": r["rejected"]}],
-            }
-            f.write(json.dumps(row) + "\n")
-    texts = [r["prompt"] + r["response"] for r in records]
-    tokenizer = train_bpe_tokenizer(texts, args.vocab_size - 2, PAD)
-    tokenizer.add_special_tokens([IM_START, IM_END])
-    save_tokenizer(tokenizer, folder / "tokenizer.json")
-    settings = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": IM_END,
-        "pad_token": PAD,
-        "chat_template": CHATML,
-    }
-    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
-
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    model = to_run_config(compose_config([f"model={args.model}"])).model
-    if args.smoke:
-        model = replace(model, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16)
-        model = replace(model, ffn_dim=128)
-    model = replace(model, vocab_size=args.vocab_size, max_seq_len=max(args.seq_len, 2048))
-    fields = hf_config_from_model(model, eos_token_id=tokenizer.token_to_id(IM_END))
-    for key in ("architectures", "torch_dtype", "dtype"):
-        fields.pop(key, None)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    torch.manual_seed(args.seed)
-    hf = AutoModelForCausalLM.from_config(config)
-    hf.to(torch.float32 if args.smoke else torch.bfloat16).save_pretrained(folder)
+    write_records("chat", chat, records)
+    write_records("pairs", pairs, pair_records)
+    make_folder(
+        folder,
+        [r["prompt"] + r["response"] for r in records],
+        model=args.model,
+        vocab_size=args.vocab_size,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        smoke=args.smoke,
+    )
     return folder, chat, pairs
 
 
@@ -235,16 +160,6 @@ def run_recipes_lib(args, case: str, root: Path, start: float) -> dict:
         "compiled": {"graphs": graphs, "recompile_limit_hits": hits},
         "overrides": overrides,
     }
-
-
-def compile_counts() -> tuple[int, int]:
-    """Dynamo's graphs compiled and recompile-limit hits so far in this process, read
-    here rather than from the run's result so that any version of the library is
-    measured the same way."""
-    from torch._dynamo.utils import counters
-
-    hits = sum(n for reason, n in counters["unimplemented"].items() if "recompile limit" in reason)
-    return int(counters["stats"].get("unique_graphs", 0)), int(hits)
 
 
 # --------------------------------------------------------------------------- TRL
@@ -342,17 +257,6 @@ def run_trl(args, case: str, root: Path, start: float, side: str) -> dict:
     output = trainer.train()
     report = figures(clock.ends, clock.tokens, args.warmup_steps, start)
     return {**report, "final_loss": output.training_loss, "trl": trl.__version__}
-
-
-def real_tokens(inputs: dict) -> int:
-    """Non-padding tokens of a TRL batch: both sequences of preference pairs (their
-    attention masks), else the attention mask, else every id (padding-free packing)."""
-    pairs = [inputs[k] for k in ("chosen_attention_mask", "rejected_attention_mask") if k in inputs]
-    if pairs:
-        return int(sum(int(mask.sum()) for mask in pairs))
-    if inputs.get("attention_mask") is not None:
-        return int(inputs["attention_mask"].sum())
-    return int(inputs["input_ids"].numel())
 
 
 # ------------------------------------------------------------------------ driver
