@@ -1,0 +1,127 @@
+"""The post-training matrix without a GPU: its plan covers every objective, data shape
+and settings; its file has the declared keys for every side (null with a note where a
+side has no figures) and keeps other calls' cells; its table renders."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+from matrix_table import matrix_table, matrix_table_from_file  # noqa: E402
+from posttrain_matrix import (  # noqa: E402
+    DATA,
+    FIGURES,
+    OBJECTIVES,
+    SETTINGS,
+    SIDES,
+    Cell,
+    card_name,
+    main,
+    merge,
+    plan,
+    summarise,
+    write_json,
+)
+
+
+def figures(tokens: float, peak: float | None = 10.0) -> dict:
+    return {
+        "tokens_per_sec": tokens,
+        "peak_gib": peak,
+        "first_step_s": 30.0,
+        "recompiles": 4,
+        "recompile_limit_hits": 0,
+    }
+
+
+def test_the_plan_has_every_cell_and_every_side_of_it():
+    cells, jobs = plan()
+    expected = {(o, d, s) for o in OBJECTIVES for d in DATA for s in SETTINGS}
+    assert {(c.objective, c.data, c.settings) for c in cells} == expected
+    assert len(cells) == len(expected) == 11 * 3 * 2
+    assert {(j.cell, j.side) for j in jobs} == {(c, side) for c in cells for side in SIDES}
+    assert [j.seconds for j in jobs] == sorted((j.seconds for j in jobs), reverse=True)
+    _, repeated = plan(["kto"], ["short"], ["matched"], ["ours"], repeats=3)
+    assert sorted(j.repeat for j in repeated) == [0, 1, 2]
+
+
+def test_the_dry_run_prints_the_selected_cells(capsys):
+    assert main(["--dry-run", "--objectives", "sft_full,grpo", "--data", "heavy"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:-1] == [
+        "sft_full.heavy.defaults",
+        "sft_full.heavy.matched",
+        "grpo.heavy.defaults",
+        "grpo.heavy.matched",
+    ]
+    assert lines[-1].startswith("4 cells, 12 side processes")
+
+
+def test_the_file_has_the_declared_keys_for_every_side(tmp_path):
+    cell = Cell("dpo_live", "long", "matched")
+    runs = {
+        "ours": [figures(20_000.0)],
+        "trl": [{"error": "OutOfMemoryError: CUDA out of memory"}],
+        "trl_liger": [{"skipped": "not installed: No module named 'liger_kernel'"}],
+    }
+    entry = summarise(cell, runs)
+    assert set(entry) == {"objective", "data", "settings", *SIDES, "notes"}
+    assert set(entry["ours"]) == set(FIGURES)
+    assert entry["trl"] is None and entry["trl_liger"] is None
+    assert any("OutOfMemoryError" in note for note in entry["notes"])
+    assert any("liger_kernel" in note for note in entry["notes"])
+
+    path = tmp_path / "posttrain_matrix_h100.json"
+    write_json(path, merge(path, "h100", "first", [entry]))
+    other = summarise(Cell("sft_full", "short", "defaults"), {s: [figures(9.0)] for s in SIDES})
+    write_json(path, merge(path, "h100", "second", [other]))
+    result = json.loads(path.read_text())
+    assert set(result) == {"card", "date", "command", "cases"}
+    assert result["card"] == "h100" and result["command"] == "first ; second"
+    assert [(c["objective"], c["data"]) for c in result["cases"]] == [
+        ("sft_full", "short"),
+        ("dpo_live", "long"),
+    ]
+    for case in result["cases"]:
+        for side in SIDES:
+            assert case[side] is None or set(case[side]) == set(FIGURES)
+
+
+def test_repeats_report_the_mean_and_the_spread():
+    runs = {side: [figures(100.0), figures(300.0, None)] for side in SIDES}
+    entry = summarise(Cell("kto", "short", "defaults"), runs)
+    assert entry["ours"]["tokens_per_sec"] == 200.0 and entry["ours"]["peak_gib"] == 10.0
+    assert entry["repeats"] == 2
+    assert entry["spread"]["trl"]["tokens_per_sec"] == [100.0, 300.0]
+
+
+def test_the_table_renders_a_small_matrix(tmp_path):
+    both = summarise(
+        Cell("orpo", "heavy", "matched"),
+        {"ours": [figures(3000.0)], "trl": [figures(1500.0)], "trl_liger": [figures(1000.0)]},
+    )
+    lacking = summarise(Cell("grpo", "short", "defaults"), {"ours": [figures(50.0)]})
+    result = {"card": "h200", "date": "2026-01-01", "command": "x", "cases": [both, lacking]}
+    table = matrix_table(result)
+    lines = table.splitlines()
+    assert lines[0].startswith("Card: H200, 2026-01-01")
+    header = next(i for i, line in enumerate(lines) if line.startswith("| objective"))
+    assert lines[header + 1].count("---") == lines[header].count("|") - 1
+    row = lines[header + 2]
+    assert row.startswith("| orpo | heavy | matched | 3,000 | 1,500 | 1,000 | 3.00x |")
+    assert "10.00 / 10.00 / 10.00" in row
+    assert lines[header + 3].startswith("| grpo | short | defaults | 50 | - | - | - |")
+    assert "- grpo / short / defaults: trl: no figures" in table
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(result))
+    assert matrix_table_from_file(path) == table
+
+
+def test_card_names():
+    assert card_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert card_name("NVIDIA H200") == "h200"
+    assert card_name("Some Card 9") == "somecard9"
