@@ -1,7 +1,8 @@
 """The optimizer, with decoupled weight decay applied only to weight matrices.
 
 Norm weights, biases and (unless ``decay_embeddings``) embedding tables are left
-undecayed; ``optim.name`` chooses the optimizer (:mod:`recipes_lib.optim.choices`).
+undecayed; ``optim.name`` chooses the optimizer (:mod:`recipes_lib.optim.choices`), whose
+spec also tells the bytes of state it will keep (:func:`optimizer_state_bytes`).
 Parameters are classified by the module that owns them, not only by their shape, so
 the split stays right when a sharding strategy flattens parameters.
 """
@@ -15,7 +16,8 @@ from torch import nn
 
 from recipes_lib.config.schema import OptimConfig
 from recipes_lib.errors import ConfigError
-from recipes_lib.optim.choices import bind, common_kwargs, muon_and_adamw, optimizer_class
+from recipes_lib.optim.choices import get_optimizer_spec, outer_matrices
+from recipes_lib.optim.state import ParameterInfo
 
 DECAY_GROUP = "decay"
 NO_DECAY_GROUP = "no_decay"
@@ -96,20 +98,41 @@ def build_optimizer(module: nn.Module, config: OptimConfig) -> torch.optim.Optim
     """
     if len(config.betas) != 2:
         raise ConfigError(f"optim.betas must hold two values, got {list(config.betas)}")
-    cls = optimizer_class(config.name)
-    groups = split_parameters(module, decay_embeddings=config.decay_embeddings)
+    spec = get_optimizer_spec(config.name)
+    spec.optimizer_class()  # a missing package is named before the groups are made
     param_groups = [
         {"params": params, "weight_decay": weight_decay, "name": name}
-        for name, params, weight_decay in (
-            (DECAY_GROUP, groups.decay, config.weight_decay),
-            (NO_DECAY_GROUP, groups.no_decay, 0.0),
-        )
+        for name, params, weight_decay in _groups(module, config)
         if params
     ]
     if not param_groups:
         raise ConfigError(
             f"{type(module).__name__} has no trainable parameter (requires_grad=True) to optimize"
         )
-    if config.name == "muon":
-        return muon_and_adamw(module, param_groups, config)
-    return bind(cls, param_groups, common_kwargs(config, param_groups), dict(config.args))
+    return spec.make(module, param_groups, config)
+
+
+def _groups(module: nn.Module, config: OptimConfig) -> list[tuple[str, list[nn.Parameter], float]]:
+    groups = split_parameters(module, decay_embeddings=config.decay_embeddings)
+    return [
+        (DECAY_GROUP, groups.decay, config.weight_decay),
+        (NO_DECAY_GROUP, groups.no_decay, 0.0),
+    ]
+
+
+def describe_parameters(module: nn.Module, config: OptimConfig) -> list[ParameterInfo]:
+    """What the optimizer state depends on, for each trainable parameter of ``module``
+    (which may be on the meta device), grouped as :func:`build_optimizer` groups them."""
+    outside = outer_matrices(module)
+    return [
+        ParameterInfo(tuple(p.shape), p.dtype, name, id(p) in outside)
+        for name, params, _ in _groups(module, config)
+        for p in params
+    ]
+
+
+def optimizer_state_bytes(module: nn.Module, config: OptimConfig) -> int:
+    """Bytes of state the optimizer ``config`` chooses keeps for ``module``'s trainable
+    parameters after its first step (``module`` may be on the meta device)."""
+    spec = get_optimizer_spec(config.name)
+    return spec.state_bytes(describe_parameters(module, config), dict(config.args))
