@@ -44,6 +44,9 @@ replaced, so the matrix can be filled a part at a time::
     python benchmarks/posttrain_matrix.py --objectives sft_full,dpo_live --data short
     python benchmarks/posttrain_matrix.py --dry-run            # the plan, no GPU needed
     python benchmarks/matrix_table.py benchmarks/results/posttrain_matrix_h100.json
+
+One module over 500 lines: the plan, both sides' runners and the file they fill are one
+matrix; most of its length is TRL's side, one trainer per objective.
 """
 
 from __future__ import annotations
