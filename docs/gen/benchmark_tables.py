@@ -1,10 +1,11 @@
 """The benchmark results page, generated from the JSON files in ``benchmarks/results/``.
 
 Each file is the output of one benchmark command. The page gives, per file, the card it
-ran on (its ``device``), the command (its ``command``), the date the file was first
-committed, and one table of its headline figures: every object in the file holding one of
-the ``METRICS`` keys becomes a row, named by its path in the file. Values are printed as
-the file holds them, never rounded. A new result file appears on the next build.
+ran on (its ``device``), the command (its ``command``), its ``date`` or else the date the
+file was first committed (through renames), and one table of its headline figures: every
+object in the file holding one of the ``METRICS`` keys becomes a row, named by its path in
+the file. Values are printed as the file holds them, never rounded. A new result file
+appears on the next build.
 
 Run ``python docs/gen/benchmark_tables.py`` to print the page.
 """
@@ -63,10 +64,10 @@ def render() -> str:
         "# All benchmark results",
         "",
         "Generated from the JSON files in `benchmarks/results/` each time the site is built:",
-        "for each file, the card and command it records, the date it was first committed, and",
-        "the headline figures it holds, exactly as written there. What limits each figure is",
-        "in `benchmarks/results/NOTES.md`; the [Benchmarks](../benchmarks.md) page summarises",
-        "them.",
+        "for each file, the card and command it records, its date (or the date it was first",
+        "committed), and the headline figures it holds, exactly as written there. What",
+        "limits each figure is in `benchmarks/results/NOTES.md`; the",
+        "[Benchmarks](../benchmarks.md) page summarises them.",
         "",
     ]
     for path in sorted(RESULTS.glob("*.json")):
@@ -78,12 +79,13 @@ def _section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
     card = data.get("device") or "not recorded"
     command = data.get("command")
+    date = data.get("date") or f"first committed {_first_committed(path)}"
     lines = [
         f"## `{path.name}`",
         "",
         f"- card: {card}",
         f"- command: `{command}`" if command else "- command: not recorded in the file",
-        f"- first committed: {_first_committed(path)}",
+        f"- date: {date}",
         "",
     ]
     rows = list(_rows(data, ()))
@@ -118,7 +120,7 @@ def _scalar(value: Any) -> bool:
 def _first_committed(path: Path) -> str:
     try:
         out = subprocess.run(
-            ["git", "log", "--diff-filter=A", "--format=%cs", "--", path.name],
+            ["git", "log", "--follow", "--format=%cs", "--", path.name],
             cwd=path.parent,
             capture_output=True,
             text=True,
@@ -126,7 +128,7 @@ def _first_committed(path: Path) -> str:
         ).stdout.split()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git history)"
-    return out[-1] if out else "not committed yet"
+    return out[-1] if out else "not committed yet"  # the oldest, through renames
 
 
 def _cell(value: Any) -> str:

@@ -122,7 +122,7 @@ def _rows(kind: type, prefix: str) -> list[str]:
             rows += _rows(resolved, key)
             continue
         note = _cell(notes.get(item.name, ""))
-        rows.append(f"| `{key}` | `{_cell(str(item.type))}` | {_default(item)} | {note} |")
+        rows.append(f"| `{key}` | `{item.type}` | {_default(item)} | {note} |")
     return rows
 
 
@@ -142,7 +142,8 @@ def _default(item: dataclasses.Field) -> str:
         return "`null`"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
-    return f"`{_cell(repr(value) if isinstance(value, str) and not value else str(value))}`"
+    # a table cell's code span keeps its pipes as they are (the table does not split it)
+    return f"`{repr(value) if isinstance(value, str) and not value else value}`"
 
 
 def _field_notes(kind: type) -> dict[str, str]:
