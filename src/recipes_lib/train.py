@@ -59,7 +59,6 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
 from recipes_lib.kernels.compiled import watch_compiles
-from recipes_lib.moved import moved_from
 from recipes_lib.objectives.distill import DistillModule
 from recipes_lib.objectives.dpo import DPOModule
 from recipes_lib.objectives.grpo import GRPOModule
@@ -86,9 +85,6 @@ from recipes_lib.training.outputs import (
 from recipes_lib.training.rollback import plan_rollback
 
 log = logging.getLogger(__name__)
-
-# functions this module once held, at their old import path
-__getattr__ = moved_from(__name__, {"check_init_source": "recipes_lib.preflight.stage"})
 
 
 @dataclass

@@ -39,22 +39,8 @@ from recipes_lib.errors import CheckpointError
 from recipes_lib.models import Transformer
 from recipes_lib.models.families import family_of_hf, get_family
 from recipes_lib.models.rope import rope_tables
-from recipes_lib.moved import moved_from
 
 log = logging.getLogger(__name__)
-
-# functions this module once held, at their old import path
-__getattr__ = moved_from(
-    __name__,
-    {
-        "export_hf_checkpoint": "recipes_lib.checkpoint.hf_export",
-        "hf_config_from_model": "recipes_lib.checkpoint.hf_export",
-        "hf_weight_files": "recipes_lib.checkpoint.hf_files",
-        "load_hf_tokenizer": "recipes_lib.checkpoint.hf_tokenizer",
-        "hf_chat_template": "recipes_lib.checkpoint.hf_tokenizer",
-        "hf_eos_token_ids": "recipes_lib.checkpoint.hf_tokenizer",
-    },
-)
 
 __all__ = [
     "hf_config_mismatches",

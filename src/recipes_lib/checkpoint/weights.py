@@ -31,10 +31,6 @@ from recipes_lib.checkpoint.sharded import (
 )
 from recipes_lib.errors import CheckpointError
 from recipes_lib.files import write_atomic
-from recipes_lib.moved import moved_from
-
-# functions this module once held, at their old import path
-__getattr__ = moved_from(__name__, {"chmod_as_umask": "recipes_lib.files"})
 
 TIED_METADATA_KEY = "recipes_lib.tied"  # JSON {alias: stored name} of shared tensors
 MODEL_PREFIX = "model."  # CausalLMModule keeps the decoder under ``self.model``
