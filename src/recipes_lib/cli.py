@@ -6,6 +6,13 @@ Hydra application.
     recipes-prepare recipe=pretrain/gpt_124m data=local_text data.sources.main.path=corpus/
     recipes-pipeline pipeline=demo stages.anneal.trainer.max_steps=200
     recipes-check recipe=pretrain/llama_1b trainer.max_steps=5000   (or run.preflight=true)
+    recipes-generate checkpoint=runs/tiny prompt="def " max_new_tokens=64
+    recipes-eval checkpoint=runs/tiny tasks=stdlib_bodies,my_tasks.jsonl limit=100
+    recipes-export checkpoint=runs/tiny out=tiny-hf dtype=bfloat16
+
+The last three run one job each over a typed config of their own
+(:mod:`recipes_lib.config.commands`) and write nothing but what they are asked for: no
+``outputs/`` folder, no ``.hydra/`` copy, logging left as it is.
 
 Each job's console shows one line per log record and hides library warnings
 (:mod:`recipes_lib.console`); ``RECIPES_VERBOSE=1`` shows everything.
@@ -14,10 +21,13 @@ Each job's console shows one line per log record and hides library warnings
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
+import io
 import logging
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 import hydra
@@ -25,11 +35,20 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from recipes_lib.config import register_schema
+from recipes_lib.config.commands import (
+    EvalConfig,
+    ExportConfig,
+    GenerateConfig,
+    check_command_overrides,
+    command_line,
+    register_command_schemas,
+    to_command_config,
+)
 from recipes_lib.config.hydra_guard import check_hydra_app
 from recipes_lib.config.overrides import check_command_line
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.console import configure_console
-from recipes_lib.errors import GateFailed, RecipesError
+from recipes_lib.errors import ConfigError, GateFailed, RecipesError
 from recipes_lib.files import global_rank
 from recipes_lib.pipeline.spec import PipelineConfig, register_pipeline_schema
 
@@ -39,6 +58,7 @@ EXIT_GATE_FAILED = 3  # recipes-pipeline: a stage did not meet one of its gates
 
 register_schema()
 register_pipeline_schema()
+register_command_schemas()
 
 
 def _with_job_output_dir(cfg: DictConfig) -> DictConfig:
@@ -179,6 +199,32 @@ def _pipeline(cfg: DictConfig) -> float | None:
     return result.stages[-1].manifest.metrics.val_loss  # the value a sweeper optimises
 
 
+def _command(cfg: DictConfig, schema: type, module: str) -> None:
+    """Run the ``command`` of ``module`` (imported only now: it imports torch) on the
+    typed config; a bad input is one line on stderr and exit status 2."""
+    try:
+        typed = to_command_config(cfg, schema)
+        importlib.import_module(module).command(typed)
+    except RecipesError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="generate")
+def _generate(cfg: DictConfig) -> None:
+    _command(cfg, GenerateConfig, "recipes_lib.generate")
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="eval")
+def _eval(cfg: DictConfig) -> None:
+    _command(cfg, EvalConfig, "recipes_lib.evaluation.command")
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="export")
+def _export(cfg: DictConfig) -> None:
+    _command(cfg, ExportConfig, "recipes_lib.export")
+
+
 def _quiet_other_ranks() -> None:
     """Under a multi-process launcher only rank 0 writes Hydra's config copy and log file;
     the other ranks still print errors (:func:`_report`)."""
@@ -246,6 +292,80 @@ def _run_and_exit(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status if isinstance(status, int) else 0 if status is None else 1)
+
+
+def run_command(
+    script: str, entry: Callable[[], object], schema: type, config_name: str, argv: Sequence[str]
+) -> int:
+    """Run a single-job command (``recipes-generate``, ``-eval``, ``-export``) on
+    ``argv`` in this process and return its exit status.
+
+    Its text keys are taken as written and its list keys take comma-separated items
+    (:func:`~recipes_lib.config.commands.command_line`); an override naming a missing
+    key or holding a value of the wrong type, a sweep, or a config that would run code
+    (:func:`_check_hydra_config`) is one line on stderr and status 2, before Hydra acts.
+    """
+    from hydra._internal.utils import get_args_parser
+    from hydra.core.global_hydra import GlobalHydra
+
+    argv = command_line(argv, schema)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = get_args_parser().parse_args(argv)
+    except SystemExit:
+        args = None  # Hydra prints its usage and what it could not read
+    try:
+        if args is not None and args.multirun:
+            raise ConfigError(f"--multirun: {script} runs one job")
+        if args is not None and not (args.help or args.hydra_help or args.shell_completion):
+            check_command_overrides(args.overrides, schema)
+        check_hydra_app(entry, CONFIG_PATH, config_name, argv)
+    except RecipesError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    saved = sys.argv
+    sys.argv = [script, *argv]
+    try:
+        entry()
+    except SystemExit as stop:
+        if isinstance(stop.code, str):  # sys.exit("message"): printed, status 1
+            print(stop.code, file=sys.stderr)
+        return stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
+    finally:
+        sys.argv = saved
+        GlobalHydra.instance().clear()
+    return 0
+
+
+def generate_command(argv: Sequence[str]) -> int:
+    """``recipes-generate`` on ``argv``: print the prompt and its continuation; the exit
+    status."""
+    return run_command("recipes-generate", _generate, GenerateConfig, "generate", argv)
+
+
+def eval_command(argv: Sequence[str]) -> int:
+    """``recipes-eval`` on ``argv``: print the table (and write JSON); the exit status."""
+    return run_command("recipes-eval", _eval, EvalConfig, "eval", argv)
+
+
+def export_command(argv: Sequence[str]) -> int:
+    """``recipes-export`` on ``argv``: write the folder and say where; the exit status."""
+    return run_command("recipes-export", _export, ExportConfig, "export", argv)
+
+
+def generate_main() -> NoReturn:
+    """Entry point of ``recipes-generate``."""
+    sys.exit(generate_command(sys.argv[1:]))
+
+
+def eval_main() -> NoReturn:
+    """Entry point of ``recipes-eval``."""
+    sys.exit(eval_command(sys.argv[1:]))
+
+
+def export_main() -> NoReturn:
+    """Entry point of ``recipes-export``."""
+    sys.exit(export_command(sys.argv[1:]))
 
 
 def train_main() -> None:

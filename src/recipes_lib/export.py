@@ -18,10 +18,7 @@ match this library's within 1e-4, or the export fails with one line.
 from __future__ import annotations
 
 import logging
-import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,11 +29,11 @@ from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, read_hf_config
 from recipes_lib.checkpoint.layout import CHECKPOINTS_DIR, RunDir
 from recipes_lib.checkpoint.source import read_init_source
 from recipes_lib.checkpoint.weights import load_state_into, load_weights
-from recipes_lib.cli_args import dtype_arg, key_value_args, usage, wants_help
+from recipes_lib.config.commands import ExportConfig
 from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
-from recipes_lib.errors import CheckpointError, ConfigError, DataError, RecipesError
+from recipes_lib.errors import CheckpointError, DataError
 from recipes_lib.models import Transformer
 
 log = logging.getLogger(__name__)
@@ -209,67 +206,14 @@ def export_run(cfg: RunConfig, out: Path) -> Path | None:
 
 
 # ------------------------------------------------------------------------- CLI
-_DEFAULTS: dict[str, Any] = {
-    "checkpoint": None,
-    "out": None,
-    "tokenizer": None,
-    "dtype": "auto",
-    "check": "true",
-}
-_BOOLS = {"true": True, "false": False}
-_EXAMPLES = (
-    "recipes-export checkpoint=outputs/sft-full out=my-model",
-    "recipes-export checkpoint=runs/tiny/checkpoints/last.ckpt out=tiny-hf dtype=bfloat16",
-)
-
-
-def parse_args(argv: Sequence[str]) -> dict[str, Any]:
-    """``key=value`` arguments over :data:`_DEFAULTS`.
+def command(cfg: ExportConfig) -> None:
+    """The body of ``recipes-export`` (a Hydra app in :mod:`recipes_lib.cli`): write the
+    folder and print where it is.
 
     Raises:
-        ConfigError: an argument without ``=``, an unknown key, a bad value, or no
-            ``checkpoint`` or ``out``.
+        RecipesError: a bad checkpoint or tokenizer, or a failed check.
     """
-    args = key_value_args(argv, _DEFAULTS)
-    for key in ("checkpoint", "out"):
-        if not args[key]:
-            raise ConfigError(f"{key}=PATH is required")
-    dtype_arg(args["dtype"])  # a bad name fails here
-    if str(args["check"]).lower() not in _BOOLS:
-        raise ConfigError(f"check={args['check']!r} must be true or false")
-    return args
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``recipes-export``: write the folder and print where it is.
-
-    Returns:
-        0, or 2 after printing the error of a bad argument, checkpoint or check.
-    """
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if wants_help(argv):
-        print(usage("recipes-export", _DEFAULTS, _EXAMPLES, required=["checkpoint", "out"]))
-        return 0
-    try:
-        args = parse_args(argv)
-        folder = export_checkpoint(
-            args["checkpoint"],
-            args["out"],
-            args["tokenizer"],
-            dtype=dtype_arg(args["dtype"]),
-            check=_BOOLS[str(args["check"]).lower()],
-        )
-    except RecipesError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    folder = export_checkpoint(
+        cfg.checkpoint, cfg.out, cfg.tokenizer, dtype=cfg.dtype.torch_dtype(), check=cfg.check
+    )
     print(f"wrote {folder} (transformers, vLLM and PEFT load it)")
-    return 0
-
-
-def cli_main() -> None:
-    """Entry point of ``recipes-export``."""
-    sys.exit(main())
-
-
-if __name__ == "__main__":
-    cli_main()

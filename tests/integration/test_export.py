@@ -17,10 +17,11 @@ from hf_folders import TEMPLATE, write_chat_records
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
+from recipes_lib.cli import export_command as main
+from recipes_lib.cli import generate_command as generate_main
 from recipes_lib.config import compose_config
 from recipes_lib.errors import CheckpointError
-from recipes_lib.export import check_against_transformers, load_checkpoint, main
-from recipes_lib.generate import main as generate_main
+from recipes_lib.export import check_against_transformers, load_checkpoint
 from recipes_lib.train import run
 
 transformers = pytest.importorskip("transformers")
@@ -111,15 +112,19 @@ def test_a_pretraining_run_carries_its_tokenizer_and_recipes_export_writes_it(tm
 
 def test_recipes_export_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     assert main([f"checkpoint={tmp_path}"]) == 2
-    assert capsys.readouterr().err.strip() == "error: out=PATH is required"
+    assert capsys.readouterr().err.strip() == "error: out: required; pass out=PATH"
+    assert main([f"checkpoint={tmp_path}", "out=x", "check=maybe"]) == 2
+    assert capsys.readouterr().err.startswith("error: check=maybe: ")
     assert main([f"checkpoint={tmp_path / 'missing'}", f"out={tmp_path / 'hf'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and "missing" in err
-    assert main(["--help"]) == 0 and "checkpoint" in capsys.readouterr().out
+    assert main(["--help"]) == 0 and "checkpoint: ???" in capsys.readouterr().out
 
 
-def test_the_console_script_is_installed():
+def test_the_console_script_is_installed(tmp_path):
     script = Path(sys.executable).parent / "recipes-export"
-    command = [str(script)] if script.is_file() else [sys.executable, "-m", "recipes_lib.export"]
-    proc = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "usage: recipes-export" in proc.stdout
+    proc = subprocess.run(
+        [str(script), "--help"], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.returncode == 0 and "usage: recipes-export" in proc.stdout, proc.stderr
+    assert list(tmp_path.iterdir()) == []

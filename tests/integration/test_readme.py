@@ -23,12 +23,12 @@ from omegaconf import OmegaConf
 
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.weights import load_weights
+from recipes_lib.cli import eval_command as eval_main
 from recipes_lib.config import to_run_config
 from recipes_lib.data.chat.messages import record_messages
 from recipes_lib.data.chat.module import ChatDataModule
 from recipes_lib.data.chat.template import PLAIN_TEMPLATE
 from recipes_lib.data.records import split_records
-from recipes_lib.evaluation.command import main as eval_main
 
 ROOT = Path(__file__).resolve().parents[2]
 SFT_MIN_DROP = 0.3  # held-out SFT loss: start (the annealed weights) minus end, at least

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.weights import save_weights
+from recipes_lib.cli import generate_command as main
 from recipes_lib.config.schema import (
     KernelsConfig,
     ModelConfig,
@@ -20,7 +21,7 @@ from recipes_lib.config.schema import (
 )
 from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import CheckpointError, ConfigError, DataError
-from recipes_lib.generate import generate, load_for_generation, main, sample_token
+from recipes_lib.generate import generate, load_for_generation, sample_token
 from recipes_lib.models import KVCache, Transformer
 
 VOCAB = 300  # holds a byte-level BPE tokenizer (256 bytes + EOS + merges)
@@ -316,25 +317,46 @@ def test_cli_prints_the_prompt_and_its_continuation(tmp_path, tokenizer_file, ca
     assert capsys.readouterr().out == expected + "\n"
 
 
+def test_cli_takes_text_as_written_and_writes_nothing_in_the_folder(
+    tmp_path, tokenizer_file, capsys, monkeypatch
+):
+    model = build()
+    export_hf_checkpoint(model, model.config, tmp_path / "hf", tokenizer_file)
+    monkeypatch.chdir(tmp_path)
+    prompt = "a, b (c) [d] {e} ${f} it's \\ "
+    args = [f"checkpoint={tmp_path / 'hf'}", f"prompt={prompt}", "max_new_tokens=3"]
+    assert main([*args, "device=cpu", "seed=null", "tokenizer=null"]) == 0
+    assert capsys.readouterr().out.startswith(prompt)  # commas, brackets, ${ and spaces kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no outputs/, no .hydra/
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["prompt=x"], "checkpoint=PATH is required"),
-        (["checkpoint=/no/such/ckpt"], "/no/such/ckpt"),
-        (["checkpoint=x", "temprature=1"], "unknown argument 'temprature'"),
-        (["checkpoint=x", "max_new_tokens=many"], "bad number"),
-        (["checkpoint"], "not key=value"),
+        (["prompt=x"], "error: checkpoint: required; pass checkpoint=PATH"),
+        (["checkpoint=/no/such/ckpt"], "error: checkpoint='/no/such/ckpt': no such file"),
+        (
+            ["checkpoint=x", "temprature=1"],
+            "error: temprature=1: no such key (did you mean temperature?)",
+        ),
+        (["checkpoint=x", "max_new_tokens=many"], "error: max_new_tokens=many: Value 'many'"),
+        (["checkpoint=x", "top_p=[1]"], "error: top_p=[1]: "),
+        (["checkpoint=x", "dtype=float64"], "error: dtype=float64: Invalid value 'float64'"),
+        (["checkpoint=x", "temperature=0.5,1"], "error: temperature=0.5,1: a sweep"),
+        (["checkpoint=x", "-m"], "error: --multirun: recipes-generate runs one job"),
+        (["checkpoint"], "error: checkpoint: not key=value"),
     ],
 )
-def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
+def test_cli_errors_exit_2_with_one_line(argv, message, capsys):
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert not out and err.startswith(message) and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_cli_help_prints_the_keys_their_defaults_and_an_example(flag, capsys):
-    assert main([flag]) == 0
+    assert main([flag, "top_p=0.5"]) == 0
     out = capsys.readouterr().out
-    assert "checkpoint      (required)" in out
-    assert "max_new_tokens  64" in out
+    assert "checkpoint: ???" in out and "max_new_tokens: 64" in out
+    assert "top_p: 0.5" in out  # the defaults as this command line sets them
     assert "recipes-generate checkpoint=" in out

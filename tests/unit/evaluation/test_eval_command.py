@@ -9,10 +9,10 @@ from omegaconf import OmegaConf
 from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.weights import save_weights
+from recipes_lib.cli import eval_command as main
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
-from recipes_lib.evaluation.command import main
 from recipes_lib.models import Transformer
 
 
@@ -64,10 +64,35 @@ def one_line_error(capsys, *args) -> str:
 
 
 def test_bad_arguments_are_one_line(native_run, capsys):
-    assert "checkpoint=PATH is required" in one_line_error(capsys, "tasks=stdlib_bodies")
-    assert "tasks=NAME" in one_line_error(capsys, f"checkpoint={native_run}")
-    assert "unknown argument 'task'" in one_line_error(capsys, "task=x", "checkpoint=y")
-    assert "limit='many'" in one_line_error(capsys, "checkpoint=y", "tasks=a", "limit=many")
+    assert one_line_error(capsys, "tasks=stdlib_bodies") == (
+        "error: checkpoint: required; pass checkpoint=PATH"
+    )
+    line = one_line_error(capsys, f"checkpoint={native_run}")
+    assert line == "error: tasks: required; pass tasks=NAME[,NAME...]"
+    line = one_line_error(capsys, "task=x", "checkpoint=y")
+    assert line == "error: task=x: no such key (did you mean tasks?)"
+    line = one_line_error(capsys, "checkpoint=y", "tasks=a", "limit=many")
+    assert line.startswith("error: limit=many: Value 'many' of type 'str' could not be converted")
+    assert one_line_error(capsys, "checkpoint=y", "tasks=a", "limit=0").startswith(
+        "error: limit=0 must be at least 1"
+    )
+    assert "chat_template=maybe: " in one_line_error(
+        capsys, "checkpoint=y", "tasks=a", "chat_template=maybe"
+    )
+
+
+def test_task_lists_take_commas_or_brackets(native_run, tmp_path, capsys, monkeypatch):
+    choices = tmp_path / "choices.jsonl"
+    choices.write_text('{"context": "x", "choices": [" a", " b"], "answer": 0}\n')
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for tasks in (f"tasks=stdlib_bodies,{choices}", f"tasks=[stdlib_bodies,'{choices}']"):
+        code, out, err = run(capsys, f"checkpoint={native_run}", tasks, "limit=2")
+        assert code == 0, err
+        assert out.startswith(f"evaluation of {native_run}")
+        assert "stdlib_bodies" in out and "choices" in out
+    assert list(work.iterdir()) == []  # no outputs/, no .hydra/, no log file
 
 
 def test_a_bad_task_is_named_before_the_checkpoint_is_read(tmp_path, capsys):
@@ -94,6 +119,5 @@ def test_a_checkpoint_without_its_tokenizer_is_named(native_run, tmp_path, capsy
 def test_help_prints_the_keys_their_defaults_and_an_example(capsys):
     code, out, err = run(capsys, "--help")
     assert code == 0 and not err
-    assert "tasks          (required)" in out
-    assert "batch_size     256" in out
+    assert "tasks: ???" in out and "batch_size: 256" in out
     assert "recipes-eval checkpoint=" in out
