@@ -19,7 +19,6 @@ pre-flight compares the two and names every difference (:func:`init_model_mismat
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 from collections.abc import Mapping
@@ -44,8 +43,8 @@ from recipes_lib.checkpoint.weights import (
     load_weights,
     read_checkpoint,
 )
-from recipes_lib.config.model import block_option_defaults, field_differences
-from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
+from recipes_lib.config.model import field_differences
+from recipes_lib.config.schema import ModelConfig
 from recipes_lib.config.store import fill_from_init, from_init_fields
 from recipes_lib.errors import CheckpointError, ConfigError
 
@@ -92,34 +91,10 @@ def _hyperparameter_model(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
     return recorded_model(model)
 
 
-# block options added after records were first written: a record without one had the
-# default (ModelConfig's)
-BLOCK_OPTION_DEFAULTS = block_option_defaults()
-# RoPE scaling fields added since (longrope's), read as their defaults likewise
-ROPE_SCALING_DEFAULTS = asdict(RopeScalingConfig())
-
-
 def recorded_model(model: Any) -> dict[str, Any] | None:
-    """A model as a manifest, run config or checkpoint recorded it (ModelConfig fields).
-
-    Records written before ``model.family`` existed named no family; the two layouts of
-    that time were told apart by the q/k/v biases (Qwen2's), which is how such a record
-    is read. Every record written since names its family. Block options added since a
-    record was written (``qk_norm``, ``norm_placement``, ``nope_layers``,
-    ``partial_rotary_factor``, longrope's ``rope_scaling`` fields) read as their
-    defaults, which is what every model of that time had.
-    """
-    if not isinstance(model, dict):
-        return None
-    model = dict(model)
-    if "family" not in model:
-        model["family"] = "qwen2" if model.get("qkv_bias") else "llama"
-    for name, default in BLOCK_OPTION_DEFAULTS.items():
-        model.setdefault(name, copy.copy(default))
-    model.setdefault("head", "lm")  # every model before model.head had an LM head
-    if isinstance(model.get("rope_scaling"), dict):
-        model["rope_scaling"] = {**copy.deepcopy(ROPE_SCALING_DEFAULTS), **model["rope_scaling"]}
-    return model
+    """The ModelConfig fields a manifest, run config or checkpoint recorded (``asdict`` of
+    the config it was written from), or None when it recorded none."""
+    return dict(model) if isinstance(model, dict) else None
 
 
 def read_init_source(path: str | os.PathLike, key: str = "stage.init_from") -> InitSource:

@@ -219,7 +219,7 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
     with the defaults spelled out (``n_kv_heads``, ``head_dim``, ``nope_layers``), so two
     ways of writing one model compare equal."""
     values = asdict(model) if isinstance(model, ModelConfig) else dict(model)
-    # a record written before a field existed holds its default
+    # a field the mapping leaves out holds its default
     out = {name: values.get(name, _DEFAULTS.get(name)) for name in model_fields(*roles)}
     heads = values.get("n_heads")
     if "n_kv_heads" in out and out["n_kv_heads"] is None:
@@ -229,9 +229,9 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
     if "moe_ffn_dim" in out:  # the experts' width, or none in a dense model
         dense = not values.get("moe_experts")
         out["moe_ffn_dim"] = None if dense else out["moe_ffn_dim"] or values.get("ffn_dim")
-    for name in ("nope_layers", "window_layers", "moe_dense_layers"):  # none before the field
+    for name in ("nope_layers", "window_layers", "moe_dense_layers"):  # null and [] alike
         if name in out:
             out[name] = list(out[name] or [])
-    if isinstance(out.get("rope_scaling"), Mapping):  # one from before longrope's fields
+    if isinstance(out.get("rope_scaling"), Mapping):  # the fields a mapping leaves out hold their defaults
         out["rope_scaling"] = {**asdict(RopeScalingConfig()), **out["rope_scaling"]}
     return out

@@ -94,13 +94,10 @@ def handoff_from_manifest(manifest: StageManifest, label: str) -> Handoff:
 
 
 def checkpoint_last_lr(checkpoint: Mapping[str, Any]) -> float | None:
-    """The learning rate a Lightning checkpoint's run had reached."""
-    if checkpoint.get("last_lr") is not None:
-        return float(checkpoint["last_lr"])
-    # checkpoints written before the module recorded it: the scheduler's own record
-    schedulers = checkpoint.get("lr_schedulers") or [{}]
-    last_lrs = schedulers[0].get("_last_lr") or [None]
-    return float(last_lrs[0]) if last_lrs[0] is not None else None
+    """The learning rate a Lightning checkpoint's run had reached (``last_lr``, which the
+    training module records beside its scheduler), or None for a run without one."""
+    last_lr = checkpoint.get("last_lr")
+    return float(last_lr) if last_lr is not None else None
 
 
 def handoff_from_path(path: str | Path, stage: StageSpec) -> Handoff:

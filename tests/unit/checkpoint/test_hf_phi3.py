@@ -332,8 +332,8 @@ def test_the_defaults_rotate_whole_heads_as_before():
     assert torch.equal(half[..., 4:], q[..., 4:])
 
 
-def test_a_record_from_before_the_options_reads_their_defaults():
-    old = {
+def test_fields_a_record_leaves_out_compare_as_their_defaults():
+    partial = {
         "family": "llama",
         "vocab_size": 64,
         "dim": 32,
@@ -344,12 +344,13 @@ def test_a_record_from_before_the_options_reads_their_defaults():
         "rope_scaling": {"type": "none", "factor": 1.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_seq_len": 8192},
     }  # fmt: skip
-    record = recorded_model(old)
-    assert record["partial_rotary_factor"] == 1.0
-    assert record["rope_scaling"]["short_factor"] == []
+    assert recorded_model(partial) == partial  # read as recorded, nothing guessed
     now = tiny_model_config(n_kv_heads=None)
     roles = ("shape", "compute", "context")
-    assert resolved_model_fields(old, *roles) == resolved_model_fields(now, *roles)
+    assert resolved_model_fields(partial, *roles) == resolved_model_fields(now, *roles)
+    assert resolved_model_fields(partial, *roles) != resolved_model_fields(
+        tiny_model_config(n_kv_heads=None, partial_rotary_factor=0.5), *roles
+    )
 
 
 def test_the_phi4_mini_preset_has_transformers_parameter_count():

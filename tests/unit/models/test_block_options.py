@@ -238,13 +238,13 @@ def test_activation_checkpointing_gives_the_same_gradients(shape):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_a_record_from_before_the_options_reads_as_their_defaults():
+def test_options_a_record_leaves_out_read_as_their_defaults():
     config = tiny()
     options = ("qk_norm", "norm_placement", "nope_layers")
     record = {k: v for k, v in asdict(config).items() if k not in options}
     assert resolved_model_fields(record, "shape") == resolved_model_fields(config, "shape")
     assert resolved_model_fields(record, "shape") != resolved_model_fields(tiny(**OLMO2), "shape")
-    # nope_layers is a compute option: a record without it had RoPE in every layer
+    # nope_layers is a compute option: left out, RoPE is in every layer
     compute = resolved_model_fields(record, "compute")
     assert compute == resolved_model_fields(config, "compute")
     assert compute != resolved_model_fields(tiny(nope_layers=[1]), "compute")
