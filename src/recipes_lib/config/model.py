@@ -232,6 +232,6 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
     for name in ("nope_layers", "window_layers", "moe_dense_layers"):  # null and [] alike
         if name in out:
             out[name] = list(out[name] or [])
-    if isinstance(out.get("rope_scaling"), Mapping):  # the fields a mapping leaves out hold their defaults
+    if isinstance(out.get("rope_scaling"), Mapping):  # fields left out hold their defaults
         out["rope_scaling"] = {**asdict(RopeScalingConfig()), **out["rope_scaling"]}
     return out
