@@ -5,7 +5,7 @@ Hydra application.
     recipes-train recipe=pretrain/tiny optim.lr=1e-3
     recipes-prepare recipe=pretrain/gpt_124m data=local_text data.sources.main.path=corpus/
     recipes-pipeline pipeline=demo stages.anneal.trainer.max_steps=200
-    recipes-check recipe=pretrain/llama_1b trainer.max_steps=5000   (or run.preflight=true)
+    recipes-check recipe=pretrain/llama_1b trainer.max_steps=5000   (or run.launch_check=true)
     recipes-generate checkpoint=runs/tiny prompt="def " max_new_tokens=64
     recipes-eval checkpoint=runs/tiny tasks=stdlib_bodies,my_tasks.jsonl limit=100
     recipes-export checkpoint=runs/tiny out=tiny-hf dtype=bfloat16
@@ -112,7 +112,7 @@ def _launch_check(cfg: DictConfig) -> None:
 def _train(cfg: DictConfig) -> float | None:
     configure_console()
     _join_submitit_job()
-    if cfg.run.preflight:  # the pre-launch check instead of a run
+    if cfg.run.launch_check:  # the pre-launch check instead of a run
         _launch_check(cfg)
         return None
     from recipes_lib.callbacks.preemption import Preempted

@@ -251,15 +251,15 @@ def check_run_config(cfg: RunConfig) -> None:
     :func:`recipes_lib.preflight.check_run`).
 
     Raises:
-        ConfigError: the first problem found, naming its keys; ``run.preflight=true``,
+        ConfigError: the first problem found, naming its keys; ``run.launch_check=true``,
             which asks for the pre-launch check instead of a run.
     """
     check_run(cfg, objectives=tuple(OBJECTIVES))
-    if cfg.run.preflight:
+    if cfg.run.launch_check:
         raise ConfigError(
-            "run.preflight=true asks for the pre-launch check, not a run: use recipes-check "
+            "run.launch_check=true asks for the pre-launch check, not a run: use recipes-check "
             "or recipes-train (or recipes_lib.launch_check.check_launch); set "
-            "run.preflight=false to train"
+            "run.launch_check=false to train"
         )
 
 

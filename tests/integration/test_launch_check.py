@@ -1,5 +1,5 @@
 """The pre-launch check end to end on the tiny recipe: ``recipes-check`` and
-``recipes-train ... run.preflight=true`` print a row per check and exit non-zero on a
+``recipes-train ... run.launch_check=true`` print a row per check and exit non-zero on a
 problem, naming it; the live checks catch data repeated too often and a checkpoint that
 does not load back."""
 
@@ -76,7 +76,7 @@ def test_recipes_check_fails_a_config_the_preflight_refuses(tmp_path, shared_cac
 
 @pytest.mark.slow
 def test_recipes_train_with_run_preflight_checks_and_trains_nothing(tmp_path, shared_cache):
-    overrides = tiny_overrides(tmp_path, shared_cache, "run.preflight=true")
+    overrides = tiny_overrides(tmp_path, shared_cache, "run.launch_check=true")
     proc = _run("recipes-train", *overrides, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert list(_rows(proc.stdout)) == list(CHECKS)
@@ -89,8 +89,8 @@ def test_run_refuses_to_train_with_run_preflight(tiny_cfg):
     from recipes_lib.errors import ConfigError
     from recipes_lib.train import run
 
-    with pytest.raises(ConfigError, match="run.preflight=true"):
-        run(tiny_cfg("run.preflight=true"))
+    with pytest.raises(ConfigError, match="run.launch_check=true"):
+        run(tiny_cfg("run.launch_check=true"))
 
 
 @pytest.mark.slow

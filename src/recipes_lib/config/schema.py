@@ -370,7 +370,7 @@ class RunInfoConfig:
     allowed_targets: list[str] = field(default_factory=list)
     # run the pre-launch check (recipes_lib.launch_check) instead of training: recipes-train
     # prints its table and exits, non-zero on a problem (the same as recipes-check)
-    preflight: bool = False
+    launch_check: bool = False
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The pre-launch check (``recipes-check``, or ``recipes-train ... run.preflight=true``):
+"""The pre-launch check (``recipes-check``, or ``recipes-train ... run.launch_check=true``):
 what a run will need and whether it can start, before it does.
 
 :func:`check_launch` runs the checks (:mod:`.check`) and returns their rows;

@@ -167,8 +167,8 @@ def _guarded(report: LaunchReport, check: str, fn: Callable[[], None]) -> None:
 
 
 def _preflight(cfg: RunConfig, report: LaunchReport) -> bool:
-    # the check itself runs with run.preflight=true, which run() refuses to train with
-    checked = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, preflight=False))
+    # the check itself runs with run.launch_check=true, which run() refuses to train with
+    checked = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, launch_check=False))
     try:
         check_run_config(checked)
     except Exception as err:

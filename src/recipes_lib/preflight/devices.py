@@ -11,7 +11,7 @@ import torch
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
-from recipes_lib.optim.choices import check_optimizer
+from recipes_lib.optim.choices import check_optimizer, get_optimizer_spec
 from recipes_lib.parallel.fp8 import check_fp8_settings, float8_all_gather, fp8_plan
 from recipes_lib.parallel.precision import (
     FP8_INSTALL_HINT,
@@ -158,17 +158,26 @@ def _device_count(devices: object) -> int | None:
 
 
 def check_optimizer_choice(cfg: RunConfig, spec) -> None:
-    """The optimizer and its arguments; Muon's whole matrices; moments to carry over."""
-    check_optimizer(cfg.optim)
-    if cfg.optim.name == "muon" and spec.steps_in_engine:
+    """The optimizer and its arguments, and what its spec says it works with: a strategy
+    that steps its own optimizer, sharded parameters, moments to carry over."""
+    optimizer = get_optimizer_spec(cfg.optim.name)
+    if not optimizer.engine_steps and spec.steps_in_engine:
+        able = ", ".join(s for s, other in STRATEGIES.items() if not other.steps_in_engine)
         raise ConfigError(
-            f"optim.name=muon is torch.optim.Muon, and strategy={spec.name} steps its own "
-            "optimizer; use strategy=single, ddp, fsdp or hsdp"
+            f"optim.name={optimizer.name} cannot be stepped by strategy={spec.name}, which "
+            f"steps its own optimizer; use strategy={able}"
         )
-    if cfg.stage.init_optimizer and cfg.optim.name != "adamw":
+    if not optimizer.sharded_params and spec.shard is not None:
+        able = ", ".join(s for s, other in STRATEGIES.items() if other.shard is None)
+        raise ConfigError(
+            f"optim.name={optimizer.name} steps whole tensors, and strategy={spec.name} "
+            f"shards the parameters; use strategy={able}"
+        )
+    if cfg.stage.init_optimizer and not optimizer.adam_moments:
         raise ConfigError(
             f"stage.init_optimizer=true carries AdamW's moments; optim.name={cfg.optim.name}"
         )
+    check_optimizer(cfg.optim)
 
 
 def check_expert_parallel(cfg: RunConfig, spec, devices: int | None) -> None:
