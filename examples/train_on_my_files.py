@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from recipes_lib.config import compose_config
-from recipes_lib.train import run
+from recipes_lib import compose_config, run
 
 
 def main(folder: str, overrides: list[str]) -> None:
