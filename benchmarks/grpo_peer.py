@@ -169,11 +169,11 @@ def run_recipes_lib_step(args, root: Path, start: float) -> dict:
         f"data.path={root / 'prompts.jsonl'}",
         f"data.seq_len={args.max_prompt + args.new_tokens}",
         f"data.batch_size={args.prompts}",
-        f"grpo.completions_per_prompt={args.k}",
-        f"grpo.max_new_tokens={args.new_tokens}",
-        "grpo.updates_per_batch=1",
-        "grpo.loss_norm=sequence",
-        "grpo.kl_coef=0",
+        f"stage.grpo.completions_per_prompt={args.k}",
+        f"stage.grpo.max_new_tokens={args.new_tokens}",
+        "stage.grpo.updates_per_batch=1",
+        "stage.grpo.loss_norm=sequence",
+        "stage.grpo.kl_coef=0",
         f"trainer.max_steps={args.warmup_steps + args.steps + 1}",
         "trainer.val_check_interval=null",
         "trainer.limit_val_batches=0",
@@ -190,7 +190,7 @@ def run_recipes_lib_step(args, root: Path, start: float) -> dict:
         *args.override,
     ]
     cfg = compose_config(overrides)
-    cfg.grpo.rewards = REWARD
+    cfg.stage.grpo.rewards = REWARD
     clock = lightning_clock()
     result = run(cfg, callbacks=[clock])
     report = figures(clock.ends, clock.tokens, args.warmup_steps, start)

@@ -119,13 +119,16 @@ RECIPES: dict[str, tuple[str, tuple[str, ...]]] = {
     "sft_lora": ("sft/lora", ()),
     "sft_qlora": ("sft/qlora", ()),
     "dpo_live": ("dpo/full", ()),
-    "dpo_precomputed": ("dpo/full", ("preference.precompute_reference=true",)),
-    "orpo": ("dpo/full", ("preference.loss=orpo", "preference.beta=0.1")),
-    "simpo": ("dpo/full", ("preference.loss=simpo", "preference.beta=2.0", "preference.gamma=1.0")),
+    "dpo_precomputed": ("dpo/full", ("stage.dpo.precompute_reference=true",)),
+    "orpo": ("dpo/full", ("stage.objective=orpo", "stage.orpo.odds_ratio_weight=0.1")),
+    "simpo": (
+        "dpo/full",
+        ("stage.objective=simpo", "stage.simpo.beta=2.0", "stage.simpo.gamma=1.0"),
+    ),
     "kto": ("kto/full", ()),
     "reward": ("reward/full", ()),
     "distill": ("distill/full", ()),
-    "grpo": ("grpo/full", ("grpo.kl_coef=0",)),
+    "grpo": ("grpo/full", ("stage.grpo.kl_coef=0",)),
 }
 # a side that has no trainer for an objective: (side, objective) -> why; none today,
 # TRL 1.16 has each of them (some under trl.experimental)
@@ -268,7 +271,7 @@ def our_overrides(args, cell: Cell, root: Path) -> list[str]:
         *(["trainer=cpu"] if args.smoke else []),
     ]
     if cell.objective == "distill":
-        overrides.append(f"distill.teacher_from={folder}")
+        overrides.append(f"stage.distill.teacher_from={folder}")
     if cell.settings == "matched":
         overrides.append("kernels.activation_checkpointing=true")
         if cell.objective != "grpo":
@@ -277,9 +280,9 @@ def our_overrides(args, cell: Cell, root: Path) -> list[str]:
             overrides += [
                 f"data.batch_size={args.prompts}",
                 f"data.seq_len={args.max_prompt + args.new_tokens}",
-                f"grpo.completions_per_prompt={args.k}",
-                f"grpo.max_new_tokens={args.new_tokens}",
-                "grpo.updates_per_batch=1",
+                f"stage.grpo.completions_per_prompt={args.k}",
+                f"stage.grpo.max_new_tokens={args.new_tokens}",
+                "stage.grpo.updates_per_batch=1",
             ]
         else:
             overrides.append(f"data.seq_len={args.seq_len}")
@@ -289,8 +292,8 @@ def our_overrides(args, cell: Cell, root: Path) -> list[str]:
         overrides += [
             f"data.batch_size={args.prompts}",
             f"data.seq_len={args.max_prompt + args.new_tokens}",
-            f"grpo.completions_per_prompt={args.k}",
-            f"grpo.max_new_tokens={args.new_tokens}",
+            f"stage.grpo.completions_per_prompt={args.k}",
+            f"stage.grpo.max_new_tokens={args.new_tokens}",
         ]
     elif args.smoke:
         overrides += [f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch_size}"]
@@ -304,7 +307,7 @@ def run_ours(args, cell: Cell, root: Path, start: float) -> dict:
     cfg = compose_config(our_overrides(args, cell, root))
     if cell.objective == "grpo":
         fn = {"_target_": "recipes_lib.rewards.format_match", "pattern": FORMAT}
-        cfg.grpo.rewards = {"format": {"weight": 1.0, "fn": fn}}
+        cfg.stage.grpo.rewards = {"format": {"weight": 1.0, "fn": fn}}
     clock = lightning_clock()
     result = run(cfg, callbacks=[clock])
     report = figures(clock.ends, clock.tokens, steps(args, cell.objective)[0], start)

@@ -146,9 +146,12 @@ def run_recipes_lib(args, case: str, root: Path, start: float) -> dict:
     if case == "sft_lora":
         overrides += [f"adapter.r={LORA['r']}", f"adapter.alpha={LORA['alpha']}"]
     if preference:
-        loss = "orpo" if case == "orpo" else "sigmoid"
-        overrides += [f"preference.loss={loss}", f"preference.beta={BETA}"]
-        overrides.append(f"preference.precompute_reference={case == 'dpo_precomputed'}".lower())
+        if case == "orpo":
+            overrides += ["stage.objective=orpo", f"stage.orpo.odds_ratio_weight={BETA}"]
+        else:
+            precompute = str(case == "dpo_precomputed").lower()
+            overrides += ["stage.dpo.loss=sigmoid", f"stage.dpo.beta={BETA}"]
+            overrides.append(f"stage.dpo.precompute_reference={precompute}")
     clock = lightning_clock()
     before = compile_counts()
     result = run(compose_config(overrides), callbacks=[clock])
