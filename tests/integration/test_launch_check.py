@@ -75,7 +75,7 @@ def test_recipes_check_fails_a_config_the_preflight_refuses(tmp_path, shared_cac
 
 
 @pytest.mark.slow
-def test_recipes_train_with_run_preflight_checks_and_trains_nothing(tmp_path, shared_cache):
+def test_recipes_train_with_run_launch_check_checks_and_trains_nothing(tmp_path, shared_cache):
     overrides = tiny_overrides(tmp_path, shared_cache, "run.launch_check=true")
     proc = _run("recipes-train", *overrides, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -85,7 +85,7 @@ def test_recipes_train_with_run_preflight_checks_and_trains_nothing(tmp_path, sh
     assert "finished at step" not in proc.stdout + proc.stderr
 
 
-def test_run_refuses_to_train_with_run_preflight(tiny_cfg):
+def test_run_refuses_to_train_with_run_launch_check(tiny_cfg):
     from recipes_lib.errors import ConfigError
     from recipes_lib.train import run
 
