@@ -138,6 +138,8 @@ def _train(cfg: DictConfig) -> float | None:
             result.compiled["graphs"],
             result.compiled["recompile_limit_hits"],
         )
+    if result.start:  # where the time to the first step went
+        log.info("  start: %s", ", ".join(f"{k} {v:.1f}s" for k, v in result.start.items()))
     rollbacks = result.guard.get("rollbacks", [])
     if result.guard.get("skipped_updates") or rollbacks:
         moved = sum(r["skipped_batches"] for r in rollbacks)

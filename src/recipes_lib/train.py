@@ -39,6 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipes_lib.callbacks.batch_ramp import BatchRamp
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.preemption import Preemption
+from recipes_lib.callbacks.start import StartClock
 from recipes_lib.callbacks.summary import ModelSizeSummary
 from recipes_lib.checkpoint.io import VerifiedCheckpointIO
 from recipes_lib.checkpoint.layout import RunDir
@@ -109,6 +110,8 @@ class RunResult:
     guard: dict[str, Any] = field(default_factory=dict)
     # what torch.compile compiled: graphs, recompile-limit hits (recipes_lib.kernels.compiled)
     compiled: dict[str, int] = field(default_factory=dict)
+    # seconds to the first step: import, data, load, compile, first_step, total
+    start: dict[str, float] = field(default_factory=dict)
     # the experiment trackers among its loggers (W&B, MLflow: recipes_lib.trackers)
     trackers: list[Any] = field(default_factory=list, repr=False)
     hf_path: Path | None = None  # hf/: the output weights as a Hugging Face folder
@@ -280,6 +283,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         Preempted: SIGTERM or SIGUSR1 stopped training at a checkpoint (a ``SystemExit``
             with status 75, :mod:`recipes_lib.callbacks.preemption`).
     """
+    clock = StartClock(time.perf_counter())  # the start's split (import, data, ...)
     if isinstance(cfg, DictConfig):
         cfg = fill_model_from_init(cfg)  # model=from_init: the shape of stage.init_from
     cfg = resolve_device_choices(to_run_config(cfg))
@@ -287,8 +291,9 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:
         log.info("%s", widened)  # code of the user's own, trusted on the command line
     with hold_run_dir(cfg.run.dir), watch_compiles() as compiled:  # one run at a time
-        result = _run(cfg, callbacks)
+        result = _run(cfg, [*callbacks, clock])
     result.compiled = compiled.as_dict()
+    result.start = clock.seconds
     return result
 
 
