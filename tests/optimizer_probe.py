@@ -16,10 +16,10 @@ class ProbeModel(nn.Module):
     moments begin, one of a size that is no multiple of 256), biases, a norm gain, a
     stack of expert matrices (3-D) and an untied output head."""
 
-    def __init__(self, vocab: int = 300, dim: int = 64, hidden: int = 136):
+    def __init__(self, vocab: int = 300, dim: int = 64, hidden: int = 130):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
-        self.up = nn.Linear(dim, hidden)  # 8,704 weights
+        self.up = nn.Linear(dim, hidden)  # 8,320 weights: 32.5 blocks of 256
         self.down = nn.Linear(hidden, dim, bias=False)
         self.gate = nn.Linear(dim, 24, bias=False)  # 1,536: below min_8bit_size
         self.norm = nn.RMSNorm(dim)

@@ -1,7 +1,7 @@
 """Per-GPU memory of a run, from its config: what :func:`estimate_memory` adds up.
 
 The figure is the peak of ``torch.cuda.max_memory_allocated`` over a training step
-once AdamW's moments exist, plus what PyTorch's allocator never sees (the CUDA context).
+once the optimizer state exists, plus what PyTorch's allocator never sees (the CUDA context).
 A step passes through these moments; the largest is the peak (``P`` parameters, ``G``
 gradients, ``O`` optimizer state, per rank):
 
@@ -22,10 +22,11 @@ Storage: fp32 weights under ``32-true``, ``bf16-mixed`` and ``fp8`` (float8 cast
 transient), bf16 under ``bf16-true``; QLoRA's targeted base linears in 4-bit NF4 with
 their absmax constants; under ``bf16-mixed`` the frozen projections of a LoRA base and of
 a frozen model (DPO's reference, a teacher: built whole first) in bf16. Gradients and
-AdamW's two moments exist for trainable parameters only (LoRA: the adapters), in the
-parameter's dtype. A strategy divides what its
+optimizer state exist for trainable parameters only (LoRA: the adapters); the state is
+what the ``optim`` choice's spec says it keeps for their shapes and dtype
+(:mod:`recipes_lib.launch_check.optimizer_state`). A strategy divides what its
 :class:`~recipes_lib.parallel.strategy.StrategySpec` declares in ``sharded_state`` by the
-world size, and ``strategy.cpu_offload`` moves that (and AdamW's step) to the host.
+world size, and ``strategy.cpu_offload`` moves that (and the optimizer's step) to the host.
 
 Weight copies: under bf16-mixed autocast casts each weight to bf16 at its matmul and
 the matmul keeps the copy for its backward, so without activation checkpointing every
@@ -52,6 +53,7 @@ from recipes_lib.launch_check.activations import (
     DecoderShape,
     block_bytes_per_token,
 )
+from recipes_lib.launch_check.optimizer_state import optimizer_state_bytes
 from recipes_lib.launch_check.parameters import (
     ParameterCounts,
     adapted_linears,
@@ -80,8 +82,6 @@ WORKSPACE_BYTES = 64 * 2**20
 NF4_BYTES = 0.5
 NF4_BLOCK = 64
 NF4_DOUBLE_QUANT_GROUP = 256
-# AdamW keeps two moments per trainable parameter, each in the parameter's dtype.
-ADAM_MOMENTS = 2
 # Activation checkpointing: while a block's backward runs, its recomputed activations
 # and their gradients (about as large again) exist beside the stored block inputs.
 RECOMPUTED_BLOCKS = 2.0
@@ -114,7 +114,7 @@ class MemoryEstimate:
         parameters: the weights this rank keeps on the device.
         gradients: gradients of the trainable weights at the peak (0 where the peak
             comes before they exist).
-        optimizer: AdamW's moments on the device.
+        optimizer: the optimizer's state on the device.
         activations: tensors kept for the backward at the peak.
         logits: the loss's logits and their fp32 copies and gradients at the peak.
         transient: weight copies (bf16 casts, gathered FSDP blocks) and the
@@ -235,9 +235,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     frozen_params, frozen_bytes, frozen_sharded = _frozen_model(cfg, lora)
     parameters += share("parameters", frozen_bytes) if frozen_sharded else frozen_bytes
     gradients = share("gradients", weights.trainable * weight_bytes)
-    optimizer = (
-        0.0 if offload else share("optimizer", weights.trainable * ADAM_MOMENTS * weight_bytes)
-    )
+    optimizer = 0.0 if offload else share("optimizer", optimizer_state_bytes(cfg))
     rope = 2 * shape.max_seq_len * shape.head_dim * 4  # cos and sin, fp32
     buffers = rope + (WORKSPACE_BYTES if _on_cuda(cfg) else 0)
 

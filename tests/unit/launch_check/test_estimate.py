@@ -13,6 +13,7 @@ from recipes_lib.launch_check import estimate_memory, step_time, token_budget
 from recipes_lib.launch_check.activations import DecoderShape
 from recipes_lib.launch_check.budget import ASSUMED_MFU, step_flops
 from recipes_lib.launch_check.memory import nf4_bytes_per_weight
+from recipes_lib.launch_check.optimizer_state import trainable_parameters
 from recipes_lib.launch_check.parameters import ParameterCounts
 from recipes_lib.models import Transformer
 
@@ -34,6 +35,11 @@ def cfg_of(*overrides: str):
 def meta_params(cfg) -> int:
     with torch.device("meta"):
         return Transformer(cfg.model).num_params()
+
+
+def meta_tensors(cfg) -> int:
+    with torch.device("meta"):
+        return len(list(Transformer(cfg.model).parameters()))
 
 
 @pytest.mark.parametrize(
@@ -73,7 +79,8 @@ def test_full_training_stores_weights_gradients_and_two_moments(precision, weigh
     est = estimate_memory(cfg, world_size=1)
     assert est.parameters == n * weight  # fp32 master weights under bf16-mixed
     assert est.gradient_bytes == n * grad
-    assert est.optimizer == n * moments
+    # AdamW: two moments per parameter, a 4-byte step count per tensor
+    assert est.optimizer == n * moments + 4 * meta_tensors(cfg)
     assert est.overhead == 0  # no CUDA context on a CPU
     assert est.allocated == max(est.build, sum_of_pieces(est))
     assert est.total == est.allocated + est.overhead
@@ -132,7 +139,7 @@ def test_lora_trains_only_the_adapters_and_qlora_stores_the_base_in_4_bit():
     linears = shape.linears()
     assert adapters == shape.n_layers * 4 * sum(i + o for i, o in linears.values())
     assert lora.gradient_bytes == adapters * 4
-    assert lora.optimizer == adapters * 8
+    assert lora.optimizer == adapters * 8 + 4 * 2 * shape.n_layers * len(linears)  # A and B
     assert lora.parameters == (meta_params(lora_cfg) + adapters) * 4
     base = shape.n_layers * sum(i * o for i, o in linears.values())
     assert ParameterCounts.of(shape, lora_cfg).narrowed == base  # a dense model's linears
@@ -205,8 +212,13 @@ def test_adapters_on_the_experts_are_counted_as_the_model_makes_them():
     )
     counted = ParameterCounts.of(DecoderShape.of(cfg), cfg)
     model = apply_adapter(Transformer(cfg.model), cfg.adapter)
-    made = sum(p.numel() for n, p in model.named_parameters() if ".lora_" in n)
-    assert counted.adapters == made and estimate_memory(cfg).optimizer == made * 8
+    adapters = [p for n, p in model.named_parameters() if ".lora_" in n]
+    made = sum(p.numel() for p in adapters)
+    assert counted.adapters == made
+    # the optimizer state is counted over tensors of the shapes the model makes
+    counted_shapes = sorted(p.shape for p in trainable_parameters(cfg))
+    assert counted_shapes == sorted(tuple(p.shape) for p in adapters)
+    assert estimate_memory(cfg).optimizer == made * 8 + 4 * len(adapters)
 
 
 def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(tmp_path):

@@ -97,8 +97,14 @@ def test_muon_given_a_1d_parameter_is_refused_by_name():
     [
         (
             ["optim=muon", "strategy=deepspeed_zero2"],
-            "optim.name=muon is torch.optim.Muon, and strategy=deepspeed_zero2 steps its own",
+            "optim.name=muon cannot be stepped by strategy=deepspeed_zero2, which steps its "
+            "own optimizer; use strategy=single, ddp, fsdp, hsdp",
         ),
+        (
+            ["optim=adamw_8bit", "strategy=fsdp"],
+            "optim.name=adamw_8bit steps whole tensors, and strategy=fsdp shards the parameters",
+        ),
+        (["optim.name=adam8bit"], "optim.name='adam8bit' is not one of adamw, adamw_8bit"),
         (
             ["optim.name=SGD", "+optim.args.lr_decay=1"],
             "optim.args.lr_decay is not an argument of SGD",
