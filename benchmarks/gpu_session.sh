@@ -32,7 +32,8 @@
 #
 # One posttrain call fills about 18 side processes (one objective: 3 data shapes x 2
 # settings x 3 sides); `posttrain_matrix.py --dry-run --objectives ...` prints a part's
-# plan and a rough time. The matrix file in benchmarks/results/ is copied to $OUT first,
+# plan and a rough time. dpo_precomputed and grpo take two calls each (add `--data
+# short,long`, then `--data heavy`); the matrix starts no side past its 480 s budget. The matrix file in benchmarks/results/ is copied to $OUT first,
 # so each call adds its cells to the card's file.
 #
 # Jobs that run at once each get their own GPUs (CUDA_VISIBLE_DEVICES); no two timed
