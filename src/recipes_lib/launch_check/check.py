@@ -192,7 +192,7 @@ def _size(n: float) -> str:
 _PARTS = (
     ("parameters", "parameters"),
     ("gradients", "gradients"),
-    ("optimizer", "AdamW"),
+    ("optimizer", "optimizer state"),
     ("activations", "activations"),
     ("logits", "logits"),
     ("transient", "weight copies"),

@@ -4,7 +4,7 @@ They run what :func:`recipes_lib.train.run` runs, on this machine, into a scratc
 that is removed afterwards: the objective's data module (prepared and set up, so a
 missing or empty source fails here), its LightningModule under the configured
 strategy and precision for two optimizer steps of one micro-batch each (the second
-has AdamW's moments, so its memory is the run's steady state), and a save and load of
+has the optimizer's state, so its memory is the run's steady state), and a save and load of
 that trained state through the strategy's own checkpoint path.
 """
 
@@ -32,7 +32,7 @@ from recipes_lib.train import OBJECTIVES, batch_schedule, build_stage, build_tra
 # Muennighoff et al. (2023) find up to about 4 epochs of repeated data nearly as good
 # as fresh data, and quickly diminishing returns after that.
 MAX_DATA_REPEATS = 4.0
-LIVE_STEPS = 2  # the second step has AdamW's moments: the steady state's memory
+LIVE_STEPS = 2  # the second step has the optimizer's state: the steady state's memory
 _FINGERPRINT_CHUNK = 1 << 24  # bytes hashed per kernel launch
 _FINGERPRINT_PRIME = 65521
 
@@ -193,7 +193,7 @@ class RoundTrip:
 
 
 def checkpoint_round_trip(trainer: L.Trainer, module: L.LightningModule, folder: Path) -> RoundTrip:
-    """Save the trained state, change every float weight and AdamW moment, load the
+    """Save the trained state, change every float weight and optimizer state, load the
     checkpoint back and compare each tensor's bytes with what was saved.
 
     Each tensor is compared by a position-weighted sum of its bytes computed on its

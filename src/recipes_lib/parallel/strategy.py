@@ -65,7 +65,7 @@ def _zero(stage: int) -> BuildStrategy:
             timeout=strategy_timeout(config),
         )
         if config.cpu_offload:
-            # the module's own AdamW steps on the CPU copy; DeepSpeed otherwise insists
+            # the module's own optimizer steps on the CPU copy; DeepSpeed otherwise insists
             # on its compiled CPU Adam
             strategy.config["zero_force_ds_cpu_optimizer"] = False
         return strategy

@@ -6,7 +6,7 @@ batches carry tokens under other keys, :meth:`CausalLMModule.count_tokens`).
 
 Set-up order under a Trainer: ``configure_model`` builds the model (on the strategy's
 device, seeded by the run's seed), the strategy wraps it, ``configure_optimizers``
-builds AdamW from the wrapped model, a resumed checkpoint restores weights, optimizer,
+builds the optimizer from the wrapped model, a resumed checkpoint restores weights, optimizer,
 ``tokens_seen`` and RNG states, and ``on_fit_start`` checks that the attention kernel
 supports the device, dtype and document masking before the first step.
 """
@@ -59,7 +59,7 @@ class CausalLMModule(L.LightningModule):
 
     Args:
         model, kernels, optim, scheduler: the decoder's shape; the attention backend,
-            per-block compilation and chunked loss; AdamW; the learning-rate schedule.
+            per-block compilation and chunked loss; the optimizer; the learning-rate schedule.
         total_steps: Optimizer steps of the run (the schedule's length).
         tokens_per_step: Tokens per optimizer step over all ranks and accumulated
             micro-batches (for token-denominated schedules).

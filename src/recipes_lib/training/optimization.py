@@ -1,7 +1,7 @@
 """The optimizer and learning-rate schedule a stage trains with, in Lightning's form,
 and what happens to the gradients around each optimizer step.
 
-AdamW over the trained parameters (:func:`recipes_lib.optim.build_optimizer`), its
+The optimizer ``optim`` chooses (:func:`recipes_lib.optim.build_optimizer`), AdamW's
 moments carried over from ``stage.init_from`` with ``stage.init_optimizer``, and the
 run's schedule stepped once per optimizer step, its token lengths counted in the batch
 ramp's steps (a rollback's lower learning rate is applied once the fit has restored its
