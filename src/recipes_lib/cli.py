@@ -305,7 +305,8 @@ def run_command(
     Its text keys are taken as written and its list keys take comma-separated items
     (:func:`~recipes_lib.config.commands.command_line`); an override naming a missing
     key or holding a value of the wrong type, a sweep, or a config that would run code
-    (:func:`_check_hydra_config`) is one line on stderr and status 2, before Hydra acts.
+    (:func:`~recipes_lib.config.hydra_guard.check_hydra_app`) is one line on stderr and
+    status 2, before Hydra acts.
     """
     from hydra._internal.utils import get_args_parser
     from hydra.core.global_hydra import GlobalHydra
