@@ -64,8 +64,9 @@ class BatchRamp(Callback):
 
             return zero_grad_fn
 
-        epoch_loop._accumulated_batches_reached = accumulated_batches_reached
-        optimization._make_zero_grad_fn = make_zero_grad_fn
+        # replaces two of Lightning's methods on these instances (see the module docstring)
+        epoch_loop._accumulated_batches_reached = accumulated_batches_reached  # type: ignore[method-assign]
+        optimization._make_zero_grad_fn = make_zero_grad_fn  # type: ignore[method-assign]
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import lightning as L
 import torch
@@ -31,6 +31,7 @@ from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
     from recipes_lib.evaluation.choice import ChoiceTask
+    from recipes_lib.models.transformer import Transformer
 
 # recipes_lib.evaluation is imported when the callback is built: the tasks it reads pull
 # in the data package, which a run without this callback need not import
@@ -76,7 +77,7 @@ class DownstreamEval(OptimizerStepCallback):
                 f"DownstreamEval scores built-in and .jsonl choice tasks; {harness[0]!r} is "
                 "an lm-eval task: evaluate it with recipes-eval or a pipeline stage's evaluate"
             )
-        self.tasks: list[ChoiceTask] = [r.task.head(limit) for r in refs]
+        self.tasks: list[ChoiceTask] = [r.task.head(limit) for r in refs if r.task is not None]
         self.every_n_steps = every_n_steps
         self.batch_size = batch_size
         self.at_start = at_start
@@ -110,8 +111,9 @@ class DownstreamEval(OptimizerStepCallback):
         from recipes_lib.evaluation.scoring import DEFAULT_BATCH_TOKENS, score_requests
 
         start = time.perf_counter()
-        tokenizer = trainer.datamodule.tokenizer
-        model = pl_module.model
+        # Lightning's data connector sets Trainer.datamodule, which the class does not declare
+        tokenizer = trainer.datamodule.tokenizer  # type: ignore[attr-defined]
+        model = cast("Transformer", pl_module.model)  # the policy the objective's module trains
         metrics: dict[str, float] = {}
         for task in self.tasks:
             share, counted, rows = self._rank_share(trainer, task)

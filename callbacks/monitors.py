@@ -37,7 +37,8 @@ def is_logging_step(trainer: L.Trainer, step: int) -> bool:
     Lightning's own (its logger connector's ``should_update_logs``, which is not public):
     every ``log_every_n_steps`` steps, and whenever the fit is about to stop.
     """
-    every = trainer.log_every_n_steps
+    # Lightning's logger connector sets Trainer.log_every_n_steps, undeclared on the class
+    every = trainer.log_every_n_steps  # type: ignore[attr-defined]
     if every == 0:
         return False
     return step % every == 0 or trainer.should_stop

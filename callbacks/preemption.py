@@ -138,7 +138,10 @@ class Preemption(OptimizerStepCallback, Checkpoint):
             return
         self._requeue_signal = _slurm_requeue_signal(trainer)
         self._launcher = trainer.strategy.launcher
-        for signum in {*PREEMPTION_SIGNALS, self._requeue_signal} - {None}:
+        signals = set(PREEMPTION_SIGNALS)
+        if self._requeue_signal is not None:
+            signals.add(self._requeue_signal)
+        for signum in signals:
             signal.signal(signum, self._record)
         self._installed = True
         if trainer.received_sigterm:  # Lightning's handler had it first: nothing trained yet

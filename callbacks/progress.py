@@ -251,7 +251,8 @@ class TokenProgressBar(ProgressBar):
             self._draw(trainer, pl_module, force=last)
         elif self._plain_mode and trainer.is_global_zero:
             step = trainer.global_step
-            every = self.print_every_n_steps or trainer.log_every_n_steps or 1
+            # Lightning's logger connector sets log_every_n_steps, undeclared on the class
+            every = self.print_every_n_steps or trainer.log_every_n_steps or 1  # type: ignore[attr-defined]
             if step != self._last_printed_step and (step % every == 0 or last):
                 self._last_printed_step = step
                 print(self.plain_line(trainer, pl_module), file=sys.stdout, flush=True)

@@ -81,7 +81,7 @@ class ConsoleHandler(logging.StreamHandler):
     def __init__(self) -> None:
         super().__init__(sys.stdout)
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> TextIO:
         return sys.stdout
 

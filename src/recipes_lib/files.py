@@ -66,7 +66,7 @@ def fsync_dir(directory: str | os.PathLike) -> None:
 
 
 def write_atomic(
-    path: str | os.PathLike, write: Callable[[Path], None], size: int | None = None
+    path: str | os.PathLike, write: Callable[[Path], object], size: int | None = None
 ) -> Path:
     """Write ``path`` atomically: ``write(temporary)`` fills a hidden file beside it,
     which is synced, given the umask's mode and renamed into place.

@@ -19,6 +19,7 @@ import importlib.util
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import Tensor, nn
@@ -33,6 +34,9 @@ from recipes_lib.adapters.frozen_base import (
 from recipes_lib.config.schema import AdapterConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.models.moe import moe_layers
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 ADAPTER_KINDS = ("none", "lora", "qlora")
 EXPERTS_TARGET = "experts"  # a mixture's stacked experts: their w1, w3 and w2
@@ -161,7 +165,9 @@ def _quantize_base_linears(model: nn.Module, targets: list[str], config: Adapter
             if child.bias is not None:
                 quantized.bias = nn.Parameter(child.bias.data, requires_grad=False)
             setattr(parent, child_name, quantized.to(device))  # .to(cuda) quantizes
-    model.is_loaded_in_4bit = True  # peft wraps Linear4bit bases in its 4-bit LoRA layer
+    # peft wraps Linear4bit bases in its 4-bit LoRA layer (torch types a module's
+    # attributes as tensors or modules: a flag is neither)
+    model.is_loaded_in_4bit = True  # type: ignore[assignment]
 
 
 def apply_adapter(
@@ -260,7 +266,7 @@ def has_expert_adapter(model: nn.Module) -> bool:
     return any(_is_expert_adapter(layer) for layer in lora_layers(model).values())
 
 
-def _is_expert_adapter(layer: nn.Module) -> bool:
+def _is_expert_adapter(layer: LoraLayer) -> bool:
     return hasattr(layer, "parameter_name")  # PEFT's ParamWrapper: a targeted parameter
 
 
@@ -271,7 +277,7 @@ def has_score_head(model: nn.Module) -> bool:
     return getattr(config, "head", "lm") == "score"
 
 
-def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+def lora_layers(model: nn.Module) -> dict[str, LoraLayer]:
     """Module name -> peft LoRA layer, for every adapted linear of ``model``."""
     if "peft" not in sys.modules:
         # no model carries a peft layer before peft is imported; importing it just to
@@ -307,10 +313,18 @@ def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
             param.requires_grad_(trainable[name])
 
 
-def _base_weight(layer: nn.Module) -> Tensor:
+def lora_factors(layer: LoraLayer) -> tuple[Tensor, Tensor]:
+    """The A and B weights of a LoRA layer's adapter (its parameters, not copies)."""
+    # peft holds each factor as an nn.Linear in a ModuleDict, which types it as a Module
+    a = cast(nn.Linear, layer.lora_A[ADAPTER_NAME]).weight
+    b = cast(nn.Linear, layer.lora_B[ADAPTER_NAME]).weight
+    return a, b
+
+
+def _base_weight(layer: LoraLayer) -> Tensor:
     """The dense weight of a LoRA layer's base linear (dequantized from NF4 for QLoRA)."""
     base = layer.get_base_layer()
-    weight = base.weight
+    weight = cast(Tensor, base.weight)  # a linear's, or the stacked experts' parameter
     quant_state = getattr(weight, "quant_state", None)
     if quant_state is not None:
         import bitsandbytes.functional as bnbf
@@ -347,9 +361,9 @@ def _merged(
         dtype = export_dtype(layer.get_base_layer(), weight)
         if with_adapters:
             prefix = f"{layer_name}.lora_{{}}.{ADAPTER_NAME}.weight"
-            a = source.get(prefix.format("A"), layer.lora_A[ADAPTER_NAME].weight)
-            b = source.get(prefix.format("B"), layer.lora_B[ADAPTER_NAME].weight)
-            a, b = a.detach().float(), b.detach().float()
+            own_a, own_b = lora_factors(layer)
+            a = source.get(prefix.format("A"), own_a).detach().float()
+            b = source.get(prefix.format("B"), own_b).detach().float()
             scale = layer.scaling[ADAPTER_NAME]
             if _is_expert_adapter(layer):
                 a, b = expert_factors(a, b, weight.shape[0])

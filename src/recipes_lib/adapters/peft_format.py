@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors.torch import save_file
@@ -37,6 +38,7 @@ from recipes_lib.adapters.lora import (
     expert_factors,
     has_score_head,
     lora_config,
+    lora_factors,
     lora_layers,
     native_targets,
 )
@@ -70,8 +72,8 @@ def _factors(model: nn.Module, state: Mapping[str, Tensor]) -> dict[str, tuple[T
     factors = {}
     for layer_name, layer in lora_layers(model).items():
         a, b = (
-            state.get(f"{layer_name}.lora_{f}.{ADAPTER_NAME}.weight", m[ADAPTER_NAME].weight)
-            for f, m in (("A", layer.lora_A), ("B", layer.lora_B))
+            state.get(f"{layer_name}.lora_{f}.{ADAPTER_NAME}.weight", own)
+            for f, own in zip("AB", lora_factors(layer), strict=True)
         )
         factors[f"{layer_name}.weight"] = (a.detach().cpu(), b.detach().cpu())
     return factors
@@ -156,8 +158,8 @@ def peft_state_dict(
         out[f"{PEFT_PREFIX}{hf_name.removesuffix('.weight')}.lora_A.weight"] = a.contiguous()
         out[f"{PEFT_PREFIX}{hf_name.removesuffix('.weight')}.lora_B.weight"] = b.contiguous()
     for hf_name, parts in fused.items():
-        rows = [
-            decoder.get_submodule(native.removesuffix(".weight")).out_features
+        rows = [  # a fused tensor's parts are each a Linear's weight
+            cast(nn.Linear, decoder.get_submodule(native.removesuffix(".weight"))).out_features
             for native in names.fused_parts(hf_name) or []
         ]
         a, b = _fuse(parts, rows)

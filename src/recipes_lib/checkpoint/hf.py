@@ -100,7 +100,7 @@ def model_config_from_hf(
             "sliding-window attention is not supported, so the context must stay within "
             f"the window (max_seq_len <= {window})"
         )
-    name = name or config.get("_name_or_path") or model_type
+    name = str(name or config.get("_name_or_path") or model_type)  # model_type is known here
     return ModelConfig(name=name, max_seq_len=int(max_seq_len), **fields)
 
 

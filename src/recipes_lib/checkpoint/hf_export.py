@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -98,8 +98,9 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
     for name, tensor in state.items():
         if head_tied(config) and name == "output.weight":
             continue  # transformers ties lm_head to the embeddings itself
-        if names.is_stacked(name):  # every expert's tensor on its own
-            out.update({names.to_hf(expert_slice(name, e)): t for e, t in enumerate(tensor)})
+        if names.is_stacked(name):  # every expert's tensor on its own, each with a name
+            hf_names = [cast(str, names.to_hf(expert_slice(name, e))) for e in range(len(tensor))]
+            out.update(zip(hf_names, tensor, strict=True))
             continue
         hf_name, into = names.to_hf(name), names.fused_of(name)
         if into is not None:  # one of the tensors a fused one stacks
@@ -109,9 +110,10 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
         else:
             out[hf_name] = tensor
     for hf_name, parts in fused.items():
-        if any(part is None for part in parts):
+        present = [part for part in parts if part is not None]
+        if len(present) < len(parts):
             raise CheckpointError(f"cannot export {hf_name}: the model lacks some of its parts")
-        out[hf_name] = torch.cat(parts, dim=0)
+        out[hf_name] = torch.cat(present, dim=0)
     if unknown:
         raise CheckpointError(
             f"cannot export {len(unknown)} tensor(s) with no Hugging Face name: "

@@ -123,10 +123,11 @@ def _split_fused(
     problems: list[str] = []
     for hf_name, (file, _, shape, dtype, _) in fused.items():
         parts = names.fused_parts(hf_name) or []
-        shapes = [expected.get(part) for part in parts]
-        fits = None not in shapes and sum(s[0] for s in shapes) == shape[0]
+        found = [expected.get(part) for part in parts]
+        shapes = [s for s in found if s is not None]
+        fits = len(shapes) == len(parts) and sum(s[0] for s in shapes) == shape[0]
         if not (fits and all(s[1:] == shape[1:] for s in shapes)):
-            model = " + ".join(map(str, shapes))
+            model = " + ".join(map(str, found))
             problems.append(f"{hf_name}: checkpoint {shape} vs model {model} stacked")
             continue
         start = 0

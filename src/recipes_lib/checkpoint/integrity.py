@@ -26,7 +26,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -206,7 +206,8 @@ def save_torch_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -
     def write(partial: Path) -> None:
         with open(partial, "wb") as f:
             hashing = _HashingWriter(f)
-            torch.save(checkpoint, hashing)
+            # torch.save only writes and flushes, which the stub's IO[bytes] does not say
+            torch.save(checkpoint, cast(IO[bytes], hashing))
         written["file"] = FileDigest(hashing.size, hashing.hexdigest())
 
     write_atomic(target, write, size=tensor_bytes(checkpoint))
@@ -259,6 +260,7 @@ def forget_verified() -> None:
 def _problem(real: Path, checksums: Checksums) -> str | None:
     """What is wrong with ``real`` against its record (a phrase to follow its name), or
     None when it matches."""
+    files: list[tuple[str | None, Path, FileDigest]]
     if real.is_dir():
         files = [(name, real / name, checksums.files[name]) for name in sorted(checksums.files)]
     elif len(checksums.files) == 1:

@@ -61,10 +61,12 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         verify_checkpoint(path)  # raises CorruptCheckpointError, naming the file
-        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        return super().load_checkpoint(
+            Path(path), map_location=map_location, weights_only=weights_only
+        )
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
-        super().remove_checkpoint(path)
+        super().remove_checkpoint(Path(path))
         checksum_sidecar(path).unlink(missing_ok=True)
 
     def retain(self, newest: str | os.PathLike) -> list[Path]:

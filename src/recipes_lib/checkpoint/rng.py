@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -18,7 +18,10 @@ def collect_rng_states(device: torch.device) -> dict[str, Any]:
     Stored as tensors and plain Python values so a checkpoint loads with
     ``torch.load(weights_only=True)``.
     """
-    algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    # the global generator is always MT19937, whose legacy state is this tuple (the
+    # stub's union also allows the dict of other bit generators)
+    state = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    algorithm, keys, pos, has_gauss, cached_gaussian = state
     states: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {

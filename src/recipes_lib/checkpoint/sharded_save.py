@@ -132,7 +132,9 @@ class ShardedSaver:
         timing = SaveTiming(path, step if isinstance(step, int) else None, 0.0)
         timing.asynchronous = asynchronous
         if asynchronous:
-            upload = dcp.async_save(state, checkpoint_id=partial, process_group=group)
+            response = dcp.async_save(state, checkpoint_id=partial, process_group=group)
+            # with a stager, DCP answers with a staging and an upload future: wait on the upload
+            upload = response if isinstance(response, Future) else response.upload_completion
             timing.blocked_s = time.perf_counter() - started
             self._pending = (self._background().submit(self._land, upload, timing, started), path)
         else:

@@ -80,7 +80,7 @@ def _model_beside(folder: Path) -> dict[str, Any] | None:
             return recorded_model(json.loads(run_dir.manifest.read_text()).get("model"))
         if run_dir.config.is_file():
             config = OmegaConf.to_container(OmegaConf.load(run_dir.config), resolve=False)
-            return recorded_model(config.get("model"))
+            return recorded_model(config.get("model")) if isinstance(config, dict) else None
     except Exception:  # noqa: BLE001 - an unreadable record only means "not known"
         return None
     return None
@@ -114,8 +114,8 @@ def read_init_source(path: str | os.PathLike, key: str = "stage.init_from") -> I
             model = recorded_model(manifest.model)
             return InitSource(source, "manifest", manifest.weights_path, model, manifest)
         if is_hf_folder(source):
-            model = model_config_from_hf(read_hf_config(source), name=source.name)
-            return InitSource(source, "hf", source, asdict(model))
+            hf_model = model_config_from_hf(read_hf_config(source), name=source.name)
+            return InitSource(source, "hf", source, asdict(hf_model))
         if is_sharded_checkpoint(source):
             meta = read_checkpoint(source / SHARDED_METADATA_NAME)
             return InitSource(source, "sharded", source, _hyperparameter_model(meta))

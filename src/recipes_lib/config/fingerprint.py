@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import OmegaConf
 
@@ -72,7 +72,8 @@ def config_payload(
 def _plain(cfg: RunConfig) -> dict[str, Any]:
     """``cfg`` as the plain data its ``config.yaml`` reads back as (lists, not tuples)."""
     text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    return OmegaConf.to_container(OmegaConf.create(text), resolve=False)
+    # the YAML of a dataclass is a mapping, whose container is a dict of its field names
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.create(text), resolve=False))
 
 
 def recorded_config_changes(cfg: RunConfig, recorded: str | Path) -> list[str]:
@@ -89,8 +90,10 @@ def recorded_config_changes(cfg: RunConfig, recorded: str | Path) -> list[str]:
         raise ConfigError(f"cannot read the config a run recorded in '{path}': {err}") from err
     if not isinstance(old, dict):
         raise ConfigError(f"'{path}' does not hold a run config")
-    old_dir = str((old.get("run") or {}).get("dir", cfg.run.dir))
-    return describe_changes(config_payload(old, old_dir), config_payload(_plain(cfg), cfg.run.dir))
+    record = cast(dict[str, Any], old)  # a config's keys are strings
+    old_dir = str((record.get("run") or {}).get("dir", cfg.run.dir))
+    ours = config_payload(_plain(cfg), cfg.run.dir)
+    return describe_changes(config_payload(record, old_dir), ours)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

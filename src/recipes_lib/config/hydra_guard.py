@@ -34,7 +34,7 @@ import io
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -149,9 +149,11 @@ def _check_logging(cfg: DictConfig, key: str) -> None:
 
 def _check_callbacks(cfg: DictConfig) -> None:
     node = OmegaConf.select(cfg, "hydra.callbacks")
-    entries = OmegaConf.to_container(node, resolve=False) if node is not None else {}
+    entries: dict[str, Any] = {}
+    if node is not None:  # a mapping, whose container is a dict of names
+        entries = cast(dict[str, Any], OmegaConf.to_container(node, resolve=False)) or {}
     shipped = shipped_callbacks()
-    for name, entry in (entries or {}).items():
+    for name, entry in entries.items():
         if entry is not None and entry != shipped.get(name):
             raise ConfigError(
                 f"hydra.callbacks.{name}: Hydra runs only the shipped callbacks "

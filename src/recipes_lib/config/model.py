@@ -232,6 +232,7 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
     for name in ("nope_layers", "window_layers", "moe_dense_layers"):  # null and [] alike
         if name in out:
             out[name] = list(out[name] or [])
-    if isinstance(out.get("rope_scaling"), Mapping):  # fields left out hold their defaults
-        out["rope_scaling"] = {**asdict(RopeScalingConfig()), **out["rope_scaling"]}
+    scaling = out.get("rope_scaling")
+    if isinstance(scaling, Mapping):  # fields left out hold their defaults
+        out["rope_scaling"] = {**asdict(RopeScalingConfig()), **scaling}
     return out

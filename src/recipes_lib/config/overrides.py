@@ -143,10 +143,11 @@ def check_overrides(
         if "." not in key and _is_group(key, extra_dirs):
             if override.is_sweep_override() and not override.is_choice_sweep():
                 continue
+            given = override.value()
             if override.is_choice_sweep():
                 values = list(override.sweep_string_iterator())
-            elif isinstance(override.value(), list):  # several options (logger=[csv,mlflow])
-                values = [str(v) for v in override.value()]
+            elif isinstance(given, list):  # several options (logger=[csv,mlflow])
+                values = [str(v) for v in given]
             else:
                 values = [override.get_value_element_as_str()]
             options = group_options(key, extra_dirs)

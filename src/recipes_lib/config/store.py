@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, cast, get_type_hints
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
@@ -166,7 +166,7 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
     """
     if isinstance(cfg, RunConfig):
         return cfg
-    data = OmegaConf.to_container(cfg, resolve=False)
+    data = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=False))  # of a DictConfig
     data.pop("hydra", None)
     try:
         typed = OmegaConf.merge(run_schema_node(), data)

@@ -180,7 +180,7 @@ def save_chat_tokenizer(
     ``data.tokenizer.eos_token``, left out when the tokenizer has no such token.
     """
     eos_token: str | None = config.tokenizer.eos_token
-    if tokenizer.token_to_id(eos_token) is None:
+    if eos_token is not None and tokenizer.token_to_id(eos_token) is None:
         eos_token = None
     return save_tokenizer_folder(
         folder,

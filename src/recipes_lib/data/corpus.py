@@ -44,7 +44,7 @@ def stdlib_files(include_tests: bool = False) -> list[Path]:
     """The standard library's ``.py`` files in sorted order (site-packages excluded)."""
     root = stdlib_root()
     skip = _FOREIGN_DIRS | (frozenset() if include_tests else _TEST_DIRS)
-    files = []
+    files: list[Path] = []
     for directory, subdirs, names in os.walk(root):
         subdirs[:] = [d for d in subdirs if d not in skip]  # prune: never walk site-packages
         files.extend(Path(directory, n) for n in names if n.endswith(".py"))

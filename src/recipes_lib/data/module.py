@@ -8,8 +8,8 @@ validation each rank's strided share in order (:class:`StridedSampler`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sized
+from typing import Any, cast
 
 import lightning.pytorch as L
 import torch
@@ -23,6 +23,14 @@ from recipes_lib.data.tokenizer import tokenizer_vocab_size
 from recipes_lib.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def dataset_length(dataset: Dataset | None, name: str) -> int:
+    """The length of a dataset that ``setup`` built: every dataset here is map-style and
+    has one, which torch's ``Dataset`` does not declare."""
+    if dataset is None:
+        raise RuntimeError(f"call setup() before reading {name}")
+    return len(cast(Sized, dataset))
 
 
 @rank_zero_only
@@ -115,6 +123,8 @@ class ResumableDataModule(L.LightningDataModule):
         """Micro-batches this rank trains on before optimizer step ``step``."""
         if self.batch_schedule is not None:
             return self.batch_schedule.micro_batches_before(step)
+        if self.trainer is None:
+            raise RuntimeError("micro_batches_before needs a trainer or a batch_schedule")
         return step * self.trainer.accumulate_grad_batches
 
     def skip_samples(self, count: int) -> None:
@@ -151,7 +161,7 @@ class ResumableDataModule(L.LightningDataModule):
         ``total_train_samples`` (None: one pass)."""
         rank, world_size = self._rank_and_world()
         return self.make_sampler(
-            len(self.train_dataset),
+            dataset_length(self.train_dataset, "train_dataset"),
             seed=self.config.seed,
             start=self._consumed_samples,
             rank=rank,
@@ -193,6 +203,8 @@ class ResumableDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
+        if self.train_dataset is None:
+            raise RuntimeError("setup('fit') built no train_dataset")
         return self._loader(
             self.train_dataset,
             self.train_sampler(),
@@ -208,7 +220,7 @@ class ResumableDataModule(L.LightningDataModule):
         if self.val_dataset is None:
             return []
         rank, world_size = self._rank_and_world()
-        sampler = StridedSampler(len(self.val_dataset), rank, world_size)
+        sampler = StridedSampler(dataset_length(self.val_dataset, "val_dataset"), rank, world_size)
         return self._loader(self.val_dataset, sampler)
 
 

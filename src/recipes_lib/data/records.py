@@ -176,12 +176,13 @@ def load_records(
     if limit is not None and limit < 1:
         raise ConfigError(f"{key}.max_documents must be >= 1, got {limit}")
     if kind == "builtin":
-        if source.builtin not in builtins:
+        builtin = source.builtin
+        if builtin is None or builtin not in builtins:
             raise DataError(
-                f"{key}.builtin={source.builtin!r} is not a built-in record source here; "
+                f"{key}.builtin={builtin!r} is not a built-in record source here; "
                 f"choose one of {sorted(builtins)}"
             )
-        records = Records(builtins[source.builtin](limit, seed), key)
+        records = Records(builtins[builtin](limit, seed), key)
         if not records:
             raise DataError(f"{key}: no records in builtin {source.builtin}")
         return records

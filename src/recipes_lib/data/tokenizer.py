@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -109,8 +110,8 @@ def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> Path:
 
 
 def save_tokenizer_folder(
-    folder: str | Path,
-    tokenizer_path: str | Path,
+    folder: str | os.PathLike,
+    tokenizer_path: str | os.PathLike,
     *,
     eos_token: str | None,
     pad_token: str | None = None,
@@ -182,7 +183,7 @@ def _configured_token(config_file: Path, name: str) -> str | None:
     return token if isinstance(token, str) else None
 
 
-def resolve_tokenizer_file(path: str | Path, key: str = "data.tokenizer.path") -> Path:
+def resolve_tokenizer_file(path: str | os.PathLike, key: str = "data.tokenizer.path") -> Path:
     """The tokenizer.json that ``path`` names (the file itself, or one inside a directory).
 
     Raises:
@@ -196,7 +197,7 @@ def resolve_tokenizer_file(path: str | Path, key: str = "data.tokenizer.path") -
     return path
 
 
-def load_tokenizer(path: str | Path, key: str = "data.tokenizer.path") -> Tokenizer:
+def load_tokenizer(path: str | os.PathLike, key: str = "data.tokenizer.path") -> Tokenizer:
     """Load a tokenizer from a tokenizer.json file or a directory holding one.
 
     Raises:

@@ -16,11 +16,11 @@ task folders: lm-eval task YAMLs with their data files beside them, relative pat
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.tasks import TaskManager, get_task_dict
@@ -35,6 +35,9 @@ from recipes_lib.evaluation.scoring import (
     score_requests,
 )
 from recipes_lib.models.sampling import sample_completions
+
+if TYPE_CHECKING:
+    from recipes_lib.models.transformer import Transformer
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -56,7 +59,7 @@ class RecipesLM(TemplateLM):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Transformer,
         tokenizer: Any,
         eos_ids: Sequence[int],
         *,
@@ -205,11 +208,23 @@ class RecipesLM(TemplateLM):
 
 
 # ------------------------------------------------------------------------ tasks
+@contextlib.contextmanager
+def _working_directory(folder: Path) -> Iterator[None]:
+    """``folder`` as the working directory inside the block (``contextlib.chdir`` is
+    Python 3.11's)."""
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 def lm_eval_task_names(folder: Path | None = None) -> list[str]:
     """The task (and group) names lm-eval knows: its own, or a folder's alone."""
     if folder is None:
         return list(TaskManager().all_tasks)
-    with contextlib.chdir(folder):
+    with _working_directory(folder):
         return list(TaskManager(include_path=str(folder), include_defaults=False).all_tasks)
 
 
@@ -219,7 +234,7 @@ def build_lm_eval_tasks(names: Sequence[str], folder: Path | None) -> dict[str, 
     YAMLs are found beside them."""
     if folder is None:
         return get_task_dict(list(names), TaskManager())
-    with contextlib.chdir(folder):
+    with _working_directory(folder):
         manager = TaskManager(include_path=str(folder), include_defaults=False)
         return get_task_dict(list(names), manager)
 

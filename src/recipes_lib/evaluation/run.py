@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from rich.console import Console
@@ -29,6 +29,9 @@ from recipes_lib.evaluation.scoring import score_requests
 from recipes_lib.evaluation.settings import EvalSettings, flat_metrics
 from recipes_lib.evaluation.tasks import EVAL_EXTRA, TaskRef, resolve_tasks
 from recipes_lib.files import write_json_atomic
+
+if TYPE_CHECKING:
+    from recipes_lib.models.transformer import Transformer
 
 
 @dataclass
@@ -49,7 +52,7 @@ class EvalReport:
 
 
 def evaluate_model(
-    model: torch.nn.Module,
+    model: Transformer,
     tokenizer: Any,
     eos_ids: Sequence[int],
     refs: Sequence[TaskRef],
@@ -66,7 +69,7 @@ def evaluate_model(
         score_requests, model, batch_size=settings.batch_size, max_tokens=settings.batch_tokens
     )
     for ref in refs:
-        if ref.kind == "choice":
+        if ref.kind == "choice" and ref.task is not None:
             task = ref.task.head(settings.limit)
             results[ref.name] = score_choice_task(task, tokenizer, score)
             examples[ref.name] = len(task.examples)

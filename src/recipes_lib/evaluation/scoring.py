@@ -21,12 +21,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from recipes_lib.models.transformer import Transformer
 
 Score = tuple[float, bool]  # (sum of log-probabilities, every token greedy)
 HEAD_CHUNK_ROWS = 4096  # rows of fp32 logits formed at once
@@ -83,7 +87,7 @@ def model_device(model: nn.Module) -> torch.device:
 
 @torch.no_grad()
 def score_requests(
-    model: nn.Module,
+    model: Transformer,
     requests: Sequence[Request],
     *,
     batch_size: int = 256,
@@ -130,7 +134,7 @@ def score_requests(
 
 
 def _score_batches(
-    model: nn.Module,
+    model: Transformer,
     windows: list[Window],
     results: list[Score],
     batch_size: int,
@@ -180,7 +184,7 @@ def _gather_index(rows: list[Window], device: torch.device) -> tuple[Tensor, Ten
     return as_tensor(row_index), as_tensor(positions), as_tensor(targets)
 
 
-def _greedy_scores(model: nn.Module, ids: Tensor, rows: list[Window]) -> list[Score]:
+def _greedy_scores(model: Transformer, ids: Tensor, rows: list[Window]) -> list[Score]:
     row_index, positions, target = _gather_index(rows, ids.device)
     picked = model.forward_hidden(ids)[row_index, positions]  # (N, C)
     chosen, is_greedy = [], []
@@ -193,7 +197,7 @@ def _greedy_scores(model: nn.Module, ids: Tensor, rows: list[Window]) -> list[Sc
     return _per_request(rows, torch.cat(chosen), torch.cat(is_greedy))
 
 
-def _forward_scores(model: nn.Module, ids: Tensor, rows: list[Window]) -> list[Score]:
+def _forward_scores(model: Transformer, ids: Tensor, rows: list[Window]) -> list[Score]:
     row_index, positions, target = _gather_index(rows, ids.device)
     labels = torch.full_like(ids, IGNORE_INDEX)
     labels[row_index, positions] = target

@@ -10,6 +10,7 @@ the forward pass on an H100 (``benchmarks/memory_estimate.py``): eager blocks wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.models.norms import qk_norm_sizes
@@ -54,7 +55,8 @@ class DecoderShape:
     @classmethod
     def of_model(cls, m) -> DecoderShape:
         """The shape of a model config (another model's: a teacher's)."""
-        return cls(**_moe_widths(m), **cls._attention(m))
+        fields: dict[str, Any] = {**_moe_widths(m), **cls._attention(m)}
+        return cls(**fields)
 
     @staticmethod
     def _attention(m) -> dict:

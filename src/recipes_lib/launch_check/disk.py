@@ -51,7 +51,7 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
     weight_bytes = weight_bytes_of(cfg.precision.name)
     narrowed = weights.narrowed if weight_bytes == 4 else 0  # stored in bf16
     dense = weights.total + weights.adapters - weights.quantized
-    stored = dense * weight_bytes - 2 * narrowed
+    stored: float = dense * weight_bytes - 2 * narrowed
     stored += weights.quantized * nf4_bytes_per_weight(cfg.adapter.double_quant)
     return int(stored + optimizer_state_bytes(cfg, weights.trainable))
 

@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
 from recipes_lib.config import RunConfig
+from recipes_lib.data.mixture import MixtureDataset
+from recipes_lib.data.module import dataset_length
 from recipes_lib.data.text.shards import TokenShard
 from recipes_lib.launch_check.budget import human
 from recipes_lib.train import OBJECTIVES, batch_schedule, build_stage, build_trainer
@@ -71,12 +73,12 @@ def _prepared() -> None:
 
 def source_sizes(datamodule: L.LightningDataModule, samples: int) -> list[SourceSize]:
     """What each training source holds and how many times ``samples`` rows read it."""
-    dataset = datamodule.train_dataset
-    if hasattr(dataset, "names"):  # a MixtureDataset: one entry per source
+    dataset = getattr(datamodule, "train_dataset", None)
+    if isinstance(dataset, MixtureDataset):  # one entry per source
         parts = list(zip(dataset.names, dataset.lengths, dataset.shares, strict=True))
     else:
         names = _source_names(datamodule)
-        parts = [(" + ".join(names) or "data", len(dataset), 1.0)]
+        parts = [(" + ".join(names) or "data", dataset_length(dataset, "train_dataset"), 1.0)]
     sizes = []
     for name, items, share in parts:
         size = SourceSize(name, _holds(datamodule, name), items, share)
@@ -165,7 +167,10 @@ def train_steps(
     L.seed_everything(cfg.run.seed, workers=True, verbose=False)
     trainer = build_trainer(cfg, [_StepProbe(result)])
     # Lightning adds a checkpoint callback of its own; the round trip saves explicitly
-    trainer.callbacks = [cb for cb in trainer.callbacks if not isinstance(cb, ModelCheckpoint)]
+    # (Lightning's callback connector sets Trainer.callbacks, which the class does not declare)
+    callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    kept = [cb for cb in callbacks if not isinstance(cb, ModelCheckpoint)]
+    trainer.callbacks = kept  # type: ignore[attr-defined]
     module = build_stage(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step)
     cuda = trainer.strategy.root_device.type == "cuda"
     if cuda:

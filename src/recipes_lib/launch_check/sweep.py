@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
@@ -74,7 +74,8 @@ def launcher_options(config: DictConfig) -> dict[str, Any]:
         _count(config.trainer.devices, "trainer.devices")
         _count(config.trainer.num_nodes, "trainer.num_nodes")
     try:
-        return OmegaConf.to_container(config.hydra.launcher, resolve=True)
+        # hydra.launcher is a mapping, whose container is a dict
+        return cast(dict[str, Any], OmegaConf.to_container(config.hydra.launcher, resolve=True))
     except Exception as err:  # OmegaConf's: an interpolation that does not resolve
         raise ConfigError(f"hydra.launcher: {str(err).splitlines()[0]}") from err
 
@@ -89,7 +90,8 @@ def _jobs(config: DictConfig) -> list[tuple[str, list[str]]]:
 
     if not str(OmegaConf.select(config, "hydra.sweeper._target_") or "").endswith("BasicSweeper"):
         return []
-    overrides = list(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+    task = OmegaConf.to_container(config.hydra.overrides.task, resolve=False)
+    overrides = [str(override) for override in cast(list[Any], task)]  # a list of strings
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
     overrides += [f"{key}={value}" for key, value in params.items()]
     try:

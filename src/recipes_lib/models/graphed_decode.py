@@ -19,6 +19,9 @@ Shapes: B rows, S cached positions, C model dim, V vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import Tensor
 
@@ -26,6 +29,9 @@ from recipes_lib.models.kv_cache import KVCache
 from recipes_lib.models.moe import MoEFeedForward
 from recipes_lib.models.rope import LOCAL_TABLES
 from recipes_lib.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from recipes_lib.models.blocks import TransformerBlock
 
 
 class _StaticLayerCache:
@@ -71,6 +77,7 @@ class GraphedDecoder:
         if cache.key_mask is None:
             raise ValueError("a graphed decoder needs the cache's key_mask")
         self.model, self.cache = model, cache
+        self.key_mask: Tensor = cache.key_mask  # updated in place by the sampler
         device = model.tok_embeddings.weight.device
         B, S = cache.key_mask.shape
         self.tokens = torch.zeros(B, 1, dtype=torch.long, device=device)
@@ -83,7 +90,7 @@ class GraphedDecoder:
     def _forward(self) -> Tensor:
         model, cache = self.model, self.cache
         position = self.position
-        seen = cache.key_mask[:, None, None, :]  # (B, 1, 1, S)
+        seen = self.key_mask[:, None, None, :]  # (B, 1, 1, S)
         own = (self.key_positions == position)[None, None, None, :]
         masks = {}
         for window in model._windows:
@@ -98,7 +105,8 @@ class GraphedDecoder:
         h = model.tok_embeddings(self.tokens)  # (B, 1, C)
         if model.config.scale_embeddings:
             h = h * torch.tensor(model.config.dim**0.5, dtype=h.dtype)
-        for index, layer in enumerate(model.layers):
+        # a ModuleList yields plain Modules to the type checker
+        for index, layer in enumerate(cast("Iterable[TransformerBlock]", model.layers)):
             layer_cache = _StaticLayerCache(cache.keys[index], cache.values[index], position)
             cos, sin = tables[layer.attention.local_rope]
             h = layer(h, cos, sin, masks[layer.attention.window], layer_cache)
@@ -110,12 +118,12 @@ class GraphedDecoder:
         self.position.fill_(position)
         if not self.use_graph:
             return self._forward()
-        if self.graph is None:
-            self._capture()
+        if self.graph is None or self.logits is None:
+            self.graph, self.logits = self._capture()
         self.graph.replay()
-        return self.logits  # type: ignore[return-value]
+        return self.logits
 
-    def _capture(self) -> None:
+    def _capture(self) -> tuple[torch.cuda.CUDAGraph, Tensor]:
         """Warm up on a side stream, then capture the step. Autocast (a trainer's mixed
         precision) is kept without its cache of cast weights, whose memory would be
         freed under the graph when autocast ends."""
@@ -130,7 +138,8 @@ class GraphedDecoder:
         with torch.cuda.stream(stream), context():
             self._forward()  # writes this step's keys and values, as the replay will
         torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph()
         # thread-local: a data loader's pinning thread may use CUDA meanwhile
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), context():
-            self.logits = self._forward()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"), context():
+            logits = self._forward()
+        return graph, logits

@@ -44,7 +44,7 @@ class OutputHead(nn.Linear):
             (``labels`` is then not taken).
     """
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         hidden: Tensor,
         labels: Tensor | None = None,

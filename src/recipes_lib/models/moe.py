@@ -22,7 +22,7 @@ what it meant there),
 ``z_loss`` (the mean squared log-sum-exp of the router logits) and
 ``expert_counts`` (tokens per expert), with ``mean_probs`` and ``routed_tokens`` so that
 the balance can be taken over every rank's tokens
-(:func:`recipes_lib.stages.experts.moe_losses` weighs and collects them);
+(:func:`recipes_lib.training.experts.moe_losses` weighs and collects them);
 they are not returned, so the block's signature stays one tensor in, one out (compiled
 blocks and activation checkpointing keep them, as the tests check).
 
@@ -245,6 +245,8 @@ class ExpertParallel:
 
 class MoEFeedForward(nn.Module):
     """The router, the routed experts and the optional shared ones of one layer."""
+
+    expert_bias: Tensor  # a buffer, present with the sigmoid router only
 
     def __init__(self, config: ModelConfig, dense: type[nn.Module]):
         super().__init__()

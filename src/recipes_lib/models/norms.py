@@ -51,7 +51,7 @@ class RMSNorm(nn.RMSNorm):
     """
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = self.weight
+        weight: Tensor | None = self.weight
         if weight is not None and weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)

@@ -26,7 +26,7 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from recipes_lib.config.model import RopeScalingConfig as _RopeScaling
 from recipes_lib.config.model import is_layer_list
@@ -34,6 +34,7 @@ from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
+    from recipes_lib.models.transformer import Transformer
 
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "longrope")
 # the tables of a longrope model for forwards past original_max_seq_len
@@ -124,7 +125,7 @@ def rope_tables(config: ModelConfig, head_dim: int, device=None) -> dict[str, Te
 
 
 def rope_window(
-    model: nn.Module, start: int, end: int, local: bool = False
+    model: Transformer, start: int, end: int, local: bool = False
 ) -> tuple[Tensor, Tensor]:
     """cos and sin of positions ``start .. end - 1`` for one forward of ``model``: a
     longrope model's long tables when ``end`` is past ``original_max_seq_len``; with

@@ -8,7 +8,8 @@ verified sharded checkpoints written in the background) and :class:`ZeroStrategy
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
         if self.config.name == "hsdp":  # the mesh the model shards over: 2-D
-            self.lightning_module.sharding_mesh = hsdp_mesh(
+            assert self.lightning_module is not None  # connected before the environment
+            # torch types a module's attributes as tensors or modules: a mesh is neither
+            self.lightning_module.sharding_mesh = hsdp_mesh(  # type: ignore[assignment]
                 self.config.replicas or self.num_nodes, self.world_size, self.root_device
             )
 
@@ -103,6 +106,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self.config.async_checkpoint:
             return super().lightning_module_state_dict()
+        assert self.model is not None  # a checkpoint is saved from a connected model
         return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
 
     def optimizer_state(self, optimizer) -> dict[str, Any]:
@@ -111,6 +115,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         options = StateDictOptions(cpu_offload=False)
+        assert self.model is not None  # a checkpoint is saved from a connected model
         return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     def save_checkpoint(
@@ -124,6 +129,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             state[f"optimizer_{index}"] = optimizer_state
         # The run's last save lands before fit() returns, so what reads it next (the
         # pipeline's final checkpoint, the export, the next stage) finds it in place.
+        assert self.lightning_module is not None  # a checkpoint is saved from a connected model
         max_steps = self.lightning_module.trainer.max_steps
         last = max_steps > 0 and checkpoint.get("global_step", 0) >= max_steps
         background = self.config.async_checkpoint and not last
@@ -159,8 +165,9 @@ class ZeroStrategy(DeepSpeedStrategy):
     the parameters when it wraps the model.
     """
 
-    def model_sharded_context(self) -> AbstractContextManager[None]:
-        return nullcontext()
+    @contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        yield
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None

@@ -33,7 +33,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import Any, TypeGuard
 
 import lightning as L
 from torch import nn
@@ -83,7 +83,7 @@ def fp8_skip_reason(
     return None
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def _plain_linear(module: nn.Module) -> TypeGuard[nn.Linear]:
     # not other subclasses: bitsandbytes' 4-bit layers and converted Float8Linear are ones
     return type(module) in (nn.Linear, OutputHead)
 

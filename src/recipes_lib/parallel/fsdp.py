@@ -10,6 +10,7 @@ Sharded checkpoints are read back whole by
 from __future__ import annotations
 
 import logging
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -68,7 +69,7 @@ def shard_model(
         strategy: ``strategy.reshard_after_forward`` and ``strategy.cpu_offload``.
         precision: the mixed-precision policy (:func:`mixed_precision_policy`).
     """
-    kwargs = {"mesh": mesh, "mp_policy": mixed_precision_policy(precision)}
+    kwargs: dict[str, Any] = {"mesh": mesh, "mp_policy": mixed_precision_policy(precision)}
     if strategy.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     ignored = _quantized_params(model)
@@ -135,4 +136,6 @@ def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     if not is_sharded(model):
         return model.state_dict()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    # a full state dict holds plain tensors; the declared value type also allows the
+    # DTensors and nested state of a sharded one
+    return cast(dict[str, Tensor], get_model_state_dict(model, options=options))

@@ -66,7 +66,8 @@ def _zero(stage: int) -> BuildStrategy:
         )
         if config.cpu_offload:
             # the module's own optimizer steps on the CPU copy; DeepSpeed otherwise insists
-            # on its compiled CPU Adam
+            # on its compiled CPU Adam (the config is made from the arguments above)
+            assert strategy.config is not None
             strategy.config["zero_force_ds_cpu_optimizer"] = False
         return strategy
 
@@ -150,7 +151,7 @@ class StrategySpec:
 
 
 _DEEPSPEED = ("deepspeed", "pip install 'recipes-lib[deepspeed]'")
-_ZERO = dict(
+_ZERO: dict[str, Any] = dict(
     shards=True,
     multi_device=True,
     cpu_offload=True,
@@ -167,7 +168,7 @@ _ZERO = dict(
     expert_adapters=False,
 )
 _ALL_STATE = ("parameters", "gradients", "optimizer")
-_REPLICATED = dict(
+_REPLICATED: dict[str, Any] = dict(
     shards=False, cpu_offload=False, float8=True, float8_all_gather=False, quantized_weights=True
 )
 STRATEGIES: dict[str, StrategySpec] = {

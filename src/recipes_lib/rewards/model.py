@@ -79,8 +79,8 @@ class RewardModelScore:
     def __call__(self, completion: str, record: Mapping[str, Any]) -> float:
         prompt = record[self.prompt_field]
         turns = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-        ids = self.renderer.render([*turns, {"role": "assistant", "content": completion}])
-        ids = list(ids.input_ids)[-self.model.config.max_seq_len :]
+        chat = self.renderer.render([*turns, {"role": "assistant", "content": completion}])
+        ids = list(chat.input_ids)[-self.model.config.max_seq_len :]
         scores = self.model(torch.tensor([ids], device=self._placed()))  # (1, T, 1)
         return float(scores[0, score_position(ids, self.pad_id), 0])
 

@@ -9,7 +9,7 @@ turn and one assistant turn. Field names come from ``data.chat``
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 from recipes_lib.config.schema import ChatFormatConfig
 from recipes_lib.data.records import RecordSource, record_where
@@ -129,6 +129,12 @@ def _check_messages(value: list, field: str, where: str) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+@overload
+def text_field(
+    record: Mapping, field: str, where: str, *, required: Literal[True] = True
+) -> Text: ...
+@overload
+def text_field(record: Mapping, field: str, where: str, *, required: bool) -> Text | None: ...
 def text_field(record: Mapping, field: str, where: str, *, required: bool = True) -> Text | None:
     value = record.get(field)
     if value is None:

@@ -127,7 +127,7 @@ def _load(key: str, description: str, path: str | None, **kwargs):
 
 def _check_text_column(raw: RawSource) -> None:
     """Fail on an empty dataset, a missing text column, or a record whose text is missing."""
-    documents: datasets.Dataset = raw.documents  # type: ignore[assignment]
+    documents: datasets.Dataset = raw.documents
     field = raw.text_field
     if len(documents) == 0:
         raise DataError(f"{raw.key}: dataset is empty ({raw.description})")
