@@ -24,10 +24,9 @@ The order below matters and reads top to bottom:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,22 +49,11 @@ from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
 from recipes_lib.config.instantiate import CALLBACKS, LOGGERS
 from recipes_lib.config.widening import widening_line
-from recipes_lib.data import PretrainDataModule
-from recipes_lib.data.chat.module import build_chat_data, build_distill_data
-from recipes_lib.data.preference.module import build_preference_data
-from recipes_lib.data.preference.unpaired import build_unpaired_data
-from recipes_lib.data.prompts.module import build_prompt_data
-from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
 from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
 from recipes_lib.kernels.compiled import watch_compiles
-from recipes_lib.objectives.distill import DistillModule
-from recipes_lib.objectives.dpo import DPOModule
-from recipes_lib.objectives.grpo import GRPOModule
-from recipes_lib.objectives.kto import KTOModule
-from recipes_lib.objectives.reward import RewardModule
-from recipes_lib.objectives.sft import SFTModule
+from recipes_lib.objectives import build_data, build_module, objective_names
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
     build_strategy,
@@ -76,7 +64,6 @@ from recipes_lib.parallel.fp8 import fp8_callbacks
 from recipes_lib.parallel.precision import lightning_precision, resolve_device_choices
 from recipes_lib.preflight import check_run
 from recipes_lib.trackers import attach_files, trackers_of
-from recipes_lib.training.module import CausalLMModule
 from recipes_lib.training.outputs import (
     OutputWeights,
     export_weights,
@@ -193,54 +180,12 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     )
 
 
-def _pretrain_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDataModule:
-    # continued pretraining from weights reads the text with their tokenizer
-    tokenizer = init_tokenizer_path(cfg.data, cfg.stage.init_from)
-    return PretrainDataModule(
-        dataclasses.replace(
-            cfg.data, tokenizer=dataclasses.replace(cfg.data.tokenizer, path=tokenizer)
-        ),
-        model_vocab_size=cfg.model.vocab_size,
-        model_max_seq_len=cfg.model.max_seq_len,
-        total_train_samples=total_train_samples,
-    )
-
-
-def _reward_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDataModule:
-    # whole sequences: a score is read at a sequence's last token
-    return build_preference_data(cfg, total_train_samples=total_train_samples, shifted=False)
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What one ``stage.objective`` trains with: its LightningModule and its data.
-
-    Both builders take the typed run config; the module builder also gets the run's
-    optimizer steps and tokens per step, the data builder the samples per rank.
-    """
-
-    module: Callable[..., L.LightningModule]
-    data: Callable[..., L.LightningDataModule]
-
-
-OBJECTIVES: dict[str, Objective] = {
-    "pretrain": Objective(module=CausalLMModule.from_run_config, data=_pretrain_data),
-    "sft": Objective(module=SFTModule.from_run_config, data=build_chat_data),
-    "dpo": Objective(module=DPOModule.from_run_config, data=build_preference_data),
-    "kto": Objective(module=KTOModule.from_run_config, data=build_unpaired_data),
-    "distill": Objective(module=DistillModule.from_run_config, data=build_distill_data),
-    "reward": Objective(module=RewardModule.from_run_config, data=_reward_data),
-    "grpo": Objective(module=GRPOModule.from_run_config, data=build_prompt_data),
-}
-
-
 def build_stage(
     cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
 ) -> L.LightningModule:
-    """The LightningModule of ``cfg.stage.objective`` (``extra``: module arguments such
-    as a rollback's ``lr_window``)."""
-    objective = OBJECTIVES[cfg.stage.objective]
-    return objective.module(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, **extra)
+    """The LightningModule of ``cfg.stage.objective``, as its spec builds it
+    (``extra``: module arguments such as a rollback's ``lr_window``)."""
+    return build_module(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, **extra)
 
 
 def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
@@ -257,7 +202,7 @@ def check_run_config(cfg: RunConfig) -> None:
         ConfigError: the first problem found, naming its keys; ``run.launch_check=true``,
             which asks for the pre-launch check instead of a run.
     """
-    check_run(cfg, objectives=tuple(OBJECTIVES))
+    check_run(cfg, objectives=objective_names())
     if cfg.run.launch_check:
         raise ConfigError(
             "run.launch_check=true asks for the pre-launch check, not a run: use recipes-check "
@@ -414,7 +359,7 @@ def _fit(
         _save_resolved_config(cfg, Path(cfg.run.dir))
 
     samples = schedule.micro_batches_before(steps) * cfg.data.batch_size
-    datamodule = OBJECTIVES[cfg.stage.objective].data(cfg, total_train_samples=samples)
+    datamodule = build_data(cfg, total_train_samples=samples)
     datamodule.batch_schedule = schedule
     datamodule.skip_samples(skip_samples)
     module = build_stage(

@@ -50,7 +50,7 @@ def _first(rows, name: str) -> float:
 def test_qlora_dpo_reference_is_the_base_without_a_copy(tmp_path, precompute):
     pytest.importorskip("bitsandbytes")
     result, inspect, rows = _dpo(
-        tmp_path, "qlora", f"preference.precompute_reference={str(precompute).lower()}"
+        tmp_path, "qlora", f"stage.dpo.precompute_reference={str(precompute).lower()}"
     )
     assert result.global_step == 4
     assert inspect.shares_policy

@@ -298,9 +298,9 @@ def test_lora_on_the_experts_runs_under_fsdp(runs, tmp_path):
         ("sft/lora_tiny", []),
         ("sft/lora_tiny", ["adapter=qlora", "adapter.r=8"]),
         ("dpo/tiny", []),
-        ("grpo/tiny", ["grpo.max_new_tokens=64", "grpo.kl_coef=0.05"]),
+        ("grpo/tiny", ["stage.grpo.max_new_tokens=64", "stage.grpo.kl_coef=0.05"]),
         ("kto/tiny", []),
-        ("distill/tiny", ["distill.teacher_from={teacher}"]),
+        ("distill/tiny", ["stage.distill.teacher_from={teacher}"]),
     ],
     ids=["lora_sft", "qlora_sft", "dpo", "grpo", "kto", "distill"],
 )

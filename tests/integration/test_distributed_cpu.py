@@ -222,7 +222,7 @@ def test_distillation_under_fsdp_trains_as_under_ddp(runs, tmp_path):
             "recipe=distill/tiny",
             f"run.dir={run_dir}",
             f"data.cache_dir={runs['cache']}",
-            f"distill.teacher_from={runs['single']}",
+            f"stage.distill.teacher_from={runs['single']}",
             f"data.tokenizer.path={runs['tokenizer']}",
             *SMALL_VOCAB_OVERRIDES,
             "data.seq_len=128",
@@ -424,9 +424,9 @@ def test_grpo_samples_through_the_sharded_model_on_two_processes(runs, tmp_path)
         "data.seq_len=128",
         "data.batch_size=2",
         "data.sources.stdlib_grpo.max_documents=200",
-        "grpo.max_new_tokens=24",
-        "grpo.completions_per_prompt=4",
-        "grpo.kl_coef=0.05",
+        "stage.grpo.max_new_tokens=24",
+        "stage.grpo.completions_per_prompt=4",
+        "stage.grpo.kl_coef=0.05",
         "trainer.max_steps=4",
         "trainer.val_check_interval=4",
         "trainer.limit_val_batches=2",
@@ -450,7 +450,7 @@ def test_kto_on_two_processes_matches_one_process(runs, tmp_path):
 
     def overrides(run_dir: Path, *extra: str) -> list[str]:
         kto = [o.replace("stdlib_dpo", "stdlib_kto") for o in _dpo_overrides(run_dir, runs)]
-        return ["recipe=kto/tiny", *kto, "optim.lr=3e-3", "preference.undesirable_weight=0", *extra]
+        return ["recipe=kto/tiny", *kto, "optim.lr=3e-3", "stage.kto.undesirable_weight=0", *extra]
 
     single = run(compose_config(overrides(tmp_path / "single", "data.batch_size=4")))
     assert single.metrics["train/kl"] > 0  # the estimate took part in the last step

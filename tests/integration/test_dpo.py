@@ -58,7 +58,7 @@ def test_dpo_from_pretrained_weights_learns_held_out_preferences(
     result = run(
         compose_config(
             dpo_overrides(
-                tmp_path, shared_cache, pretrained, "preference.precompute_reference=true"
+                tmp_path, shared_cache, pretrained, "stage.dpo.precompute_reference=true"
             )
         )
     )
@@ -182,7 +182,7 @@ def test_distillation_into_a_smaller_student_lowers_the_held_out_divergence(
         compose_config(
             [
                 "recipe=distill/tiny",
-                f"distill.teacher_from={pretrained.output_dir}",
+                f"stage.distill.teacher_from={pretrained.output_dir}",
                 f"data.tokenizer.path={pretrained.tokenizer_path}",
                 f"run.dir={tmp_path}",
                 f"data.cache_dir={shared_cache}",
@@ -277,15 +277,15 @@ def grpo_config(run_dir, cache_dir, pretrained, *extra: str):
             *SMALL_VOCAB_OVERRIDES,
             "data.seq_len=128",
             "data.sources.stdlib_grpo.max_documents=300",
-            "grpo.max_new_tokens=32",
-            "grpo.completions_per_prompt=4",
+            "stage.grpo.max_new_tokens=32",
+            "stage.grpo.completions_per_prompt=4",
             "trainer.log_every_n_steps=1",
             *QUIET_OVERRIDES,
             "callbacks=minimal",
             *extra,
         ]
     )
-    cfg.grpo.rewards = RETURN_REWARD
+    cfg.stage.grpo.rewards = RETURN_REWARD
     return cfg
 
 
@@ -323,7 +323,7 @@ def test_a_grpo_run_resumed_between_two_updates_of_a_batch_matches_the_uninterru
         "trainer.max_steps=6",
         "run.checkpoint_every_n_steps=3",
         "trainer.limit_val_batches=0",
-        "grpo.kl_coef=0.05",  # the reference too: rebuilt from the source the checkpoint names
+        "stage.grpo.kl_coef=0.05",  # the reference too: rebuilt from the checkpoint's source
     )
     straight = run(grpo_config(tmp_path / "straight", shared_cache, pretrained, *settings))
     split_dir = tmp_path / "split"

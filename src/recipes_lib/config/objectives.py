@@ -1,68 +1,108 @@
-"""The settings of the post-training objectives beyond the data and the model:
-``preference.*`` (objectives ``dpo`` and ``kto``), ``reward.*`` (objective ``reward``),
-``distill.*`` (objective ``distill``) and ``grpo.*`` (objective ``grpo``). Re-exported by
-:mod:`recipes_lib.config.schema`, whose ``RunConfig`` holds them as groups.
+"""Each objective's settings as the schema sees them: one typed node, ``stage.<objective>``.
+
+The settings dataclasses belong to the objectives (each :class:`ObjectiveSpec` in
+:mod:`recipes_lib.objectives` carries its own); their registry hands each one here with
+:func:`declare_settings`. The run schema's stage node is then :func:`stage_schema`: the
+plain :class:`~recipes_lib.config.schema.StageConfig` with one field per declared
+objective, so ``stage.dpo.beta`` is typed and a misspelt ``stage.dpo.betaa`` fails at
+compose time, naming its full key, like any other key. The schema hard-codes no
+objective: a new one declares its settings and the stage node grows a field.
+
+The built-in objectives declare theirs when :mod:`recipes_lib.objectives` is imported;
+:func:`declared_settings` imports it by name on first use (as a ``_target_`` is
+imported), so composing a config does not depend on what its caller imported first.
+
+The settings once held by root nodes (``preference``, ``distill``, ``reward``,
+``grpo``), and keys renamed in place (:data:`MOVED_KEYS`), are refused with one line
+naming where each key went (:func:`moved_line`), from the command line
+(:mod:`recipes_lib.config.overrides`) and from a config file
+(:func:`recipes_lib.config.store.to_run_config`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import importlib
 from typing import Any
 
+from recipes_lib.config.schema import StageConfig
+from recipes_lib.errors import ConfigError
 
-@dataclass
-class PreferenceConfig:
-    """Preference optimisation on pairs (objective ``dpo``): against a frozen reference
-    (``sigmoid``, DPO; ``ipo``; ``hinge``) or without one (``simpo``, ``orpo``); on
-    unpaired desirable and undesirable completions (objective ``kto``, loss ``kto``)."""
+BUILTIN_OBJECTIVES = "recipes_lib.objectives"
 
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge | simpo | orpo; kto (objective kto)
-    # DPO's and KTO's inverse temperature; SimPO's reward scale; ORPO's odds-ratio weight
-    beta: float = 0.1
-    gamma: float = 0.5  # SimPO's target reward margin (unused by the other losses)
-    desirable_weight: float = 1.0  # KTO's lambda_D
-    undesirable_weight: float = 1.0  # KTO's lambda_U
-    reference_from: str | None = None  # weights of the frozen reference; None: init_from
-    precompute_reference: bool = False  # one pass of reference log-probs, then free it
+_SETTINGS: dict[str, type] = {}
+_SCHEMAS: dict[tuple[tuple[str, type], ...], type] = {}
 
 
-@dataclass
-class DistillConfig:
-    """Distillation (objective ``distill``): the student learns a teacher's next-token
-    distributions on SFT data (``loss``: ``forward_kl`` | ``jsd``, GKD's generalised
-    Jensen-Shannon with ``beta``), both at ``temperature``."""
+def declare_settings(name: str, settings: type) -> None:
+    """Make ``settings`` (a dataclass) the schema of ``stage.<name>``.
 
-    teacher_from: str | None = None  # any weights stage.init_from takes; same vocabulary
-    loss: str = "forward_kl"
-    beta: float = 0.5
-    temperature: float = 1.0
-
-
-@dataclass
-class RewardConfig:
-    """A reward model (objective ``reward``, ``model.head=score``) trained with the
-    Bradley-Terry loss on preference pairs (:mod:`recipes_lib.losses.reward`)."""
-
-    # weight of mean((r_chosen + r_rejected)^2), which keeps the scores centred on 0
-    center_coef: float = 0.0
+    Raises:
+        ConfigError: ``name`` is a key the stage node already has, or ``settings`` is
+            not a dataclass.
+    """
+    if name in {f.name for f in dataclasses.fields(StageConfig)}:
+        raise ConfigError(f"objective {name!r}: stage.{name} is already a stage setting")
+    if not dataclasses.is_dataclass(settings):
+        raise ConfigError(f"objective {name!r}: its settings must be a dataclass")
+    _SETTINGS[name] = settings
 
 
-@dataclass
-class GRPOConfig:
-    """Online RL with verifiable rewards (objective ``grpo``; recipes_lib.objectives.grpo):
-    ``completions_per_prompt`` samples of each prompt, scored by ``rewards`` (see
-    recipes_lib.rewards.registry), their group-normalised advantages, and the clipped
-    objective (recipes_lib.losses.rl) over ``updates_per_batch`` optimizer steps."""
+def declared_settings() -> dict[str, type]:
+    """``{objective: settings dataclass}`` of every objective that has settings."""
+    importlib.import_module(BUILTIN_OBJECTIVES)
+    return dict(_SETTINGS)
 
-    completions_per_prompt: int = 4  # the group size k
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    updates_per_batch: int = 1  # optimizer steps on one batch of completions (mu)
-    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float | None = None  # None: clip_low (DAPO raises it, e.g. 0.28)
-    kl_coef: float = 0.0  # beta of the KL to the frozen reference (the starting weights)
-    loss_norm: str = "sequence"  # sequence | token | dr_grpo
-    scale_rewards: bool = True  # divide advantages by their group's std (false: Dr. GRPO)
-    # name -> {weight: float, fn: {_target_: <function>, <its settings>}}
-    rewards: dict[str, Any] = field(default_factory=dict)
+
+def stage_schema() -> type:
+    """:class:`StageConfig` with a ``stage.<objective>`` field per declared objective
+    (built once per set of declarations)."""
+    declared = tuple(sorted(declared_settings().items()))
+    schema = _SCHEMAS.get(declared)
+    if schema is None:
+        fields = [(name, cls, dataclasses.field(default_factory=cls)) for name, cls in declared]
+        schema = dataclasses.make_dataclass("StageConfig", fields, bases=(StageConfig,))
+        schema.__module__, schema.__doc__ = StageConfig.__module__, StageConfig.__doc__
+        _SCHEMAS[declared] = schema
+    return schema
+
+
+# ------------------------------------------------------------------ moved keys
+# keys refused with the one key that replaces them
+MOVED_KEYS = {"run.preflight": "run.launch_check"}
+MOVED_ROOTS = ("preference", "distill", "reward", "grpo")
+_PREFERENCE_KEYS = {
+    "beta": "stage.dpo.beta (stage.kto.beta, stage.simpo.beta; ORPO's weight is "
+    "stage.orpo.odds_ratio_weight)",
+    "gamma": "stage.simpo.gamma",
+    "desirable_weight": "stage.kto.desirable_weight",
+    "undesirable_weight": "stage.kto.undesirable_weight",
+    "reference_from": "stage.dpo.reference_from (stage.kto.reference_from)",
+    "precompute_reference": "stage.dpo.precompute_reference (stage.kto.precompute_reference)",
+}
+_PREFERENCE_LOSSES = {"simpo": "simpo", "orpo": "orpo", "kto": "kto"}
+
+
+def moved_line(key: str, value: Any = None) -> str | None:
+    """The line refusing ``key`` (dotted; ``value`` as given, if any) when it is one of
+    the objective settings that moved under ``stage.<objective>`` or in
+    :data:`MOVED_KEYS`, else None."""
+    if key in MOVED_KEYS:
+        return f"{key}: moved to {MOVED_KEYS[key]}"
+    root, _, rest = key.partition(".")
+    if root not in MOVED_ROOTS:
+        return None
+    if root != "preference":
+        target = f"stage.{root}.{rest}" if rest else f"stage.{root}"
+        return f"{key}: moved to {target}"
+    if not rest:
+        return (
+            "preference: moved under stage.<objective>: stage.dpo (loss sigmoid | ipo | hinge), "
+            "stage.simpo, stage.orpo or stage.kto, with stage.objective naming which"
+        )
+    if rest == "loss":
+        objective = _PREFERENCE_LOSSES.get(str(value))
+        if objective is not None:
+            return f"{key}={value}: {objective} is an objective: stage.objective={objective}"
+        return f"{key}: moved to stage.dpo.loss"
+    return f"{key}: moved to {_PREFERENCE_KEYS.get(rest, f'stage.dpo.{rest}')}"

@@ -25,6 +25,8 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from recipes_lib.config.objectives import moved_line, stage_schema
+from recipes_lib.config.schema import StageConfig
 from recipes_lib.config.store import conf_dir
 from recipes_lib.errors import ConfigError
 
@@ -102,6 +104,8 @@ def unknown_key(key: str, schema: type, groups: Sequence[str] = ()) -> str | Non
             where = ".".join(parts[:depth]) or "the config"
             return f"no such key ({where} takes: {', '.join(names)})"
         node = _dataclass_of(hints[part])
+        if node is StageConfig:  # with a field for each objective's settings
+            node = stage_schema()
     return None
 
 
@@ -156,6 +160,10 @@ def check_overrides(
                     noun = _NOUNS.get(key, f"{key} option")
                     raise ConfigError(f"{text}: no such {noun}{did_you_mean(value, options)}")
             continue
+        value = override.value() if not override.is_sweep_override() else None
+        moved = moved_line(key, value)
+        if moved is not None:
+            raise ConfigError(moved)
         groups = [] if "." in key else _top_groups(extra_dirs)
         reason = unknown_key(key, schema, groups)
         if reason is not None:

@@ -24,10 +24,6 @@ from recipes_lib.config.model import ModelConfig as ModelConfig
 from recipes_lib.config.model import RopeScalingConfig as RopeScalingConfig
 from recipes_lib.config.model import model_fields as model_fields
 from recipes_lib.config.model import resolved_model_fields as resolved_model_fields
-from recipes_lib.config.objectives import DistillConfig as DistillConfig
-from recipes_lib.config.objectives import GRPOConfig as GRPOConfig
-from recipes_lib.config.objectives import PreferenceConfig as PreferenceConfig
-from recipes_lib.config.objectives import RewardConfig as RewardConfig
 
 
 @dataclass
@@ -170,6 +166,10 @@ class BatchRampConfig:
 @dataclass
 class StageConfig:
     """The objective a run trains, how long, what it starts from and what it hands on.
+
+    The objective's own settings are ``stage.<objective>`` (``stage.dpo.beta``): the
+    run schema's stage node has a typed field for each objective that declares settings
+    (:mod:`recipes_lib.config.objectives`).
 
     ``init_from`` is a ``.safetensors`` file, a directory holding ``model.safetensors``
     or a Lightning ``.ckpt``; with ``init_optimizer`` (a ``.ckpt`` only) the AdamW
@@ -380,10 +380,6 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
-    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
-    distill: DistillConfig = field(default_factory=DistillConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     data: DataConfig = field(default_factory=DataConfig)
     stage: StageConfig = field(default_factory=StageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

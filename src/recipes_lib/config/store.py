@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recipes_lib.config.fitted import register_fitted_resolvers
+from recipes_lib.config.objectives import moved_line, stage_schema
 from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.config.widening import check_composed_widening
 from recipes_lib.errors import ConfigError
@@ -32,7 +33,7 @@ def run_schema_node() -> DictConfig:
     against :class:`~recipes_lib.config.schema.SourceConfig` when the run config is
     built (:func:`to_run_config`).
     """
-    node = OmegaConf.structured(RunConfig)
+    node = OmegaConf.structured(RunConfig(stage=stage_schema()()))
     OmegaConf.set_struct(node.data.sources, False)
     return node
 
@@ -150,7 +151,13 @@ def compose_config(
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        cfg = compose(config_name, list(overrides), return_hydra_config=return_hydra_config)
+        try:
+            cfg = compose(config_name, list(overrides), return_hydra_config=return_hydra_config)
+        except Exception as err:
+            line = moved_key_of(err)
+            if line is None:
+                raise
+            raise ConfigError(line) from err
     check_composed_widening(cfg, overrides)  # the overrides are the caller's; files may not
     return cfg
 
@@ -172,7 +179,19 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         typed = OmegaConf.merge(run_schema_node(), data)
         return OmegaConf.to_object(typed)  # type: ignore[return-value]
     except (OmegaConfBaseException, ValueError) as err:
-        raise ConfigError(f"invalid config: {err}") from err
+        line = moved_key_of(err)
+        raise ConfigError(line or f"invalid config: {err}") from err
+
+
+def moved_key_of(err: BaseException) -> str | None:
+    """The line naming where a moved key went, when ``err`` (or what caused it) is the
+    schema refusing one of the old objective roots (``preference``, ...), else None."""
+    while err is not None:
+        key = getattr(err, "full_key", None)
+        if isinstance(err, OmegaConfBaseException) and key:
+            return moved_line(str(key))
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return None
 
 
 def as_config(cls: type, value: Any, key: str) -> Any:

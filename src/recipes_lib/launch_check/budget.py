@@ -18,8 +18,8 @@ from recipes_lib.config.schema import RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
 from recipes_lib.launch_check.memory import rows_per_micro_batch
 from recipes_lib.launch_check.parameters import ParameterCounts
-from recipes_lib.losses.preference import runs_reference
 from recipes_lib.models import Transformer
+from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type, lightning_precision
 from recipes_lib.train import batch_schedule, tokens_per_step, total_steps
 
@@ -104,7 +104,7 @@ def token_budget(cfg: RunConfig, world_size: int = 1) -> TokenBudget:
         tokens=tokens,
         parameters=counts.total,
         trainable=counts.trainable,
-        from_scratch=cfg.stage.objective == "pretrain" and cfg.stage.init_from is None,
+        from_scratch=objective_of(cfg).from_scratch and cfg.stage.init_from is None,
     )
 
 
@@ -148,13 +148,21 @@ def step_flops(cfg: RunConfig, world_size: int = 1) -> float:
     with torch.device("meta"):  # shapes only
         model = Transformer(cfg.model)
     per_token = model.flops_per_token(cfg.data.seq_len)
-    pref = cfg.preference
-    if runs_reference(cfg.stage.objective, pref.loss, pref.precompute_reference):
+    if _reference_each_step(cfg):
         per_token *= 4 / 3
     if cfg.kernels.activation_checkpointing:
         per_token *= CHECKPOINTING_FLOPS
     rows = rows_per_micro_batch(cfg) * cfg.trainer.accumulate_grad_batches * world_size
     return per_token * rows * cfg.data.seq_len
+
+
+def _reference_each_step(cfg: RunConfig) -> bool:
+    """A frozen model of the policy's shape runs a forward at every step (a reference
+    whose log-probs are not precomputed, even one that is the policy without its
+    adapters): its forward adds a third of the policy's training work."""
+    spec = objective_of(cfg)
+    frozen = spec.frozen_models(cfg, spec.settings_of(cfg))
+    return any(f.forward_each_step and f.model == cfg.model for f in frozen)
 
 
 def step_time(cfg: RunConfig, world_size: int = 1, device_name: str | None = None) -> StepTime:

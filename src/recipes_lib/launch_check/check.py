@@ -43,8 +43,13 @@ from recipes_lib.config import RunConfig, to_run_config
 from recipes_lib.launch_check import live
 from recipes_lib.launch_check.budget import step_time, token_budget
 from recipes_lib.launch_check.disk import checkpoint_space
-from recipes_lib.launch_check.memory import GIB, MemoryEstimate, estimate_memory
-from recipes_lib.losses.preference import TWO_SEQUENCE_OBJECTIVES
+from recipes_lib.launch_check.memory import (
+    GIB,
+    MemoryEstimate,
+    estimate_memory,
+    rows_per_micro_batch,
+)
+from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type, resolve_device_choices
 from recipes_lib.parallel.strategy import get_strategy, trainer_devices
 from recipes_lib.train import batch_schedule, check_run_config, tokens_per_step, total_steps
@@ -303,9 +308,7 @@ def _data(cfg: RunConfig, steps: int, world: int, report: LaunchReport):
     except Exception as err:
         report.add("data", FAIL, _message(err))
         return None
-    unit = {"dpo": "pairs", "kto": "completions"}.get(
-        cfg.stage.objective, f"rows of {cfg.data.seq_len}"
-    )
+    unit = objective_of(cfg).example_noun or f"rows of {cfg.data.seq_len}"
     figure = "; ".join(
         f"{s.name}: {s.holds + ', ' if s.holds else ''}{s.items:,} {unit}, "
         f"read {s.passes:.2g} times"
@@ -351,7 +354,7 @@ def _steps(cfg, datamodule, steps, step_tokens, scratch, report):
     except Exception as err:
         report.add("forward/backward", FAIL, _message(err))
         return None
-    rows = cfg.data.batch_size * (2 if cfg.stage.objective in TWO_SEQUENCE_OBJECTIVES else 1)
+    rows = rows_per_micro_batch(cfg)
     losses = " -> ".join(f"{x:.4g}" for x in result.losses)
     figure = (
         f"{len(result.losses)} steps of {rows} x {cfg.data.seq_len} tokens: loss {losses}, "

@@ -28,7 +28,8 @@ from recipes_lib.data.mixture import MixtureDataset
 from recipes_lib.data.module import dataset_length
 from recipes_lib.data.text.shards import TokenShard
 from recipes_lib.launch_check.budget import human
-from recipes_lib.train import OBJECTIVES, batch_schedule, build_stage, build_trainer
+from recipes_lib.objectives import build_data as build_objective_data
+from recipes_lib.train import batch_schedule, build_stage, build_trainer
 
 # Training on the same data more often than this many times is worth a warning:
 # Muennighoff et al. (2023) find up to about 4 epochs of repeated data nearly as good
@@ -59,7 +60,7 @@ def training_samples(cfg: RunConfig, steps: int, world_size: int) -> int:
 def build_data(cfg: RunConfig, steps: int, world_size: int = 1) -> L.LightningDataModule:
     """The objective's data module, prepared and set up as a run's would be."""
     per_rank = training_samples(cfg, steps, world_size) // world_size
-    datamodule = OBJECTIVES[cfg.stage.objective].data(cfg, total_train_samples=per_rank)
+    datamodule = build_objective_data(cfg, total_train_samples=per_rank)
     datamodule.prepare_data()
     datamodule.setup("fit")
     # prepared once: the training steps' fit would prepare (and report) it again

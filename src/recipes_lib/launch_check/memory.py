@@ -60,7 +60,7 @@ from recipes_lib.launch_check.parameters import (
     frozen_model_bytes,
     weight_bytes_of,
 )
-from recipes_lib.losses.preference import TWO_SEQUENCE_OBJECTIVES, runs_reference
+from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type
 from recipes_lib.parallel.strategy import StrategySpec, get_strategy
 
@@ -193,8 +193,9 @@ def nf4_bytes_per_weight(double_quant: bool) -> float:
 
 
 def rows_per_micro_batch(cfg: RunConfig) -> int:
-    """Sequences in one micro-batch: a preference pair is two rows (chosen, rejected)."""
-    return cfg.data.batch_size * (2 if cfg.stage.objective in TWO_SEQUENCE_OBJECTIVES else 1)
+    """Sequences in one micro-batch: the objective's sequences per example (a preference
+    pair is two rows, chosen and rejected) times ``data.batch_size``."""
+    return cfg.data.batch_size * objective_of(cfg).sequences_per_example
 
 
 def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
@@ -256,8 +257,10 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         kept += 2 * weights.adapters if mixed else 0
 
     # --- activations and the loss
-    # KTO's twins run without a gradient (a dense model's): only the completions' are kept
-    twins_apart = cfg.stage.objective == "kto" and not cfg.model.moe_experts
+    # second sequences run without a gradient (KTO's twins, a dense model's): only the
+    # first sequences' activations are kept
+    objective = objective_of(cfg)
+    twins_apart = objective.second_sequence_without_gradient and not cfg.model.moe_experts
     tokens = rows_per_micro_batch(cfg) // (2 if twins_apart else 1) * cfg.data.seq_len
     block = tokens * block_bytes_per_token(
         shape,
@@ -343,21 +346,17 @@ def _on_cuda(cfg: RunConfig) -> bool:
 
 
 def _frozen_model(cfg: RunConfig, lora: dict[str, int] | None) -> tuple[int, float, bool]:
-    """The frozen model beside the policy, as (parameters, bytes, sharded as the policy):
-    a separate DPO reference (none with an adapter over the same base, the policy without
-    its adapters; none once precomputed log-probs freed it, or for a loss without one:
-    simpo, orpo), or a distillation's teacher, of its own shape, whole on each rank."""
-    pref = cfg.preference
-    if runs_reference(cfg.stage.objective, pref.loss, pref.precompute_reference):
-        same_base = pref.reference_from is None or pref.reference_from == cfg.stage.init_from
-        if not (lora and same_base):
-            return (*frozen_model_bytes(cfg.model, cfg.precision.name), True)
-    if cfg.stage.objective == "distill" and cfg.distill.teacher_from:
-        from recipes_lib.checkpoint.source import recorded_model_config
-
-        teacher = recorded_model_config(cfg.distill.teacher_from, "distill.teacher_from")
-        return (*frozen_model_bytes(teacher, cfg.precision.name), False)
-    return 0, 0.0, False
+    """The frozen models beside the policy, as (parameters, bytes, sharded as the policy):
+    what the objective's spec declares (a separate reference, a teacher of its own shape
+    whole on each rank), summed."""
+    spec = objective_of(cfg)
+    params, size, sharded = 0, 0.0, False
+    for frozen in spec.frozen_models(cfg, spec.settings_of(cfg)):
+        if frozen.shares_policy:
+            continue
+        count, nbytes = frozen_model_bytes(frozen.model, cfg.precision.name)
+        params, size, sharded = params + count, size + nbytes, sharded or frozen.sharded
+    return params, size, sharded
 
 
 def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> list[str]:
@@ -371,7 +370,7 @@ def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> l
         notes.append("precision=fp8: activations counted as bf16 (float8 copies are smaller)")
     if cfg.kernels.compile and lora:
         notes.append("compiled blocks with an adapter: the adapters counted as eager")
-    if cfg.stage.objective in TWO_SEQUENCE_OBJECTIVES:
+    if objective_of(cfg).sequences_per_example == 2:
         objective = cfg.stage.objective
         notes.append(f"{objective}: each example counted as two rows of data.seq_len tokens")
         if cfg.kernels.loss_chunk_size is not None:  # it keeps no gradient from the forward

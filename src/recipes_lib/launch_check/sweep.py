@@ -164,11 +164,11 @@ def _count(value: Any, key: str) -> int:
 def check_train_job(executor: str, params: Mapping[str, Any], job: DictConfig) -> None:
     """A ``recipes-train`` job: its config, and its processes against its trainer."""
     from recipes_lib.checkpoint.source import fill_model_from_init
-    from recipes_lib.train import OBJECTIVES
+    from recipes_lib.objectives import objective_names
 
     cfg = to_run_config(fill_model_from_init(job))  # model=from_init: the source's shape
     check_run_targets(cfg)
-    check_values(cfg, tuple(OBJECTIVES))
+    check_values(cfg, objective_names())
     devices = _count(cfg.trainer.devices, "trainer.devices")
     nodes = _count(cfg.trainer.num_nodes, "trainer.num_nodes")
     tasks = params.get("tasks_per_node", 1)

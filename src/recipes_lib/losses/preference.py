@@ -267,22 +267,6 @@ PREFERENCE_LOSSES: dict[str, PreferenceLoss] = {
 }
 
 
-# objectives whose examples are two sequences each (a pair; a KTO completion and its
-# mismatched twin for the KL estimate), all compared with a frozen reference or not
-TWO_SEQUENCE_OBJECTIVES = ("dpo", "kto")
-
-
-def runs_reference(objective: str, loss: str, precomputed: bool) -> bool:
-    """Whether a run computes a reference model's forward during training: a ``dpo``
-    objective whose ``preference.loss`` compares with one, or ``kto``; not precomputed."""
-    if precomputed:
-        return False
-    if objective == "kto":
-        return True
-    entry = PREFERENCE_LOSSES.get(loss)
-    return objective == "dpo" and entry is not None and entry.needs_reference
-
-
 def get_preference_loss(name: str) -> PreferenceLoss:
     """The loss called ``name`` (``preference.loss``).
 

@@ -1,10 +1,11 @@
 """Knowledge distillation: the ``distill`` objective.
 
-:class:`DistillModule` is an :class:`~recipes_lib.objectives.sft.SFTModule` whose loss is a
+:class:`DistillModule` trains on SFT's conversations (and composes SFT's parts: its
+data, its assistant-token count, the tokenizer written beside the outputs); its loss is a
 divergence between a frozen teacher's next-token distributions and the student's, on the
 assistant tokens of SFT data (:mod:`recipes_lib.losses.distill`: forward KL or GKD's
 generalised Jensen-Shannon divergence, at a temperature). The teacher is any checkpoint
-the library loads (``distill.teacher_from``: a stage folder, a manifest, a Hugging Face
+the library loads (``stage.distill.teacher_from``: a stage folder, a manifest, a Hugging Face
 folder, a ``.ckpt``), of any shape, with the student's vocabulary. It is built as a
 frozen model beside the student (same kernels and precision; no adapter or
 compilation), outside the optimizer and the checkpoints, as DPO's reference is. Both
@@ -20,7 +21,7 @@ Logged as ``train/...`` and ``val/...``: ``loss`` (the divergence).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,20 +29,38 @@ import torch
 from torch import Tensor
 
 from recipes_lib.checkpoint.source import recorded_model_config
-from recipes_lib.config.schema import DistillConfig
-from recipes_lib.config.store import as_config
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.data.chat.module import ChatDataModule, build_chat_data
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.distill import DISTILL_LOSSES, chunked_distill_loss
-from recipes_lib.objectives.sft import SFTModule
+from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
+from recipes_lib.objectives.sft import (
+    assistant_tokens,
+    chat_rows_vary,
+    save_chat_tokenizer_beside_outputs,
+)
 from recipes_lib.training.build import build_model
-from recipes_lib.training.module import Batch
+from recipes_lib.training.module import Batch, CausalLMModule
 
 DEFAULT_CHUNK = 256
+TEACHER_KEY = "stage.distill.teacher_from"
 
 
-def check_distill(settings: DistillConfig, student_vocab: int) -> None:
-    """``distill.*`` on their own and the teacher against the student's vocabulary.
+@dataclass
+class DistillSettings:
+    """``stage.distill``: the student learns a teacher's next-token distributions on SFT
+    data (``loss``: ``forward_kl`` | ``jsd``, GKD's generalised Jensen-Shannon with
+    ``beta``), both at ``temperature``."""
+
+    teacher_from: str | None = None  # any weights stage.init_from takes; same vocabulary
+    loss: str = "forward_kl"
+    beta: float = 0.5  # jsd: near 0 like the forward KL, near 1 like the reverse KL
+    temperature: float = 1.0  # both distributions' (the loss scales by its square)
+
+
+def check_distill(settings: DistillSettings, student_vocab: int) -> None:
+    """``stage.distill`` on its own and the teacher against the student's vocabulary.
 
     Raises:
         ConfigError: no teacher, an unknown loss, a beta outside [0, 1], a non-positive
@@ -50,68 +69,68 @@ def check_distill(settings: DistillConfig, student_vocab: int) -> None:
     """
     if settings.teacher_from is None:
         raise ConfigError(
-            "stage.objective=distill needs distill.teacher_from: the teacher's weights (a "
+            f"stage.objective=distill needs {TEACHER_KEY}: the teacher's weights (a "
             "stage folder, a Hugging Face folder, a manifest or a .ckpt)"
         )
     if settings.loss not in DISTILL_LOSSES:
-        raise ConfigError(f"distill.loss={settings.loss!r} is not one of {list(DISTILL_LOSSES)}")
+        raise ConfigError(
+            f"stage.distill.loss={settings.loss!r} is not one of {list(DISTILL_LOSSES)}"
+        )
     if not 0.0 <= settings.beta <= 1.0:
-        raise ConfigError(f"distill.beta={settings.beta} must be in [0, 1]")
+        raise ConfigError(f"stage.distill.beta={settings.beta} must be in [0, 1]")
     if not settings.temperature > 0:
-        raise ConfigError(f"distill.temperature={settings.temperature} must be positive")
-    teacher = recorded_model_config(settings.teacher_from, "distill.teacher_from")
+        raise ConfigError(f"stage.distill.temperature={settings.temperature} must be positive")
+    teacher = recorded_model_config(settings.teacher_from, TEACHER_KEY)
     if teacher.vocab_size != student_vocab:
         raise ConfigError(
-            f"distill.teacher_from={settings.teacher_from!r} has a vocabulary of "
+            f"{TEACHER_KEY}={settings.teacher_from!r} has a vocabulary of "
             f"{teacher.vocab_size} tokens and the student (model.vocab_size) {student_vocab}: "
             "distillation needs the same tokenizer"
         )
 
 
-class DistillModule(SFTModule):
-    """Distils a frozen teacher into the trained model on SFT data (``distill``).
+class DistillModule(CausalLMModule):
+    """Distils a frozen teacher into the trained model on SFT data (settings:
+    :class:`DistillSettings`). When fitting ends, the run's folder gets the tokenizer and
+    chat template, as after SFT.
 
     Raises:
         ConfigError, CheckpointError: see :func:`check_distill`.
     """
 
-    config_groups = ("distill",)
-
-    def __init__(self, *args: Any, distill: DistillConfig | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, settings: DistillSettings | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.distill_config: DistillConfig = as_config(
-            DistillConfig, distill or DistillConfig(), "distill"
-        )
-        check_distill(self.distill_config, self.model_config.vocab_size)
-        self.hparams["distill"] = asdict(self.distill_config)
+        self.settings = settings if settings is not None else DistillSettings()
+        check_distill(self.settings, self.model_config.vocab_size)
+        self.hparams["distill"] = asdict(self.settings)
         self.teacher: Any = None  # set past nn.Module: no optimizer, state dict or broadcast
 
     def configure_model(self) -> None:
         if self.model is not None:
             return
         super().configure_model()
-        source = self.distill_config.teacher_from
+        source = self.settings.teacher_from
         plan = dataclasses.replace(
             self.policy_build(),
-            model=recorded_model_config(source, "distill.teacher_from"),
+            model=recorded_model_config(source, TEACHER_KEY),
             kernels=dataclasses.replace(self.kernels_config, compile=False),
             init_from=str(Path(source).expanduser()),
-            init_label=f"distill.teacher_from={source!r}",
+            init_label=f"{TEACHER_KEY}={source!r}",
             adapter=None,
             trains=False,
             upcycle=False,
         )
-        device, mesh = self._placement()
+        device, mesh = self.placement()
         if mesh is not None:  # a sharded student: the frozen teacher whole on each rank
             device, mesh = self.trainer.strategy.root_device, None
-        attention = self._built_model().attention_backend
+        attention = self.built_model().attention_backend
         teacher = build_model(plan, device=device, mesh=mesh, attention=attention)
         # not a submodule: outside the state dict (checkpoints), DDP's broadcast and .to()
         object.__setattr__(self, "teacher", teacher.eval().requires_grad_(False))
 
     def on_fit_start(self) -> None:
         super().on_fit_start()
-        dtype = next(self._built_model().parameters()).dtype  # the student's, under *-true
+        dtype = next(self.built_model().parameters()).dtype  # the student's, under *-true
         if next(self.teacher.parameters()).dtype != dtype:
             self.teacher.to(dtype=dtype)
 
@@ -120,7 +139,7 @@ class DistillModule(SFTModule):
         input_ids, doc_ids = self.model_inputs(batch)
         with torch.no_grad():
             teacher_hidden = self.teacher.forward_hidden(input_ids, doc_ids)  # (B, T, Ct)
-        settings = self.distill_config
+        settings = self.settings
 
         def divergence(hidden: Tensor, weight: Tensor) -> Tensor:  # inside the student's head
             return chunked_distill_loss(
@@ -137,11 +156,69 @@ class DistillModule(SFTModule):
 
         # through the student's own forward, so that a sharded student gathers its head
         token_mask = self.expert_load.token_mask(batch)
-        student = self._built_model()
+        student = self.built_model()
         loss = student(input_ids, doc_ids, token_mask=token_mask, fused=divergence)
-        assistant = (batch["labels"] != IGNORE_INDEX).sum()
-        return loss, {"assistant_tokens": assistant.float()}
+        return loss, {"assistant_tokens": assistant_tokens(batch)}
 
     def on_validation_epoch_end(self) -> None:
         # a divergence has no perplexity: drop the base module's running sums
         self._val_loss_sum = self._val_batches = None
+
+    def on_fit_end(self) -> None:
+        save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
+
+
+def distill_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModule:
+    """SFT's conversations, tokenized with ``data.tokenizer.path``, else the tokenizer
+    beside the student's starting weights, else the one beside the teacher, whose
+    vocabulary the student must share.
+
+    Raises:
+        ConfigError: the weights the tokenizer is looked for beside have none.
+    """
+    if cfg.stage.init_from is not None:
+        return build_chat_data(cfg, total_train_samples=total_train_samples)
+    return build_chat_data(
+        cfg,
+        total_train_samples=total_train_samples,
+        weights=DISTILL.settings_of(cfg).teacher_from,
+        weights_key=TEACHER_KEY,
+    )
+
+
+def _teacher(cfg: RunConfig, settings: DistillSettings) -> tuple[FrozenModel, ...]:
+    """The teacher, of its own shape, whole on each rank."""
+    if not settings.teacher_from:
+        return ()
+    teacher = recorded_model_config(settings.teacher_from, TEACHER_KEY)
+    return (FrozenModel("teacher", teacher, sharded=False),)
+
+
+def _check(cfg: RunConfig, settings: DistillSettings) -> None:
+    """The divergence is computed inside the student head's forward: a strategy must
+    gather the head for it, and a head converted to float8 would be bypassed."""
+    from recipes_lib.parallel.strategy import get_strategy
+
+    name = cfg.strategy.name
+    if not get_strategy(name).fused_head:
+        raise ConfigError(
+            f"stage.objective=distill with strategy={name}: the divergence is computed "
+            "inside the student head's forward, which this strategy's engine is not known to "
+            "gather the head for; use strategy=ddp or fsdp"
+        )
+
+
+DISTILL = register_objective(
+    ObjectiveSpec(
+        name="distill",
+        module=DistillModule.from_run_config,
+        data=distill_data,
+        batch="as SFT's: input_ids, labels (-100 off the assistant's tokens), doc_ids (B, T)",
+        loss="chunked_distill_loss (forward_kl | jsd), inside the student's head",
+        settings=DistillSettings,
+        loss_inside_head=True,
+        batches_vary=chat_rows_vary,
+        frozen_models=_teacher,
+        check=_check,
+    )
+)

@@ -1,15 +1,16 @@
 """Online RL with verifiable rewards: the ``grpo`` objective.
 
 Each training batch is a batch of prompts (:mod:`recipes_lib.data.prompts.module`). The
-policy samples ``grpo.completions_per_prompt`` completions of each with the KV cache
+policy samples ``stage.grpo.completions_per_prompt`` completions of each with the KV
+cache
 (:func:`~recipes_lib.models.sampling.sample_completions`, on the training devices: under
 FSDP the sharded model generates through its own forward), the rewards score them
 (:mod:`recipes_lib.rewards`), and each completion's advantage is its reward against its
 group's (:func:`~recipes_lib.losses.rl.group_advantages`). The clipped objective
 (:func:`~recipes_lib.losses.rl.grpo_loss`) is then minimised over
-``grpo.updates_per_batch`` optimizer steps on the same completions (the data module
+``stage.grpo.updates_per_batch`` optimizer steps on the same completions (the data module
 draws each batch that many times); the ratio is taken to the log-probs of the policy
-that sampled, kept with the completions. With ``grpo.kl_coef > 0`` a frozen reference
+that sampled, kept with the completions. With ``stage.grpo.kl_coef > 0`` a frozen reference
 (the starting weights; under LoRA the base with its adapters bypassed) adds the KL term.
 
 Sampling is seeded by ``run.seed``, the optimizer step and the rank, and the completions
@@ -28,20 +29,21 @@ decodes one greedy completion per held-out prompt and logs ``val/reward`` and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from recipes_lib.config.schema import GRPOConfig
-from recipes_lib.config.store import as_config
-from recipes_lib.data.prompts.module import prompts_of
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.data.prompts.module import PromptDataModule, prompts_of
+from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.rl import LOSS_NORMS, group_advantages, grpo_loss
 from recipes_lib.models.sampling import Completions, sample_completions
+from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.rewards import build_rewards, score_completions
 from recipes_lib.training.module import Batch, CausalLMModule
@@ -53,6 +55,27 @@ from recipes_lib.training.reference import (
 )
 
 ROLLOUT_KEY = "grpo_rollout"  # checkpoint entry: completions later steps train on
+
+
+@dataclass
+class GRPOSettings:
+    """``stage.grpo``: ``completions_per_prompt`` samples of each prompt, scored by
+    ``rewards`` (see recipes_lib.rewards.registry), their group-normalised advantages,
+    and the clipped objective (recipes_lib.losses.rl) over ``updates_per_batch``
+    optimizer steps."""
+
+    completions_per_prompt: int = 4  # the group size k
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    updates_per_batch: int = 1  # optimizer steps on one batch of completions (mu)
+    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float | None = None  # None: clip_low (DAPO raises it, e.g. 0.28)
+    kl_coef: float = 0.0  # beta of the KL to the frozen reference (the starting weights)
+    loss_norm: str = "sequence"  # sequence | token | dr_grpo
+    scale_rewards: bool = True  # divide advantages by their group's std (false: Dr. GRPO)
+    # name -> {weight: float, fn: {_target_: <function>, <its settings>}}
+    rewards: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,7 +107,7 @@ class Rollout:
         return {f.name: getattr(cpu, f.name) for f in fields(cpu)}
 
 
-def check_grpo(settings: GRPOConfig) -> None:
+def check_grpo(settings: GRPOSettings) -> None:
     """Refuse GRPO settings out of range, naming the key."""
     checks = [
         (settings.completions_per_prompt >= 2, "completions_per_prompt", "must be >= 2 (a group)"),
@@ -99,22 +122,19 @@ def check_grpo(settings: GRPOConfig) -> None:
     ]
     for ok, key, problem in checks:
         if not ok:
-            raise ConfigError(f"grpo.{key}={getattr(settings, key)!r} {problem}")
+            raise ConfigError(f"stage.grpo.{key}={getattr(settings, key)!r} {problem}")
 
 
 class GRPOModule(CausalLMModule):
     """GRPO of a causal LM on prompts with verifiable rewards (see the module docstring).
 
-    Takes :class:`CausalLMModule`'s arguments plus ``grpo`` (the settings),
+    Takes :class:`CausalLMModule`'s arguments plus ``settings`` (:class:`GRPOSettings`),
     ``allowed_targets`` (``run.allowed_targets``, for reward functions of your own) and
     ``seed`` (``run.seed``, for sampling).
 
     Raises:
         ConfigError: a setting out of range or a reward that cannot be built.
     """
-
-    config_groups = ("grpo",)
-    varying_shapes = True  # prompts and completions of every length
 
     @classmethod
     def from_run_config(cls, cfg, **kwargs: Any) -> GRPOModule:
@@ -124,13 +144,13 @@ class GRPOModule(CausalLMModule):
     def __init__(
         self,
         *args: Any,
-        grpo: GRPOConfig | None = None,
+        settings: GRPOSettings | None = None,
         allowed_targets: Sequence[str] = (),
         seed: int = 0,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
-        self.grpo_config: GRPOConfig = as_config(GRPOConfig, grpo or GRPOConfig(), "grpo")
+        self.grpo_config = settings if settings is not None else GRPOSettings()
         check_grpo(self.grpo_config)
         self.rewards = build_rewards(self.grpo_config.rewards, allowed_targets)
         self.hparams["grpo"] = asdict(self.grpo_config)
@@ -140,7 +160,7 @@ class GRPOModule(CausalLMModule):
         self.rollout: Rollout | None = None
 
     def configure_model(self) -> None:
-        """Build the policy, then (with ``grpo.kl_coef > 0``) its frozen reference."""
+        """Build the policy, then (with ``stage.grpo.kl_coef > 0``) its frozen reference."""
         if self.model is not None:
             return
         super().configure_model()
@@ -151,7 +171,7 @@ class GRPOModule(CausalLMModule):
     def on_fit_start(self) -> None:
         super().on_fit_start()
         if self.reference is not None:
-            self.reference.match_dtype(next(self._built_model().parameters()).dtype)
+            self.reference.match_dtype(next(self.built_model().parameters()).dtype)
 
     # -------------------------------------------------------------- rollouts
     def _datamodule(self):
@@ -168,7 +188,7 @@ class GRPOModule(CausalLMModule):
         settings = self.grpo_config
         generator = torch.Generator(device=self.device).manual_seed(seed)
         return sample_completions(
-            self._built_model(),
+            self.built_model(),
             prompts_of(batch),
             settings.max_new_tokens,
             completions_per_prompt=k,
@@ -249,7 +269,7 @@ class GRPOModule(CausalLMModule):
         old = ref = None
         with torch.no_grad():
             if settings.updates_per_batch > 1:
-                old = self.token_logprobs(self._built_model(), input_ids, labels)
+                old = self.token_logprobs(self.built_model(), input_ids, labels)
             if self.reference is not None:
                 ref = self.token_logprobs(self.reference, input_ids, labels)
         lengths = torch.tensor([len(t) for t in completions.tokens], dtype=torch.float32)
@@ -284,7 +304,7 @@ class GRPOModule(CausalLMModule):
         """The clipped objective on the step's completions, and its metrics."""
         settings = self.grpo_config
         rollout = self._rollout_for(batch)
-        logps = self.token_logprobs(self._built_model(), rollout.input_ids, rollout.labels)
+        logps = self.token_logprobs(self.built_model(), rollout.input_ids, rollout.labels)
         old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
         loss, metrics = grpo_loss(
             logps,
@@ -341,3 +361,69 @@ class GRPOModule(CausalLMModule):
 
     def on_fit_end(self) -> None:
         save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
+
+
+def prompt_data(cfg: RunConfig, *, total_train_samples: int) -> PromptDataModule:
+    """The prompts (the tokenizer beside the starting weights unless
+    ``data.tokenizer.path`` names one), each batch drawn ``updates_per_batch`` times."""
+    settings = GRPO.settings_of(cfg)
+    return PromptDataModule(
+        cfg.data,
+        model_vocab_size=cfg.model.vocab_size,
+        model_max_seq_len=cfg.model.max_seq_len,
+        total_train_samples=total_train_samples,
+        tokenizer_path=init_tokenizer_path(cfg.data, cfg.stage.init_from),
+        max_new_tokens=settings.max_new_tokens,
+        repeats=settings.updates_per_batch,
+    )
+
+
+def _rollouts_vary(cfg: RunConfig) -> bool:
+    return True  # prompts and completions of every length
+
+
+def _reference(cfg: RunConfig, settings: GRPOSettings) -> tuple[FrozenModel, ...]:
+    """With a KL term, the starting weights as a reference (the base itself under an
+    adapter); it runs once per batch of completions."""
+    if settings.kl_coef <= 0:
+        return ()
+    shared = cfg.adapter.kind != "none"
+    return (
+        FrozenModel(
+            "reference", cfg.model, sharded=True, forward_each_step=False, shares_policy=shared
+        ),
+    )
+
+
+def _check(cfg: RunConfig, settings: GRPOSettings) -> None:
+    """Its optimizer steps on one batch of completions follow the data stream one batch
+    per step, and its sampling runs through the model's own forward."""
+    from recipes_lib.parallel.strategy import get_strategy
+
+    updates = settings.updates_per_batch
+    if updates > 1 and (cfg.trainer.accumulate_grad_batches != 1 or cfg.stage.batch_ramp.tokens):
+        raise ConfigError(
+            f"stage.grpo.updates_per_batch={updates} takes one batch of prompts per optimizer "
+            f"step; trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches} "
+            "and stage.batch_ramp split a step: raise data.batch_size instead"
+        )
+    if get_strategy(cfg.strategy.name).steps_in_engine:
+        raise ConfigError(
+            f"stage.objective=grpo with strategy={cfg.strategy.name}: sampling is not "
+            "supported inside DeepSpeed's engine; use ddp or fsdp"
+        )
+
+
+GRPO = register_objective(
+    ObjectiveSpec(
+        name="grpo",
+        module=GRPOModule.from_run_config,
+        data=prompt_data,
+        batch="prompts: records, where, index (B,), their token ids; rollouts sampled in the step",
+        loss="grpo_loss on group_advantages",
+        settings=GRPOSettings,
+        batches_vary=_rollouts_vary,
+        frozen_models=_reference,
+        check=_check,
+    )
+)

@@ -1,7 +1,8 @@
 """Kahneman-Tversky optimisation: the ``kto`` objective, on unpaired completions.
 
-:class:`KTOModule` is a :class:`~recipes_lib.objectives.dpo.DPOModule` (same frozen
-reference, built, precomputed or bypassed the same way) whose batches come from
+:class:`KTOModule` compares its policy with a frozen reference built, precomputed or
+bypassed as DPO's is (the shared :class:`~recipes_lib.objectives.pairs.PairedReference`);
+its batches come from
 :mod:`recipes_lib.data.preference.unpaired`: each example is a completion of its prompt,
 labelled desirable or not, beside a mismatched twin (another example's completion after
 this prompt). The policy runs the completions with a gradient and their twins (rows of
@@ -19,18 +20,46 @@ learns), ``kl`` and the policy's ``logps/desirable`` and ``logps/undesirable``.
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.data.preference.unpaired import build_unpaired_data
 from recipes_lib.errors import ConfigError
-from recipes_lib.losses.preference import PREFERENCE_LOSSES, kto_loss
-from recipes_lib.objectives.dpo import DPOModule, pair_sums
+from recipes_lib.losses.preference import kto_loss
+from recipes_lib.objectives.pairs import (
+    PairedReference,
+    count_pair_tokens,
+    label_logprobs,
+    pair_sums,
+    reference_models,
+)
+from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
+from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.parallel.collectives import summed_over_ranks
-from recipes_lib.training.module import Batch
+from recipes_lib.training.module import Batch, CausalLMModule
 
-KTO_LOSS = "kto"
+
+@dataclass
+class KTOSettings:
+    """``stage.kto``: the inverse temperature, each kind's weight and the reference."""
+
+    beta: float = 0.1  # inverse temperature of the policy-reference log-ratios
+    desirable_weight: float = 1.0  # lambda_D
+    undesirable_weight: float = 1.0  # lambda_U: raise it when undesirable examples are rarer
+    reference_from: str | None = None  # weights of the frozen reference; None: init_from
+    precompute_reference: bool = False  # one pass of reference log-probs, then free it
+
+    def check(self) -> None:
+        """Raises ConfigError: a non-positive beta or a negative weight."""
+        if not self.beta > 0:
+            raise ConfigError(f"stage.kto.beta={self.beta} must be positive")
+        for key in ("desirable_weight", "undesirable_weight"):
+            if not getattr(self, key) >= 0:
+                raise ConfigError(f"stage.kto.{key}={getattr(self, key)} must be >= 0")
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -54,47 +83,54 @@ def mean_over_ranks(values: Tensor) -> Tensor:
     return totals[0] / totals[1].clamp(min=1)
 
 
-class KTOModule(DPOModule):
-    """KTO of a causal LM against a frozen reference (``preference.loss=kto``; ``beta``,
-    ``desirable_weight`` and ``undesirable_weight`` from ``preference``).
+class KTOModule(CausalLMModule):
+    """KTO of a causal LM against a frozen reference (settings: :class:`KTOSettings`).
+    When fitting ends, the run's folder gets the tokenizer and chat template, as after
+    SFT.
 
     Raises:
-        ConfigError: another ``preference.loss``, a non-positive beta or a negative
-            weight.
+        ConfigError: a non-positive beta or a negative weight.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, settings: KTOSettings | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        settings = self.preference_config
-        for key in ("desirable_weight", "undesirable_weight"):
-            if not getattr(settings, key) >= 0:
-                raise ConfigError(f"preference.{key}={getattr(settings, key)} must be >= 0")
+        self.settings = settings if settings is not None else KTOSettings()
+        self.settings.check()
+        self.hparams["kto"] = asdict(self.settings)
+        self.reference = PairedReference(
+            "stage.kto", self.settings.reference_from, self.settings.precompute_reference
+        )
 
-    def resolve_loss(self, name: str) -> None:
-        """Only ``kto``, computed by :meth:`compute_loss` on labelled completions."""
-        if name != KTO_LOSS:
-            raise ConfigError(
-                f"preference.loss={name!r} with stage.objective=kto: KTO's loss is "
-                f"preference.loss=kto (the paired losses {sorted(PREFERENCE_LOSSES)} are "
-                "objective dpo's)"
-            )
+    def configure_model(self) -> None:
+        """Build the policy (see :class:`CausalLMModule`), then its frozen reference."""
+        if self.model is not None:
+            return
+        super().configure_model()
+        self.reference.build(self)
 
-    @property
-    def uses_reference(self) -> bool:
-        """KTO always compares with the frozen reference."""
-        return True
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        self.reference.save(checkpoint)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        self.reference.restore(checkpoint)
+
+    def on_fit_start(self) -> None:
+        super().on_fit_start()
+        self.reference.on_fit_start(self)
 
     def policy_logprobs(self, batch: Batch) -> Tensor:
         """``(R, T)`` label log-probs under the policy: the completions' rows with a
         gradient, then the twins' rows (``twin_rows`` on) without one, which spares the
         backward pass half the rows. A mixture of experts runs them in one pass (its
         balance loss is read from the last forward)."""
-        model, split = self._built_model(), batch.get("twin_rows")
+        model, split = self.built_model(), batch.get("twin_rows")
         if split is None or self.model_config.moe_experts:
-            return self.label_logprobs(model, batch)
-        completions = self.label_logprobs(model, _rows(batch, slice(0, split)))
+            return label_logprobs(self, model, batch)
+        completions = label_logprobs(self, model, _rows(batch, slice(0, split)))
         with torch.no_grad():
-            twins = self.label_logprobs(model, _rows(batch, slice(split, None)))
+            twins = label_logprobs(self, model, _rows(batch, slice(split, None)))
         return torch.cat([completions, twins])
 
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
@@ -107,11 +143,8 @@ class KTOModule(DPOModule):
         n = batch["pair_index"].numel()
         per_token = self.policy_logprobs(batch)
         policy = pair_sums(per_token, batch["sequence_ids"], n)  # (N, 2): completion, twin
-        reference = batch.get("reference_logps")
-        if reference is None:
-            reference = self.reference_logprobs(batch)
-        reference = reference.to(policy.dtype)
-        settings = self.preference_config
+        reference = self.reference.of_batch(self, batch).to(policy.dtype)
+        settings = self.settings
         desirable = batch["desirable"].to(policy.device)
         twins = policy[:, 1].detach() - reference[:, 1]  # mismatched completions' log-ratios
         loss, rewards, kl = kto_loss(
@@ -136,3 +169,42 @@ class KTOModule(DPOModule):
         }
         metrics["rewards/margin"] = metrics["rewards/desirable"] - metrics["rewards/undesirable"]
         return loss, metrics
+
+    def count_tokens(self, batch: Batch) -> int:
+        """Real (non-padding) tokens of the completions and their twins."""
+        return count_pair_tokens(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        # a preference loss has no perplexity: drop the base module's running sums
+        self._val_loss_sum = self._val_batches = None
+
+    def on_fit_end(self) -> None:
+        save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
+
+
+def _examples_vary(cfg: RunConfig) -> bool:
+    return True  # completions of every length
+
+
+def _reference(cfg: RunConfig, settings: KTOSettings) -> tuple[FrozenModel, ...]:
+    return reference_models(cfg, settings.reference_from, settings.precompute_reference)
+
+
+KTO = register_objective(
+    ObjectiveSpec(
+        name="kto",
+        module=KTOModule.from_run_config,
+        data=build_unpaired_data,
+        batch=(
+            "as DPO's pairs, each example a completion (first) and its mismatched twin "
+            "(second); desirable (N,) bool; twin_rows: where the twins' rows start"
+        ),
+        loss="kto_loss",
+        settings=KTOSettings,
+        sequences_per_example=2,
+        second_sequence_without_gradient=True,
+        example_noun="completions",
+        batches_vary=_examples_vary,
+        frozen_models=_reference,
+    )
+)

@@ -17,17 +17,27 @@ Logged as ``train/...`` and ``val/...``: ``loss``, ``rewards/chosen`` and
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
+import lightning as L
 from torch import Tensor, nn
 
-from recipes_lib.config.schema import RewardConfig
-from recipes_lib.config.store import as_config
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.reward import bradley_terry_loss
+from recipes_lib.objectives.registry import ObjectiveSpec, register_objective
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.training.module import Batch, CausalLMModule
+
+
+@dataclass
+class RewardSettings:
+    """``stage.reward``: the Bradley-Terry loss's centring term."""
+
+    # weight of mean((r_chosen + r_rejected)^2), which keeps the scores centred on 0
+    center_coef: float = 0.0
 
 
 def sequence_scores(
@@ -47,7 +57,7 @@ def sequence_scores(
 class RewardModule(CausalLMModule):
     """A reward model trained with the Bradley-Terry loss on preference pairs.
 
-    Takes :class:`CausalLMModule`'s arguments plus ``reward`` (``center_coef``). When
+    Takes :class:`CausalLMModule`'s arguments plus ``settings`` (:class:`RewardSettings`). When
     fitting ends, the run's folder gets the tokenizer and chat template the pairs were
     rendered with, as after SFT.
 
@@ -55,22 +65,17 @@ class RewardModule(CausalLMModule):
         ConfigError: a model without a score head, or a negative ``center_coef``.
     """
 
-    config_groups = ("reward",)
-    varying_shapes = True  # pairs of every length
-
-    def __init__(self, *args: Any, reward: RewardConfig | None = None, **kwargs: Any):
+    def __init__(self, *args: Any, settings: RewardSettings | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.reward_config: RewardConfig = as_config(
-            RewardConfig, reward or RewardConfig(), "reward"
-        )
+        self.settings = settings if settings is not None else RewardSettings()
         if self.model_config.head != "score":
             raise ConfigError(
                 f"stage.objective=reward trains a score head, but model.head="
                 f"{self.model_config.head}: set model.head=score (the reward recipes do)"
             )
-        if not self.reward_config.center_coef >= 0:
-            raise ConfigError(f"reward.center_coef={self.reward_config.center_coef} must be >= 0")
-        self.hparams["reward"] = asdict(self.reward_config)
+        if not self.settings.center_coef >= 0:
+            raise ConfigError(f"stage.reward.center_coef={self.settings.center_coef} must be >= 0")
+        self.hparams["reward"] = asdict(self.settings)
 
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """The Bradley-Terry loss of a batch of pairs, and the reward metrics."""
@@ -82,14 +87,14 @@ class RewardModule(CausalLMModule):
         n_pairs = batch["pair_index"].numel()
         input_ids, doc_ids = self.model_inputs(batch)
         scores = sequence_scores(
-            self._built_model(),
+            self.built_model(),
             input_ids,
             doc_ids,
             batch["score_index"],
             self.expert_load.token_mask(batch),
         )
         chosen, rejected = scores[:n_pairs], scores[n_pairs:]
-        loss = bradley_terry_loss(chosen, rejected, self.reward_config.center_coef)
+        loss = bradley_terry_loss(chosen, rejected, self.settings.center_coef)
         chosen, rejected = chosen.detach(), rejected.detach()
         metrics = {
             "rewards/chosen": chosen.mean(),
@@ -109,3 +114,29 @@ class RewardModule(CausalLMModule):
 
     def on_fit_end(self) -> None:
         save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
+
+
+def reward_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDataModule:
+    """DPO's pairs, unshifted: a score is read at a sequence's last token."""
+    return build_preference_data(cfg, total_train_samples=total_train_samples, shifted=False)
+
+
+def _pairs_vary(cfg: RunConfig) -> bool:
+    return True  # pairs of every length
+
+
+REWARD = register_objective(
+    ObjectiveSpec(
+        name="reward",
+        module=RewardModule.from_run_config,
+        data=reward_data,
+        batch=(
+            "pairs as DPO's, unshifted (every token an input); score_index (2P,): where each "
+            "sequence's score is read; num_tokens"
+        ),
+        loss="bradley_terry_loss",
+        settings=RewardSettings,
+        head="score",
+        batches_vary=_pairs_vary,
+    )
+)

@@ -9,6 +9,10 @@ turns, role headers, padding and each conversation's last position; ``doc_ids``
 causal-LM loss of :class:`~recipes_lib.training.module.CausalLMModule`: a mean over the
 assistant tokens of the batch. LoRA and QLoRA come from the ``adapter`` config, applied
 by the base module.
+
+Its parts other objectives compose: :func:`assistant_tokens` (distillation's metric),
+:func:`chat_rows_vary` and :func:`save_chat_tokenizer_beside_outputs` (every chat
+objective's).
 """
 
 from __future__ import annotations
@@ -19,8 +23,20 @@ import lightning as L
 from torch import Tensor
 
 from recipes_lib.config.schema import RunConfig
+from recipes_lib.data.chat.module import build_chat_data
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
+from recipes_lib.objectives.registry import ObjectiveSpec, register_objective
 from recipes_lib.training.module import Batch, CausalLMModule
+
+
+def chat_rows_vary(cfg: RunConfig) -> bool:
+    """Whether chat rows vary in shape: packed rows all have ``data.seq_len`` tokens."""
+    return not cfg.data.chat.packing
+
+
+def assistant_tokens(batch: Batch) -> Tensor:
+    """The tokens of ``batch`` that train (the assistant's), as a float for logging."""
+    return (batch["labels"] != IGNORE_INDEX).sum().float()
 
 
 def save_chat_tokenizer_beside_outputs(module: L.LightningModule) -> Path | None:
@@ -44,15 +60,22 @@ class SFTModule(CausalLMModule):
     Takes the arguments of :class:`~recipes_lib.training.module.CausalLMModule`.
     """
 
-    @classmethod
-    def batches_vary(cls, cfg: RunConfig) -> bool:
-        return not cfg.data.chat.packing  # packed rows all have data.seq_len tokens
-
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         loss, metrics = super().compute_loss(batch)
-        assistant = (batch["labels"] != IGNORE_INDEX).sum()
-        metrics["assistant_tokens"] = assistant.float()
+        metrics["assistant_tokens"] = assistant_tokens(batch)
         return loss, metrics
 
     def on_fit_end(self) -> None:
         save_chat_tokenizer_beside_outputs(self)
+
+
+SFT = register_objective(
+    ObjectiveSpec(
+        name="sft",
+        module=SFTModule.from_run_config,
+        data=build_chat_data,
+        batch="input_ids, labels (-100 off the assistant's tokens), doc_ids (B, T)",
+        loss="causal_lm_loss on the assistant's tokens",
+        batches_vary=chat_rows_vary,
+    )
+)

@@ -27,6 +27,7 @@ from typing import Any
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
 from recipes_lib.errors import ConfigError
+from recipes_lib.objectives import objective_names
 from recipes_lib.parallel.precision import resolve_device_choices
 from recipes_lib.pipeline.checks import check_stage, source_of
 from recipes_lib.pipeline.compose import compose_stage
@@ -48,7 +49,6 @@ from recipes_lib.pipeline.spec import PipelineSpec, StageSpec
 from recipes_lib.pipeline.stage_plan import StagePlan, source_handoff, stage_dir_of
 from recipes_lib.preflight import check_run
 from recipes_lib.preflight.targets import check_run_targets
-from recipes_lib.train import OBJECTIVES
 
 TRAINING_ACTIONS = ("train", "resume", "rerun")
 
@@ -209,7 +209,7 @@ def _preflight(pipeline: PipelineSpec, plan: StagePlan, plans: dict[str, StagePl
     else:
         cfg = plan.config
     try:
-        check_run(resolve_device_choices(cfg), tuple(OBJECTIVES), init_written=written)
+        check_run(resolve_device_choices(cfg), objective_names(), init_written=written)
     except ConfigError as err:
         raise ConfigError(f"stage {stage.name}: {err}") from err
 

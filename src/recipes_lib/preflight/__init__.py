@@ -16,11 +16,13 @@ problem stops the run with one line naming the keys:
 6. the data against the model (sequence length, a new tokenizer's vocabulary) and the
    attention kernel (document masking);
 7. the adapter, the precision and the strategy on this machine;
-8. the training guard, the batch ramp and GRPO's rollouts against the strategy.
+8. the training guard and the batch ramp against the strategy;
+9. the objective's own rules (its spec's ``check``: GRPO's rollouts, distillation's head).
 
 Domains declare what they support (:class:`~recipes_lib.parallel.StrategySpec`,
-:class:`~recipes_lib.kernels.AttentionCapabilities`); these checks read those
-declarations instead of comparing names.
+:class:`~recipes_lib.kernels.AttentionCapabilities`,
+:class:`~recipes_lib.objectives.ObjectiveSpec`); these checks read those declarations
+instead of comparing names.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from recipes_lib.preflight.stage import (
     check_guard,
     check_head,
     check_init_source,
-    check_rollouts,
+    check_objective,
     check_stage_io,
 )
 from recipes_lib.preflight.targets import check_run_targets
@@ -73,7 +75,7 @@ def check_run(cfg: RunConfig, objectives: tuple[str, ...], *, init_written: bool
     check_strategy(cfg)
     check_guard(cfg)
     check_batch_ramp(cfg)
-    check_rollouts(cfg)
+    check_objective(cfg)
 
 
 __all__ = [
@@ -84,9 +86,9 @@ __all__ = [
     "check_guard",
     "check_head",
     "check_init_source",
+    "check_objective",
     "check_optimizer_choice",
     "check_precision",
-    "check_rollouts",
     "check_run",
     "check_stage_io",
     "check_strategy",

@@ -11,6 +11,7 @@ import torch
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.objectives import objective_of
 from recipes_lib.optim.choices import check_optimizer, get_optimizer_spec
 from recipes_lib.parallel.fp8 import check_fp8_settings, float8_all_gather, fp8_plan
 from recipes_lib.parallel.precision import (
@@ -124,9 +125,10 @@ def _check_fp8_layers(cfg: RunConfig) -> None:
         )
     if "output" not in converted:
         return
-    if cfg.kernels.loss_chunk_size is not None or cfg.stage.objective == "distill":
+    inside_head = objective_of(cfg).loss_inside_head
+    if cfg.kernels.loss_chunk_size is not None or inside_head:
         fused = (
-            "stage.objective=distill computes the divergence inside the head"
+            f"stage.objective={cfg.stage.objective} computes its loss inside the head"
             if cfg.kernels.loss_chunk_size is None
             else f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size} computes the head "
             "inside the loss"
@@ -259,12 +261,6 @@ def check_strategy(cfg: RunConfig) -> None:
         raise ConfigError(
             f"kernels.loss_chunk_size={cfg.kernels.loss_chunk_size}: the fused head loss is "
             f"not supported with strategy={name}; set it to null or use strategy=fsdp"
-        )
-    if cfg.stage.objective == "distill" and not spec.fused_head:
-        raise ConfigError(
-            f"stage.objective=distill with strategy={name}: the divergence is computed "
-            "inside the student head's forward, which this strategy's engine is not known to "
-            "gather the head for; use strategy=ddp or fsdp"
         )
     if not spec.shards:
         return

@@ -17,6 +17,7 @@ from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.kernels import get_attention_backend
 from recipes_lib.models.moe import check_expert_path
+from recipes_lib.objectives import objective_of
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.strategy import get_strategy
 from recipes_lib.training.guard import check_guard_config
@@ -167,13 +168,15 @@ def check_batch_ramp(cfg: RunConfig) -> None:
 
 
 def check_head(cfg: RunConfig) -> None:
-    """A score head (``model.head=score``) is the reward objective's, and the reward
-    objective trains one; it has no vocabulary for the fused head loss."""
+    """The model's head is the one the objective trains (its spec's ``head``: a score
+    head is a reward model's); a score head has no vocabulary for the fused head loss."""
     head, objective = cfg.model.head, cfg.stage.objective
-    if (head == "score") != (objective == "reward"):
+    wanted = objective_of(cfg).head
+    if (head == "score") != (wanted == "score"):
+        trains = "trains a score head" if wanted == "score" else "trains a language-model head"
         raise ConfigError(
-            f"model.head={head} with stage.objective={objective}: a score head is trained "
-            "by stage.objective=reward, which trains one (set both, as recipe=reward/... does)"
+            f"model.head={head} with stage.objective={objective}, which {trains} (a score "
+            "head is trained by stage.objective=reward: set both, as recipe=reward/... does)"
         )
     if head == "score" and cfg.kernels.loss_chunk_size is not None:
         raise ConfigError(
@@ -182,20 +185,9 @@ def check_head(cfg: RunConfig) -> None:
         )
 
 
-def check_rollouts(cfg: RunConfig) -> None:
-    """GRPO's optimizer steps on one batch of completions follow the data stream one
-    batch per step, and its sampling runs through the model's own forward."""
-    if cfg.stage.objective != "grpo":
-        return
-    updates = cfg.grpo.updates_per_batch
-    if updates > 1 and (cfg.trainer.accumulate_grad_batches != 1 or cfg.stage.batch_ramp.tokens):
-        raise ConfigError(
-            f"grpo.updates_per_batch={updates} takes one batch of prompts per optimizer "
-            f"step; trainer.accumulate_grad_batches={cfg.trainer.accumulate_grad_batches} "
-            "and stage.batch_ramp split a step: raise data.batch_size instead"
-        )
-    if get_strategy(cfg.strategy.name).steps_in_engine:
-        raise ConfigError(
-            f"stage.objective=grpo with strategy={cfg.strategy.name}: sampling is not "
-            "supported inside DeepSpeed's engine; use ddp or fsdp"
-        )
+def check_objective(cfg: RunConfig) -> None:
+    """The objective's own cross-key rules (its spec's ``check``: GRPO's rollouts
+    against the accumulation and the strategy, distillation's head against the
+    strategy)."""
+    spec = objective_of(cfg)
+    spec.check(cfg, spec.settings_of(cfg))

@@ -1,7 +1,8 @@
 """Every ``_target_`` of a run, checked against the kind of object its key builds.
 
 Three keys build objects from config: ``callbacks.<name>`` (callbacks), ``logger.<name>``
-(loggers) and ``grpo.rewards.<name>.fn`` (reward functions). A ``_target_`` anywhere
+(loggers) and ``stage.<objective>.rewards.<name>.fn`` (reward functions, of an objective
+whose settings have ``rewards``: GRPO's). A ``_target_`` anywhere
 else is built by nothing, so it is refused too rather than left to look meaningful.
 """
 
@@ -28,12 +29,13 @@ def _sites(cfg: Mapping[str, Any]) -> list[tuple[tuple[str, ...], TargetKind]]:
     """The path of every node of ``cfg`` that is built, with what it builds."""
     sites = [(("callbacks", name), CALLBACKS) for name in cfg.get("callbacks") or {}]
     sites += [(("logger", name), LOGGERS) for name in cfg.get("logger") or {}]
-    rewards = (cfg.get("grpo") or {}).get("rewards") or {}
-    sites += [
-        (("grpo", "rewards", name, FN_KEY), REWARDS)
-        for name, node in rewards.items()
-        if isinstance(node, Mapping) and FN_KEY in node  # else the registry names what is missing
-    ]
+    for objective, settings in (cfg.get("stage") or {}).items():
+        rewards = settings.get("rewards") if isinstance(settings, Mapping) else None
+        sites += [
+            (("stage", objective, "rewards", name, FN_KEY), REWARDS)
+            for name, node in (rewards or {}).items()
+            if isinstance(node, Mapping) and FN_KEY in node  # else the registry says what lacks
+        ]
     return sites
 
 
@@ -62,5 +64,5 @@ def check_run_targets(cfg: RunConfig, key: str = "") -> None:
         if not any(where == site or where.startswith((f"{site}.", f"{site}[")) for site in built):
             raise ConfigError(
                 f"{where}.{TARGET_KEY}: nothing is built from config here (objects are built "
-                "under callbacks, logger and grpo.rewards.<name>.fn)"
+                "under callbacks, logger and stage.grpo.rewards.<name>.fn)"
             )

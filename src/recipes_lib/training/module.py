@@ -1,8 +1,10 @@
 """Next-token prediction as a LightningModule: the base module of every objective.
 
-Pretraining uses it as it is; supervised fine-tuning and preference optimisation
-subclass it and override only :meth:`CausalLMModule.compute_loss` (and, when their
-batches carry tokens under other keys, :meth:`CausalLMModule.count_tokens`).
+Pretraining uses it as it is; every other objective (:mod:`recipes_lib.objectives`)
+subclasses it and overrides :meth:`CausalLMModule.compute_loss` (and, when its batches
+carry tokens under other keys, :meth:`CausalLMModule.count_tokens`); what objectives
+share beyond this module they compose from shared parts, never by subclassing another
+objective.
 
 Set-up order under a Trainer: ``configure_model`` builds the model (on the strategy's
 device, seeded by the run's seed), the strategy wraps it, ``configure_optimizers``
@@ -43,7 +45,7 @@ from recipes_lib.parallel.precision import compute_dtype
 from recipes_lib.training.build import ModelBuild, build_model
 from recipes_lib.training.experts import ExpertLoad
 from recipes_lib.training.guard import StepGuard, resolve_policy
-from recipes_lib.training.optimization import clip_and_judge, configure_optimization, free_gradients
+from recipes_lib.training.optimization import configure_optimization, free_gradients
 from recipes_lib.training.outputs import release_training_state
 from recipes_lib.training.rollback import scale_lr_in_window
 
@@ -76,12 +78,9 @@ class CausalLMModule(L.LightningModule):
             steps (after a rollback).
         batch_schedule: micro-batches per step under a batch ramp (token lengths of the
             schedule and the square-root learning-rate rule follow it).
+        varying_shapes: the batches vary in shape (pairs, padded rows, rollouts):
+            compiled blocks keep a graph per shape kind (the objective's spec says).
     """
-
-    config_groups: tuple[str, ...] = ()  # run config groups a subclass also takes
-    # the batches' shapes vary (pairs, padded rows, rollouts): compiled blocks keep a
-    # graph per shape kind (recipes_lib.kernels.compiled)
-    varying_shapes: bool = False
 
     def __init__(
         self,
@@ -102,8 +101,10 @@ class CausalLMModule(L.LightningModule):
         guard: GuardConfig | None = None,
         lr_window: tuple[int, int, float] | None = None,
         batch_schedule: BatchSchedule | None = None,
+        varying_shapes: bool = False,
     ):
         super().__init__()
+        self.varying_shapes = varying_shapes
         self.model_config: ModelConfig = as_config(ModelConfig, model, "model")
         self.kernels_config: KernelsConfig = as_config(KernelsConfig, kernels, "kernels")
         self.optim_config: OptimConfig = as_config(OptimConfig, optim, "optim")
@@ -160,7 +161,8 @@ class CausalLMModule(L.LightningModule):
     def from_run_config(
         cls, cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
     ) -> CausalLMModule:
-        """The module of a typed run config, given its ``config_groups`` and ``extra``."""
+        """The module of a typed run config; ``extra``: further arguments (an
+        objective's ``settings``, ``varying_shapes``, a rollback's ``lr_window``)."""
         module = cls(
             cfg.model,
             cfg.kernels,
@@ -176,26 +178,18 @@ class CausalLMModule(L.LightningModule):
             precision=cfg.precision,
             strategy=cfg.strategy,
             guard=cfg.guard,
-            **{group: getattr(cfg, group) for group in cls.config_groups},
             **extra,
         )
         module.guard.checkpoint_every = cfg.run.checkpoint_every_n_steps
-        module.varying_shapes = cls.batches_vary(cfg)
         return module
-
-    @classmethod
-    def batches_vary(cls, cfg: RunConfig) -> bool:
-        """Whether this objective's batches vary in shape under ``cfg`` (pretraining's
-        rows all have ``data.seq_len`` tokens)."""
-        return cls.varying_shapes
 
     # ----------------------------------------------------------------- model
     def configure_model(self) -> None:
         """Build the model once (:func:`~recipes_lib.training.build.build_model`), where
-        :meth:`_placement` says; later calls (a second ``fit``) keep it."""
+        :meth:`placement` says; later calls (a second ``fit``) keep it."""
         if self.model is not None:
             return
-        device, mesh = self._placement()
+        device, mesh = self.placement()
         self.model = build_model(self.policy_build(), device=device, mesh=mesh)
         if self.kernels_config.compile:
             # fuses the fp32 upcast with log-softmax: the fp32 logits are never stored
@@ -214,7 +208,7 @@ class CausalLMModule(L.LightningModule):
             varying_shapes=self.varying_shapes,
         )
 
-    def _placement(self) -> tuple[torch.device, Any]:
+    def placement(self) -> tuple[torch.device, Any]:
         """Where a model is built, and the data-parallel mesh under FSDP2 (else None): the
         context's default device; sharded, the root device (the CPU to offload)."""
         try:
@@ -229,7 +223,7 @@ class CausalLMModule(L.LightningModule):
 
     def forward(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         """Next-token logits ``(B, T, V)``."""
-        return self._built_model()(input_ids, doc_ids)
+        return self.built_model()(input_ids, doc_ids)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token at ``seq_len`` (for throughput and MFU).
@@ -238,13 +232,14 @@ class CausalLMModule(L.LightningModule):
         run at full size whatever their storage (4-bit weights count half their
         elements), and the LoRA factors add little.
         """
-        model = self._built_model()
+        model = self.built_model()
         if self.adapter_config.kind != "none":
             with torch.device("meta"):  # shapes only, no memory
                 model = Transformer(self.model_config, attention=model.attention_backend)
         return model.flops_per_token(seq_len)
 
-    def _built_model(self) -> Transformer:
+    def built_model(self) -> Transformer:
+        """The trained model, once :meth:`configure_model` has built it."""
         if self.model is None:
             raise RuntimeError("the model is not built yet; call configure_model() first")
         return self.model
@@ -255,7 +250,7 @@ class CausalLMModule(L.LightningModule):
             scale_lr_in_window(self.trainer.lr_scheduler_configs[0].scheduler, *self.lr_window)
 
     def on_fit_start(self) -> None:
-        self._built_model().attention_backend.check(
+        self.built_model().attention_backend.check(
             device=self.device,
             dtype=compute_dtype(self.trainer.precision),
             document_mask=self.document_mask,
@@ -273,7 +268,7 @@ class CausalLMModule(L.LightningModule):
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """The scalar loss of ``batch`` and extra metrics to log (as ``train/<name>`` and
         ``val/<name>``). The override point of every objective."""
-        model = self._built_model()
+        model = self.built_model()
         input_ids, doc_ids = self.model_inputs(batch)
         labels, token_mask = batch["labels"], self.expert_load.token_mask(batch)
         chunk = self.kernels_config.loss_chunk_size
@@ -298,7 +293,7 @@ class CausalLMModule(L.LightningModule):
     # ------------------------------------------------------------ train / val
     def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
         loss, metrics = self.compute_loss(batch)
-        aux, moe_metrics = self.expert_load.after_forward(self._built_model())  # MoE losses
+        aux, moe_metrics = self.expert_load.after_forward(self.built_model())  # MoE losses
         metrics = {**metrics, **moe_metrics}
         loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), batch_idx)
         self.guard.add_loss(loss)
@@ -317,7 +312,7 @@ class CausalLMModule(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         strategy = getattr(self._attached(), "strategy", None)
-        for name, value in self.expert_load.step(self._built_model(), strategy).items():
+        for name, value in self.expert_load.step(self.built_model(), strategy).items():
             self.log(name, value, batch_size=1)
 
     def on_validation_epoch_start(self) -> None:
@@ -353,7 +348,22 @@ class CausalLMModule(L.LightningModule):
         gradient_clip_val: float | None = None,
         gradient_clip_algorithm: str | None = None,
     ) -> None:
-        clip_and_judge(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
+        """Clip by global norm (directly, without a gradient scaler: Lightning's path
+        refuses the fused AdamW, a check meant for fp16 loss scaling), then let the run's
+        guard judge the update with the norm that clipping computed."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = None
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        clip_val, clip_algorithm = gradient_clip_val, gradient_clip_algorithm
+        if clip_val and scaler is None and clip_algorithm in (None, "norm"):
+            norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
+        elif clip_val:
+            self.clip_gradients(optimizer, clip_val, clip_algorithm)
+        if self.guard.enabled:
+            trainer = self.trainer
+            self.guard.after_backward(
+                optimizer, params, norm, trainer.strategy, trainer.global_step
+            )
 
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from recipes_lib.checkpoint.weights import read_checkpoint
@@ -54,28 +53,6 @@ def configure_optimization(
         "optimizer": optimizer,
         "lr_scheduler": {"scheduler": schedule, "interval": "step", "frequency": 1},
     }
-
-
-def clip_and_judge(
-    module: Any,
-    optimizer: torch.optim.Optimizer,
-    clip_val: float | None,
-    clip_algorithm: str | None,
-) -> None:
-    """``module``'s ``configure_gradient_clipping``: clip by global norm (directly,
-    without a gradient scaler: Lightning's path refuses the fused AdamW, a check meant for
-    fp16 loss scaling), then let the run's guard judge the update with the norm that
-    clipping computed."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    norm = None
-    scaler = getattr(module.trainer.precision_plugin, "scaler", None)
-    if clip_val and scaler is None and clip_algorithm in (None, "norm"):
-        norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
-    elif clip_val:
-        module.clip_gradients(optimizer, clip_val, clip_algorithm)
-    if module.guard.enabled:
-        trainer = module.trainer
-        module.guard.after_backward(optimizer, params, norm, trainer.strategy, trainer.global_step)
 
 
 def free_gradients(optimizer: Any, strategy: str) -> None:

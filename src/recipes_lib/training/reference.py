@@ -82,7 +82,7 @@ def build_reference(
     adapter, float8 or activation checkpointing: it does not train) from ``source``
     (``key`` names it in errors). Without a source it starts from the policy's initial
     weights, which the shared seed already gives it."""
-    policy = module._built_model()
+    policy = module.built_model()
     if has_adapter(policy) and same_base:
         return FrozenReference(adapted_policy=policy)
     plan = dataclasses.replace(
@@ -93,7 +93,7 @@ def build_reference(
         trains=False,
         upcycle=upcycle,
     )
-    device, mesh = module._placement()
+    device, mesh = module.placement()
     reference = build_model(plan, device=device, mesh=mesh, attention=policy.attention_backend)
     resolved = str(Path(source).expanduser().resolve()) if source is not None else None
     return FrozenReference(model=reference, source=resolved)

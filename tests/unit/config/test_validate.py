@@ -16,7 +16,7 @@ FLOAT_KEYS = [
     "trainer.gradient_clip_val",
     "model.norm_eps",
     "model.rope_theta",
-    "preference.beta",
+    "stage.dpo.beta",
     "data.val_fraction",
 ]
 

@@ -230,13 +230,13 @@ def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(
 
     base = ("precision=bf16-mixed", "stage=dpo", "data=stdlib_dpo")
     live = estimate_memory(cfg_of(*base), world_size=1)
-    gone = estimate_memory(cfg_of(*base, "preference.precompute_reference=true"), 1)
+    gone = estimate_memory(cfg_of(*base, "stage.dpo.precompute_reference=true"), 1)
     total, projections = meta_params(cfg_of(*base)), projection_params(cfg_of(*base).model)
     assert 0 < projections < total
     assert live.parameters - gone.parameters == (total - projections) * 4 + projections * 2
     fp32 = estimate_memory(cfg_of(*base[1:], "precision=32-true"), 1)
     fp32_gone = estimate_memory(
-        cfg_of(*base[1:], "precision=32-true", "preference.precompute_reference=true"), 1
+        cfg_of(*base[1:], "precision=32-true", "stage.dpo.precompute_reference=true"), 1
     )
     assert fp32.parameters - fp32_gone.parameters == total * 4  # nothing narrowed
 
@@ -244,11 +244,11 @@ def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(
     export_hf_checkpoint(Transformer(teacher_cfg.model), teacher_cfg.model, tmp_path / "t")
     student = ("precision=bf16-mixed", "stage=distill", "data=stdlib_sft")
     alone = estimate_memory(cfg_of(*student), 1)
-    taught = estimate_memory(cfg_of(*student, f"distill.teacher_from={tmp_path / 't'}"), 1)
+    taught = estimate_memory(cfg_of(*student, f"stage.distill.teacher_from={tmp_path / 't'}"), 1)
     t_total, t_projections = meta_params(teacher_cfg), projection_params(teacher_cfg.model)
     assert taught.parameters - alone.parameters == (t_total - t_projections) * 4 + t_projections * 2
     sharded = estimate_memory(
-        cfg_of(*student, f"distill.teacher_from={tmp_path / 't'}", "strategy=fsdp"), 2
+        cfg_of(*student, f"stage.distill.teacher_from={tmp_path / 't'}", "strategy=fsdp"), 2
     )
     sharded_alone = estimate_memory(cfg_of(*student, "strategy=fsdp"), 2)
     assert sharded.parameters - sharded_alone.parameters == taught.parameters - alone.parameters

@@ -8,10 +8,9 @@ from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.config import compose_config, to_run_config
-from recipes_lib.config.schema import DistillConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models import Transformer
-from recipes_lib.objectives.distill import check_distill
+from recipes_lib.objectives.distill import DistillSettings, check_distill
 from recipes_lib.preflight import check_strategy
 
 
@@ -24,31 +23,33 @@ def teacher(tmp_path_factory):
 
 
 def test_the_teacher_must_share_the_students_vocabulary(teacher):
-    check_distill(DistillConfig(teacher_from=teacher), student_vocab=320)
-    with pytest.raises(ConfigError, match=r"distill.teacher_from=.* 320 tokens .* 512"):
-        check_distill(DistillConfig(teacher_from=teacher), student_vocab=512)
+    check_distill(DistillSettings(teacher_from=teacher), student_vocab=320)
+    with pytest.raises(ConfigError, match=r"stage.distill.teacher_from=.* 320 tokens .* 512"):
+        check_distill(DistillSettings(teacher_from=teacher), student_vocab=512)
 
 
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
-        ({}, "needs distill.teacher_from"),
-        ({"loss": "reverse"}, "distill.loss='reverse' is not one of"),
-        ({"beta": 1.5}, r"distill.beta=1.5 must be in \[0, 1\]"),
-        ({"temperature": 0.0}, "distill.temperature=0.0 must be positive"),
+        ({}, "needs stage.distill.teacher_from"),
+        ({"loss": "reverse"}, "stage.distill.loss='reverse' is not one of"),
+        ({"beta": 1.5}, r"stage.distill.beta=1.5 must be in \[0, 1\]"),
+        ({"temperature": 0.0}, "stage.distill.temperature=0.0 must be positive"),
     ],
 )
 def test_bad_settings_are_named(teacher, settings, message):
     settings = {"teacher_from": teacher, **settings} if settings else {}
     with pytest.raises(ConfigError, match=message):
-        check_distill(DistillConfig(**settings), student_vocab=320)
+        check_distill(DistillSettings(**settings), student_vocab=320)
 
 
 def test_a_missing_teacher_is_refused_and_fsdp_is_not(tmp_path, teacher):
-    with pytest.raises(CheckpointError, match="distill.teacher_from="):
-        check_distill(DistillConfig(teacher_from=str(tmp_path / "nowhere")), student_vocab=320)
+    with pytest.raises(CheckpointError, match="stage.distill.teacher_from="):
+        check_distill(DistillSettings(teacher_from=str(tmp_path / "nowhere")), student_vocab=320)
     cfg = to_run_config(
-        compose_config(["recipe=distill/tiny", f"distill.teacher_from={teacher}", "strategy=fsdp"])
+        compose_config(
+            ["recipe=distill/tiny", f"stage.distill.teacher_from={teacher}", "strategy=fsdp"]
+        )
     )
     check_strategy(cfg)  # the divergence is computed inside the sharded head's forward
 
@@ -64,7 +65,7 @@ def test_the_teacher_is_frozen_and_outside_the_students_state_and_parameters(tea
         SchedulerConfig(name="constant"),
         total_steps=2,
         tokens_per_step=8,
-        distill=DistillConfig(teacher_from=teacher),
+        settings=DistillSettings(teacher_from=teacher),
     )
     module.configure_model()
     assert module.teacher is not None and not module.teacher.training

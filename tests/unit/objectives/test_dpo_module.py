@@ -18,7 +18,6 @@ from recipes_lib.config.schema import (
     DataConfig,
     KernelsConfig,
     OptimConfig,
-    PreferenceConfig,
     SchedulerConfig,
     SourceConfig,
     TokenizerConfig,
@@ -28,8 +27,14 @@ from recipes_lib.data.preference.module import PreferenceDataModule
 from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
-from recipes_lib.objectives.dpo import DPOModule, pair_logprobs
-from recipes_lib.objectives.kto import KTOModule
+from recipes_lib.objectives import kto as kto_objective
+from recipes_lib.objectives import pairs as pair_parts
+from recipes_lib.objectives.dpo import DPOSettings
+from recipes_lib.objectives.kto import KTOModule, KTOSettings
+from recipes_lib.objectives.orpo import ORPOSettings
+from recipes_lib.objectives.pairs import pair_logprobs
+from recipes_lib.objectives.preference import PreferenceModule
+from recipes_lib.objectives.simpo import SimPOSettings
 
 VOCAB = 320
 MODEL = tiny_model_config(vocab_size=VOCAB, n_kv_heads=None, max_seq_len=64)
@@ -43,16 +48,25 @@ def run_seed(monkeypatch):
     monkeypatch.setenv("PL_GLOBAL_SEED", "0")
 
 
-def make_module(**kwargs) -> DPOModule:
-    preference = PreferenceConfig(**kwargs.pop("preference", {}))
-    return DPOModule(
+def pair_objective(loss: str = "sigmoid", **settings) -> dict:
+    """The objective and settings of a pair ``loss``: DPO's losses, SimPO or ORPO."""
+    if loss == "simpo":
+        return {"objective": "simpo", "settings": SimPOSettings(**settings)}
+    if loss == "orpo":
+        weight = settings.pop("beta", 0.1)
+        return {"objective": "orpo", "settings": ORPOSettings(weight, **settings)}
+    return {"objective": "dpo", "settings": DPOSettings(loss=loss, **settings)}
+
+
+def make_module(kernels: KernelsConfig | None = None, **kwargs) -> PreferenceModule:
+    return PreferenceModule(
         MODEL,
-        KernelsConfig(),
+        kernels or KernelsConfig(),
         OptimConfig(lr=kwargs.pop("lr", 1e-2), weight_decay=0.0),
         SchedulerConfig(name="constant", warmup=0),
         total_steps=kwargs.pop("total_steps", 4),
         tokens_per_step=256,
-        preference=preference,
+        **pair_objective(**kwargs.pop("preference", {})),
         **kwargs,
     )
 
@@ -87,7 +101,7 @@ def kto_module(**preference) -> KTOModule:
         SchedulerConfig(name="constant"),
         total_steps=2,
         tokens_per_step=8,
-        preference=PreferenceConfig(**{"loss": "kto", **preference}),
+        settings=KTOSettings(**preference),
     )
 
 
@@ -120,9 +134,9 @@ def test_precomputed_reference_gives_the_live_reference_loss():
     live_loss, live_metrics = module.compute_loss(batch)
     assert abs(live_loss.item() - 0.6931) > 1e-3  # not the trivial policy == reference value
 
-    table = module.precompute_reference([random_batch(seed=0)], n_pairs=3)
-    module.free_reference()
-    assert module.reference is None  # a separate reference is freed after precomputing
+    table = module.reference.precompute_table(module, [random_batch(seed=0)], n_pairs=3)
+    module.reference.free()
+    assert module.reference.model is None  # a separate reference is freed after precomputing
     batch["reference_logps"] = table[batch["pair_index"]]
     loss, metrics = module.compute_loss(batch)
     assert abs(loss.item() - live_loss.item()) < 1e-6
@@ -146,7 +160,7 @@ def test_the_reference_gets_no_gradient_and_is_outside_the_optimizer_and_state()
     torch.manual_seed(0)
     module = make_module()
     module.configure_model()
-    reference = module.reference.model
+    reference = module.reference.built().model
     assert not reference.training
     loss, _ = module.compute_loss(random_batch())
     loss.backward()
@@ -169,14 +183,14 @@ def test_reference_is_loaded_from_its_source(tmp_path):
 
     module = make_module(init_from=str(tmp_path / "start.safetensors"))
     module.configure_model()
-    torch.testing.assert_close(module.reference.logits(x, None), start(x), atol=0, rtol=0)
+    torch.testing.assert_close(module.reference.built().logits(x, None), start(x), atol=0, rtol=0)
 
     module = make_module(
         init_from=str(tmp_path / "start.safetensors"),
         preference={"reference_from": str(tmp_path / "other.safetensors")},
     )
     module.configure_model()
-    torch.testing.assert_close(module.reference.logits(x, None), other(x), atol=0, rtol=0)
+    torch.testing.assert_close(module.reference.built().logits(x, None), other(x), atol=0, rtol=0)
     torch.testing.assert_close(module.model(x), start(x), atol=0, rtol=0)
 
 
@@ -190,13 +204,16 @@ def test_with_lora_the_reference_is_the_base_model_without_a_second_copy(tmp_pat
     )
     module.configure_model()
     assert has_adapter(module.model)
-    assert module.reference.shares_policy and module.reference.model is None
+    frozen = module.reference.built()
+    assert frozen.shares_policy and frozen.model is None
     perturb(module.model)  # only the LoRA factors are trainable: the adapters now matter
     x = torch.randint(0, VOCAB, (2, 12))
     with torch.no_grad():
         expected = base(x)
         assert not torch.allclose(module.model(x), expected, atol=1e-4)
-    torch.testing.assert_close(module.reference.logits(x, None), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        module.reference.built().logits(x, None), expected, atol=1e-5, rtol=1e-5
+    )
     # bypassing the adapters for the reference leaves the policy as it was
     trainable = [n for n, p in module.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -207,11 +224,13 @@ def test_with_lora_the_reference_is_the_base_model_without_a_second_copy(tmp_pat
 
 
 def test_bad_preference_settings_fail_at_construction():
-    with pytest.raises(ConfigError, match="preference.loss='kto'"):
+    with pytest.raises(ConfigError, match="stage.dpo.loss='kto'"):
         make_module(preference={"loss": "kto"})
-    with pytest.raises(ConfigError, match="preference.beta=0"):
+    with pytest.raises(ConfigError, match="stage.dpo.beta=0"):
         make_module(preference={"beta": 0.0})
-    with pytest.raises(ConfigError, match="precompute_reference=true with preference.loss=simpo"):
+    with pytest.raises(ConfigError, match="stage.orpo.odds_ratio_weight=0"):
+        make_module(preference={"loss": "orpo", "beta": 0.0})
+    with pytest.raises(TypeError):  # SimPO has no reference to precompute
         make_module(preference={"loss": "simpo", "precompute_reference": True})
 
 
@@ -222,21 +241,13 @@ def test_the_fused_head_gives_the_materialised_heads_loss_gradients_and_referenc
     batch = random_batch()
     results = []
     for chunk in (None, 5):
-        module = DPOModule(
-            MODEL,
-            KernelsConfig(loss_chunk_size=chunk),
-            OptimConfig(),
-            SchedulerConfig(name="constant"),
-            total_steps=2,
-            tokens_per_step=8,
-            preference=PreferenceConfig(loss=loss),
-        )
+        module = make_module(KernelsConfig(loss_chunk_size=chunk), preference={"loss": loss})
         module.configure_model()
         perturb(module.model)  # the policy away from its reference
         value, metrics = module.compute_loss(batch)
         value.backward()
         grads = [p.grad.clone() for p in module.model.parameters()]
-        reference = module.reference_logprobs(batch) if module.uses_reference else None
+        reference = module.reference.logprobs(module, batch) if module.reference else None
         results.append((value, metrics["logps/chosen"], grads, reference))
     (full, full_logps, full_grads, full_ref), (fused, fused_logps, fused_grads, fused_ref) = results
     torch.testing.assert_close(fused, full, atol=1e-5, rtol=1e-5)
@@ -320,13 +331,13 @@ def test_precomputed_training_frees_the_reference_and_checkpoints_only_the_polic
     record = RecordReferenceUse()
     trainer = fit(module, datamodule, tmp_path, steps=3, callbacks=[record])
     assert record.had_table == [True, True, True]
-    assert module.reference is None
+    assert module.reference.model is None
     # the stored table is the start weights' log-probs, whatever order pairs come in
     batch = next(iter(datamodule.reference_dataloader("train")))
     live = make_module(init_from=init)
     live.configure_model()
     torch.testing.assert_close(
-        batch["reference_logps"], live.reference_logprobs(batch), atol=1e-5, rtol=0
+        batch["reference_logps"], live.reference.logprobs(live, batch), atol=1e-5, rtol=0
     )
     assert "val/rewards/accuracy" in trainer.callback_metrics
 
@@ -339,9 +350,9 @@ def test_precomputed_training_frees_the_reference_and_checkpoints_only_the_polic
     # a resumed run (no stage.init_from) rebuilds the reference from the recorded source
     resumed = make_module(total_steps=5)
     fit(resumed, data_module(pairs_data, tmp_path, total=20), tmp_path, 5, ckpt_path=path)
-    assert resumed.reference_source == str(tmp_path.resolve() / "start.safetensors")
+    assert resumed.reference.source == str(tmp_path.resolve() / "start.safetensors")
     x = torch.randint(0, VOCAB, (2, 10))
-    torch.testing.assert_close(resumed.reference.logits(x, None), start(x), atol=0, rtol=0)
+    torch.testing.assert_close(resumed.reference.built().logits(x, None), start(x), atol=0, rtol=0)
     assert not torch.allclose(resumed.model(x), start(x))
 
 
@@ -349,7 +360,7 @@ def test_precomputed_training_frees_the_reference_and_checkpoints_only_the_polic
 def test_reference_free_losses_build_no_reference_and_train_the_policy(loss):
     module = make_module(preference={"loss": loss, "beta": 1.0})
     module.configure_model()
-    assert module.reference is None and not module.uses_reference
+    assert module.reference is None
     value, metrics = module.compute_loss(random_batch())
     value.backward()
     assert torch.isfinite(value)
@@ -359,12 +370,12 @@ def test_reference_free_losses_build_no_reference_and_train_the_policy(loss):
 
 def test_kto_takes_only_its_own_loss_and_non_negative_weights():
     kto = kto_module
-    assert kto().uses_reference
-    with pytest.raises(ConfigError, match="preference.loss='sigmoid' with stage.objective=kto"):
+    assert kto().reference is not None
+    with pytest.raises(TypeError):  # KTO has no choice of loss
         kto(loss="sigmoid")
-    with pytest.raises(ConfigError, match="preference.undesirable_weight=-1.0 must be >= 0"):
+    with pytest.raises(ConfigError, match="stage.kto.undesirable_weight=-1.0 must be >= 0"):
         kto(undesirable_weight=-1.0)
-    with pytest.raises(ConfigError, match="preference.loss='kto' is not one of"):
+    with pytest.raises(ConfigError, match="stage.dpo.loss='kto' is not one of"):
         make_module(preference={"loss": "kto"})
 
 
@@ -385,13 +396,14 @@ def test_kto_runs_the_twins_apart_without_a_gradient_and_trains_as_one_pass_does
     module.configure_model()
     perturb(module.model)
     calls = []
-    label_logprobs = module.label_logprobs
+    label_logprobs = kto_objective.label_logprobs
 
-    def recorded(model, rows):
+    def recorded(owner, model, rows):
         calls.append((rows["input_ids"].shape[0], torch.is_grad_enabled()))
-        return label_logprobs(model, rows)
+        return label_logprobs(owner, model, rows)
 
-    monkeypatch.setattr(module, "label_logprobs", recorded)
+    monkeypatch.setattr(kto_objective, "label_logprobs", recorded)  # the policy's passes
+    monkeypatch.setattr(pair_parts, "label_logprobs", recorded)  # the reference's
 
     def step(b: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         module.model.zero_grad()

@@ -22,7 +22,7 @@ from recipes_lib.data.preference.collate import collate_pairs
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.losses.reward import bradley_terry_loss
 from recipes_lib.models import Transformer
-from recipes_lib.objectives.reward import RewardModule, sequence_scores
+from recipes_lib.objectives.reward import RewardModule, RewardSettings, sequence_scores
 from recipes_lib.preflight import check_head
 
 VOCAB = 64
@@ -113,7 +113,7 @@ def test_the_reward_objective_refuses_a_language_model_head_and_bad_settings():
     with pytest.raises(ConfigError, match="set model.head=score"):
         make_module(model=dataclasses.replace(MODEL, head="lm"))
     with pytest.raises(ConfigError, match="center_coef"):
-        make_module(reward={"center_coef": -1.0})
+        make_module(settings=RewardSettings(center_coef=-1.0))
     with pytest.raises(ConfigError, match="model.head='bogus'"):
         Transformer(dataclasses.replace(MODEL, head="bogus"))
 

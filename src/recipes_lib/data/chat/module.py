@@ -181,22 +181,3 @@ def build_chat_data(
     )
     module.bucketed = bool(cfg.kernels.compile)  # a few row lengths for compiled blocks
     return module
-
-
-def build_distill_data(cfg: RunConfig, *, total_train_samples: int) -> ChatDataModule:
-    """The data module of the ``distill`` objective: SFT's conversations, tokenized with
-    ``data.tokenizer.path``, else the tokenizer beside the student's starting weights,
-    else the one beside the teacher (``distill.teacher_from``), whose vocabulary the
-    student must share.
-
-    Raises:
-        ConfigError: the weights the tokenizer is looked for beside have none.
-    """
-    if cfg.stage.init_from is not None:
-        return build_chat_data(cfg, total_train_samples=total_train_samples)
-    return build_chat_data(
-        cfg,
-        total_train_samples=total_train_samples,
-        weights=cfg.distill.teacher_from,
-        weights_key="distill.teacher_from",
-    )

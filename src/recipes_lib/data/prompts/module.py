@@ -11,11 +11,11 @@ A batch of ``B`` prompts (:func:`collate_prompts`) is::
     where           list of B str: each record's file and line (or source and index)
 
 A prompt is ``data.chat.prompt_field`` (text, a user turn) or ``messages_field`` (a
-conversation to continue). Prompts longer than ``data.seq_len - grpo.max_new_tokens``
+conversation to continue). Prompts longer than ``data.seq_len - stage.grpo.max_new_tokens``
 tokens leave no room for a completion: ``data.chat.truncation=left`` cuts their start,
 otherwise they are skipped and counted.
 
-Each batch is drawn ``grpo.updates_per_batch`` times in a row (:class:`RepeatingSampler`),
+Each batch is drawn ``stage.grpo.updates_per_batch`` times in a row (:class:`RepeatingSampler`),
 once per optimizer step on its completions, so the position in the stream stays
 ``optimizer steps x batch size`` as for every objective, and a run resumed between two
 of those steps starts again at the same batch.
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from recipes_lib.config.schema import DataConfig, RunConfig, SourceConfig
+from recipes_lib.config.schema import DataConfig, SourceConfig
 from recipes_lib.data.chat.messages import BadRecord, text_field
 from recipes_lib.data.chat.template import ChatRenderer
 from recipes_lib.data.chat_records import (
@@ -46,7 +46,7 @@ from recipes_lib.data.prompts.stdlib_task import stdlib_task_records
 from recipes_lib.data.records import RecordBuiltin, record_where
 from recipes_lib.data.sampler import ResumableSampler
 from recipes_lib.data.sources import source_key
-from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id, init_tokenizer_path
+from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id
 from recipes_lib.errors import ConfigError, DataError
 
 DEFAULT_PROMPT_SOURCES = {"stdlib_grpo": SourceConfig(builtin="stdlib_grpo")}
@@ -120,8 +120,8 @@ class PromptDataModule(ChatRecordsDataModule):
         config: the data configuration (``data.chat`` for the fields and policies).
         model_vocab_size, model_max_seq_len, total_train_samples, tokenizer_path: as
             :class:`~recipes_lib.data.chat_records.ChatRecordsDataModule`.
-        max_new_tokens: ``grpo.max_new_tokens``; a prompt leaves room for them.
-        repeats: ``grpo.updates_per_batch``: the optimizer steps each batch serves.
+        max_new_tokens: ``stage.grpo.max_new_tokens``; a prompt leaves room for them.
+        repeats: ``stage.grpo.updates_per_batch``: the optimizer steps each batch serves.
 
     Raises:
         ConfigError: bad sizes or policies, or no room for a prompt.
@@ -145,7 +145,7 @@ class PromptDataModule(ChatRecordsDataModule):
         if config.seq_len - max_new_tokens < 1:
             raise ConfigError(
                 f"data.seq_len={config.seq_len} leaves no room for a prompt before "
-                f"grpo.max_new_tokens={max_new_tokens} new tokens"
+                f"stage.grpo.max_new_tokens={max_new_tokens} new tokens"
             )
         super().__init__(
             config,
@@ -179,7 +179,7 @@ class PromptDataModule(ChatRecordsDataModule):
             return ids[len(ids) - self.max_prompt_tokens :]
         raise BadRecord(
             f"{where}: the prompt has {len(ids)} tokens, more than data.seq_len - "
-            f"grpo.max_new_tokens = {self.max_prompt_tokens}",
+            f"stage.grpo.max_new_tokens = {self.max_prompt_tokens}",
             f"prompt too long (data.chat.truncation={chat.truncation})",
         )
 
@@ -235,21 +235,7 @@ class PromptDataModule(ChatRecordsDataModule):
         super().skip_samples(-(-count // group) * group)
 
     def make_sampler(self, num_samples: int, **kwargs: Any) -> RepeatingSampler:
-        """Each batch of the stream drawn ``grpo.updates_per_batch`` times in a row."""
+        """Each batch of the stream drawn ``stage.grpo.updates_per_batch`` times in a row."""
         return RepeatingSampler(
             num_samples, batch_size=self.config.batch_size, repeats=self.repeats, **kwargs
         )
-
-
-def build_prompt_data(cfg: RunConfig, *, total_train_samples: int) -> PromptDataModule:
-    """The data module of the ``grpo`` objective (the tokenizer beside the starting
-    weights unless ``data.tokenizer.path`` names one)."""
-    return PromptDataModule(
-        cfg.data,
-        model_vocab_size=cfg.model.vocab_size,
-        model_max_seq_len=cfg.model.max_seq_len,
-        total_train_samples=total_train_samples,
-        tokenizer_path=init_tokenizer_path(cfg.data, cfg.stage.init_from),
-        max_new_tokens=cfg.grpo.max_new_tokens,
-        repeats=cfg.grpo.updates_per_batch,
-    )

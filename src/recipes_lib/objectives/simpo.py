@@ -1,0 +1,61 @@
+"""SimPO: the ``simpo`` objective, preference pairs without a reference.
+
+The policy's mean log-prob per response token of the chosen and rejected answers,
+scaled by ``stage.simpo.beta``, against a target margin ``stage.simpo.gamma``
+(:func:`~recipes_lib.losses.preference.simpo_loss`). No reference model is built. The
+module is :class:`~recipes_lib.objectives.preference.PreferenceModule`, on DPO's pairs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from recipes_lib.config.schema import RunConfig
+from recipes_lib.data.preference.module import build_preference_data
+from recipes_lib.errors import ConfigError
+from recipes_lib.losses.preference import PREFERENCE_LOSSES
+from recipes_lib.objectives.dpo import PAIR_BATCH
+from recipes_lib.objectives.preference import PairLoss, PreferenceModule
+from recipes_lib.objectives.registry import ObjectiveSpec, register_objective
+
+
+@dataclass
+class SimPOSettings:
+    """``stage.simpo``: the reward scale and the target margin."""
+
+    beta: float = 2.0  # scale of the mean log-prob rewards
+    gamma: float = 1.0  # target reward margin between chosen and rejected
+
+    def pair_loss(self) -> PairLoss:
+        """SimPO's loss with its coefficients.
+
+        Raises:
+            ConfigError: a non-positive beta.
+        """
+        if not self.beta > 0:
+            raise ConfigError(f"stage.simpo.beta={self.beta} must be positive")
+        return PairLoss(PREFERENCE_LOSSES["simpo"], self.beta, self.gamma)
+
+
+def simpo_module(cfg: RunConfig, **kwargs: Any) -> PreferenceModule:
+    return PreferenceModule.from_run_config(cfg, objective="simpo", **kwargs)  # type: ignore[return-value]
+
+
+def _pairs_vary(cfg: RunConfig) -> bool:
+    return True  # pairs of every length
+
+
+SIMPO = register_objective(
+    ObjectiveSpec(
+        name="simpo",
+        module=simpo_module,
+        data=build_preference_data,
+        batch=PAIR_BATCH,
+        loss="simpo_loss",
+        settings=SimPOSettings,
+        sequences_per_example=2,
+        example_noun="pairs",
+        batches_vary=_pairs_vary,
+    )
+)
