@@ -72,12 +72,13 @@ from recipes_lib.config import (
     conf_dir,
     list_group_options,
 )
-from recipes_lib.config.schema import AdapterConfig, ChatFormatConfig, PreferenceConfig
+from recipes_lib.config.schema import AdapterConfig, ChatFormatConfig
 from recipes_lib.data.chat.module import ChatDataModule
 from recipes_lib.data.chat.packing import pad_collate
 from recipes_lib.data.preference.module import PreferenceDataModule
 from recipes_lib.errors import ConfigError
-from recipes_lib.objectives.dpo import DPOModule
+from recipes_lib.objectives.dpo import DPOSettings
+from recipes_lib.objectives.preference import PreferenceModule
 from recipes_lib.objectives.sft import SFTModule
 
 GRAD_CLIP = 1.0
@@ -363,9 +364,11 @@ def dpo_vs_sft(cfg: ModelConfig, args, device, tokenizer: str, sft_padded: dict)
         )
         reset_memory(device)
         L.seed_everything(args.seed, verbose=False)
-        module = DPOModule(
+        module = PreferenceModule(
             **module_kwargs(cfg, args),
-            preference=PreferenceConfig(loss="sigmoid", beta=0.1, precompute_reference=precompute),
+            objective="dpo",
+            settings=DPOSettings(loss="sigmoid", beta=0.1, precompute_reference=precompute),
+            varying_shapes=True,  # pairs of every length, as the dpo spec says
         )
         report, measure = fit_and_measure(module, args, device, datamodule=datamodule)
         if precompute:

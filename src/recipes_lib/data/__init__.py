@@ -6,7 +6,7 @@ the seeded hold-out, the cache), ``records`` (loading chat and preference record
 ``chat_records`` (the base of both chat pipelines), ``tokenizer``, ``corpus`` (the
 standard library every built-in source reads), ``module`` (the resumable data-module
 base), ``sampler`` and ``mixture``. A pipeline imports only these and, for preference
-pairs rendered as chats, ``chat/``. A leaf package: it never imports models or stages.
+pairs rendered as chats, ``chat/``. A leaf package: it never imports models, training or objectives.
 """
 
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
