@@ -39,7 +39,7 @@ from typing import Any, cast
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from recipes_lib.config.store import conf_dir
+from recipes_lib.config.store import conf_dir, moved_key_of
 from recipes_lib.config.widening import check_composed_widening
 from recipes_lib.errors import ConfigError
 
@@ -255,7 +255,10 @@ def check_hydra_app(
         mode = RunMode.MULTIRUN if args.multirun else RunMode.RUN
         try:
             cfg = compose(list(args.overrides), mode, validate_sweep_overrides=False)
-        except Exception:  # noqa: BLE001 - Hydra reports it, before acting on anything
+        except Exception as err:  # noqa: BLE001 - Hydra reports it, before acting on anything
+            moved = moved_key_of(err)  # a key that moved: one line naming where it went
+            if moved is not None:
+                raise ConfigError(moved) from err
             return
         checked = [(cfg, list(args.overrides))]
         try:
