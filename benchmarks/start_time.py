@@ -1,0 +1,122 @@
+r"""Time to the first optimizer step, cold and warm: each objective's recipe runs twice in
+fresh processes on one machine, the second with the compile caches the first left
+(inductor's FX graph and AOTAutograd caches, Triton's kernels), and each run reports
+where its start went (``RunResult.start``: import, data, load, compile, first_step).
+
+The inputs are the post-training matrix's (``posttrain_matrix.py``: the ``llama_1b``-shaped
+folder at random init and its synthetic records), at the recipe defaults. The first run
+starts from empty caches, as a user's first run on a machine does; TRL's own first
+step is in the matrix's ``first_step_s`` (it compiles nothing, so it has no warm start).
+
+    python benchmarks/start_time.py --objectives sft_full,dpo_live --data heavy
+
+writes ``benchmarks/results/start_time_<card>.json``: ``{"card", "date", "command",
+"cases": [{"objective", "data", "cold": {...}, "warm": {...}}]}``, each side holding
+``first_step_s`` (process start to the end of the first step) and the run's ``start``.
+Objectives run one after another on GPU 0 unless ``--gpus`` spreads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import posttrain_matrix as matrix  # noqa: E402
+
+
+def worker(args) -> int:
+    """One run of one cell in this process; its start to ``--worker-out``."""
+    start = float(os.environ["PEER_START"])
+    from recipes_lib.config import compose_config
+    from recipes_lib.train import run
+
+    cell, root = matrix.Cell.parse(args.case), Path(args.root)
+    # a folder of its own: the warm run must not resume the cold one's
+    overrides = matrix.our_overrides(args, cell, root)
+    overrides += [f"run.dir={root / 'runs' / cell.name / os.environ['START_TAG']}"]
+    clock = matrix.lightning_clock()
+    result = run(compose_config(overrides), callbacks=[clock])
+    report = {
+        "first_step_s": round(clock.ends[0] - start, 1),
+        "start": result.start,
+        "compiled": result.compiled,
+    }
+    Path(args.worker_out).write_text(json.dumps(report))
+    return 0
+
+
+def one_run(args, cell, root: Path, cache: Path, gpu: str | None, tag: str) -> dict:
+    out = root / f"{cell.name}.{tag}.json"
+    env = {**os.environ, "PEER_START": repr(time.time())}
+    env["START_TAG"] = tag
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
+    env["TRITON_CACHE_DIR"] = str(cache / "triton")
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    command = [sys.executable, __file__, *args.argv, "--worker", "--case", cell.name]
+    command += ["--root", str(root), "--worker-out", str(out)]
+    log = root / f"{cell.name}.{tag}.log"
+    with open(log, "w") as sink:
+        done = subprocess.run(command, env=env, stdout=sink, stderr=sink, check=False)
+    if out.is_file():
+        return json.loads(out.read_text())
+    return {"error": f"status {done.returncode}: {matrix.last_line(log.read_text())}"}
+
+
+def main() -> int:
+    args = matrix.parse_args(sys.argv[1:])
+    if args.worker:
+        return worker(args)
+    args.argv = sys.argv[1:]
+    import torch
+    from _common import command_line
+
+    cuda = torch.cuda.is_available() and not args.smoke
+    card = matrix.card_name(torch.cuda.get_device_name(0)) if cuda else "cpu"
+    cells = [
+        matrix.Cell(objective, data, "defaults")
+        for objective in args.objectives.split(",")
+        for data in args.data.split(",")
+    ]
+    gpus = args.gpus.split(",") if args.gpus else ["0" if cuda else None]
+    with tempfile.TemporaryDirectory(prefix="start-time-") as tmp:
+        root = Path(tmp)
+        matrix.make_inputs(args, root, sorted({c.data for c in cells}))
+
+        def both(i_cell):
+            i, cell = i_cell
+            gpu = gpus[i % len(gpus)]
+            cache = root / "caches" / cell.name
+            cold = one_run(args, cell, root, cache, gpu, "cold")
+            warm = one_run(args, cell, root, cache, gpu, "warm")
+            print(
+                f"{cell.name}: cold {cold.get('first_step_s')} s,"
+                f" warm {warm.get('first_step_s')} s",
+                flush=True,
+            )
+            return {"objective": cell.objective, "data": cell.data, "cold": cold, "warm": warm}
+
+        with ThreadPoolExecutor(len(gpus)) as pool:
+            cases = list(pool.map(both, enumerate(cells)))
+    result = {
+        "card": card,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": command_line(),
+        "cases": cases,
+    }
+    out = Path(args.out or Path(args.out_dir) / f"start_time_{card}.json")
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
