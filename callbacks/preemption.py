@@ -211,10 +211,15 @@ class Preemption(OptimizerStepCallback, Checkpoint):
 
 
 def _slurm_requeue_signal(trainer: L.Trainer) -> int | None:
-    """The signal that requeues the job: SLURM with Lightning's auto-requeue on."""
+    """The signal that requeues the job: SLURM with Lightning's auto-requeue on.
+
+    A strategy over several processes holds the run's cluster environment. One device's
+    strategy holds none; there Lightning uses a default ``SLURMEnvironment`` (auto-requeue
+    on) when it detects SLURM, which is what is made here.
+    """
     environment = getattr(trainer.strategy, "cluster_environment", None)
-    if environment is None:
-        environment = trainer._accelerator_connector.cluster_environment
+    if environment is None and SLURMEnvironment.detect():
+        environment = SLURMEnvironment()
     if isinstance(environment, SLURMEnvironment) and environment.auto_requeue:
         return environment.requeue_signal
     return None

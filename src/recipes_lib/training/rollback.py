@@ -21,7 +21,8 @@ def scale_lr_in_window(scheduler: Any, start: int, end: int, factor: float) -> N
 
     Call it once the scheduler and optimizer are restored from the checkpoint being
     resumed: the learning rate of the next step is set here too (the restored one was
-    computed without the window, and a scheduler only recomputes it after a step).
+    computed without the window, and a scheduler only recomputes it after a step), and
+    so is the rate ``get_last_lr()`` reports, through the scheduler's own state.
     """
     scheduler.lr_lambdas = [
         (lambda step, f=f: f(step) * (factor if start <= step < end else 1.0))
@@ -31,7 +32,9 @@ def scale_lr_in_window(scheduler: Any, start: int, end: int, factor: float) -> N
     groups = scheduler.optimizer.param_groups
     for group, base, f in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
         group["lr"] = base * f(step)
-    scheduler._last_lr = [group["lr"] for group in groups]
+    state = scheduler.state_dict()
+    state["_last_lr"] = [group["lr"] for group in groups]  # torch's key for get_last_lr()
+    scheduler.load_state_dict(state)
 
 
 def _position_at(checkpoint: Any) -> int:

@@ -136,6 +136,7 @@ def test_the_window_holds_from_the_first_step_of_a_restored_run():
     scheduler.load_state_dict(saved[1])
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1 / 3)  # restored, unscaled
     scale_lr_in_window(scheduler, 2, 4, 0.1)
+    assert scheduler.get_last_lr() == [pytest.approx(0.1 / 3)]  # what a run reports, too
     rates = []
     for _ in range(3):
         rates.append(optimizer.param_groups[0]["lr"])
