@@ -98,6 +98,15 @@ def test_misspelt_recipe_or_key_names_the_closest_before_composing(tmp_path):
     assert pipeline.stderr.strip() == "error: pipeline=demoo: no such pipeline (did you mean demo?)"
 
 
+def test_a_value_of_the_wrong_type_is_one_line_before_anything_is_written(tmp_path):
+    proc = _run_cli("recipe=pretrain/tiny", "optim.lr=abc", cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float"
+    )
+    assert list(tmp_path.iterdir()) == []  # no outputs/ folder, no .hydra/ copy
+
+
 def test_non_finite_learning_rate_exits_with_one_error_line(tmp_path):
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
     proc = _run_cli(

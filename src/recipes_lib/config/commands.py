@@ -28,7 +28,7 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from recipes_lib.config.overrides import unknown_key
+from recipes_lib.config.overrides import first_line, unknown_key, wrong_value
 from recipes_lib.errors import ConfigError
 
 
@@ -166,7 +166,7 @@ def to_command_config(cfg: DictConfig, schema: type) -> Any:
     try:
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
-        raise ConfigError(_first_line(err)) from err
+        raise ConfigError(first_line(err)) from err
 
 
 # ------------------------------------------------------------ reading the command line
@@ -212,11 +212,6 @@ def command_line(argv: Sequence[str], schema: type) -> list[str]:
     return out
 
 
-def _first_line(err: Exception) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
 def check_command_overrides(overrides: Sequence[str], schema: type) -> None:
     """Refuse the first override (as :func:`command_line` wrote it) that Hydra cannot
     read, that names a key ``schema`` does not have, or whose value ``schema`` cannot
@@ -230,13 +225,12 @@ def check_command_overrides(overrides: Sequence[str], schema: type) -> None:
     from hydra.errors import HydraException
 
     parser = OverridesParser.create()
-    node = OmegaConf.structured(schema)
     for text in overrides:
         try:
             (override,) = parser.parse_overrides([text])
         except HydraException as err:
-            reason = str(err).strip().splitlines()
-            reason = reason[1] if len(reason) > 1 else _first_line(err)
+            lines = str(err).strip().splitlines()
+            reason = lines[1] if len(lines) > 1 else first_line(err)
             raise ConfigError(f"{text}: not key=value ({reason})") from err
         key = override.key_or_group
         if key.split(".")[0].split("/")[0] == "hydra" or override.is_delete():
@@ -246,7 +240,6 @@ def check_command_overrides(overrides: Sequence[str], schema: type) -> None:
             raise ConfigError(f"{text}: {why}")
         if override.is_sweep_override():
             raise ConfigError(f"{text}: a sweep; this command runs one job")
-        try:
-            OmegaConf.update(node, key, override.value(), merge=False)
-        except (OmegaConfBaseException, ValueError) as err:
-            raise ConfigError(f"{text}: {_first_line(err)}") from err
+        why = wrong_value(key, override.value(), schema)
+        if why is not None:
+            raise ConfigError(f"{text}: {why}")

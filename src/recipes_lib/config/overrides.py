@@ -1,16 +1,20 @@
 """Overrides checked before Hydra composes them: a group option or a key that does not
-exist is named with the closest ones.
+exist is named with the closest ones, and a value the key's declared type cannot hold is
+refused.
 
-Hydra's own message for ``recipe=sft/ful`` lists its search path, and for ``optim.lrr=1``
-suggests ``+optim.lrr=1``, which the typed schema then refuses as well. Here each is one
-line naming what exists::
+Hydra's own message for ``recipe=sft/ful`` lists its search path, for ``optim.lrr=1``
+suggests ``+optim.lrr=1``, which the typed schema then refuses as well, and for
+``optim.lr=abc`` spans a dozen lines. Here each is one line::
 
     recipe=sft/ful: no such recipe (did you mean sft/full?)
     optim.lrr=1: no such key (did you mean optim.lr?)
+    optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float
 
 Group options are the YAML files under the shipped ``conf/<group>/`` (and under
 ``--config-dir``); keys are the fields of the root schema's dataclasses, down to the
-first field whose keys are open (``data.sources``, ``callbacks``, ``stages``).
+first field whose keys are open (``data.sources``, ``callbacks``, ``stages``). A value is
+tried on the dataclass that declares its key, as OmegaConf checks it when Hydra merges
+it (:func:`wrong_value`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from recipes_lib.config.objectives import moved_line, stage_schema
 from recipes_lib.config.schema import StageConfig
@@ -84,6 +91,12 @@ def _dataclass_of(hint: Any) -> type | None:
     return None
 
 
+def _field_schema(node: type, name: str) -> type | None:
+    """The dataclass field ``name`` of dataclass ``node`` holds, else None (open keys)."""
+    inner = _dataclass_of(typing.get_type_hints(node)[name])
+    return stage_schema() if inner is StageConfig else inner  # a field per objective
+
+
 def unknown_key(key: str, schema: type, groups: Sequence[str] = ()) -> str | None:
     """Why dotted ``key`` is not in ``schema`` (a dataclass), with the closest field at
     the level it leaves the schema (or of ``groups``, for a top-level name); None when it
@@ -93,7 +106,6 @@ def unknown_key(key: str, schema: type, groups: Sequence[str] = ()) -> str | Non
     for depth, part in enumerate(parts):
         if node is None:
             return None  # open keys (a dict or Any field): nothing to check against
-        hints = typing.get_type_hints(node)
         names = [f.name for f in fields(node)]
         if part not in names:
             candidates = [*names, *groups] if len(parts) == 1 else names
@@ -103,9 +115,39 @@ def unknown_key(key: str, schema: type, groups: Sequence[str] = ()) -> str | Non
                 return f"no such key (did you mean {spelled}?)"
             where = ".".join(parts[:depth]) or "the config"
             return f"no such key ({where} takes: {', '.join(names)})"
-        node = _dataclass_of(hints[part])
-        if node is StageConfig:  # with a field for each objective's settings
-            node = stage_schema()
+        node = _field_schema(node, part)
+    return None
+
+
+def first_line(err: Exception) -> str:
+    """The first line of ``err``'s message (OmegaConf's and Hydra's go on with the full
+    key and the object type), or its type's name when it has none."""
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+def wrong_value(key: str, value: Any, schema: type) -> str | None:
+    """Why ``value`` (as Hydra parsed it) cannot be held by dotted ``key`` of ``schema``,
+    in one line; None when it can, or when the key is not a field of a dataclass in
+    ``schema`` (open keys, or no such key).
+
+    The value is merged into the field on the dataclass that declares it, as Hydra
+    merges an override into the composed config, so OmegaConf converts it (``'1e-3'``
+    to a float) or refuses it the same way. An interpolation (``${run.seed}``) is taken
+    as it is.
+    """
+    node: type | None = schema
+    *parents, leaf = key.split(".")
+    for part in parents:
+        if node is None or part not in {f.name for f in fields(node)}:
+            return None
+        node = _field_schema(node, part)
+    if node is None or leaf not in {f.name for f in fields(node)}:
+        return None
+    try:
+        OmegaConf.update(OmegaConf.structured(node), leaf, value, merge=True)
+    except (OmegaConfBaseException, ValueError) as err:
+        return first_line(err)
     return None
 
 
@@ -125,15 +167,18 @@ def _command_line(argv: Sequence[str]) -> argparse.Namespace | None:
 def check_overrides(
     overrides: Sequence[str], schema: type, extra_dirs: Sequence[Path] = ()
 ) -> None:
-    """Refuse the first override that names a missing group option or schema key.
+    """Refuse the first override that names a missing group option or schema key, or
+    whose value the key's type cannot hold (each value of a choice sweep is tried).
 
     Overrides Hydra cannot parse, of ``hydra`` itself, with a package (``group@pkg``),
     deleting (``~key``) or sweeping a range are left to Hydra.
 
     Raises:
-        ConfigError: ``<override>: no such <thing> (did you mean ...?)``.
+        ConfigError: ``<override>: no such <thing> (did you mean ...?)``, or
+            ``<override>: <why the value does not fit>``.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
     from hydra.errors import HydraException
 
     try:
@@ -160,14 +205,22 @@ def check_overrides(
                     noun = _NOUNS.get(key, f"{key} option")
                     raise ConfigError(f"{text}: no such {noun}{did_you_mean(value, options)}")
             continue
-        value = override.value() if not override.is_sweep_override() else None
-        moved = moved_line(key, value)
+        given = override.value()
+        moved = moved_line(key, None if override.is_sweep_override() else given)
         if moved is not None:
             raise ConfigError(moved)
         groups = [] if "." in key else _top_groups(extra_dirs)
         reason = unknown_key(key, schema, groups)
         if reason is not None:
             raise ConfigError(f"{text}: {reason}")
+        if isinstance(given, ChoiceSweep):
+            typed: list[Any] = list(given.list)
+        else:
+            typed = [] if override.is_sweep_override() else [given]
+        for one in typed:
+            reason = wrong_value(key, one, schema)
+            if reason is not None:
+                raise ConfigError(f"{text}: {reason}")
 
 
 def check_command_line(argv: Sequence[str], schema: type) -> None:
@@ -177,7 +230,8 @@ def check_command_line(argv: Sequence[str], schema: type) -> None:
     (``--config-path``, ``--config-name``) or search path (``hydra.searchpath``).
 
     Raises:
-        ConfigError: the first override naming a missing group option or key.
+        ConfigError: the first override naming a missing group option or key, or
+            holding a value of the wrong type.
     """
     args = _command_line(argv)
     if args is None or args.help or args.hydra_help or args.shell_completion:

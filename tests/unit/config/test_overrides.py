@@ -61,3 +61,44 @@ def test_a_list_of_group_options_is_checked_option_by_option():
     check_overrides(["logger=[csv,mlflow]"], RunConfig)
     with pytest.raises(ConfigError, match=r"logger=\[csv,mlflw\]: no such logger .*mlflow"):
         check_overrides(["logger=[csv,mlflw]"], RunConfig)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("optim.lr=abc", "optim.lr=abc: Value 'abc' of type 'str' could not be converted to Float"),
+        ("trainer.max_steps=1.5", "trainer.max_steps=1.5: Value '1.5' of type 'float' could not"),
+        ("trainer.max_steps=null", "trainer.max_steps=null: field 'max_steps' is not Optional"),
+        ("run.launch_check=maybe", "run.launch_check=maybe: Value 'maybe' is not a valid bool"),
+        ("optim.betas=[0.9,x]", "optim.betas=[0.9,x]: Value 'x' of type 'str' could not be"),
+        ("stage.dpo.beta=hi", "stage.dpo.beta=hi: Value 'hi' of type 'str' could not be"),
+        ("data.tokenizer={vocab_size:x}", "data.tokenizer={vocab_size:x}: Value 'x' of type"),
+        ("optim.lr=1e-3,abc", "optim.lr=1e-3,abc: Value 'abc' of type 'str' could not be"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_one_line(override, message):
+    with pytest.raises(ConfigError) as caught:
+        check_overrides([override], RunConfig)
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.lr=1e-3",
+        "optim.lr='1e-3'",  # text a float converts from, as Hydra's merge takes it
+        "optim.lr=${oc.env:LR}",  # an interpolation is resolved later
+        "optim.fused=null",
+        "data.tokenizer={path:x}",  # merged into the node, as Hydra merges it
+        "data.sources.main.weight=abc",  # open keys: nothing declares a type
+        "+optim.args.momentum=0.9",
+        "optim.lr=range(1,3)",
+    ],
+)
+def test_a_value_its_key_can_hold_passes(override):
+    check_overrides([override], RunConfig)
+
+
+def test_the_pipeline_schema_types_its_keys_too():
+    with pytest.raises(ConfigError, match=r"^dry_run=abc: Value 'abc' is not a valid bool"):
+        check_overrides(["dry_run=abc"], PipelineConfig)
