@@ -136,26 +136,25 @@ def test_unknown_recipe_fails_naming_it():
         compose_config(["recipe=pretrain/nope"])
 
 
-def test_from_init_reads_a_run_recorded_before_the_block_options(tmp_path):
-    # a run folder whose config.yaml predates model.family, qk_norm and norm_placement
+def test_from_init_refuses_a_run_record_without_model_family(tmp_path):
+    # every run the library writes records its whole model config; a config.yaml
+    # without model.family is not guessed at but refused, naming the key and the folder
     from recipes_lib.checkpoint.weights import save_weights
     from recipes_lib.models import Transformer
 
     cfg = to_run_config(compose_config(["recipe=pretrain/tiny"]))
-    model = {k: v for k, v in dataclasses.asdict(cfg.model).items()}
+    model = dataclasses.asdict(cfg.model)
     for name in ("family", "qk_norm", "norm_placement"):
         model.pop(name)
     (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml({"model": model}))
     save_weights(Transformer(cfg.model).state_dict(), tmp_path / "model.safetensors")
-    filled = to_run_config(
-        fill_model_from_init(compose_config(["recipe=sft/full", f"stage.init_from={tmp_path}"]))
+    composed = compose_config(["recipe=sft/full", f"stage.init_from={tmp_path}"])
+    with pytest.raises(ConfigError) as caught:
+        fill_model_from_init(composed)
+    assert str(caught.value) == (
+        f"model=from_init: stage.init_from={str(tmp_path)!r} (run) does not record "
+        "model.family; set it"
     )
-    assert (filled.model.family, filled.model.qk_norm, filled.model.norm_placement) == (
-        "llama",
-        "none",
-        "pre",
-    )
-    assert filled.model.dim == cfg.model.dim
 
 
 def test_model_from_init_fills_every_field_of_the_model():
