@@ -2,10 +2,12 @@
 
 A checkpoint holds the weights as stored (:mod:`.parameters`' rules: QLoRA's base in
 4 bits, LoRA's frozen projections in bf16 where ``adapter.base_dtype`` says so) and the
-optimizer's state of the trainable ones. The run keeps its retention's step
-checkpoints (``run.keep_last_checkpoints``, ``run.keep_every_n_steps``) and, for a
-moment, one more: a new checkpoint lands before the oldest is removed. A sharded
-checkpoint's folders together are the same size, whatever the world size.
+optimizer's state of the trainable ones, as the optimizer's spec counts it
+(:func:`.optimizer_state.optimizer_state_bytes`, the memory estimate's figure too). The
+run keeps its retention's step checkpoints (``run.keep_last_checkpoints``,
+``run.keep_every_n_steps``) and, for a moment, one more: a new checkpoint lands before
+the oldest is removed. A sharded checkpoint's folders together are the same size,
+whatever the world size.
 
 The space is the free space of the file system ``run.dir`` is on, plus what the
 checkpoints already in ``run.dir`` take (a resumed run replaces them as it goes).
@@ -23,26 +25,8 @@ from recipes_lib.checkpoint.retention import retention_of
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
 from recipes_lib.launch_check.memory import nf4_bytes_per_weight
+from recipes_lib.launch_check.optimizer_state import optimizer_state_bytes
 from recipes_lib.launch_check.parameters import ParameterCounts, weight_bytes_of
-
-# Optimizer state per trainable parameter, counted in the parameter's own bytes (torch
-# keeps it in the parameter's dtype). AdamW: two moments; Adafactor: factored moments,
-# one row and one column per matrix (next to nothing); SGD: one momentum buffer, when it
-# has momentum. Muon's momentum covers the matrices and AdamW's two moments the rest:
-# counted as AdamW's, an upper bound. Any other class is counted as AdamW.
-STATE_PER_PARAMETER = {"adamw": 2.0, "adafactor": 0.0, "muon": 2.0}
-ADAMW_8BIT_STATE_BYTES = 2.0  # two 8-bit moments, whatever the parameter's dtype
-
-
-def optimizer_state_bytes(cfg: RunConfig, trainable: int) -> float:
-    """The optimizer state a checkpoint holds for ``trainable`` parameters."""
-    name = cfg.optim.name.lower()
-    if name == "adamw_8bit":
-        return trainable * ADAMW_8BIT_STATE_BYTES
-    per_parameter = STATE_PER_PARAMETER.get(name, 2.0)
-    if name == "sgd":
-        per_parameter = 1.0 if cfg.optim.args.get("momentum") else 0.0
-    return trainable * per_parameter * weight_bytes_of(cfg.precision.name)
 
 
 def checkpoint_bytes(cfg: RunConfig) -> int:
@@ -53,7 +37,7 @@ def checkpoint_bytes(cfg: RunConfig) -> int:
     dense = weights.total + weights.adapters - weights.quantized
     stored: float = dense * weight_bytes - 2 * narrowed
     stored += weights.quantized * nf4_bytes_per_weight(cfg.adapter.double_quant)
-    return int(stored + optimizer_state_bytes(cfg, weights.trainable))
+    return int(stored) + optimizer_state_bytes(cfg)
 
 
 def kept_checkpoints(cfg: RunConfig, steps: int) -> int:

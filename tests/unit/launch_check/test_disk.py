@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 import shutil
 
 import pytest
@@ -27,20 +28,50 @@ def cfg_of(*overrides: str):
     return to_run_config(compose_config([*TINY, *overrides]))
 
 
-def _params(cfg) -> int:
+def _shapes(cfg) -> list[tuple[int, ...]]:
     with torch.device("meta"):
-        return Transformer(cfg.model).num_params()
+        return [tuple(p.shape) for p in Transformer(cfg.model).parameters()]
+
+
+# The state each optimizer keeps per parameter tensor of n elements, in elements of the
+# tensor's dtype, and the fixed bytes beside them:
+# - AdamW: two moments (2n) and a 0-d fp32 step count (4 bytes);
+# - Adafactor: a matrix's second moment factored into one row and one column (rows +
+#   cols), a vector's whole (n), and the step count (4 bytes);
+# - SGD with momentum: one momentum buffer (n) and no step count.
+def _adamw(shape):
+    return 2 * math.prod(shape), 4
+
+
+def _adafactor(shape):
+    return (sum(shape) if len(shape) == 2 else math.prod(shape)), 4
+
+
+def _sgd_momentum(shape):
+    return math.prod(shape), 0
 
 
 @pytest.mark.parametrize(
     ("optimizer", "state"),
-    [((), 2), (("optim=adafactor",), 0), (("optim.name=SGD", "+optim.args.momentum=0.9"), 1)],
+    [
+        ((), _adamw),
+        (("optim=adafactor",), _adafactor),
+        (("optim.name=SGD", "+optim.args.momentum=0.9"), _sgd_momentum),
+    ],
 )
 def test_a_checkpoint_is_the_weights_and_the_optimizer_state(optimizer, state):
-    cfg = cfg_of("precision=32-true", *optimizer)
-    assert checkpoint_bytes(cfg) == _params(cfg) * 4 * (1 + state)
-    half = cfg_of("precision=bf16-true", *optimizer)
-    assert checkpoint_bytes(half) == _params(half) * 2 * (1 + state)
+    for precision, width in (("32-true", 4), ("bf16-true", 2)):  # state in the weights' dtype
+        cfg = cfg_of(f"precision={precision}", *optimizer)
+        shapes = _shapes(cfg)
+        weights = sum(math.prod(s) for s in shapes) * width
+        kept = sum(state(s)[0] * width + state(s)[1] for s in shapes)
+        assert checkpoint_bytes(cfg) == weights + kept
+
+
+def test_the_tiny_models_checkpoint_with_adamw_in_figures():
+    # 1,442,432 parameters in 20 tensors: fp32 weights and two fp32 moments are 12 bytes
+    # a parameter, and each tensor's step count 4 bytes more
+    assert checkpoint_bytes(cfg_of("precision=32-true")) == 1_442_432 * 12 + 20 * 4
 
 
 @pytest.mark.parametrize(
