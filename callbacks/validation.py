@@ -7,27 +7,46 @@ from lightning.pytorch.callbacks import Callback
 
 
 class ValidateAtStart(Callback):
-    """Runs the validation loop once before the first optimizer step of a fresh run.
+    """Validates the starting weights of a fresh run on all of its held-out data.
 
     A fine-tuning stage's first held-out figures then describe the weights it started
     from (logged at step 0, like any validation during training), so the first and last
     ``val/*`` values measure what the stage changed. A run resumed from a checkpoint
     (``ckpt_path``) validated at its start already, and skips it. Nothing runs when
     validation is off (``trainer.val_check_interval: null`` or no held-out data).
+
+    Lightning's one validation before training is its sanity check, which runs the
+    module's own validation loop and hooks before the first step (the random number
+    generators kept as they were). This callback widens it to every held-out batch
+    (``trainer.num_sanity_val_steps``, as ``-1`` does) and sends the figures it reached
+    to the loggers at step 0, which a sanity check does not do. The setting is put
+    back once the check has run.
     """
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.ckpt_path is not None or trainer.sanity_checking:
+    def __init__(self) -> None:
+        self._kept_sanity_steps: int | float | None = None
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._kept_sanity_steps = None
+        if trainer.ckpt_path is not None or not trainer.limit_val_batches:
             return
-        if not trainer.limit_val_batches:
+        self._kept_sanity_steps = trainer.num_sanity_val_steps
+        trainer.num_sanity_val_steps = float("inf")  # every batch, as -1 asks
+
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._kept_sanity_steps is None:
             return
-        # Lightning has no public "validate now" inside fit, so this runs the loop the fit
-        # runs mid-epoch (public attributes only), as the training loop does: the trainer's
-        # state picks the active loop. The training loop also saves and restores its
-        # logger's first-batch flag around it; that flag is unset (None) until the first
-        # training batch, and the validation loop leaves it unset, so nothing needs keeping.
-        trainer.validating = True
-        try:
-            trainer.fit_loop.epoch_loop.val_loop.run()
-        finally:
-            trainer.training = True
+        trainer.num_sanity_val_steps = self._kept_sanity_steps
+        self._kept_sanity_steps = None
+        # what the validation loop logged (epoch figures), as it logs them after training
+        # steps: the loop's logged metrics and the epoch, at step 0
+        metrics = {
+            name: value.item() if hasattr(value, "item") else value
+            for name, value in trainer.logged_metrics.items()
+        }
+        if not metrics:
+            return
+        metrics.setdefault("epoch", trainer.current_epoch)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=0)
+            logger.save()
