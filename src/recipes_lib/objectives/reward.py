@@ -136,6 +136,8 @@ REWARD = register_objective(
         ),
         loss="bradley_terry_loss",
         settings=RewardSettings,
+        sequences_per_example=2,  # chosen and rejected, scored in one pass as DPO's
+        example_noun="pairs",
         head="score",
         batches_vary=_pairs_vary,
     )
