@@ -316,6 +316,9 @@ def run_ours(args, cell: Cell, root: Path, start: float) -> dict:
         **report,
         "recompiles": int(compiled.get("graphs", 0)),
         "recompile_limit_hits": int(compiled.get("recompile_limit_hits", 0)),
+        # what kernels.activation_checkpointing=auto chose (with --override
+        # run.memory_budget_gib=N: the peak above against N)
+        "memory_fit": result.memory_fit,
     }
 
 
@@ -556,6 +559,8 @@ def summarise(cell: Cell, runs: dict[str, list[dict]], sides=SIDES) -> dict:
             entry[side] = None
             continue
         entry[side] = {k: _mean([r[k] for r in good]) for k in FIGURES}
+        if good[0].get("memory_fit"):  # ours under kernels.activation_checkpointing=auto
+            entry[side]["memory_fit"] = good[0]["memory_fit"]
         if len(reports) > 1:
             spread[side] = {k: _range([r[k] for r in good]) for k in FIGURES}
             if len(good) < len(reports):

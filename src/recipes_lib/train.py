@@ -3,7 +3,9 @@
 The order below matters and reads top to bottom:
 
 1. convert the composed config to typed dataclasses and validate what can be checked
-   without touching data or weights (bad keys already failed at compose time);
+   without touching data or weights (bad keys already failed at compose time); resolve
+   ``kernels.activation_checkpointing=auto`` for the card or ``run.memory_budget_gib``
+   (:mod:`.launch_check.autofit`: checkpointing, loss chunk, micro-batch);
 2. build the Trainer first: its world size fixes the tokens per optimizer step, which
    turns token durations into steps;
 3. build the data module (tokenizer + shards are prepared once, on rank 0) and the
@@ -102,6 +104,8 @@ class RunResult:
     # the experiment trackers among its loggers (W&B, MLflow: recipes_lib.trackers)
     trackers: list[Any] = field(default_factory=list, repr=False)
     hf_path: Path | None = None  # hf/: the output weights as a Hugging Face folder
+    # what kernels.activation_checkpointing=auto chose (recipes_lib.launch_check.autofit)
+    memory_fit: dict[str, Any] | None = None
 
     def summary_lines(self) -> list[str]:
         """What the run left and what to run next, for its closing summary."""
@@ -233,13 +237,28 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         cfg = fill_model_from_init(cfg)  # model=from_init: the shape of stage.init_from
     cfg = resolve_device_choices(to_run_config(cfg))
     check_run_config(cfg)
+    cfg, fit = _fit_memory(cfg)  # kernels.activation_checkpointing=auto, before the build
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:
         log.info("%s", widened)  # code of the user's own, trusted on the command line
     with hold_run_dir(cfg.run.dir), watch_compiles() as compiled:  # one run at a time
         result = _run(cfg, [*callbacks, clock])
     result.compiled = compiled.as_dict()
     result.start = clock.seconds
+    result.memory_fit = fit.as_dict() if fit is not None else None
     return result
+
+
+def _fit_memory(cfg: RunConfig) -> tuple[RunConfig, Any]:
+    """``cfg`` with ``kernels.activation_checkpointing=auto`` resolved for its card or
+    ``run.memory_budget_gib`` (the choice's line printed), and the choice."""
+    # imported here: the launch check's budget imports this module
+    from recipes_lib.launch_check.autofit import fit_memory as fit
+    from recipes_lib.launch_check.check import planned_world_size
+
+    cfg, choice = fit(cfg, planned_world_size(cfg))
+    if choice is not None and global_rank() == 0:
+        log.info("%s", choice.line())
+    return cfg, choice
 
 
 def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:

@@ -100,6 +100,8 @@ class StageManifest:
             target, passed.
         promotion: a promote stage's choice: ``by``, ``mode``, each candidate's value
             and the ``winner``.
+        memory_fit: what ``kernels.activation_checkpointing=auto`` chose: checkpointing,
+            loss chunk, micro-batch and accumulation, the estimate and the budget.
     """
 
     pipeline: str
@@ -129,6 +131,8 @@ class StageManifest:
     evaluation: dict[str, Any] | None = None
     gates: list[dict[str, Any]] = field(default_factory=list)
     promotion: dict[str, Any] | None = None
+    # what kernels.activation_checkpointing=auto chose (recipes_lib.launch_check.autofit)
+    memory_fit: dict[str, Any] | None = None
     format_version: int = MANIFEST_FORMAT_VERSION
     # The folder the manifest was read from or written to; not stored in the file.
     directory: Path | None = field(default=None, compare=False, repr=False)

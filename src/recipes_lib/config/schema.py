@@ -41,11 +41,43 @@ class KernelsConfig:
     # torch.compile each transformer block; null: on when training on a CUDA GPU
     compile: bool | None = False
     loss_chunk_size: int | None = None  # fused output + loss, N rows at a time; None: off
-    # recompute each block's activations in the backward pass instead of storing them
-    activation_checkpointing: bool = False
+    # recompute blocks' activations in the backward pass instead of storing them: off
+    # (or false) | full (or true: every block) | selective (every checkpoint_every-th
+    # block) | auto (the fastest that fits the card or run.memory_budget_gib, with the
+    # loss chunk and micro-batch: recipes_lib.launch_check.autofit)
+    activation_checkpointing: str = "off"
+    checkpoint_every: int = 2  # selective: blocks 0, N, 2N, ... are recomputed
     # a mixture's experts: auto (one grouped GEMM per weight on CUDA in bf16, else a loop
     # over the experts) | grouped | loop
     experts: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.activation_checkpointing = checkpointing_mode(self.activation_checkpointing)
+        if self.checkpoint_every < 1:
+            raise ValueError(
+                f"kernels.checkpoint_every must be 1 or more, got {self.checkpoint_every}"
+            )
+
+    def checkpoint_stride(self) -> int:
+        """Every how many blocks one is recomputed: 0 none, 1 all, N one in N (``auto``
+        counts as none until :mod:`recipes_lib.launch_check.autofit` resolves it)."""
+        mode = checkpointing_mode(self.activation_checkpointing)
+        return {"off": 0, "auto": 0, "full": 1}.get(mode, self.checkpoint_every)
+
+
+CHECKPOINTING_MODES = ("off", "full", "selective", "auto")
+
+
+def checkpointing_mode(value: Any) -> str:
+    """``kernels.activation_checkpointing`` as one of :data:`CHECKPOINTING_MODES`
+    (true and false, as booleans or strings of any case, are full and off)."""
+    text = str(value).strip().lower()
+    text = {"true": "full", "false": "off"}.get(text, text)
+    if text not in CHECKPOINTING_MODES:
+        raise ValueError(
+            f"kernels.activation_checkpointing={value!r}: use one of off, full, selective, auto"
+        )
+    return text
 
 
 @dataclass
@@ -371,6 +403,9 @@ class RunInfoConfig:
     # run the pre-launch check (recipes_lib.launch_check) instead of training: recipes-train
     # prints its table and exits, non-zero on a problem (the same as recipes-check)
     launch_check: bool = False
+    # GiB of device memory the run must fit (kernels.activation_checkpointing=auto picks
+    # for it); null: the card's own memory
+    memory_budget_gib: float | None = None
 
 
 @dataclass

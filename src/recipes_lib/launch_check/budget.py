@@ -16,7 +16,7 @@ import torch
 from recipes_lib.callbacks.throughput import peak_tflops_for, precision_arithmetic
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
-from recipes_lib.launch_check.memory import rows_per_micro_batch
+from recipes_lib.launch_check.memory import recomputed_block_count, rows_per_micro_batch
 from recipes_lib.launch_check.parameters import ParameterCounts
 from recipes_lib.models import Transformer
 from recipes_lib.objectives import objective_of
@@ -150,8 +150,9 @@ def step_flops(cfg: RunConfig, world_size: int = 1) -> float:
     per_token = model.flops_per_token(cfg.data.seq_len)
     if _reference_each_step(cfg):
         per_token *= 4 / 3
-    if cfg.kernels.activation_checkpointing:
-        per_token *= CHECKPOINTING_FLOPS
+    # the recomputed blocks' second forward (every block: a third more matmul work)
+    recomputed = recomputed_block_count(cfg.model.n_layers, cfg.kernels.checkpoint_stride())
+    per_token *= 1 + (CHECKPOINTING_FLOPS - 1) * recomputed / cfg.model.n_layers
     rows = rows_per_micro_batch(cfg) * cfg.trainer.accumulate_grad_batches * world_size
     return per_token * rows * cfg.data.seq_len
 

@@ -3,7 +3,9 @@
 1. **pre-flight**: the config converts to typed dataclasses and passes every cross-key
    check :func:`recipes_lib.train.run` makes before it touches data or weights;
 2. **memory**: the per-GPU estimate (:func:`~recipes_lib.launch_check.estimate_memory`)
-   against the visible GPU's memory (FAIL above it, WARN above 90% of it);
+   against the visible GPU's memory (FAIL above it, WARN above 90% of it), after
+   ``kernels.activation_checkpointing=auto`` is resolved as the run would
+   (:mod:`.autofit`; FAIL where nothing fits);
 3. **token budget**: steps x global batch x sequence length against the parameters
    and Chinchilla's ~20 tokens per parameter;
 4. **step time**: the FLOPs of a step at an assumed MFU of the card's peak;
@@ -40,7 +42,9 @@ from rich.table import Table
 
 from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, to_run_config
+from recipes_lib.errors import ConfigError
 from recipes_lib.launch_check import live
+from recipes_lib.launch_check.autofit import FitChoice, fit_memory
 from recipes_lib.launch_check.budget import step_time, token_budget
 from recipes_lib.launch_check.disk import checkpoint_space
 from recipes_lib.launch_check.memory import (
@@ -86,6 +90,7 @@ class LaunchReport:
     world_size: int = 1
     estimate: MemoryEstimate | None = None
     measured_peak: int | None = None  # CUDA bytes of the live steps
+    memory_fit: FitChoice | None = None  # what kernels.activation_checkpointing=auto chose
 
     def add(self, check: str, status: str, figure: str) -> None:
         self.rows.append(CheckRow(check, status, " ".join(str(figure).split())))
@@ -138,7 +143,12 @@ def check_launch(cfg: RunConfig | DictConfig) -> LaunchReport:
         return report
     preflight_ok = _preflight(cfg, report)
     world = report.world_size = planned_world_size(cfg)
-    _guarded(report, "memory", lambda: _memory(cfg, world, report))
+    try:  # kernels.activation_checkpointing=auto: checked as the run would choose
+        cfg, report.memory_fit = fit_memory(cfg, world)
+    except ConfigError as err:
+        report.add("memory", FAIL, _message(err))
+    else:
+        _guarded(report, "memory", lambda: _memory(cfg, world, report))
     _guarded(report, "token budget", lambda: _budget(cfg, world, report))
     _guarded(report, "step time", lambda: _step_time(cfg, world, report))
     _guarded(report, "checkpoint space", lambda: _checkpoint_space(cfg, world, report))
@@ -220,6 +230,8 @@ def _memory(cfg: RunConfig, world: int, report: LaunchReport) -> None:
         figure += f" (building the model peaks at {_size(est.build)})"
     if est.notes:
         figure += "; " + "; ".join(est.notes)
+    if report.memory_fit is not None:
+        figure = f"{report.memory_fit.line()}; {figure}"
     if not on_cuda:
         report.add("memory", OK, f"{figure}; no GPU visible to compare")
         return

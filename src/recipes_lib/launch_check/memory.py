@@ -13,7 +13,8 @@ gradients, ``O`` optimizer state, per rank):
   checkpointing or FSDP, the block being computed and its gathered weights);
 - **backward start**: ``P + O`` + the saved activations and kept weight copies + the
   loss's gradient tensors;
-- **backward end**: ``P + G + O`` + one recomputed block (activation checkpointing) and
+- **backward end**: ``P + G + O`` + one recomputed block (activation checkpointing of
+  every block, or of every N-th: the others keep their activations as without it) and
   its weights' copies + the embedding's dense gradient before it is accumulated;
 - **build**: the whole decoder in its build dtype (a tied head is first made as its own
   tensor), before quantization (QLoRA) or sharding (FSDP builds each rank's model whole).
@@ -30,8 +31,8 @@ world size, and ``strategy.cpu_offload`` moves that (and the optimizer's step) t
 
 Weight copies: under bf16-mixed autocast casts each weight to bf16 at its matmul and
 the matmul keeps the copy for its backward, so without activation checkpointing every
-matmul weight has a bf16 copy at the loss (a bf16-stored one needs none); with it only
-the head's (the blocks' copies are made again when they are recomputed; autocast's cache
+matmul weight has a bf16 copy at the loss (a bf16-stored one needs none); a recomputed
+block keeps none (its copies are made again when it is recomputed; autocast's cache
 does not hold them). FSDP2
 gathers each block in the compute dtype and keeps the last one gathered for the
 backward. Activations per block and token: :mod:`recipes_lib.launch_check.activations`.
@@ -211,7 +212,10 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     """
     shape, spec = DecoderShape.of(cfg), get_strategy(cfg.strategy.name)
     precision, world = cfg.precision.name, max(1, world_size)
-    checkpointing, compiled = cfg.kernels.activation_checkpointing, bool(cfg.kernels.compile)
+    compiled = bool(cfg.kernels.compile)
+    # blocks 0, N, 2N, ... are recomputed (kernels.checkpoint_stride: N); the rest keep theirs
+    recomputing = recomputed_block_count(shape.n_layers, cfg.kernels.checkpoint_stride())
+    storing, checkpointing = shape.n_layers - recomputing, recomputing > 0
     offload = cfg.strategy.cpu_offload and spec.cpu_offload
     fsdp = spec.shard is not None
     mixed = precision in ("bf16-mixed", "fp8")
@@ -250,10 +254,10 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         gathering = 0
         if not mixed:
             kept = 0.0
-        elif checkpointing or qlora:  # 4-bit bases are dequantized per use, kept by none
+        elif qlora:  # 4-bit bases are dequantized per use, kept by none
             kept = 2 * head
-        else:
-            kept = 2 * (shape.n_layers * block_linear + head - narrowed)
+        else:  # a recomputed block's copies are made again in its backward
+            kept = 2 * (storing * (block_linear - narrowed / shape.n_layers) + head)
         kept += 2 * weights.adapters if mixed else 0
 
     # --- activations and the loss
@@ -287,11 +291,11 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         upcast = LOSS_FP32 if logit_bytes != LOSS_FP32 else 0
         loss_forward = vocab_tokens * (logit_bytes + upcast + LOSS_FP32)
         loss_backward = vocab_tokens * LOSS_BACKWARD
+    saved += recomputing * tokens * dt.residual * shape.dim  # recomputed blocks' inputs
+    saved += storing * block
     if checkpointing:
-        saved += shape.n_layers * tokens * dt.residual * shape.dim  # the blocks' inputs
         computing, recomputed = block, RECOMPUTED_BLOCKS * block
     else:
-        saved += shape.n_layers * block
         computing, recomputed = 0.0, 0.0
     computing = max(computing, block) if twins_apart else computing  # beside the saved
     computing += gathering
@@ -341,6 +345,11 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     )
 
 
+def recomputed_block_count(n_layers: int, stride: int) -> int:
+    """Blocks recomputed in the backward when every ``stride``-th one is (0: none)."""
+    return 0 if stride <= 0 else -(-n_layers // stride)
+
+
 def _on_cuda(cfg: RunConfig) -> bool:
     return device_type(cfg.trainer.accelerator, torch.cuda.is_available()) == "cuda"
 
@@ -362,6 +371,11 @@ def _frozen_model(cfg: RunConfig, lora: dict[str, int] | None) -> tuple[int, flo
 def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> list[str]:
     """What the figure assumes beyond the measured cases."""
     notes = []
+    if cfg.kernels.activation_checkpointing == "auto":
+        notes.append(
+            "kernels.activation_checkpointing=auto: counted as off; the run picks what fits "
+            "(recipes_lib.launch_check.autofit)"
+        )
     if spec.needs_package is not None:
         notes.append(f"strategy={spec.name}: its partitioning counted like FSDP's (not measured)")
     if cfg.strategy.cpu_offload:

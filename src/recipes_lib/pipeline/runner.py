@@ -219,6 +219,7 @@ def _finish_stage(
         git_revision=git_revision(),
         metrics=metrics,
         guard=result.guard,
+        memory_fit=result.memory_fit,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     attach_files(result.trackers, [write_manifest(manifest, stage_dir)], "manifest")

@@ -9,7 +9,8 @@ applied here and nowhere else, in this order:
    blocks' projections stored in bf16 under bf16-mixed as a LoRA base's are (autocast
    computes them in bf16 anyway: :mod:`recipes_lib.adapters.frozen_base`);
 4. float8 Linear layers (a model that trains);
-5. activation checkpointing (a model that trains);
+5. activation checkpointing of every block, or of every N-th (a model that trains;
+   ``auto`` is resolved before the build, :mod:`recipes_lib.launch_check.autofit`);
 6. ``torch.compile`` of each block, in place (parameter names stay as they are);
 7. sharding over the data-parallel mesh, as the strategy declares.
 
@@ -130,8 +131,10 @@ def build_model(
 
         all_gather = mesh is not None and spec.float8_all_gather
         convert_to_fp8(model, plan.precision, fsdp=all_gather)
-    if plan.trains and plan.kernels.activation_checkpointing:  # 5
-        model.set_activation_checkpointing(True)
+    stride = plan.kernels.checkpoint_stride()  # 0: none; N: blocks 0, N, 2N, ...
+    if plan.trains and stride:  # 5
+        for index, block in enumerate(_blocks(model)):
+            block.checkpoint_activations = index % stride == 0
     if plan.kernels.compile:  # 6
         compile_blocks(_blocks(model), varying_shapes=plan.varying_shapes)
     if mesh is not None and spec.shard is not None:  # 7
