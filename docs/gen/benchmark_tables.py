@@ -77,6 +77,15 @@ def render() -> str:
 
 def _section(path: Path) -> list[str]:
     data = json.loads(path.read_text())
+    if path.name.startswith("posttrain_matrix_"):  # its own table: sides side by side
+        return [
+            f"## `{path.name}`",
+            "",
+            f"- command: `{data.get('command')}`",
+            "",
+            _matrix_table(data),
+            "",
+        ]
     card = data.get("device") or "not recorded"
     command = data.get("command")
     date = data.get("date") or f"first committed {_first_committed(path)}"
@@ -97,6 +106,16 @@ def _section(path: Path) -> list[str]:
         cells = [_cell(values.get(c, "")) for c in columns]
         lines.append("| " + " | ".join([label or "(the file)", *cells]) + " |")
     return lines + [""]
+
+
+def _matrix_table(data: dict) -> str:
+    """The post-training matrix as its own generator renders it (benchmarks/matrix_table.py)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from matrix_table import matrix_table
+
+    return matrix_table(data)
 
 
 def _rows(node: Any, path: tuple[str, ...]):
