@@ -39,6 +39,7 @@ warning line.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -87,7 +88,9 @@ def compile_blocks(blocks: Iterable[nn.Module], *, varying_shapes: bool) -> None
         setattr(_config(), _LIMIT_NAME, max(recompile_limit(), GRAPH_BOUND))
     for block in blocks:
         block.compile()
-        block.varying_shapes = varying_shapes  # read by mark_varying and call_block
+        # read by mark_varying and call_block; torch types a module's attributes as
+        # tensors or modules: a flag is neither
+        block.varying_shapes = varying_shapes  # type: ignore[assignment]
 
 
 def bucketed_length(length: int, limit: int | None = None) -> int:
@@ -181,11 +184,12 @@ def _counts() -> tuple[int, int, int]:
         from torch._dynamo.utils import counters
     except ImportError:
         return 0, 0, 0
-    graphs = int(counters.get("stats", {}).get("unique_graphs", 0))
-    unimplemented = counters.get("unimplemented", {})
+    none: Counter[str] = Counter()
+    graphs = int(counters.get("stats", none).get("unique_graphs", 0))
+    unimplemented = counters.get("unimplemented", none)
     hits = sum(int(n) for reason, n in unimplemented.items() if "recompile limit" in reason)
-    cached = int(counters.get("inductor", {}).get("fxgraph_cache_hit", 0))
-    cached += int(counters.get("aot_autograd", {}).get("autograd_cache_hit", 0))
+    cached = int(counters.get("inductor", none).get("fxgraph_cache_hit", 0))
+    cached += int(counters.get("aot_autograd", none).get("autograd_cache_hit", 0))
     return graphs, hits, cached
 
 

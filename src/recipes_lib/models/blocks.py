@@ -20,7 +20,7 @@ hs head dim.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -92,7 +92,8 @@ class Attention(nn.Module):
         if cache is None:
             y = self.backend(q, k, v, mask, scale=self.scale)  # (B, nh, T, hs)
         else:  # over every cached position
-            y = cache.attend(q, k, v, mask, scale=self.scale)  # (B, nh, T, hs)
+            # a cache's mask is a boolean tensor or None (Transformer._mask)
+            y = cache.attend(q, k, v, cast("Tensor | None", mask), scale=self.scale)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
         return self.wo(y)  # (B, T, C)
 
@@ -125,6 +126,7 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(config, head_dim, backend, layer)
         self.ffn_norm = make_norm(config, config.dim, follows_input=post)
         self.routed = is_moe_layer(config, layer)
+        self.feed_forward: MoEFeedForward | FeedForward
         if self.routed:  # experts in place of the MLP
             self.feed_forward = MoEFeedForward(config, FeedForward)
         else:
@@ -135,7 +137,7 @@ class TransformerBlock(nn.Module):
         # recompute this block's activations in the backward pass instead of keeping them
         self.checkpoint_activations = False
 
-    def norms(self) -> list[nn.Module]:
+    def norms(self) -> list[nn.RMSNorm]:
         """Every RMSNorm of the block."""
         found = [self.attention_norm, self.ffn_norm]
         if self.placement == "both":

@@ -19,9 +19,6 @@ Shapes: B rows, S cached positions, C model dim, V vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
-
 import torch
 from torch import Tensor
 
@@ -29,9 +26,6 @@ from recipes_lib.models.kv_cache import KVCache
 from recipes_lib.models.moe import MoEFeedForward
 from recipes_lib.models.rope import LOCAL_TABLES
 from recipes_lib.models.transformer import Transformer
-
-if TYPE_CHECKING:
-    from recipes_lib.models.blocks import TransformerBlock
 
 
 class _StaticLayerCache:
@@ -105,8 +99,7 @@ class GraphedDecoder:
         h = model.tok_embeddings(self.tokens)  # (B, 1, C)
         if model.config.scale_embeddings:
             h = h * torch.tensor(model.config.dim**0.5, dtype=h.dtype)
-        # a ModuleList yields plain Modules to the type checker
-        for index, layer in enumerate(cast("Iterable[TransformerBlock]", model.layers)):
+        for index, layer in enumerate(model.blocks):
             layer_cache = _StaticLayerCache(cache.keys[index], cache.values[index], position)
             cos, sin = tables[layer.attention.local_rope]
             h = layer(h, cos, sin, masks[layer.attention.window], layer_cache)

@@ -43,6 +43,7 @@ from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
+    from recipes_lib.models.blocks import FeedForward
 
 ROUTERS = ("softmax", "sigmoid")
 EXPERT_PATHS = ("auto", "grouped", "loop")  # kernels.experts: see Experts.path
@@ -248,14 +249,14 @@ class MoEFeedForward(nn.Module):
 
     expert_bias: Tensor  # a buffer, present with the sigmoid router only
 
-    def __init__(self, config: ModelConfig, dense: type[nn.Module]):
+    def __init__(self, config: ModelConfig, dense: type[FeedForward]):
         super().__init__()
         self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
         self.router_kind, self.renormalize = config.moe_router, config.moe_renormalize
         hidden = config.moe_ffn_dim or config.ffn_dim
         self.router = nn.Linear(config.dim, self.n_experts, bias=False)
         self.experts = Experts(self.n_experts, config.dim, hidden, config.activation)
-        self.shared = None
+        self.shared: FeedForward | None = None
         if config.moe_shared_experts:
             self.shared = dense(config.dim, config.moe_shared_experts * hidden, config.activation)
         if self.router_kind == "sigmoid":  # moved by update_bias, never by the gradient

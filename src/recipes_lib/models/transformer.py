@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn as nn
@@ -34,11 +34,11 @@ from recipes_lib.config.model import HEADS, head_tied
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.kernels.compiled import call_block, mark_varying, varying
-from recipes_lib.models.blocks import TransformerBlock
+from recipes_lib.models.blocks import FeedForward, TransformerBlock
 from recipes_lib.models.families import check_family
 from recipes_lib.models.head import OutputHead, head_loss
 from recipes_lib.models.kv_cache import KVCache, causal_offset_mask, padded_offset_mask
-from recipes_lib.models.moe import MoEFeedForward, check_moe
+from recipes_lib.models.moe import Experts, MoEFeedForward, check_moe
 from recipes_lib.models.norms import check_norm_options, make_norm
 from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
 from recipes_lib.models.windows import check_windows
@@ -101,8 +101,8 @@ class Transformer(nn.Module):
             TransformerBlock(config, self.head_dim, backend, i) for i in range(config.n_layers)
         )
         # the windows and RoPE tables the layers use (None: full attention; True: local)
-        self._windows = {layer.attention.window for layer in self.layers}
-        self._ropes = {layer.attention.local_rope for layer in self.layers}
+        self._windows = {layer.attention.window for layer in self.blocks}
+        self._ropes = {layer.attention.local_rope for layer in self.blocks}
         self.norm = make_norm(config, config.dim)
         # a score head: one scalar per position (a reward model)
         outputs = config.vocab_size if config.head == "lm" else 1
@@ -117,10 +117,16 @@ class Transformer(nn.Module):
             self.register_buffer(name, table, persistent=False)  # (max_seq_len, rotated dims)
         self.init_weights()
 
+    @property
+    def blocks(self) -> list[TransformerBlock]:
+        """``layers``, typed as the blocks they hold (a ModuleList yields plain Modules to
+        the type checker)."""
+        return cast("list[TransformerBlock]", list(self.layers))
+
     def set_activation_checkpointing(self, enabled: bool) -> None:
         """Recompute each block's activations in the backward pass (less memory, about
         a third more compute) instead of keeping them from the forward pass."""
-        for layer in self.layers:
+        for layer in self.blocks:
             layer.checkpoint_activations = enabled
 
     def _apply(self, fn, recurse=True):
@@ -144,17 +150,21 @@ class Transformer(nn.Module):
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=std)
-        for layer in self.layers:
-            attention, mlps = layer.attention, [layer.feed_forward]
-            if isinstance(layer.feed_forward, MoEFeedForward):  # each expert as an MLP
-                moe = layer.feed_forward
-                mlps = [moe.experts] + ([moe.shared] if moe.shared is not None else [])
+        for layer in self.blocks:
+            attention, feed_forward = layer.attention, layer.feed_forward
+            mlps: list[FeedForward | Experts]
+            if isinstance(feed_forward, MoEFeedForward):  # each expert as an MLP
+                shared = [feed_forward.shared] if feed_forward.shared is not None else []
+                mlps = [feed_forward.experts, *shared]
+            else:
+                mlps = [feed_forward]
             # the order of the draws is the dense models' since their first release
             inputs = [attention.wq, attention.wk, attention.wv]
             for linear in inputs + [m.w1 for m in mlps] + [m.w3 for m in mlps]:
                 nn.init.normal_(linear.weight, mean=0.0, std=std)
-                if getattr(linear, "bias", None) is not None:
-                    nn.init.zeros_(linear.bias)
+                bias = getattr(linear, "bias", None)  # grouped experts have none
+                if bias is not None:
+                    nn.init.zeros_(bias)
             for linear in [attention.wo] + [m.w2 for m in mlps]:
                 nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
             if isinstance(layer.feed_forward, MoEFeedForward):
@@ -221,11 +231,11 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         if self.config.scale_embeddings:  # by sqrt(C) rounded to their dtype, as Gemma's
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
-        rows_vary = cache is None and varying(self.layers[0])
+        rows_vary = cache is None and varying(self.blocks[0])
         if rows_vary:  # compiled blocks trace the rows dynamic from the first call
             backend = self.attention_backend
             mark_varying(token_mask, *(t for m in masks.values() for t in backend.row_tensors(m)))
-        for index, layer in enumerate(self.layers):
+        for index, layer in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layer(index, start)
             cos, sin = tables[layer.attention.local_rope]  # (T, rotated dims)
             mask = masks[layer.attention.window]
@@ -335,7 +345,7 @@ class Transformer(nn.Module):
             sum(p.numel() for p in layer.feed_forward.experts.parameters())
             * (layer.feed_forward.n_experts - layer.feed_forward.top_k)
             // layer.feed_forward.n_experts
-            for layer in self.layers
+            for layer in self.blocks
             if isinstance(layer.feed_forward, MoEFeedForward)
         )
 
