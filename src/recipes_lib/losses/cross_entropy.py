@@ -109,7 +109,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     """Loss and both input gradients computed chunk by chunk in the forward pass."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, reduction):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, chunk_size, ignore_index, reduction):
         if reduction == "mean":
             scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
         else:
@@ -126,6 +126,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 hidden_chunk, w, labels[rows], ignore_index, with_grad=True
             )
             loss += chunk_loss
+            assert grad_logits is not None  # asked for with_grad
             grad_logits = grad_logits.mul_(scale).to(dtype)  # (C, V)
             grad_hidden[rows] = (grad_logits @ w).to(grad_hidden.dtype)  # (C, D)
             if grad_weight is not None:
@@ -137,7 +138,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return loss * scale
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output):
         grad_hidden, *weight_part = spend_saved_gradients(ctx, grad_output, "chunked_cross_entropy")
         grad_weight = weight_part[0] if weight_part else None
         return grad_hidden, grad_weight, None, None, None, None

@@ -62,7 +62,7 @@ def divergence(
 
 class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, mask, settings):  # type: ignore[override]
+    def forward(ctx, hidden, weight, teacher_hidden, teacher_weight, mask, settings):
         chunk_size, loss_name, beta, temperature, with_grad = settings
         dtype = matmul_dtype(hidden, weight)
         w, tw = weight.to(dtype), teacher_weight.to(dtype)
@@ -98,7 +98,7 @@ class _ChunkedDistill(torch.autograd.Function):
         return total / count
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output):
         saved = spend_saved_gradients(ctx, grad_output, "chunked_distill_loss")
         grad_hidden = saved.pop(0) if ctx.has[0] else None
         grad_weight = saved.pop(0).to(ctx.weight_dtype) if ctx.has[1] else None

@@ -31,7 +31,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
     """``log softmax(hidden @ weight.T)[label]`` per row, one block of logits at a time."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, valid, chunk_size):  # type: ignore[override]
+    def forward(ctx, hidden, weight, labels, valid, chunk_size):
         dtype = matmul_dtype(hidden, weight)
         w = weight.to(dtype)
         n_rows = hidden.size(0)
@@ -48,7 +48,7 @@ class _LinearTokenLogProbs(torch.autograd.Function):
         return out * valid
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx, grad_output):
         hidden, weight, labels, valid, log_normalizer = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         dtype, chunk_size = ctx.dtype, ctx.chunk_size
@@ -113,7 +113,7 @@ class _TokenLogProbs(torch.autograd.Function):
     """``log softmax(logits)[label]`` per row, fp32, with an fp32 copy of one block at a time."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, valid: Tensor, chunk_rows: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx, logits: Tensor, labels: Tensor, valid: Tensor, chunk_rows: int) -> Tensor:
         n_rows = logits.size(0)
         log_normalizer = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         for start in range(0, n_rows, chunk_rows):
@@ -125,7 +125,7 @@ class _TokenLogProbs(torch.autograd.Function):
         return (target - log_normalizer) * valid
 
     @staticmethod
-    def backward(ctx, grad_output: Tensor):  # type: ignore[override]
+    def backward(ctx, grad_output: Tensor):
         logits, labels, valid, log_normalizer = ctx.saved_tensors
         if not ctx.needs_input_grad[0]:
             return None, None, None, None

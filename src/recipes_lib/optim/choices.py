@@ -192,9 +192,10 @@ def muon_and_adamw(
     """Muon over the blocks' 2-D weight matrices of the decayed group, AdamW over the
     rest (the embedding and output head included, whatever their group)."""
     outside = outer_matrices(module)
-    muon_params, adamw_groups = [], []
+    muon_params: list[nn.Parameter] = []
+    adamw_groups: list[dict[str, Any]] = []
     for group in groups:
-        keep = []
+        keep: list[nn.Parameter] = []
         for p in group["params"]:
             (muon_params if takes_muon(p.ndim, group["name"], id(p) in outside) else keep).append(p)
         if keep:
@@ -216,7 +217,7 @@ def muon_and_adamw(
 
 def outer_matrices(module: nn.Module) -> set[int]:
     """The ids of the embedding tables and output heads of ``module``."""
-    found = set()
+    found: set[int] = set()
     for name, sub in module.named_modules():
         if isinstance(sub, nn.Embedding) or name.rsplit(".", 1)[-1] == "output":
             found.update(id(p) for p in sub.parameters(recurse=False))
