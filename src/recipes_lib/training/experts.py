@@ -88,33 +88,38 @@ def moe_losses(
     balance loss of the layers plus ``moe_z_loss_coef`` times their mean z-loss; None
     for a dense model or outside training) and the two means to log. With ``summed``
     (the sum over ranks), each expert's share of the tokens is the whole batch's."""
-    if not layers or any(m.mean_probs is None or m.expert_counts is None for m in layers):
+    # a training forward sets the three together: a layer lacking one has none
+    counts = [m.expert_counts for m in layers if m.expert_counts is not None]
+    mean_probs = [m.mean_probs for m in layers if m.mean_probs is not None]
+    z_losses = [m.z_loss for m in layers if m.z_loss is not None]
+    if not layers or not len(layers) == len(counts) == len(mean_probs) == len(z_losses):
         for m in layers:
             m.z_loss = m.mean_probs = None
         return None, {}
     # (layers, E + 1): the counts and the tokens, summed over the ranks at once
-    shares = torch.stack([torch.cat([m.expert_counts.float(), _tokens(m)]) for m in layers])
+    rows = [torch.cat([c.float(), _tokens(m, c)]) for m, c in zip(layers, counts, strict=True)]
+    shares = torch.stack(rows)
     if summed is not None:
         shares = summed(shares)
-    probs = torch.stack([m.mean_probs for m in layers])
+    probs = torch.stack(mean_probs)
     balance = balance_loss(shares[:, :-1], shares[:, -1:], probs, config.moe_experts).mean()
-    z = torch.stack([m.z_loss for m in layers]).mean()
+    z = torch.stack(z_losses).mean()
     for m in layers:
         m.z_loss = m.mean_probs = None
     aux = config.moe_aux_loss_coef * balance + config.moe_z_loss_coef * z
     return aux, {"moe_balance_loss": balance.detach(), "moe_z_loss": z.detach()}
 
 
-def _tokens(layer: MoEFeedForward) -> Tensor:
-    """A layer's routed tokens as a one-element float row beside its expert counts."""
-    device = layer.expert_counts.device
+def _tokens(layer: MoEFeedForward, counts: Tensor) -> Tensor:
+    """A layer's routed tokens as a one-element float row beside its expert ``counts``."""
+    device = counts.device
     return torch.as_tensor(layer.routed_tokens, dtype=torch.float32, device=device).reshape(1)
 
 
 def take_expert_counts(layers: list[MoEFeedForward]) -> Tensor | None:
     """Tokens per expert of each layer's last training forward, ``(layers, E)``, or None."""
-    counts = [m.expert_counts for m in layers]
-    if not counts or any(c is None for c in counts):
+    counts = [m.expert_counts for m in layers if m.expert_counts is not None]
+    if not counts or len(counts) < len(layers):
         return None
     for m in layers:
         m.expert_counts = None

@@ -170,6 +170,7 @@ class StepGuard:
             self._seen = torch.zeros((), dtype=torch.int64, device=device)
             self._skipped = torch.zeros((), dtype=torch.int64, device=device)
         elif self._history.device != device:  # restored from a checkpoint, on the CPU
+            assert self._seen is not None and self._skipped is not None  # kept with it
             self._history = self._history.to(device)
             self._seen = self._seen.to(device)
             self._skipped = self._skipped.to(device)
@@ -269,7 +270,7 @@ class StepGuard:
         step = self.config.inject_step
         if step is None:
             return loss
-        datamodule = getattr(trainer, "datamodule", None)
+        datamodule: Any = getattr(trainer, "datamodule", None)
         if hasattr(datamodule, "micro_batches_before"):  # step sizes may vary (a ramp)
             before = datamodule.micro_batches_before
             into_step = batch_idx - before(trainer.global_step)
@@ -310,7 +311,8 @@ def skip_bad_update(optimizer: torch.optim.Optimizer, bad: Tensor) -> None:
     None, which needs one read of ``bad`` on the host.
     """
     if optimizer.defaults.get("fused"):
-        optimizer.found_inf = bad.float()  # 0-d, as the fused kernels expect
+        # 0-d, as the fused kernels expect; torch reads the attribute without declaring it
+        optimizer.found_inf = bad.float()  # type: ignore[attr-defined]
         return
     if bool(bad):
         for group in optimizer.param_groups:

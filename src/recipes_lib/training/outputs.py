@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import lightning as L
 import torch
@@ -30,6 +31,9 @@ from recipes_lib.data.chat_records import tokenizer_chat_template
 from recipes_lib.data.tokenizer import load_tokenizer, save_tokenizer_folder
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.parallel.strategy import get_strategy
+
+if TYPE_CHECKING:
+    from recipes_lib.training.module import CausalLMModule
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +105,7 @@ def prepare_averaging(
 def export_weights(
     cfg: RunConfig,
     trainer: L.Trainer,
-    module: L.LightningModule,
+    module: CausalLMModule,
     out: Path,
     saver: ModelCheckpoint | None,
     ema: WeightEMA | None,
@@ -116,6 +120,7 @@ def export_weights(
     chosen: list[Path] = []
     if saver is not None and saver.dirpath is not None:
         k = cfg.stage.average_last_k
+        assert k is not None  # a saver comes only with a k to average (prepare_averaging)
         saved = [(s, p) for s, p in list_step_checkpoints(saver.dirpath) if s <= step]
         if len(saved) < k or saved[-1][0] != step:
             found = ", ".join(f"{p.name} (step {s})" for s, p in saved) or "none"
@@ -125,18 +130,20 @@ def export_weights(
             )
         chosen = [p for _, p in saved[-k:]]
     path = RunDir(out).weights
+    model = module.model
+    assert model is not None  # built by configure_model before the fit
     # sharded weights are gathered by every rank together, onto rank 0
-    final = get_strategy(cfg.strategy.name).gather_full_state_dict(module.model, trainer.strategy)
+    final = get_strategy(cfg.strategy.name).gather_full_state_dict(model, trainer.strategy)
     refusal = None
     if trainer.is_global_zero:
         if chosen:
             state, source = average_checkpoints(chosen), f"mean of {len(chosen)} checkpoints"
         elif ema is not None:
-            state, source = ema.averaged_state_dict(module.model), f"ema decay {ema.decay}"
+            state, source = ema.averaged_state_dict(model), f"ema decay {ema.decay}"
         else:
             state, source = final, "final"
-        adapted = has_adapter(module.model)
-        merged = merge_adapter(module.model, state) if adapted else state
+        adapted = has_adapter(model)
+        merged = merge_adapter(model, state) if adapted else state
         bad = [
             name for name, t in merged.items() if t.is_floating_point() and not t.isfinite().all()
         ]
@@ -150,7 +157,7 @@ def export_weights(
             save_weights(merged, path, metadata={"global_step": str(step), "weights": merged_from})
             if adapted:
                 try:
-                    save_adapter(module.model, RunDir(out).adapter, cfg.adapter, state=state)
+                    save_adapter(model, RunDir(out).adapter, cfg.adapter, state=state)
                 except CheckpointError as err:
                     refusal = f"{err}; the merged weights are written to {path}"
     # every rank learns rank 0's verdict, so none waits on a rank that has given up
@@ -207,12 +214,13 @@ class OutputWeights(Checkpoint):
         self.seconds = 0.0
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        pl_module.guard.act(trainer, wait=True)  # the last step's verdict, if not yet in
-        if trainer.global_step < self.steps or pl_module.guard.rollback is not None:
+        module = cast("CausalLMModule", pl_module)  # every objective's module is one
+        module.guard.act(trainer, wait=True)  # the last step's verdict, if not yet in
+        if trainer.global_step < self.steps or module.guard.rollback is not None:
             return  # stopped early, or another fit follows
         started = time.perf_counter()
         out = Path(self.cfg.run.dir)
-        self.written = export_weights(self.cfg, trainer, pl_module, out, self.saver, self.ema)
+        self.written = export_weights(self.cfg, trainer, module, out, self.saver, self.ema)
         release_weights(pl_module)
         self.seconds = time.perf_counter() - started
 
