@@ -64,6 +64,7 @@ from recipes_lib.parallel import (
 )
 from recipes_lib.parallel.fp8 import fp8_callbacks
 from recipes_lib.parallel.precision import lightning_precision, resolve_device_choices
+from recipes_lib.parallel.strategy import planned_world_size
 from recipes_lib.preflight import check_run
 from recipes_lib.trackers import attach_files, trackers_of
 from recipes_lib.training.outputs import (
@@ -253,7 +254,6 @@ def _fit_memory(cfg: RunConfig) -> tuple[RunConfig, Any]:
     ``run.memory_budget_gib`` (the choice's line printed), and the choice."""
     # imported here: the launch check's budget imports this module
     from recipes_lib.launch_check.autofit import fit_memory as fit
-    from recipes_lib.launch_check.check import planned_world_size
 
     cfg, choice = fit(cfg, planned_world_size(cfg))
     if choice is not None and global_rank() == 0:

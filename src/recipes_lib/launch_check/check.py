@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -55,7 +54,7 @@ from recipes_lib.launch_check.memory import (
 )
 from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type, resolve_device_choices
-from recipes_lib.parallel.strategy import get_strategy, trainer_devices
+from recipes_lib.parallel.strategy import get_strategy, planned_world_size
 from recipes_lib.train import batch_schedule, check_run_config, tokens_per_step, total_steps
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
@@ -105,26 +104,6 @@ class LaunchReport:
     @property
     def exit_code(self) -> int:
         return 1 if self.failed else 0
-
-
-def planned_world_size(cfg: RunConfig) -> int:
-    """The processes the run will have: a launcher's ``WORLD_SIZE``, else
-    ``trainer.devices`` (``auto``: every visible GPU, one process on a CPU) times
-    ``trainer.num_nodes``."""
-    launched = os.environ.get("WORLD_SIZE", "")
-    if launched.isdigit():
-        return int(launched)
-    devices = trainer_devices(cfg)
-    on_cuda = device_type(cfg.trainer.accelerator, torch.cuda.is_available()) == "cuda"
-    if isinstance(devices, list | tuple):
-        count = len(devices)
-    elif isinstance(devices, str) and "," in devices:
-        count = len([d for d in devices.split(",") if d.strip()])
-    elif str(devices).strip().lstrip("-").isdigit() and int(devices) > 0:
-        count = int(devices)
-    else:  # auto, -1
-        count = torch.cuda.device_count() if on_cuda else 1
-    return max(1, count) * cfg.trainer.num_nodes
 
 
 def check_launch(cfg: RunConfig | DictConfig) -> LaunchReport:

@@ -23,10 +23,12 @@ processes per node.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from torch import Tensor, nn
@@ -35,6 +37,7 @@ from recipes_lib.config.schema import RunConfig, StrategyConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.parallel.engines import FSDP2Strategy, ZeroStrategy, strategy_timeout
 from recipes_lib.parallel.fsdp import full_state_dict, shard_model
+from recipes_lib.parallel.precision import device_type
 
 BuildStrategy = Callable[[StrategyConfig, int | None], "str | Strategy"]
 
@@ -247,3 +250,23 @@ def trainer_devices(cfg: RunConfig) -> Any:
     if not spec.multi_device and cfg.trainer.devices in ("auto", -1, "-1"):
         return 1
     return cfg.trainer.devices
+
+
+def planned_world_size(cfg: RunConfig) -> int:
+    """The processes the run will have: a launcher's ``WORLD_SIZE``, else
+    ``trainer.devices`` (``auto``: every visible GPU, one process on a CPU) times
+    ``trainer.num_nodes``."""
+    launched = os.environ.get("WORLD_SIZE", "")
+    if launched.isdigit():
+        return int(launched)
+    devices = trainer_devices(cfg)
+    on_cuda = device_type(cfg.trainer.accelerator, torch.cuda.is_available()) == "cuda"
+    if isinstance(devices, list | tuple):
+        count = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    elif str(devices).strip().lstrip("-").isdigit() and int(devices) > 0:
+        count = int(devices)
+    else:  # auto, -1
+        count = torch.cuda.device_count() if on_cuda else 1
+    return max(1, count) * cfg.trainer.num_nodes
