@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import read_manifest
@@ -57,11 +58,14 @@ def check_stage(pipeline: PipelineSpec, plans: dict[str, StagePlan], plan: Stage
     stage, cfg = plan.spec, plan.config
     source_plan = plans.get(plan.source_stage) if plan.source_stage else None
     external = plan.source_file
-    if source_plan is None and external is None:
+    source_model: dict[str, Any] | None
+    if source_plan is not None:
+        label, source_model = f"stage {plan.source_stage}", asdict(source_plan.config.model)
+    elif external is not None:
+        label, source_model = external.label, external.model
+    else:
         return
-    label = f"stage {plan.source_stage}" if source_plan is not None else external.label
     if stage.init == "upcycle":
-        source_model = asdict(source_plan.config.model) if source_plan else external.model
         problems = upcycle_mismatches(cfg.model, source_model)
         if problems:
             raise ConfigError(
@@ -69,10 +73,11 @@ def check_stage(pipeline: PipelineSpec, plans: dict[str, StagePlan], plan: Stage
             )
     elif source_plan is not None:
         check_model_compatible(stage, cfg.model, label, asdict(source_plan.config.model))
-    elif external.model is not None:
-        check_model_compatible(stage, cfg.model, external, external.model)
-    elif stage.init != "scratch":
-        check_weights_fit(stage, cfg.model, external.weights)
+    elif external is not None:  # always, without a source stage
+        if external.model is not None:
+            check_model_compatible(stage, cfg.model, external, external.model)
+        elif stage.init != "scratch":
+            check_weights_fit(stage, cfg.model, external.weights)
 
     if stage.init in ("weights+optimizer", "full") and source_plan and not source_plan.spec.trains:
         raise ConfigError(

@@ -4,9 +4,9 @@ and the stage's overrides, its keys, and ``model=from_init`` filled from its sou
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from recipes_lib.config import compose_config, list_recipes
@@ -60,8 +60,10 @@ def compose_stage(
         ) from err
     typed = run_schema_node()
     try:
-        typed = OmegaConf.merge(typed, OmegaConf.to_container(composed, resolve=False))
-        typed = OmegaConf.merge(typed, stage.settings)
+        container = OmegaConf.to_container(composed, resolve=False)
+        # merged onto the schema's DictConfig, each result is a DictConfig
+        typed = cast(DictConfig, OmegaConf.merge(typed, container))
+        typed = cast(DictConfig, OmegaConf.merge(typed, stage.settings))
     except OmegaConfBaseException as err:
         full_key = getattr(err, "full_key", None) or ""
         reason = unknown_key(full_key, RunConfig) or str(err).splitlines()[0]

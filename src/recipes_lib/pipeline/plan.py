@@ -229,6 +229,7 @@ def plan_pipeline(pipeline: PipelineSpec) -> list[StagePlan]:
             continue
         source_stage, source_path = source_of(pipeline, index)
         source_file = handoff_from_path(source_path, stage) if source_path is not None else None
+        source_model: dict[str, Any] | None
         if source_stage is not None:
             source_model = asdict(plans[source_stage].config.model)
             source_label = f"stage {source_stage}"

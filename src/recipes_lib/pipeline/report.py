@@ -210,10 +210,11 @@ def preference_figure(stages: Sequence[StageSeries]) -> Any | None:
     if not shown:
         return None
     offsets, colors = _stage_offsets(stages), _stage_colors(plt, len(stages))
-    columns = [[items[i] for i in shown] for items in (stages, offsets, colors)]
+    shown_stages = [stages[i] for i in shown]
+    shown_offsets, shown_colors = [offsets[i] for i in shown], [colors[i] for i in shown]
     fig, axes = plt.subplots(len(PREFERENCE_PANELS), 1, figsize=(8, 7), sharex=True)
     for ax, (ylabel, names) in zip(axes, PREFERENCE_PANELS, strict=True):
-        _draw_panel(ax, *columns, names, ylabel)
+        _draw_panel(ax, shown_stages, shown_offsets, shown_colors, names, ylabel)
     axes[0].set_ylim(-0.05, 1.05)
     axes[1].axhline(0.0, color="grey", linewidth=1)
     axes[0].set_title("preference stages: training (solid) and held-out (dashed)")

@@ -27,7 +27,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
@@ -342,7 +342,7 @@ def parse_pipeline(cfg: DictConfig | Mapping[str, Any]) -> PipelineSpec:
         ConfigError: naming the key of the first problem found.
     """
     if isinstance(cfg, DictConfig):
-        data = OmegaConf.to_container(cfg, resolve=False)
+        data = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=False))  # of a DictConfig
         name, directory = cfg.get("name"), cfg.get("dir")
     else:
         data = dict(cfg)
