@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from torch import Tensor
 
 
 class ValidateAtStart(Callback):
@@ -40,8 +41,8 @@ class ValidateAtStart(Callback):
         self._kept_sanity_steps = None
         # what the validation loop logged (epoch figures), as it logs them after training
         # steps: the loop's logged metrics and the epoch, at step 0
-        metrics = {
-            name: value.item() if hasattr(value, "item") else value
+        metrics: dict[str, float] = {
+            name: value.item() if isinstance(value, Tensor) else value
             for name, value in trainer.logged_metrics.items()
         }
         if not metrics:

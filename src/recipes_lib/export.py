@@ -111,9 +111,11 @@ def check_against_transformers(folder: Path, model: Transformer, config: ModelCo
     with torch.no_grad():
         ours = model.float()(x)
         ours = ours[:, -1] if score else ours
-    auto = transformers.AutoModelForCausalLM
-    if score:
-        auto = transformers.AutoModelForSequenceClassification
+    auto = (
+        transformers.AutoModelForSequenceClassification
+        if score
+        else transformers.AutoModelForCausalLM
+    )
     bars = transformers.utils.logging.is_progress_bar_enabled()
     transformers.utils.logging.disable_progress_bar()  # a bar per load at a run's end is noise
     try:

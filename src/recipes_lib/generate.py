@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tokenizers import Tokenizer
@@ -123,7 +123,9 @@ def generate(
             new.append(token)
             if token in stop or len(new) == max_new_tokens:
                 return new
-            if use_cache and not longrope_restarts(model.config, cache.length, cache.length + 1):
+            if cache is not None and not longrope_restarts(
+                model.config, cache.length, cache.length + 1
+            ):
                 logits = next_logits([token])
             else:  # uncached, or a longrope model's cache written with its short factors
                 logits = next_logits(prompt + new, start_pos=0 if use_cache else None)
@@ -166,7 +168,8 @@ def _read_run_config(folder: Path) -> dict[str, Any]:
         data = OmegaConf.to_container(OmegaConf.load(file), resolve=False)
     except Exception as err:  # omegaconf and yaml raise several error types
         raise CheckpointError(f"'{file}' is not a readable run config: {err}") from err
-    return data if isinstance(data, dict) else {}
+    # a run config's keys are strings
+    return cast(dict[str, Any], data) if isinstance(data, dict) else {}
 
 
 def _tokenizer_config(folder: Path) -> dict[str, Any]:

@@ -111,7 +111,8 @@ def conf_dir() -> Path:
     """The directory of the shipped config groups (inside the installed package)."""
     import recipes_lib.conf
 
-    return Path(next(iter(recipes_lib.conf.__path__)))
+    # mypy cannot follow the package-dir mapping of recipes_lib.conf (see pyproject.toml)
+    return Path(next(iter(recipes_lib.conf.__path__)))  # type: ignore[attr-defined]
 
 
 def recipes_dir() -> Path:

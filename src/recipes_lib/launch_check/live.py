@@ -64,7 +64,7 @@ def build_data(cfg: RunConfig, steps: int, world_size: int = 1) -> L.LightningDa
     datamodule.prepare_data()
     datamodule.setup("fit")
     # prepared once: the training steps' fit would prepare (and report) it again
-    datamodule.prepare_data = _prepared  # type: ignore[method-assign]
+    datamodule.prepare_data = _prepared
     return datamodule
 
 

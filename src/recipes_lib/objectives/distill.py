@@ -110,6 +110,7 @@ class DistillModule(CausalLMModule):
             return
         super().configure_model()
         source = self.settings.teacher_from
+        assert source is not None  # check_distill refuses a run without a teacher
         plan = dataclasses.replace(
             self.policy_build(),
             model=recorded_model_config(source, TEACHER_KEY),

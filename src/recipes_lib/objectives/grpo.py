@@ -204,7 +204,7 @@ class GRPOModule(CausalLMModule):
         decode the same number of steps (each gathers the weights)."""
         return self._across_ranks(bool(done.all()), dist.ReduceOp.MIN)
 
-    def _across_ranks(self, flag: bool, op: dist.ReduceOp) -> bool:
+    def _across_ranks(self, flag: bool, op: dist.ReduceOp.RedOpType) -> bool:
         """``flag`` combined over the run's processes by ``op`` (MIN: every one's, MAX:
         any one's); this process's alone when it runs by itself."""
         value = torch.tensor(int(flag), device=self.device)

@@ -92,7 +92,7 @@ def count_pair_tokens(batch: Batch) -> int:
     """Real (non-padding) tokens of both sequences of every example."""
     count = batch.get("num_tokens")
     if count is None:
-        count = int((batch["sequence_ids"] >= 0).sum())
+        return int((batch["sequence_ids"] >= 0).sum())
     return int(count)
 
 

@@ -45,7 +45,8 @@ def save_chat_tokenizer_beside_outputs(module: L.LightningModule) -> Path | None
     goes) on global rank 0, when the data module can (``save_tokenizer(folder)``: the
     SFT and preference data modules). Returns the folder written, or None."""
     trainer = module.trainer
-    save = getattr(trainer.datamodule, "save_tokenizer", None)
+    # Lightning's data connector sets Trainer.datamodule, which the class does not declare
+    save = getattr(trainer.datamodule, "save_tokenizer", None)  # type: ignore[attr-defined]
     if not trainer.is_global_zero or not callable(save):
         return None
     return save(Path(trainer.default_root_dir))

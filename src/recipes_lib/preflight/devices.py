@@ -60,7 +60,7 @@ def check_precision(
                 "use precision=32-true"
             )
     if precision.name == "fp8":
-        capability = detect_cuda_capability() if detect else cuda_capability
+        capability = detect_cuda_capability() if cuda_capability == "detect" else cuda_capability
         _check_fp8(cfg, device, capability)
 
 

@@ -27,6 +27,7 @@ from recipes_lib.rewards.registry import FN_KEY, REWARDS
 
 def _sites(cfg: Mapping[str, Any]) -> list[tuple[tuple[str, ...], TargetKind]]:
     """The path of every node of ``cfg`` that is built, with what it builds."""
+    sites: list[tuple[tuple[str, ...], TargetKind]]
     sites = [(("callbacks", name), CALLBACKS) for name in cfg.get("callbacks") or {}]
     sites += [(("logger", name), LOGGERS) for name in cfg.get("logger") or {}]
     for objective, settings in (cfg.get("stage") or {}).items():

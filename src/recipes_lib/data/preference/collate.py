@@ -106,7 +106,7 @@ def collate_pairs(
     seq_len: int | None = None,
     shifted: bool = True,
     fixed_width: bool = False,
-) -> dict[str, Tensor]:
+) -> dict[str, Tensor | int]:
     """Batch pairs as described in the module docstring.
 
     Args:
@@ -146,6 +146,7 @@ def collate_pairs(
     if packing and fixed_width:
         # one row width whatever the pairs' lengths: compiled blocks traced a graph per
         # width (recipes_lib.kernels.compiled); first fit leaves the last row part empty
+        assert seq_len is not None  # packing needs it (checked above)
         width = seq_len
     elif fixed_width:  # a few widths (recipes_lib.kernels.compiled)
         width = bucketed_length(width, seq_len)
@@ -171,7 +172,7 @@ def collate_pairs(
             doc_ids[r, cols] = k
             offset += n
         doc_ids[r, offset:] = len(row)  # padding is a document of its own
-    batch = {
+    batch: dict[str, Tensor | int] = {
         "input_ids": input_ids,
         "labels": labels,
         "doc_ids": doc_ids,
@@ -203,7 +204,7 @@ class PairCollator:
         self.pad_id, self.packing, self.seq_len = pad_id, packing, seq_len
         self.shifted, self.fixed_width = shifted, fixed_width
 
-    def __call__(self, items: Sequence[Mapping]) -> dict[str, Tensor]:
+    def __call__(self, items: Sequence[Mapping]) -> dict[str, Tensor | int]:
         return collate_pairs(
             items, self.pad_id, self.packing, self.seq_len, self.shifted, self.fixed_width
         )
