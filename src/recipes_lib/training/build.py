@@ -40,7 +40,7 @@ from recipes_lib.config.schema import (
 from recipes_lib.errors import CheckpointError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.kernels.compiled import compile_blocks
-from recipes_lib.models import Transformer
+from recipes_lib.models import Transformer, TransformerBlock
 from recipes_lib.models.moe import set_expert_path
 from recipes_lib.parallel.strategy import get_strategy
 
@@ -105,7 +105,7 @@ def build_model(
     """
     backend = attention or get_attention_backend(plan.kernels.attention)
     with torch.device(device):
-        model = _seeded_decoder(plan.model, backend)  # 1
+        model: nn.Module = _seeded_decoder(plan.model, backend)  # 1
     set_expert_path(model, plan.kernels.experts)
     if plan.init_from is not None:  # 2
         if any(p.is_meta for p in model.parameters()):
@@ -142,9 +142,9 @@ def build_model(
     return model
 
 
-def _blocks(model: nn.Module) -> list[nn.Module]:
+def _blocks(model: nn.Module) -> list[TransformerBlock]:
     """The decoder's transformer blocks, also under a peft wrapper."""
     for module in model.modules():
         if isinstance(module, Transformer):
-            return list(module.layers)
+            return module.blocks
     raise ValueError(f"{type(model).__name__} holds no Transformer")
