@@ -19,7 +19,7 @@ import importlib.util
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -170,9 +170,10 @@ def _quantize_base_linears(model: nn.Module, targets: list[str], config: Adapter
     model.is_loaded_in_4bit = True  # type: ignore[assignment]
 
 
-def apply_adapter(
-    model: nn.Module, config: AdapterConfig, precision: str | None = None
-) -> nn.Module:
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+
+def apply_adapter(model: ModelT, config: AdapterConfig, precision: str | None = None) -> ModelT:
     """Put LoRA (or QLoRA) adapters on ``model`` in place and freeze everything else.
 
     Call after the base weights are loaded. ``kind=none`` returns ``model`` untouched.

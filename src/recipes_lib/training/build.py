@@ -89,7 +89,7 @@ def build_model(
     device: torch.device,
     mesh=None,
     attention: AttentionBackend | None = None,
-) -> nn.Module:
+) -> Transformer:
     """The model ``plan`` describes, built in the order of the module docstring.
 
     Args:
@@ -105,7 +105,7 @@ def build_model(
     """
     backend = attention or get_attention_backend(plan.kernels.attention)
     with torch.device(device):
-        model: nn.Module = _seeded_decoder(plan.model, backend)  # 1
+        model = _seeded_decoder(plan.model, backend)  # 1
     set_expert_path(model, plan.kernels.experts)
     if plan.init_from is not None:  # 2
         if any(p.is_meta for p in model.parameters()):

@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import Tensor
 
 from recipes_lib.checkpoint.rng import collect_rng_states, restore_rng_states
@@ -118,7 +119,10 @@ class CausalLMModule(L.LightningModule):
         guard_config = as_config(GuardConfig, guard or GuardConfig(), "guard")
         self.guard_config = resolve_policy(guard_config, self.strategy_config.name)
         self.guard = StepGuard(self.guard_config)
-        self.lr_window = tuple(lr_window) if lr_window is not None else None
+        self.lr_window: tuple[int, int, float] | None = None
+        if lr_window is not None:  # a tuple also when given a list
+            start, end, factor = lr_window
+            self.lr_window = (start, end, factor)
         self.total_steps = int(total_steps)
         self.tokens_per_step = int(tokens_per_step)
         self.batch_schedule = batch_schedule
@@ -371,7 +375,7 @@ class CausalLMModule(L.LightningModule):
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         free_gradients(optimizer, self.strategy_config.name)
 
-    def configure_optimizers(self) -> dict[str, Any]:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         target = getattr(self._attached(), "model", None)  # the strategy's wrapped model
         return configure_optimization(
             self if target is None else target,

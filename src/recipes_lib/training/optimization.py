@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 
 from recipes_lib.checkpoint.weights import read_checkpoint
@@ -33,7 +34,7 @@ def configure_optimization(
     batch_schedule: BatchSchedule | None = None,
     init_from: str | None = None,
     init_optimizer: bool = False,
-) -> dict[str, Any]:
+) -> OptimizerLRSchedulerConfig:
     """What ``LightningModule.configure_optimizers`` returns for ``target``'s parameters.
 
     Raises:
