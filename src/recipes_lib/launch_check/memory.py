@@ -248,7 +248,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     head = shape.head_params
     block_linear = sum(i * o for i, o in shape.linears().values())
     if fsdp:  # the last block stays gathered for the backward
-        kept = shape.block_params() * compute_bytes
+        kept: float = shape.block_params() * compute_bytes
         gathering = (GATHERED_BLOCKS * shape.block_params() + shape.outer_params()) * compute_bytes
     else:
         gathering = 0
@@ -275,7 +275,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         compiled=compiled,
     )
     head_input = ((2 if dt.casts else dt.residual) * shape.dim) if lora is None else 0
-    saved = tokens * (dt.residual * shape.dim + head_input + 8)  # final norm, head, ids
+    saved: float = tokens * (dt.residual * shape.dim + head_input + 8)  # final norm, head, ids
     logit_bytes = dt.compute
     vocab_tokens = tokens * shape.vocab_size
     if cfg.kernels.loss_chunk_size is not None:
