@@ -174,8 +174,8 @@ def _finish_stage(
     tokenizer = run_dir.tokenizer
     if Path(result.tokenizer_path).resolve() != tokenizer.resolve():
         copy_atomic(result.tokenizer_path, tokenizer)
-    continues = stage.init == "full" and handoff is not None
-    start_step = handoff.global_step if continues else 0
+    continued = handoff if stage.init == "full" else None  # the run this stage continues
+    start_step = continued.global_step if continued is not None else 0
     logs = read_stage_logs(stage_dir, stage.name, start_step)
     checkpoint = run_dir.last_checkpoint
     metrics = StageMetrics(
@@ -183,7 +183,7 @@ def _finish_stage(
         train_loss_end=logs.last("train/loss"),
         val_loss=logs.last("val/loss"),
         val_ppl=logs.last("val/ppl"),
-        tokens=result.tokens_seen - (handoff.tokens_seen if continues else 0),
+        tokens=result.tokens_seen - (continued.tokens_seen if continued is not None else 0),
         steps=result.global_step - start_step,
         seconds=result.seconds,
         skipped_records=sum(result.skipped_records.values()),
