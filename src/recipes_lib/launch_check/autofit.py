@@ -151,8 +151,8 @@ def candidates(cfg: RunConfig) -> list[FitChoice]:
     configured = cfg.kernels.loss_chunk_size
     chunks: list[int | None] = [configured]
     if configured is not None:
-        sizes = sorted({*(c for c in LARGE_LOSS_CHUNKS if c > configured), configured})
-        chunks = list(reversed(sizes))  # the largest first
+        ascending = sorted({*(c for c in LARGE_LOSS_CHUNKS if c > configured), configured})
+        chunks = list(reversed(ascending))
     out = []
     for micro in (b for b in range(batch, 0, -1) if batch % b == 0):
         data = dataclasses.replace(cfg.data, batch_size=micro)
