@@ -51,6 +51,7 @@ from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
 from recipes_lib.config.instantiate import CALLBACKS, LOGGERS
 from recipes_lib.config.widening import widening_line
+from recipes_lib.data.module import ResumableDataModule
 from recipes_lib.errors import ConfigError
 from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
@@ -67,6 +68,7 @@ from recipes_lib.parallel.precision import lightning_precision, resolve_device_c
 from recipes_lib.parallel.strategy import planned_world_size
 from recipes_lib.preflight import check_run
 from recipes_lib.trackers import attach_files, trackers_of
+from recipes_lib.training.module import CausalLMModule
 from recipes_lib.training.outputs import (
     OutputWeights,
     export_weights,
@@ -146,6 +148,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     """A Lightning Trainer from ``cfg.trainer`` plus the configured callbacks and loggers."""
     kwargs: dict[str, Any] = dict(vars(cfg.trainer))
     accumulate = cfg.trainer.accumulate_grad_batches
+    if not get_strategy(cfg.strategy.name).steps_in_engine:
+        # the module runs each step's micro-batches and clips itself: a Lightning batch is a step
+        accumulate = kwargs["accumulate_grad_batches"] = 1
+        kwargs["gradient_clip_val"] = None
     # Our validation interval counts optimizer steps; Lightning's counts micro-batches.
     val_every = kwargs.pop("val_check_interval")
     if val_every is not None:
@@ -187,7 +193,7 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
 
 def build_stage(
     cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
-) -> L.LightningModule:
+) -> CausalLMModule:
     """The LightningModule of ``cfg.stage.objective``, as its spec builds it
     (``extra``: module arguments such as a rollback's ``lr_window``)."""
     return build_module(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, **extra)
@@ -276,7 +282,7 @@ def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:
     skipped = fit.skipped_updates()
     while (request := fit.module.guard.rollback) is not None:  # guard.policy=rollback
         samples_per_step = fit.schedule.accumulation(request.bad_step) * cfg.data.batch_size
-        ckpt_path, skip, window, entry = plan_rollback(
+        rollback_path, skip, window, entry = plan_rollback(
             cfg.guard, RunDir(cfg.run.dir), request, len(rollbacks), samples_per_step
         )
         log.warning(
@@ -289,7 +295,7 @@ def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:
             entry["skipped_positions"],
         )
         rollbacks.append(entry)
-        fit = _fit(cfg, callbacks, str(ckpt_path), skip_samples=skip, lr_window=window)
+        fit = _fit(cfg, callbacks, str(rollback_path), skip_samples=skip, lr_window=window)
         skipped += fit.skipped_updates()
     trainer, module, datamodule = fit.trainer, fit.module, fit.datamodule
 
@@ -334,8 +340,8 @@ class _Fit:
     """One ``trainer.fit`` of a run (a rollback starts another) and what it left."""
 
     trainer: L.Trainer
-    module: L.LightningModule
-    datamodule: L.LightningDataModule
+    module: CausalLMModule
+    datamodule: ResumableDataModule
     steps: int
     schedule: BatchSchedule
     output: OutputWeights  # what it wrote as the final step ended
@@ -369,8 +375,10 @@ def _fit(
     ema = WeightEMA(cfg.stage.ema_decay) if cfg.stage.ema_decay is not None else None
     trainer = build_trainer(cfg, [*callbacks, *([ema] if ema is not None else [])])
     schedule = batch_schedule(cfg, trainer.world_size)  # token durations need the world size
+    # (Lightning's callback connector sets Trainer.callbacks, which the class does not declare)
     if schedule.ramp_steps:  # the step sizes the trainer's loops follow
-        trainer.callbacks.append(BatchRamp(schedule, val_every=cfg.trainer.val_check_interval))
+        ramp = BatchRamp(schedule, val_every=cfg.trainer.val_check_interval)
+        trainer.callbacks.append(ramp)  # type: ignore[attr-defined]
     steps = total_steps(cfg, schedule)
     trainer.fit_loop.epoch_loop.max_steps = steps
     saver = prepare_averaging(cfg, trainer, steps, ckpt_path)
@@ -380,6 +388,7 @@ def _fit(
     samples = schedule.micro_batches_before(steps) * cfg.data.batch_size
     datamodule = build_data(cfg, total_train_samples=samples)
     datamodule.batch_schedule = schedule
+    datamodule.group_steps = not get_strategy(cfg.strategy.name).steps_in_engine
     datamodule.skip_samples(skip_samples)
     module = build_stage(
         cfg,
@@ -388,8 +397,10 @@ def _fit(
         lr_window=lr_window,
         batch_schedule=schedule,
     )
+    module.gradient_clip = (cfg.trainer.gradient_clip_val, None)
     output = OutputWeights(cfg, steps, saver, ema)
-    trainer.callbacks.append(output)  # after the step savers (see OutputWeights)
+    # after the step savers (see OutputWeights)
+    trainer.callbacks.append(output)  # type: ignore[attr-defined]
     started = time.perf_counter()
     trainer.fit(module, datamodule=datamodule, ckpt_path=ckpt_path)
     seconds = time.perf_counter() - started - output.seconds

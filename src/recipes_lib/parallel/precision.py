@@ -16,6 +16,7 @@ QLoRA's frozen 4-bit weights, and bf16 on a CPU without native bf16 kernels.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
@@ -27,7 +28,9 @@ AUTO = "auto"  # resolved by resolve_device_choices before anything else reads i
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first CUDA cards with float8 tensor cores
 FP8_INSTALL_HINT = "pip install 'recipes-lib[fp8]'"
 
-_LIGHTNING_PRECISION = {
+# the values of lightning.Trainer's precision argument this library passes
+LightningPrecision = Literal["32-true", "bf16-mixed", "bf16-true"]
+_LIGHTNING_PRECISION: dict[str, LightningPrecision] = {
     "32-true": "32-true",
     "bf16-mixed": "bf16-mixed",
     "bf16-true": "bf16-true",
@@ -60,7 +63,7 @@ def resolve_device_choices(cfg: RunConfig, *, gpu_visible: bool | None = None) -
     return dataclasses.replace(cfg, precision=precision, kernels=kernels)
 
 
-def lightning_precision(precision: PrecisionConfig) -> str:
+def lightning_precision(precision: PrecisionConfig) -> LightningPrecision:
     """The ``precision`` argument of ``lightning.Trainer`` for ``precision``.
 
     Raises:
