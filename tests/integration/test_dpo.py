@@ -57,9 +57,7 @@ def test_dpo_from_pretrained_weights_learns_held_out_preferences(
 ):
     result = run(
         compose_config(
-            dpo_overrides(
-                tmp_path, shared_cache, pretrained, "stage.dpo.precompute_reference=true"
-            )
+            dpo_overrides(tmp_path, shared_cache, pretrained, "stage.dpo.precompute_reference=true")
         )
     )
     assert result.global_step == 16

@@ -133,7 +133,7 @@ def _blocks_phrase(stride: int) -> str:
         return "off"
     if stride == 1:
         return "every block"
-    suffix = {2: "nd", 3: "rd"}.get(stride, "th")
+    suffix = {2: "nd", 3: "rd"}.get(stride, "th")  # codespell:ignore nd
     return f"every {stride}{suffix} block"
 
 
