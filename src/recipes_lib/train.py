@@ -148,10 +148,6 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     """A Lightning Trainer from ``cfg.trainer`` plus the configured callbacks and loggers."""
     kwargs: dict[str, Any] = dict(vars(cfg.trainer))
     accumulate = cfg.trainer.accumulate_grad_batches
-    if not get_strategy(cfg.strategy.name).steps_in_engine:
-        # the module runs each step's micro-batches and clips itself: a Lightning batch is a step
-        accumulate = kwargs["accumulate_grad_batches"] = 1
-        kwargs["gradient_clip_val"] = None
     # Our validation interval counts optimizer steps; Lightning's counts micro-batches.
     val_every = kwargs.pop("val_check_interval")
     if val_every is not None:
@@ -388,7 +384,6 @@ def _fit(
     samples = schedule.micro_batches_before(steps) * cfg.data.batch_size
     datamodule = build_data(cfg, total_train_samples=samples)
     datamodule.batch_schedule = schedule
-    datamodule.group_steps = not get_strategy(cfg.strategy.name).steps_in_engine
     datamodule.skip_samples(skip_samples)
     module = build_stage(
         cfg,
@@ -397,7 +392,6 @@ def _fit(
         lr_window=lr_window,
         batch_schedule=schedule,
     )
-    module.gradient_clip = (cfg.trainer.gradient_clip_val, None)
     output = OutputWeights(cfg, steps, saver, ema)
     # after the step savers (see OutputWeights)
     trainer.callbacks.append(output)  # type: ignore[attr-defined]

@@ -113,7 +113,6 @@ class ResumableDataModule(L.LightningDataModule):
         # micro-batches per optimizer step when they vary (recipes_lib.optim.batch_ramp);
         # None: trainer.accumulate_grad_batches each
         self.batch_schedule: Any = None
-        self.group_steps = False  # the loader yields each optimizer step's micro-batches
 
     @property
     def vocab_size(self) -> int:
@@ -219,7 +218,7 @@ class ResumableDataModule(L.LightningDataModule):
         self.setup("fit")
         if self.train_dataset is None:
             raise RuntimeError("setup('fit') built no train_dataset")
-        loader = self._loader(
+        return self._loader(
             self.train_dataset,
             self.train_sampler(),
             cls=ResumableDataLoader,
@@ -227,9 +226,6 @@ class ResumableDataModule(L.LightningDataModule):
             consumed_samples=lambda: self.consumed_samples,
             restored_position=lambda saved: saved + self._skipped_on_restore,
         )
-        if not self.group_steps or self.batch_schedule is None:
-            return loader
-        return StepBatches(loader, self.batch_schedule, lambda: self.trainer.global_step)
 
     def val_dataloader(self) -> DataLoader | list:
         """This rank's share of the held-out samples, in order (empty without any)."""
@@ -291,36 +287,3 @@ class StridedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         for k in range(self.length):
             yield (self.rank + k * self.world_size) % self.num_samples
-
-
-class StepBatches:
-    """The micro-batches of one optimizer step at a time, as a list: ``schedule.accumulation(s)``
-    of ``loader``'s batches for step ``s``, counted from the step a fit starts at."""
-
-    def __init__(self, loader: ResumableDataLoader, schedule: Any, first_step: Callable[[], int]):
-        self.loader = loader
-        self.schedule = schedule
-        self.first_step = first_step
-
-    def __len__(self) -> int:
-        micro = len(self.loader)
-        return self.schedule.step_of(micro) if micro else 0
-
-    def __iter__(self):
-        step = self.first_step()
-        micro_batches = iter(self.loader)
-        while True:
-            group = []
-            for _ in range(self.schedule.accumulation(step)):
-                try:
-                    group.append(next(micro_batches))
-                except StopIteration:
-                    return
-            yield group
-            step += 1
-
-    def state_dict(self) -> dict[str, int]:
-        return self.loader.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self.loader.load_state_dict(state_dict)
