@@ -280,6 +280,9 @@ def worker(args) -> int:
         if args.memory_breakdown:
             result["memory_breakdown"] = _peak.peak_breakdown()
     except Exception as err:  # recorded; the other sides still run
+        import traceback
+
+        traceback.print_exc()
         result, status = {"error": f"{type(err).__name__}: {err}"[:2000]}, 1
     Path(args.worker_out).write_text(json.dumps(result))
     return status
