@@ -6,7 +6,6 @@ they need from the LightningModule by duck typing (``tokens_seen``,
 :mod:`recipes_lib.evaluation` when it is built.
 """
 
-from recipes_lib.callbacks.batch_ramp import BatchRamp
 from recipes_lib.callbacks.downstream import DownstreamEval
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.gc import GarbageCollection
@@ -25,7 +24,6 @@ from recipes_lib.callbacks.validation import ValidateAtStart
 from recipes_lib.callbacks.watchdog import EXIT_HUNG, HangWatchdog
 
 __all__ = [
-    "BatchRamp",
     "DownstreamEval",
     "EXIT_HUNG",
     "EXIT_PREEMPTED",

@@ -5,12 +5,14 @@ vocabulary and quiet its console. Imported as ``from tiny import ...`` from any 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+from torch.utils.data import DataLoader
 
 from recipes_lib.config.schema import ModelConfig
 
@@ -40,6 +42,19 @@ def quiet_trainer(max_steps: int, callbacks: Iterable[L.Callback] = (), **overri
     )
     settings.update(overrides)
     return L.Trainer(**settings)
+
+
+def step_loader(micro_batches: Sequence[Any], accumulate: int) -> DataLoader:
+    """``micro_batches`` in order, ``accumulate`` at a time as one optimizer step's list:
+    the batches a recipes module trains one step on (a run's data module groups them
+    so; a plain loader of single batches is one micro-batch per step)."""
+    return DataLoader(
+        list(micro_batches),
+        batch_size=accumulate,
+        collate_fn=list,
+        shuffle=False,
+        generator=torch.Generator(),  # leaves the global torch RNG untouched
+    )
 
 
 def step_checkpoints(folder: Path, every: int) -> ModelCheckpoint:

@@ -37,7 +37,6 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
 from omegaconf import DictConfig, OmegaConf
 
-from recipes_lib.callbacks.batch_ramp import BatchRamp
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.preemption import Preemption
 from recipes_lib.callbacks.start import StartClock
@@ -148,6 +147,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     """A Lightning Trainer from ``cfg.trainer`` plus the configured callbacks and loggers."""
     kwargs: dict[str, Any] = dict(vars(cfg.trainer))
     accumulate = cfg.trainer.accumulate_grad_batches
+    if not get_strategy(cfg.strategy.name).steps_in_engine:
+        # the module runs each step's micro-batches and clips itself: a Lightning batch is a step
+        accumulate = kwargs["accumulate_grad_batches"] = 1
+        kwargs["gradient_clip_val"] = None
     # Our validation interval counts optimizer steps; Lightning's counts micro-batches.
     val_every = kwargs.pop("val_check_interval")
     if val_every is not None:
@@ -371,10 +374,6 @@ def _fit(
     ema = WeightEMA(cfg.stage.ema_decay) if cfg.stage.ema_decay is not None else None
     trainer = build_trainer(cfg, [*callbacks, *([ema] if ema is not None else [])])
     schedule = batch_schedule(cfg, trainer.world_size)  # token durations need the world size
-    # (Lightning's callback connector sets Trainer.callbacks, which the class does not declare)
-    if schedule.ramp_steps:  # the step sizes the trainer's loops follow
-        ramp = BatchRamp(schedule, val_every=cfg.trainer.val_check_interval)
-        trainer.callbacks.append(ramp)  # type: ignore[attr-defined]
     steps = total_steps(cfg, schedule)
     trainer.fit_loop.epoch_loop.max_steps = steps
     saver = prepare_averaging(cfg, trainer, steps, ckpt_path)
@@ -384,6 +383,7 @@ def _fit(
     samples = schedule.micro_batches_before(steps) * cfg.data.batch_size
     datamodule = build_data(cfg, total_train_samples=samples)
     datamodule.batch_schedule = schedule
+    datamodule.group_steps = not get_strategy(cfg.strategy.name).steps_in_engine
     datamodule.skip_samples(skip_samples)
     module = build_stage(
         cfg,

@@ -1,5 +1,5 @@
-"""A batch ramp from the command line's config: the fit loop steps on the schedule's
-micro-batches, the learning rate follows the square-root rule, validation falls at step
+"""A batch ramp from the command line's config: each optimizer step trains on the
+schedule's micro-batches, the learning rate follows the square-root rule, validation falls at step
 ends, and a run stopped mid-ramp resumes to the same weights."""
 
 from __future__ import annotations
@@ -39,28 +39,34 @@ SCHEDULE = BatchSchedule.of(
 
 
 class RecordSteps(Callback):
-    """Per optimizer step: the micro-batch indices zeroed at and stepped at, the
-    accumulation each micro-batch trained with, and the learning rate."""
+    """Per optimizer step: the micro-batches the loader gave it, the backward passes run
+    before the optimizer stepped, whether the first of them started from no gradients,
+    and the learning rate."""
 
     def __init__(self):
-        self.zeroed, self.stepped, self.validated = [], [], []
-        self.accumulation: dict[int, set[int]] = {}
+        self.validated = []
+        self.micro_batches: dict[int, int] = {}
+        self.backwards: dict[int, int] = {}
+        self.stepped_after: dict[int, int] = {}
+        self.started_clean: dict[int, bool] = {}
         self.lrs: dict[int, float] = {}
-        self._batch = -1
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._batch = batch_idx
-        self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
-
-    def on_before_backward(self, trainer, pl_module, loss):  # the loss was divided by it
         step = trainer.global_step
-        self.accumulation.setdefault(step, set()).add(trainer.accumulate_grad_batches)
+        self.micro_batches[step] = len(batch)  # one step's micro-batches
+        self.backwards[step] = 0
+        self.lrs[step] = trainer.optimizers[0].param_groups[0]["lr"]
 
-    def on_before_zero_grad(self, trainer, pl_module, optimizer):
-        self.zeroed.append(self._batch)
+    def on_before_backward(self, trainer, pl_module, loss):
+        step = trainer.global_step
+        if self.backwards[step] == 0:
+            grads = [p.grad for p in pl_module.parameters()]
+            self.started_clean[step] = all(g is None or not g.any() for g in grads)
+        self.backwards[step] += 1
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        self.stepped.append(self._batch)
+        step = trainer.global_step
+        self.stepped_after[step] = self.backwards[step]
 
     def on_validation_start(self, trainer, pl_module):
         self.validated.append(trainer.global_step)
@@ -74,9 +80,10 @@ def test_steps_follow_the_ramp_and_the_learning_rate_its_square_root(tmp_path, s
     sizes = [SCHEDULE.accumulation(s) for s in range(steps)]
     assert sizes[0] == 1 and sizes[-1] == 4 and len(set(sizes)) >= 3  # it ramps
     before = [SCHEDULE.micro_batches_before(s) for s in range(steps + 1)]
-    assert record.zeroed == before[:-1]  # each step's gradients zeroed at its first batch
-    assert record.stepped == [b - 1 for b in before[1:]]  # and stepped after its last
-    assert {s: a for s, a in record.accumulation.items()} == {s: {k} for s, k in enumerate(sizes)}
+    by_step = dict(enumerate(sizes))
+    assert record.micro_batches == by_step  # each step gets the schedule's micro-batches
+    assert record.stepped_after == by_step  # and steps once, after all of them
+    assert all(record.started_clean.values()) and len(record.started_clean) == steps
     lr = compose_config(tiny_overrides(tmp_path, shared_cache)).optim.lr
     for step, k in enumerate(sizes):
         assert record.lrs[step] == pytest.approx(lr * math.sqrt(k / 4), rel=1e-6)

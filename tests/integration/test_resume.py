@@ -14,6 +14,11 @@ from recipes_lib.config import compose_config
 from recipes_lib.train import run
 
 
+def step_input_ids(batch) -> torch.Tensor:
+    """The input rows of one optimizer step's micro-batches, in order."""
+    return torch.cat([micro["input_ids"] for micro in batch])
+
+
 class RecordFirstStep(Callback):
     """Records the LR, step, tokens and first batch that a (resumed) fit starts with."""
 
@@ -26,7 +31,7 @@ class RecordFirstStep(Callback):
                 "step": trainer.global_step,
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
                 "tokens_seen": pl_module.tokens_seen,
-                "input_ids": batch["input_ids"].clone(),
+                "input_ids": step_input_ids(batch).clone(),
             }
 
 
@@ -36,7 +41,7 @@ class RecordBatches(Callback):
         self.lrs: dict[int, float] = {}
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.batches[trainer.global_step] = batch["input_ids"].clone()
+        self.batches[trainer.global_step] = step_input_ids(batch).clone()
         self.lrs[trainer.global_step] = trainer.optimizers[0].param_groups[0]["lr"]
 
 

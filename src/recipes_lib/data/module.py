@@ -113,6 +113,7 @@ class ResumableDataModule(L.LightningDataModule):
         # micro-batches per optimizer step when they vary (recipes_lib.optim.batch_ramp);
         # None: trainer.accumulate_grad_batches each
         self.batch_schedule: Any = None
+        self.group_steps = False  # the loader yields each optimizer step's micro-batches
 
     @property
     def vocab_size(self) -> int:
@@ -214,11 +215,11 @@ class ResumableDataModule(L.LightningDataModule):
             **kwargs,
         )
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> DataLoader | StepBatches:
         self.setup("fit")
         if self.train_dataset is None:
             raise RuntimeError("setup('fit') built no train_dataset")
-        return self._loader(
+        loader = self._loader(
             self.train_dataset,
             self.train_sampler(),
             cls=ResumableDataLoader,
@@ -226,6 +227,14 @@ class ResumableDataModule(L.LightningDataModule):
             consumed_samples=lambda: self.consumed_samples,
             restored_position=lambda saved: saved + self._skipped_on_restore,
         )
+        assert isinstance(loader, ResumableDataLoader)
+        if not self.group_steps or self.batch_schedule is None:
+            return loader
+
+        def first_step() -> int:  # the step a fit (a resumed one too) starts at
+            return self.trainer.global_step if self.trainer is not None else 0
+
+        return StepBatches(loader, self.batch_schedule, first_step)
 
     def val_dataloader(self) -> DataLoader | list:
         """This rank's share of the held-out samples, in order (empty without any)."""
@@ -287,3 +296,36 @@ class StridedSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         for k in range(self.length):
             yield (self.rank + k * self.world_size) % self.num_samples
+
+
+class StepBatches:
+    """The micro-batches of one optimizer step at a time, as a list: ``schedule.accumulation(s)``
+    of ``loader``'s batches for step ``s``, counted from the step a fit starts at."""
+
+    def __init__(self, loader: ResumableDataLoader, schedule: Any, first_step: Callable[[], int]):
+        self.loader = loader
+        self.schedule = schedule
+        self.first_step = first_step
+
+    def __len__(self) -> int:
+        micro = len(self.loader)
+        return self.schedule.step_of(micro) if micro else 0
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        step = self.first_step()
+        micro_batches = iter(self.loader)
+        while True:
+            group = []
+            for _ in range(self.schedule.accumulation(step)):
+                try:
+                    group.append(next(micro_batches))
+                except StopIteration:
+                    return
+            yield group
+            step += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.loader.load_state_dict(state_dict)

@@ -262,23 +262,22 @@ class StepGuard:
             self.rollback = Rollback(step, reason)
 
     # ------------------------------------------------------------ fault injection
-    def inject(self, loss: Tensor, trainer: Any, batch_size: int, batch_idx: int) -> Tensor:
+    def inject(self, loss: Tensor, trainer: Any, batch_size: int, into_step: int) -> Tensor:
         """``loss`` made bad when its batch is the one the uninterrupted run trains on at
         ``guard.inject_step``: this rank's sample positions of that step's micro-batches
         in its stream (the data module's ``consumed_samples`` counts
-        what a rollback moved past, so the drill's batch is passed over with the rest)."""
+        what a rollback moved past, so the drill's batch is passed over with the rest).
+        ``into_step``: the micro-batch's index within its optimizer step."""
         step = self.config.inject_step
         if step is None:
             return loss
         datamodule: Any = getattr(trainer, "datamodule", None)
         if hasattr(datamodule, "micro_batches_before"):  # step sizes may vary (a ramp)
             before = datamodule.micro_batches_before
-            into_step = batch_idx - before(trainer.global_step)
             consumed = datamodule.consumed_samples
         else:
             accumulate = trainer.accumulate_grad_batches
             before = lambda s: s * accumulate  # noqa: E731
-            into_step = batch_idx % accumulate
             consumed = before(trainer.global_step) * batch_size
         first_sample = consumed + into_step * batch_size
         start, end = before(step) * batch_size, before(step + 1) * batch_size

@@ -10,18 +10,21 @@ Set-up order under a Trainer: ``configure_model`` builds the model (on the strat
 device, seeded by the run's seed), the strategy wraps it, ``configure_optimizers``
 builds the optimizer from the wrapped model, a resumed checkpoint restores weights, optimizer,
 ``tokens_seen`` and RNG states, and ``on_fit_start`` checks that the attention kernel
-supports the device, dtype and document masking before the first step.
+supports the device, dtype and document masking before the first step. Each optimizer
+step, accumulation and clipping included, runs in :meth:`CausalLMModule.training_step`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.utilities.types import LRScheduler, OptimizerLRSchedulerConfig
 from torch import Tensor
 
 from recipes_lib.checkpoint.rng import collect_rng_states, restore_rng_states
@@ -43,6 +46,7 @@ from recipes_lib.models import Transformer
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel.precision import compute_dtype
+from recipes_lib.parallel.strategy import get_strategy
 from recipes_lib.training.build import ModelBuild, build_model
 from recipes_lib.training.experts import ExpertLoad
 from recipes_lib.training.guard import StepGuard, resolve_policy
@@ -81,6 +85,9 @@ class CausalLMModule(L.LightningModule):
             schedule and the square-root learning-rate rule follow it).
         varying_shapes: the batches vary in shape (pairs, padded rows, rollouts):
             compiled blocks keep a graph per shape kind (the objective's spec says).
+        gradient_clip_val: the gradient norm (or value) each optimizer step clips to;
+            ``None``: no clipping. Under an engine that steps (DeepSpeed) the Trainer clips.
+        gradient_clip_algorithm: ``"norm"`` (the default) or ``"value"``.
     """
 
     def __init__(
@@ -103,6 +110,8 @@ class CausalLMModule(L.LightningModule):
         lr_window: tuple[int, int, float] | None = None,
         batch_schedule: BatchSchedule | None = None,
         varying_shapes: bool = False,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
     ):
         super().__init__()
         self.varying_shapes = varying_shapes
@@ -160,6 +169,14 @@ class CausalLMModule(L.LightningModule):
         self._val_loss_sum: Tensor | None = None
         self._val_batches: Tensor | None = None
         self.expert_load = ExpertLoad(self.model_config)  # a mixture of experts' routing
+        # The module runs each optimizer step itself (see training_step), unless the
+        # strategy's engine steps (DeepSpeed): then Lightning's automatic loop does.
+        self.automatic_optimization = get_strategy(self.strategy_config.name).steps_in_engine
+        self.gradient_clip: tuple[float | None, str | None] = (
+            gradient_clip_val,
+            gradient_clip_algorithm,
+        )
+        self._clipping = False
 
     @classmethod
     def from_run_config(
@@ -182,6 +199,7 @@ class CausalLMModule(L.LightningModule):
             precision=cfg.precision,
             strategy=cfg.strategy,
             guard=cfg.guard,
+            gradient_clip_val=cfg.trainer.gradient_clip_val,
             **extra,
         )
         module.guard.checkpoint_every = cfg.run.checkpoint_every_n_steps
@@ -295,11 +313,44 @@ class CausalLMModule(L.LightningModule):
             return None
 
     # ------------------------------------------------------------ train / val
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        """One optimizer step on ``batch``, the step's list of micro-batches (a single
+        batch: a step of one): each micro-batch's loss divided by their count, as
+        Lightning's accumulation divides it, gradients synchronised on the last only,
+        then clipping and the guard's verdict (:meth:`on_before_optimizer_step`), the
+        optimizer step, freed gradients and one scheduler step. Under an engine that
+        steps (DeepSpeed) ``batch`` is one micro-batch and Lightning's loop steps."""
+        if self.automatic_optimization:
+            return self.micro_batch_loss(batch, batch_idx % self.trainer.accumulate_grad_batches)
+        micro_batches = batch if isinstance(batch, list) else [batch]
+        opt = cast(LightningOptimizer, self.optimizers())  # configure_optimizers builds one
+        # data-parallel strategies offer it: no gradient all-reduce before the last backward
+        block_sync = getattr(self.trainer.strategy, "block_backward_sync", None)
+        count = len(micro_batches)
+        opt.zero_grad()
+        loss = None
+        for index, micro in enumerate(micro_batches):
+            last = index == count - 1
+            with contextlib.nullcontext() if last or block_sync is None else block_sync():
+                loss = self.micro_batch_loss(micro, index)
+                self.manual_backward(loss / count)
+        self._clipping = True
+        try:
+            opt.step()
+        finally:
+            self._clipping = False
+        free_gradients(opt, self.strategy_config.name)
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:  # one, stepped per optimizer step (LambdaLR)
+            cast(LRScheduler, scheduler).step()
+        return None if loss is None else loss.detach()
+
+    def micro_batch_loss(self, batch: Batch, into_step: int) -> Tensor:
+        """The loss of one micro-batch, ``into_step`` within its optimizer step, logged."""
         loss, metrics = self.compute_loss(batch)
         aux, moe_metrics = self.expert_load.after_forward(self.built_model())  # MoE losses
         metrics = {**metrics, **moe_metrics}
-        loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), batch_idx)
+        loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), into_step)
         self.guard.add_loss(loss)
         self.tokens_seen += self.count_tokens(batch) * getattr(self._attached(), "world_size", 1)
         batch_size = batch["input_ids"].size(0)
@@ -318,6 +369,8 @@ class CausalLMModule(L.LightningModule):
         strategy = getattr(self._attached(), "strategy", None)
         for name, value in self.expert_load.step(self.built_model(), strategy).items():
             self.log(name, value, batch_size=1)
+        if self._clipping:  # where Lightning clips under automatic optimization
+            self.configure_gradient_clipping(optimizer, *self.gradient_clip)
 
     def on_validation_epoch_start(self) -> None:
         self._val_loss_sum = torch.zeros((), device=self.device)
@@ -398,6 +451,8 @@ class CausalLMModule(L.LightningModule):
             checkpoint["last_lr"] = float(schedulers[0].scheduler.get_last_lr()[0])
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if not self.automatic_optimization:
+            self._count_steps_as_batches(checkpoint)
         guard = checkpoint.get("guard") or {}
         self.guard.load_state_dict(guard)
         if guard.get("lr_window") is not None and self.lr_window is None:
@@ -407,6 +462,25 @@ class CausalLMModule(L.LightningModule):
         # stood when it wrote the checkpoint (after the step's batch end); restoring now
         # would let the loops' set-up draw from the restored streams first.
         self._rng_states_to_restore = checkpoint.get("rng_states")
+
+    def _count_steps_as_batches(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint whose loops counted micro-batches as batches and optimizer steps
+        under Lightning's automatic optimization, counted as this module's loops count:
+        one batch per optimizer step, the steps as manual optimization's."""
+        loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        auto = loop.get("epoch_loop.automatic_optimization.optim_progress")
+        manual = loop.get("epoch_loop.manual_optimization.optim_step_progress")
+        if auto is None or manual is None or manual["total"]["completed"] > 0:
+            return
+        steps = auto["optimizer"]["step"]
+        for scope in ("total", "current"):
+            manual[scope] = {k: steps[scope][k] for k in ("ready", "completed")}
+        schedule = self.batch_schedule
+        if schedule is None:
+            return
+        batches = loop["epoch_loop.batch_progress"]
+        for scope in ("total", "current"):
+            batches[scope] = {k: schedule.step_of(v) for k, v in batches[scope].items()}
 
     def on_train_batch_start(self, batch: Batch, batch_idx: int) -> int | None:
         if self._rng_states_to_restore is not None:

@@ -16,8 +16,9 @@ MODEL = tiny_model_config(
 )
 
 
-def tiny_causal_lm(total_steps: int, schedule: SchedulerConfig, lr: float = 1e-2):
-    """A :class:`CausalLMModule` of :data:`MODEL` that sees ``BATCH * SEQ_LEN`` tokens a step."""
+def tiny_causal_lm(total_steps: int, schedule: SchedulerConfig, lr: float = 1e-2, **kwargs):
+    """A :class:`CausalLMModule` of :data:`MODEL` that sees ``BATCH * SEQ_LEN`` tokens a step
+    (``kwargs``: further module arguments, such as ``gradient_clip_val``)."""
     return CausalLMModule(
         MODEL,
         KernelsConfig(),
@@ -25,6 +26,7 @@ def tiny_causal_lm(total_steps: int, schedule: SchedulerConfig, lr: float = 1e-2
         schedule,
         total_steps=total_steps,
         tokens_per_step=BATCH * SEQ_LEN,
+        **kwargs,
     )
 
 

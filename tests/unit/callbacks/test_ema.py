@@ -3,7 +3,7 @@
 import lightning as L
 import pytest
 import torch
-from tiny import quiet_trainer, step_checkpoints, tiny_model_config
+from tiny import quiet_trainer, step_checkpoints, step_loader, tiny_model_config
 from torch.utils.data import DataLoader
 
 from recipes_lib.callbacks import WeightEMA
@@ -25,12 +25,15 @@ def make_module(**model_overrides) -> CausalLMModule:
     )
 
 
-def loader(n: int):
+def loader(n: int, accumulate: int | None = None):
+    """``n`` random batches; with ``accumulate``, ``accumulate`` micro-batches per step."""
     gen = torch.Generator().manual_seed(0)
     rows = []
     for _ in range(n):
         tokens = torch.randint(0, VOCAB, (4, SEQ_LEN + 1), generator=gen)
         rows.append({"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]})
+    if accumulate is not None:
+        return step_loader(rows, accumulate)
     return DataLoader(rows, batch_size=None, shuffle=False, generator=torch.Generator())
 
 
@@ -52,7 +55,7 @@ def test_average_follows_the_recurrence_once_per_optimizer_step():
     L.seed_everything(0)
     module = make_module()
     ema, record = WeightEMA(decay), WeightsAfterEachStep()
-    quiet_trainer(5, [record, ema], accumulate_grad_batches=2).fit(module, loader(10))
+    quiet_trainer(5, [record, ema]).fit(module, loader(10, accumulate=2))
     assert ema.updates == 5 and len(record.weights) == 6  # initial + one per step
 
     expected = dict(record.weights[0])

@@ -3,8 +3,7 @@ import gc
 import lightning as L
 import pytest
 from callback_helpers import random_batches, tiny_causal_lm
-from tiny import quiet_trainer
-from torch.utils.data import DataLoader
+from tiny import quiet_trainer, step_loader
 
 from recipes_lib.callbacks import GarbageCollection
 from recipes_lib.config.schema import SchedulerConfig
@@ -28,8 +27,8 @@ class CollectorProbe(L.Callback):
 def run(callbacks, accumulate: int = 1) -> None:
     module = tiny_causal_lm(STEPS, SchedulerConfig(name="constant"))
     data = random_batches(STEPS * accumulate)
-    trainer = quiet_trainer(STEPS, callbacks, accumulate_grad_batches=accumulate)
-    trainer.fit(module, DataLoader(data, batch_size=None))
+    trainer = quiet_trainer(STEPS, callbacks)
+    trainer.fit(module, step_loader(data, accumulate))  # a batch: one step's micro-batches
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -37,7 +36,7 @@ def test_collects_at_fixed_optimizer_steps_with_the_automatic_collector_off(accu
     assert gc.isenabled()
     collector, probe = GarbageCollection(every_n_steps=2), CollectorProbe()
     run([collector, probe], accumulate=accumulate)
-    assert probe.enabled == [False] * (STEPS * accumulate)
+    assert probe.enabled == [False] * STEPS
     assert collector.collected_at == [2, 4, 6]  # once per optimizer step, not per micro-batch
     assert gc.isenabled()
 

@@ -12,8 +12,7 @@ import lightning as L
 import pytest
 import torch
 from callback_helpers import random_batches, tiny_causal_lm
-from tiny import quiet_trainer
-from torch.utils.data import DataLoader
+from tiny import quiet_trainer, step_loader
 
 from recipes_lib.callbacks import EXIT_PREEMPTED, Preempted, Preemption
 from recipes_lib.checkpoint.layout import RunDir
@@ -39,6 +38,21 @@ class SignalAt(L.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SignalAtBackward(L.Callback):
+    """Sends ``signum`` to this process at the backward pass of micro-batch ``index``
+    (counted over the fit): inside its optimizer step when more micro-batches follow."""
+
+    def __init__(self, index: int, signum: int):
+        self.index = index
+        self.signum = signum
+        self.seen = 0
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.seen == self.index:
+            os.kill(os.getpid(), self.signum)
+        self.seen += 1
+
+
 def _fit(tmp_path, callbacks, accumulate: int = 1) -> L.Trainer:
     run_dir = RunDir(tmp_path)
     preemption = Preemption(run_dir.step_checkpoint, run_dir.last_checkpoint)
@@ -46,20 +60,19 @@ def _fit(tmp_path, callbacks, accumulate: int = 1) -> L.Trainer:
     trainer = quiet_trainer(
         STEPS,
         [*callbacks, preemption],
-        accumulate_grad_batches=accumulate,
         enable_checkpointing=True,
         default_root_dir=tmp_path,
     )
-    trainer.fit(module, DataLoader(random_batches(STEPS * accumulate), batch_size=None))
+    trainer.fit(module, step_loader(random_batches(STEPS * accumulate), accumulate))
     return trainer
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_signal_inside_an_accumulation_stops_after_its_step_with_a_checkpoint(tmp_path, signum):
     before = signal.getsignal(signum)
-    # batch 4 is the first micro-batch of step 3 (two per step)
+    # micro-batch 4 is the first of step 3 (two per step): the second is still to come
     with pytest.raises(Preempted) as info:
-        _fit(tmp_path, [SignalAt(4, signum)], accumulate=2)
+        _fit(tmp_path, [SignalAtBackward(4, signum)], accumulate=2)
     stopped = info.value
     assert stopped.code == EXIT_PREEMPTED and stopped.step == 3
     assert stopped.signal_name == signal.Signals(signum).name and not stopped.requeued
@@ -142,7 +155,7 @@ def test_under_slurm_the_requeue_signal_also_requeues_the_job(tmp_path, monkeypa
     )
     module = tiny_causal_lm(STEPS, SchedulerConfig(name="constant"))
     with pytest.raises(Preempted) as info:
-        trainer.fit(module, DataLoader(random_batches(STEPS), batch_size=None))
+        trainer.fit(module, step_loader(random_batches(STEPS), 1))
     assert info.value.step == 3 and info.value.requeued
     assert str(info.value).endswith("the job is requeued")
     assert calls.read_text().split() == ["requeue", "4242"]

@@ -26,15 +26,14 @@ STEPS = 8
 SCHEDULE = SchedulerConfig(name="linear", warmup=2, min_lr_ratio=0.0)
 
 
-def fit(tmp_path, callbacks, **kwargs) -> tuple[CausalLMModule, list[dict[str, str]]]:
+def fit(tmp_path, callbacks, **module_kwargs) -> tuple[CausalLMModule, list[dict[str, str]]]:
     L.seed_everything(0)
-    module = tiny_causal_lm(STEPS, SCHEDULE)
+    module = tiny_causal_lm(STEPS, SCHEDULE, **module_kwargs)
     trainer = quiet_trainer(
         STEPS,
         callbacks,
         log_every_n_steps=1,
         logger=CSVLogger(tmp_path, name="run", version=0),
-        **kwargs,
     )
     trainer.fit(module, DataLoader(random_batches(4), batch_size=None))
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as f:

@@ -4,7 +4,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from tiny import quiet_trainer, step_checkpoints, tiny_model_config
+from tiny import quiet_trainer, step_checkpoints, step_loader, tiny_model_config
 from torch.utils.data import DataLoader
 
 from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
@@ -241,29 +241,27 @@ class GradNormAfterClipping(CausalLMModule):
 
 def test_gradient_clipping_bounds_the_global_norm():
     L.seed_everything(0)
-    module = make_module(total_steps=5, cls=GradNormAfterClipping)
+    module = make_module(total_steps=5, cls=GradNormAfterClipping, gradient_clip_val=0.05)
     module.norms = []
-    trainer(5, gradient_clip_val=0.05).fit(module, loader(pattern_batches(5)))
+    trainer(5).fit(module, loader(pattern_batches(5)))
     assert len(module.norms) == 5
     assert max(module.norms) <= 0.05 * (1 + 1e-4)
 
 
-class GradientsAtBatchStart(L.Callback):
-    """Whether any gradient exists when each micro-batch's forward pass begins."""
+class GradientsAtForward(CausalLMModule):
+    """Records whether any gradient exists when each micro-batch's forward pass begins."""
 
-    def __init__(self):
-        self.seen = []
+    seen: list[bool]
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.seen.append(any(p.grad is not None for p in pl_module.parameters()))
+    def micro_batch_loss(self, batch, into_step):
+        self.seen.append(any(p.grad is not None for p in self.parameters()))
+        return super().micro_batch_loss(batch, into_step)
 
 
 def test_gradients_are_freed_before_the_next_forward():
     """The forward pass that follows an optimizer step runs without the last step's
-    gradients (Lightning alone would free them only after it); inside an accumulation
-    window of two micro-batches they are kept."""
-    probe = GradientsAtBatchStart()
-    trainer(3, callbacks=[probe], accumulate_grad_batches=2).fit(
-        make_module(total_steps=3, warmup=1), loader(pattern_batches(6))
-    )
-    assert probe.seen == [False, True] * 3
+    gradients; inside an optimizer step of two micro-batches they are kept."""
+    module = make_module(total_steps=3, warmup=1, cls=GradientsAtForward)
+    module.seen = []
+    trainer(3).fit(module, step_loader(pattern_batches(6), 2))
+    assert module.seen == [False, True] * 3
