@@ -209,7 +209,9 @@ def lightning_clock():
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.ends.append(sync())
-            self.tokens.append(pl_module.count_tokens(batch))
+            # a step's micro-batches come as one list
+            batches = batch if isinstance(batch, list) else [batch]
+            self.tokens.append(sum(pl_module.count_tokens(b) for b in batches))
 
     return Clock()
 

@@ -213,9 +213,10 @@ class Measure(L.Callback):
         self.last_loss = loss.detach()
         if batch_idx >= self.warmup_steps:
             self.timer.step_end()
-            self.tokens += int(batch["num_tokens"])
-            self.trained += int(batch.get("num_trained", 0))
-            self.slots += batch["input_ids"].numel()
+            for micro in batch if isinstance(batch, list) else [batch]:  # a step's micro-batches
+                self.tokens += int(micro["num_tokens"])
+                self.trained += int(micro.get("num_trained", 0))
+                self.slots += micro["input_ids"].numel()
         if batch_idx == self.total_steps - 1:
             self.timer.stop()
 
@@ -252,6 +253,7 @@ class Measure(L.Callback):
 def fit_and_measure(module, args, device, *, loader=None, datamodule=None) -> tuple[dict, Measure]:
     total = args.warmup_steps + args.steps
     measure = Measure(device, args.warmup_steps, total)
+    module.gradient_clip = (GRAD_CLIP, None)  # the module clips its own steps
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             accelerator="gpu" if device.type == "cuda" else "cpu",
@@ -262,7 +264,6 @@ def fit_and_measure(module, args, device, *, loader=None, datamodule=None) -> tu
             enable_checkpointing=False,
             enable_progress_bar=False,
             enable_model_summary=False,
-            gradient_clip_val=GRAD_CLIP,
             num_sanity_val_steps=0,
             limit_val_batches=0,
             callbacks=[measure],

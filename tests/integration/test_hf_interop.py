@@ -86,6 +86,7 @@ class FirstLogits(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.logits is None:
+            batch = batch[0] if isinstance(batch, list) else batch  # the step's first micro-batch
             self.input_ids = batch["input_ids"].clone()
             with torch.no_grad():
                 self.logits = pl_module(batch["input_ids"]).clone()
