@@ -31,6 +31,7 @@ Shapes: N tokens (B * T), C model dim, E experts, k experts per token, F expert 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,7 +44,6 @@ from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
-    from recipes_lib.models.blocks import FeedForward
 
 ROUTERS = ("softmax", "sigmoid")
 EXPERT_PATHS = ("auto", "grouped", "loop")  # kernels.experts: see Experts.path
@@ -249,14 +249,16 @@ class MoEFeedForward(nn.Module):
 
     expert_bias: Tensor  # a buffer, present with the sigmoid router only
 
-    def __init__(self, config: ModelConfig, dense: type[FeedForward]):
+    # dense: the dense feed-forward class (blocks.FeedForward), passed in because blocks
+    # imports this module: (dim, hidden, activation) -> the module
+    def __init__(self, config: ModelConfig, dense: Callable[[int, int, str], nn.Module]):
         super().__init__()
         self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
         self.router_kind, self.renormalize = config.moe_router, config.moe_renormalize
         hidden = config.moe_ffn_dim or config.ffn_dim
         self.router = nn.Linear(config.dim, self.n_experts, bias=False)
         self.experts = Experts(self.n_experts, config.dim, hidden, config.activation)
-        self.shared: FeedForward | None = None
+        self.shared: nn.Module | None = None
         if config.moe_shared_experts:
             self.shared = dense(config.dim, config.moe_shared_experts * hidden, config.activation)
         if self.router_kind == "sigmoid":  # moved by update_bias, never by the gradient

@@ -23,7 +23,7 @@ Shapes: T positions, hs head dim, rd rotated dims.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
@@ -34,7 +34,15 @@ from recipes_lib.errors import ConfigError
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
-    from recipes_lib.models.transformer import Transformer
+
+
+class HoldsRopeTables(Protocol):
+    """A model with its rope tables as buffers (``rope_cos``, ``rope_sin`` and, where its
+    config asks, the long and local ones) and the config they were built from."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
 
 ROPE_SCALING_TYPES = ("none", "linear", "llama3", "longrope")
 # the tables of a longrope model for forwards past original_max_seq_len
@@ -125,7 +133,7 @@ def rope_tables(config: ModelConfig, head_dim: int, device=None) -> dict[str, Te
 
 
 def rope_window(
-    model: Transformer, start: int, end: int, local: bool = False
+    model: HoldsRopeTables, start: int, end: int, local: bool = False
 ) -> tuple[Tensor, Tensor]:
     """cos and sin of positions ``start .. end - 1`` for one forward of ``model``: a
     longrope model's long tables when ``end`` is past ``original_max_seq_len``; with

@@ -154,7 +154,8 @@ class Transformer(nn.Module):
             attention, feed_forward = layer.attention, layer.feed_forward
             mlps: list[FeedForward | Experts]
             if isinstance(feed_forward, MoEFeedForward):  # each expert as an MLP
-                shared = [feed_forward.shared] if feed_forward.shared is not None else []
+                held = feed_forward.shared  # built from blocks' FeedForward
+                shared = [cast(FeedForward, held)] if held is not None else []
                 mlps = [feed_forward.experts, *shared]
             else:
                 mlps = [feed_forward]

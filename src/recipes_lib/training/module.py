@@ -51,7 +51,6 @@ from recipes_lib.training.build import ModelBuild, build_model
 from recipes_lib.training.experts import ExpertLoad
 from recipes_lib.training.guard import StepGuard, resolve_policy
 from recipes_lib.training.optimization import configure_optimization, free_gradients
-from recipes_lib.training.outputs import release_training_state
 from recipes_lib.training.rollback import scale_lr_in_window
 
 Batch = Mapping[str, Tensor]
@@ -493,3 +492,12 @@ class CausalLMModule(L.LightningModule):
         self.guard.act(self.trainer, wait=True)
         if self.trainer.global_step >= self.trainer.max_steps:
             release_training_state(self.trainer)  # no step follows
+
+
+def release_training_state(trainer: L.Trainer) -> None:
+    """Drop the optimizer state at a finished fit's end: its saves are all written (or
+    staged to host memory) and no step follows, while Lightning's teardown would copy
+    the state to the CPU only to drop it (13 s of a 1B run's end on an H100)."""
+    for optimizer in trainer.optimizers:
+        if isinstance(optimizer, torch.optim.Optimizer):
+            optimizer.state.clear()
