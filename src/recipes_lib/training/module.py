@@ -12,6 +12,10 @@ builds the optimizer from the wrapped model, a resumed checkpoint restores weigh
 ``tokens_seen`` and RNG states, and ``on_fit_start`` checks that the attention kernel
 supports the device, dtype and document masking before the first step. Each optimizer
 step, accumulation and clipping included, runs in :meth:`CausalLMModule.training_step`.
+
+One concept: the LightningModule every objective shares, with the optimizer step it
+owns; the step stays here because Lightning's manual optimization runs in the module's
+own hooks.
 """
 
 from __future__ import annotations
