@@ -20,7 +20,12 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import PREFERENCE_LOSSES
 from recipes_lib.objectives.pairs import reference_models
 from recipes_lib.objectives.preference import PairLoss, PreferenceModule
-from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
+from recipes_lib.objectives.registry import (
+    FrozenModel,
+    ObjectiveSpec,
+    register_objective,
+    shapes_vary,
+)
 
 PAIR_BATCH = (
     "input_ids, labels (B, T) of both sequences of every pair; sequence_ids (B, T): pair j's "
@@ -56,10 +61,6 @@ def dpo_module(cfg: RunConfig, **kwargs: Any) -> PreferenceModule:
     return PreferenceModule.from_run_config(cfg, objective="dpo", **kwargs)  # type: ignore[return-value]
 
 
-def _pairs_vary(cfg: RunConfig) -> bool:
-    return True  # pairs of every length
-
-
 def _reference(cfg: RunConfig, settings: DPOSettings) -> tuple[FrozenModel, ...]:
     return reference_models(cfg, settings.reference_from, settings.precompute_reference)
 
@@ -74,7 +75,7 @@ DPO = register_objective(
         settings=DPOSettings,
         sequences_per_example=2,
         example_noun="pairs",
-        batches_vary=_pairs_vary,
+        batches_vary=shapes_vary,
         frozen_models=_reference,
     )
 )

@@ -43,7 +43,12 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.rl import LOSS_NORMS, group_advantages, grpo_loss
 from recipes_lib.models.sampling import Completions, sample_completions
-from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
+from recipes_lib.objectives.registry import (
+    FrozenModel,
+    ObjectiveSpec,
+    register_objective,
+    shapes_vary,
+)
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.rewards import build_rewards, score_completions
 from recipes_lib.training.module import Batch, CausalLMModule
@@ -378,10 +383,6 @@ def prompt_data(cfg: RunConfig, *, total_train_samples: int) -> PromptDataModule
     )
 
 
-def _rollouts_vary(cfg: RunConfig) -> bool:
-    return True  # prompts and completions of every length
-
-
 def _reference(cfg: RunConfig, settings: GRPOSettings) -> tuple[FrozenModel, ...]:
     """With a KL term, the starting weights as a reference (the base itself under an
     adapter); it runs once per batch of completions."""
@@ -422,7 +423,7 @@ GRPO = register_objective(
         batch="prompts: records, where, index (B,), their token ids; rollouts sampled in the step",
         loss="grpo_loss on group_advantages",
         settings=GRPOSettings,
-        batches_vary=_rollouts_vary,
+        batches_vary=shapes_vary,
         frozen_models=_reference,
         check=_check,
     )

@@ -37,7 +37,12 @@ from recipes_lib.objectives.pairs import (
     pair_sums,
     reference_models,
 )
-from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
+from recipes_lib.objectives.registry import (
+    FrozenModel,
+    ObjectiveSpec,
+    register_objective,
+    shapes_vary,
+)
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.parallel.collectives import summed_over_ranks
 from recipes_lib.training.module import Batch, CausalLMModule
@@ -182,10 +187,6 @@ class KTOModule(CausalLMModule):
         save_chat_tokenizer_beside_outputs(self)  # the tokenizer and template, as SFT's
 
 
-def _examples_vary(cfg: RunConfig) -> bool:
-    return True  # completions of every length
-
-
 def _reference(cfg: RunConfig, settings: KTOSettings) -> tuple[FrozenModel, ...]:
     return reference_models(cfg, settings.reference_from, settings.precompute_reference)
 
@@ -204,7 +205,7 @@ KTO = register_objective(
         sequences_per_example=2,
         second_sequence_without_gradient=True,
         example_noun="completions",
-        batches_vary=_examples_vary,
+        batches_vary=shapes_vary,
         frozen_models=_reference,
     )
 )

@@ -17,7 +17,7 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import PREFERENCE_LOSSES
 from recipes_lib.objectives.dpo import PAIR_BATCH
 from recipes_lib.objectives.preference import PairLoss, PreferenceModule
-from recipes_lib.objectives.registry import ObjectiveSpec, register_objective
+from recipes_lib.objectives.registry import ObjectiveSpec, register_objective, shapes_vary
 
 
 @dataclass
@@ -43,10 +43,6 @@ def orpo_module(cfg: RunConfig, **kwargs: Any) -> PreferenceModule:
     return PreferenceModule.from_run_config(cfg, objective="orpo", **kwargs)  # type: ignore[return-value]
 
 
-def _pairs_vary(cfg: RunConfig) -> bool:
-    return True  # pairs of every length
-
-
 ORPO = register_objective(
     ObjectiveSpec(
         name="orpo",
@@ -57,6 +53,6 @@ ORPO = register_objective(
         settings=ORPOSettings,
         sequences_per_example=2,
         example_noun="pairs",
-        batches_vary=_pairs_vary,
+        batches_vary=shapes_vary,
     )
 )

@@ -63,6 +63,12 @@ def _fixed_shapes(cfg: RunConfig) -> bool:
     return False
 
 
+def shapes_vary(cfg: RunConfig) -> bool:
+    """``batches_vary`` of an objective whose examples come in every length (pairs,
+    completions, rollouts), whatever the run's settings."""
+    return True
+
+
 @dataclass(frozen=True)
 class ObjectiveSpec:
     """Everything the library needs to know about one training objective.

@@ -27,7 +27,7 @@ from recipes_lib.config.schema import RunConfig
 from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.reward import bradley_terry_loss
-from recipes_lib.objectives.registry import ObjectiveSpec, register_objective
+from recipes_lib.objectives.registry import ObjectiveSpec, register_objective, shapes_vary
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.training.module import Batch, CausalLMModule
 
@@ -121,10 +121,6 @@ def reward_data(cfg: RunConfig, *, total_train_samples: int) -> L.LightningDataM
     return build_preference_data(cfg, total_train_samples=total_train_samples, shifted=False)
 
 
-def _pairs_vary(cfg: RunConfig) -> bool:
-    return True  # pairs of every length
-
-
 REWARD = register_objective(
     ObjectiveSpec(
         name="reward",
@@ -139,6 +135,6 @@ REWARD = register_objective(
         sequences_per_example=2,  # chosen and rejected, scored in one pass as DPO's
         example_noun="pairs",
         head="score",
-        batches_vary=_pairs_vary,
+        batches_vary=shapes_vary,
     )
 )

@@ -17,7 +17,7 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import PREFERENCE_LOSSES
 from recipes_lib.objectives.dpo import PAIR_BATCH
 from recipes_lib.objectives.preference import PairLoss, PreferenceModule
-from recipes_lib.objectives.registry import ObjectiveSpec, register_objective
+from recipes_lib.objectives.registry import ObjectiveSpec, register_objective, shapes_vary
 
 
 @dataclass
@@ -42,10 +42,6 @@ def simpo_module(cfg: RunConfig, **kwargs: Any) -> PreferenceModule:
     return PreferenceModule.from_run_config(cfg, objective="simpo", **kwargs)  # type: ignore[return-value]
 
 
-def _pairs_vary(cfg: RunConfig) -> bool:
-    return True  # pairs of every length
-
-
 SIMPO = register_objective(
     ObjectiveSpec(
         name="simpo",
@@ -56,6 +52,6 @@ SIMPO = register_objective(
         settings=SimPOSettings,
         sequences_per_example=2,
         example_noun="pairs",
-        batches_vary=_pairs_vary,
+        batches_vary=shapes_vary,
     )
 )
