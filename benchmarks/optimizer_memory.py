@@ -34,6 +34,7 @@ from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.config.schema import OptimConfig
 from recipes_lib.models import Transformer
 from recipes_lib.optim import OPTIMIZERS, build_optimizer, optimizer_state_bytes
+from recipes_lib.optim.state import optimizer_state_storage
 
 HERE = Path(__file__).resolve()
 
@@ -47,19 +48,6 @@ def card(name: str) -> str:
     return (found.group(1) if found else re.sub(r"\W+", "_", name)).lower()
 
 
-def state_tensor_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state``, each storage counted once."""
-    seen, total = set(), 0
-    for entry in optimizer.state.values():
-        for value in entry.values():
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-    return total
-
-
 def measure(model: torch.nn.Module, config: OptimConfig, device: torch.device) -> dict:
     """One optimizer's step over ``model`` (whose gradients are set): its state's bytes."""
     gc.collect()
@@ -71,7 +59,7 @@ def measure(model: torch.nn.Module, config: OptimConfig, device: torch.device) -
         before = torch.cuda.memory_allocated(device)
     optimizer = build_optimizer(model, config)
     optimizer.step()
-    result = {"state_tensor_bytes": state_tensor_bytes(optimizer)}
+    result = {"state_tensor_bytes": optimizer_state_storage(optimizer)}
     if cuda:
         torch.cuda.synchronize(device)
         result["allocated_delta_bytes"] = torch.cuda.memory_allocated(device) - before

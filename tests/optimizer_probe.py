@@ -9,6 +9,7 @@ from torch import nn
 
 from recipes_lib.config.schema import OptimConfig
 from recipes_lib.optim import build_optimizer, optimizer_state_bytes
+from recipes_lib.optim.state import optimizer_state_storage
 
 
 class ProbeModel(nn.Module):
@@ -33,20 +34,6 @@ class ProbeModel(nn.Module):
         return self.output(self.norm(h))  # (B, T, V)
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state``, each storage counted once (8-bit
-    AdamW's quantization maps are one tensor shared by every parameter)."""
-    seen, total = set(), 0
-    for entry in optimizer.state.values():
-        for value in entry.values():
-            if isinstance(value, torch.Tensor):
-                storage = value.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-    return total
-
-
 def measured_and_estimated(
     config: OptimConfig, device: str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[int, int]:
@@ -60,4 +47,4 @@ def measured_and_estimated(
     optimizer.step()
     with torch.device("meta"):  # the estimate needs shapes only
         shapes = ProbeModel().to(dtype=dtype)
-    return state_bytes(optimizer), optimizer_state_bytes(shapes, config)
+    return optimizer_state_storage(optimizer), optimizer_state_bytes(shapes, config)

@@ -145,3 +145,18 @@ def measured_state(cls: type[torch.optim.Optimizer], args: Mapping[str, Any]):
 def tensor_bytes(values: Any) -> int:
     """Bytes of the tensors among ``values``."""
     return sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
+
+
+def optimizer_state_storage(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state``, each storage counted once (8-bit
+    AdamW's quantization maps are one tensor shared by every parameter): what a real
+    step made, to hold the estimates above against."""
+    seen, total = set(), 0
+    for entry in optimizer.state.values():
+        for value in entry.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+    return total
