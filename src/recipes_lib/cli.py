@@ -85,9 +85,9 @@ def _report_preempted(err: SystemExit) -> None:
 
 def _join_submitit_job() -> None:
     """A sweep job's process under ``hydra/launcher=slurm`` or ``local``: its rank and the
-    time-limit signal (:func:`recipes_lib.launch_check.sweep.join_submitit_job`)."""
+    time-limit signal (:func:`recipes_lib.sweep.join_submitit_job`)."""
     if "SUBMITIT_EXECUTOR" in os.environ:
-        from recipes_lib.launch_check.sweep import join_submitit_job
+        from recipes_lib.sweep import join_submitit_job
 
         join_submitit_job()
 

@@ -34,38 +34,38 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ModelSummary, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from recipes_lib.assembly import (
+    batch_schedule,
+    build_stage,
+    build_trainer,
+    check_run_config,
+    tokens_per_step,
+    total_steps,
+)
 from recipes_lib.callbacks.ema import WeightEMA
 from recipes_lib.callbacks.preemption import Preemption
 from recipes_lib.callbacks.start import StartClock
-from recipes_lib.callbacks.summary import ModelSizeSummary
-from recipes_lib.checkpoint.io import VerifiedCheckpointIO
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.resume import auto_resume, remove_unfinished_writes, resolve_ckpt_path
-from recipes_lib.checkpoint.retention import retention_of
 from recipes_lib.checkpoint.run_lock import hold_run_dir
 from recipes_lib.checkpoint.source import fill_model_from_init
-from recipes_lib.config import RunConfig, instantiate_dict, to_run_config
-from recipes_lib.config.instantiate import CALLBACKS, LOGGERS
+from recipes_lib.config import RunConfig, to_run_config
 from recipes_lib.config.widening import widening_line
 from recipes_lib.data.module import ResumableDataModule
-from recipes_lib.errors import ConfigError
 from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
 from recipes_lib.kernels.compiled import watch_compiles
-from recipes_lib.objectives import build_data, build_module, objective_names
+from recipes_lib.launch_check.autofit import fit_memory
+from recipes_lib.objectives import build_data
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
-    build_strategy,
     get_strategy,
-    trainer_devices,
 )
-from recipes_lib.parallel.fp8 import fp8_callbacks
-from recipes_lib.parallel.precision import lightning_precision, resolve_device_choices
+from recipes_lib.parallel.precision import resolve_device_choices
 from recipes_lib.parallel.strategy import planned_world_size
-from recipes_lib.preflight import check_run
 from recipes_lib.trackers import attach_files, trackers_of
 from recipes_lib.training.module import CausalLMModule
 from recipes_lib.training.outputs import (
@@ -124,101 +124,10 @@ class RunResult:
         return lines
 
 
-def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
-    """Tokens consumed by one full optimizer step across all ranks (after any ramp)."""
-    return cfg.data.seq_len * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
-
-
-def batch_schedule(cfg: RunConfig, world_size: int) -> BatchSchedule:
-    """Micro-batches per optimizer step: ``trainer.accumulate_grad_batches``, ramped up to
-    over ``stage.batch_ramp.tokens`` when set (:mod:`recipes_lib.optim.batch_ramp`)."""
-    micro = cfg.data.seq_len * cfg.data.batch_size * world_size
-    return BatchSchedule.of(cfg.stage.batch_ramp, cfg.trainer.accumulate_grad_batches, micro)
-
-
-def total_steps(cfg: RunConfig, schedule: BatchSchedule) -> int:
-    """Optimizer steps of the run: ``stage.max_tokens`` when set, else ``trainer.max_steps``."""
-    if cfg.stage.max_tokens is not None:
-        return schedule.steps_for_tokens(cfg.stage.max_tokens)
-    return cfg.trainer.max_steps
-
-
-def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L.Trainer:
-    """A Lightning Trainer from ``cfg.trainer`` plus the configured callbacks and loggers."""
-    kwargs: dict[str, Any] = dict(vars(cfg.trainer))
-    accumulate = cfg.trainer.accumulate_grad_batches
-    if not get_strategy(cfg.strategy.name).steps_in_engine:
-        # the module runs each step's micro-batches and clips itself: a Lightning batch is a step
-        accumulate = kwargs["accumulate_grad_batches"] = 1
-        kwargs["gradient_clip_val"] = None
-    # Our validation interval counts optimizer steps; Lightning's counts micro-batches.
-    val_every = kwargs.pop("val_check_interval")
-    if val_every is not None:
-        kwargs["val_check_interval"] = max(1, min(val_every, cfg.trainer.max_steps)) * accumulate
-    else:
-        kwargs["limit_val_batches"] = 0
-    allowed = cfg.run.allowed_targets
-    callbacks = instantiate_dict(cfg.callbacks, "callbacks", CALLBACKS, allowed)
-    callbacks += list(extra_callbacks)
-    # float8 all-gather under FSDP: every weight's scale refreshed after each step
-    callbacks += fp8_callbacks(
-        cfg.precision, fsdp=get_strategy(cfg.strategy.name).float8_all_gather
-    )
-    if not cfg.trainer.enable_progress_bar:  # a progress bar callback would contradict it
-        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
-    # Our summary line replaces Lightning's table (whose FLOPs need an example input:
-    # "Total FLOPs: 0"); Lightning is told not to add its own, which would also log that
-    # it skipped it when a summary callback is configured.
-    summary = kwargs.pop("enable_model_summary")
-    if summary and not any(isinstance(cb, ModelSummary) for cb in callbacks):
-        callbacks.append(ModelSizeSummary(seq_len=cfg.data.seq_len))
-    kwargs["enable_model_summary"] = False
-    loggers = instantiate_dict(cfg.logger, "logger", LOGGERS, allowed)
-    kwargs["devices"] = trainer_devices(cfg)
-    retention = retention_of(cfg.run, cfg.stage.average_last_k)
-    return L.Trainer(
-        **kwargs,
-        strategy=build_strategy(cfg.strategy, micro_batch_size=cfg.data.batch_size),
-        precision=lightning_precision(cfg.precision),
-        callbacks=callbacks,
-        logger=loggers if loggers else False,
-        default_root_dir=cfg.run.dir,
-        use_distributed_sampler=False,  # our sampler shards by rank and resumes mid-epoch
-        # every checkpoint file written atomically with its checksum, verified on load,
-        # and the run's retention applied in checkpoints/ as each one lands
-        plugins=[VerifiedCheckpointIO(RunDir(cfg.run.dir).checkpoints, retention)],
-    )
-
-
-def build_stage(
-    cfg: RunConfig, *, total_steps: int, tokens_per_step: int, **extra: Any
-) -> CausalLMModule:
-    """The LightningModule of ``cfg.stage.objective``, as its spec builds it
-    (``extra``: module arguments such as a rollback's ``lr_window``)."""
-    return build_module(cfg, total_steps=total_steps, tokens_per_step=tokens_per_step, **extra)
-
-
 def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     write_text_atomic(RunDir(out).config, yaml)
-
-
-def check_run_config(cfg: RunConfig) -> None:
-    """Every check :func:`run` makes before touching data or weights (the pre-flight,
-    :func:`recipes_lib.preflight.check_run`).
-
-    Raises:
-        ConfigError: the first problem found, naming its keys; ``run.launch_check=true``,
-            which asks for the pre-launch check instead of a run.
-    """
-    check_run(cfg, objectives=objective_names())
-    if cfg.run.launch_check:
-        raise ConfigError(
-            "run.launch_check=true asks for the pre-launch check, not a run: use recipes-check "
-            "or recipes-train (or recipes_lib.launch_check.check_launch); set "
-            "run.launch_check=false to train"
-        )
 
 
 def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunResult:
@@ -257,10 +166,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
 def _fit_memory(cfg: RunConfig) -> tuple[RunConfig, Any]:
     """``cfg`` with ``kernels.activation_checkpointing=auto`` resolved for its card or
     ``run.memory_budget_gib`` (the choice's line printed), and the choice."""
-    # imported here: the launch check's budget imports this module
-    from recipes_lib.launch_check.autofit import fit_memory as fit
-
-    cfg, choice = fit(cfg, planned_world_size(cfg))
+    cfg, choice = fit_memory(cfg, planned_world_size(cfg))
     if choice is not None and global_rank() == 0:
         log.info("%s", choice.line())
     return cfg, choice

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
 from recipes_lib.errors import ConfigError  # noqa: E402
-from recipes_lib.launch_check.sweep import (  # noqa: E402
+from recipes_lib.sweep import (  # noqa: E402
     check_submitit_options,
     check_sweep,
     launcher_options,
@@ -165,7 +165,7 @@ def test_a_jobs_time_limit_signal_reaches_the_runs_handler_and_otherwise_submiti
     is installed (training), else to the handler that was there before (submitit's)."""
     import signal
 
-    from recipes_lib.launch_check.sweep import join_submitit_job
+    from recipes_lib.sweep import join_submitit_job
 
     local_job = {"SUBMITIT_EXECUTOR": "local", "SUBMITIT_LOCAL_JOB_ID": "7"}
     local_job |= {"SUBMITIT_LOCAL_NTASKS": "1", "SUBMITIT_LOCAL_JOB_NUM_NODES": "1"}

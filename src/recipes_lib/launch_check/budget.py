@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from recipes_lib.assembly import batch_schedule, tokens_per_step, total_steps
 from recipes_lib.callbacks.throughput import peak_tflops_for, precision_arithmetic
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
@@ -21,7 +22,6 @@ from recipes_lib.launch_check.parameters import ParameterCounts
 from recipes_lib.models import Transformer
 from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type, lightning_precision
-from recipes_lib.train import batch_schedule, tokens_per_step, total_steps
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
 # Model FLOPs utilisation assumed for the expected step time: what this library's bf16

@@ -39,6 +39,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from recipes_lib.assembly import batch_schedule, check_run_config, tokens_per_step, total_steps
 from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, to_run_config
 from recipes_lib.errors import ConfigError
@@ -55,7 +56,6 @@ from recipes_lib.launch_check.memory import (
 from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type, resolve_device_choices
 from recipes_lib.parallel.strategy import get_strategy, planned_world_size
-from recipes_lib.train import batch_schedule, check_run_config, tokens_per_step, total_steps
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
 CHECKS = (

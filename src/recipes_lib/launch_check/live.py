@@ -23,13 +23,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 
+from recipes_lib.assembly import batch_schedule, build_stage, build_trainer
 from recipes_lib.config import RunConfig
 from recipes_lib.data.mixture import MixtureDataset
 from recipes_lib.data.module import dataset_length
 from recipes_lib.data.text.shards import TokenShard
 from recipes_lib.launch_check.budget import human
 from recipes_lib.objectives import build_data as build_objective_data
-from recipes_lib.train import batch_schedule, build_stage, build_trainer
 
 # Training on the same data more often than this many times is worth a warning:
 # Muennighoff et al. (2023) find up to about 4 epochs of repeated data nearly as good

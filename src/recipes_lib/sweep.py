@@ -40,6 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipes_lib.config import to_run_config
 from recipes_lib.config.validate import check_values
 from recipes_lib.errors import ConfigError, RecipesError
+from recipes_lib.pipeline.spec import parse_pipeline
 from recipes_lib.preflight.targets import check_run_targets
 
 # hydra-submitit-launcher's own options (not submitit's): the folder and the retries
@@ -193,8 +194,6 @@ def check_train_job(executor: str, params: Mapping[str, Any], job: DictConfig) -
 
 def check_pipeline_job(job: DictConfig) -> None:
     """A ``recipes-pipeline`` job: its spec (stages, sources, keys)."""
-    from recipes_lib.pipeline.spec import parse_pipeline
-
     parse_pipeline(job)
 
 
