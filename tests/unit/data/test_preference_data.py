@@ -344,3 +344,44 @@ def test_a_text_corpus_is_not_a_preference_source(tmp_path, small_tokenizer_path
     config = pairs_config(tmp_path, small_tokenizer_path, {"web": SourceConfig(builtin="stdlib")})
     with pytest.raises(DataError, match="data.sources.web.builtin='stdlib'.*stdlib_dpo"):
         PreferenceDataModule(config, 512, 1024).setup()
+
+
+def _item(index: int, chosen: int, rejected: int) -> dict:
+    def seq(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.arange(1, n + 1)
+        mask = torch.zeros(n, dtype=torch.bool)
+        mask[n // 2 :] = True
+        return ids, mask
+
+    (c, cm), (r, rm) = seq(chosen), seq(rejected)
+    return {
+        "index": index,
+        "chosen_ids": c,
+        "chosen_mask": cm,
+        "rejected_ids": r,
+        "rejected_mask": rm,
+    }
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [[(40, 60), (30, 90), (50, 20), (70, 80)], [(900, 1000), (30, 40)], [(2049, 2049)]],
+    ids=["short", "one-long", "full"],
+)
+def test_packed_rows_under_compile_are_as_narrow_as_their_tokens_need(lengths):
+    items = [_item(i, c, r) for i, (c, r) in enumerate(lengths)]
+    loose = collate_pairs(items, pad_id=0, packing=True, seq_len=2048)
+    fixed = collate_pairs(items, pad_id=0, packing=True, seq_len=2048, fixed_width=True)
+    rows, width = fixed["input_ids"].shape
+    tokens = sum(c + r - 2 for c, r in lengths)
+    longest = max(max(c, r) - 1 for c, r in lengths)
+    assert width % 128 == 0 and longest <= width <= 2048 and rows >= 2
+    # every token is there, with the same labels as without compile
+    assert int((fixed["sequence_ids"] >= 0).sum()) == tokens == fixed["num_tokens"]
+    for s in range(2 * len(items)):
+        assert torch.equal(
+            fixed["labels"][fixed["sequence_ids"] == s], loose["labels"][loose["sequence_ids"] == s]
+        )
+    # no wider than two rows of the tokens need, past the 128 rounding: short pairs never
+    # compute over data.seq_len-wide rows of padding
+    assert rows * width <= max(2 * tokens, rows * longest) + rows * 128
