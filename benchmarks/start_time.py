@@ -5,14 +5,17 @@ where its start went (``RunResult.start``: import, data, load, compile, first_st
 
 The inputs are the post-training matrix's (``posttrain_matrix.py``: the ``llama_1b``-shaped
 folder at random init and its synthetic records), at the recipe defaults. The first run
-starts from empty caches, as a user's first run on a machine does; TRL's own first
-step is in the matrix's ``first_step_s`` (it compiles nothing, so it has no warm start).
+starts from empty caches, as a user's first run on a machine does. Each peer of
+``--sides`` (``trl``, ``trl_liger``: TRL at its defaults, Liger's Triton kernels with
+caches of their own) runs cold and warm the same way, on the same GPU, one process at a
+time: no run shares the host's CPUs with another, so compile and data times compare.
 
-    python benchmarks/start_time.py --objectives sft_full,dpo_live --data heavy
+    python benchmarks/start_time.py --objectives dpo_live --data heavy --sides ours,trl_liger
 
 writes ``benchmarks/results/start_time_<card>.json``: ``{"card", "date", "command",
 "cases": [{"objective", "data", "cold": {...}, "warm": {...}}]}``, each side holding
-``first_step_s`` (process start to the end of the first step) and the run's ``start``.
+``first_step_s`` (process start to the end of the first step) and the run's ``start``;
+each peer's cold and warm ``first_step_s`` under ``<side>_cold`` and ``<side>_warm``.
 Objectives run one after another on GPU 0 unless ``--gpus`` spreads them.
 """
 
@@ -39,6 +42,12 @@ def worker(args) -> int:
     from recipes_lib.train import run
 
     cell, root = matrix.Cell.parse(args.case), Path(args.root)
+    if args.side != "ours":  # a peer: only its time to the first step
+        report = matrix.run_trl(args, cell, root, args.side, start)
+        first = report.get("time_to_first_step_s")
+        figures = {"first_step_s": first} if first is not None else report
+        Path(args.worker_out).write_text(json.dumps(figures))
+        return 0
     # a folder of its own: the warm run must not resume the cold one's
     overrides = matrix.our_overrides(args, cell, root)
     overrides += [f"run.dir={root / 'runs' / cell.name / os.environ['START_TAG']}"]
@@ -53,8 +62,10 @@ def worker(args) -> int:
     return 0
 
 
-def one_run(args, cell, root: Path, cache: Path, gpu: str | None, tag: str) -> dict:
-    out = root / f"{cell.name}.{tag}.json"
+def one_run(
+    args, cell, root: Path, cache: Path, gpu: str | None, tag: str, side: str = "ours"
+) -> dict:
+    out = root / f"{cell.name}.{side}.{tag}.json"
     env = {**os.environ, "PEER_START": repr(time.time())}
     env["START_TAG"] = tag
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
@@ -62,8 +73,8 @@ def one_run(args, cell, root: Path, cache: Path, gpu: str | None, tag: str) -> d
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     command = [sys.executable, __file__, *args.argv, "--worker", "--case", cell.name]
-    command += ["--root", str(root), "--worker-out", str(out)]
-    log = root / f"{cell.name}.{tag}.log"
+    command += ["--side", side, "--root", str(root), "--worker-out", str(out)]
+    log = root / f"{cell.name}.{side}.{tag}.log"
     with open(log, "w") as sink:
         done = subprocess.run(command, env=env, stdout=sink, stderr=sink, check=False)
     if out.is_file():
@@ -94,15 +105,19 @@ def main() -> int:
         def both(i_cell):
             i, cell = i_cell
             gpu = gpus[i % len(gpus)]
-            cache = root / "caches" / cell.name
-            cold = one_run(args, cell, root, cache, gpu, "cold")
-            warm = one_run(args, cell, root, cache, gpu, "warm")
-            print(
-                f"{cell.name}: cold {cold.get('first_step_s')} s,"
-                f" warm {warm.get('first_step_s')} s",
-                flush=True,
-            )
-            return {"objective": cell.objective, "data": cell.data, "cold": cold, "warm": warm}
+            case = {"objective": cell.objective, "data": cell.data}
+            for side in args.sides.split(","):
+                cache = root / "caches" / cell.name / side
+                cold = one_run(args, cell, root, cache, gpu, "cold", side)
+                warm = one_run(args, cell, root, cache, gpu, "warm", side)
+                print(
+                    f"{cell.name} {side}: cold {cold.get('first_step_s')} s,"
+                    f" warm {warm.get('first_step_s')} s",
+                    flush=True,
+                )
+                names = ("cold", "warm") if side == "ours" else (f"{side}_cold", f"{side}_warm")
+                case.update(zip(names, (cold, warm), strict=True))
+            return case
 
         with ThreadPoolExecutor(len(gpus)) as pool:
             cases = list(pool.map(both, enumerate(cells)))
