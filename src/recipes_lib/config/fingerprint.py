@@ -34,6 +34,8 @@ LOCATION_KEYS = (
     "trainer.enable_model_summary",
     "callbacks.watchdog",  # a longer hang timeout after a hang is still the same run
     "stage.export_hf",  # a Hugging Face copy of the output is written, not computed
+    "data.chat.prove_masks",  # checks of the data, not what trains on it
+    "data.chat.show",
 )
 
 

@@ -133,6 +133,12 @@ class ChatFormatConfig:
     on_bad_record: str = "error"  # error | skip (skips are counted and reported)
     # a record with more text than this (bytes) is a bad record; null: no limit
     max_record_bytes: int | None = 4_000_000
+    # recipes-check, recipes-prepare: this many records of each source also rendered by
+    # transformers and compared token for token, trained token for trained token (0: none)
+    prove_masks: int = 0
+    # recipes-prepare: print this many rendered examples of each source, trained tokens
+    # highlighted, and the counts of trained and untrained tokens (0: none)
+    show: int = 0
 
 
 def _as_source(name: str, value: Any) -> SourceConfig:
