@@ -13,6 +13,9 @@ folder the stage started from.
 
 After writing, transformers loads the folder and its float32 logits on a few tokens must
 match this library's within 1e-4, or the export fails with one line.
+
+A model of the transformers fallback (``model.family=hf``) is written by transformers'
+own ``save_pretrained``, so the folder has the format of the one it came from.
 """
 
 from __future__ import annotations
@@ -26,15 +29,29 @@ from torch import Tensor
 from recipes_lib.checkpoint.hf import empty_model, load_hf_checkpoint
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, read_hf_config
+from recipes_lib.checkpoint.hf_tokenizer import (
+    HF_TOKENIZER_CONFIG_NAME,
+    first_special_token,
+    hf_chat_template,
+    read_json,
+    token_text,
+)
 from recipes_lib.checkpoint.layout import CHECKPOINTS_DIR, RunDir
 from recipes_lib.checkpoint.source import read_init_source
 from recipes_lib.checkpoint.weights import load_state_into, load_weights
 from recipes_lib.config.commands import ExportConfig
 from recipes_lib.config.schema import ModelConfig, RunConfig
 from recipes_lib.config.store import as_config
-from recipes_lib.data.tokenizer import TOKENIZER_FILE
+from recipes_lib.data.tokenizer import (
+    TOKENIZER_FILE,
+    load_tokenizer,
+    resolve_tokenizer_file,
+    save_tokenizer_folder,
+    tokenizer_vocab_size,
+)
 from recipes_lib.errors import CheckpointError, DataError
 from recipes_lib.models import Transformer
+from recipes_lib.models.hf_fallback import HFCausalLM, build_hf_model, is_fallback
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +59,7 @@ PARITY_TOLERANCE = 1e-4  # float32 logits, absolute and relative
 _PARITY_SHAPE = (2, 16)  # rows and tokens of the parity check
 
 
-def load_checkpoint(source: str | Path) -> tuple[Transformer, ModelConfig]:
+def load_checkpoint(source: str | Path) -> tuple[Transformer | HFCausalLM, ModelConfig]:
     """The model a checkpoint holds, in its stored dtype on the CPU, and its shape.
 
     Raises:
@@ -50,7 +67,8 @@ def load_checkpoint(source: str | Path) -> tuple[Transformer, ModelConfig]:
             not fit that shape.
     """
     found = read_init_source(source, "checkpoint")
-    if found.kind == "hf":
+    fallback = found.model is not None and is_fallback(found.model)
+    if found.kind == "hf" and not fallback:
         return load_hf_checkpoint(found.path)
     if found.model is None:
         raise CheckpointError(
@@ -58,11 +76,17 @@ def load_checkpoint(source: str | Path) -> tuple[Transformer, ModelConfig]:
             "says the model's shape"
         )
     config = as_config(ModelConfig, found.model, f"checkpoint={str(source)!r} model")
+    if fallback:  # transformers' own model, its weights under transformers' names
+        folder = found.path if found.kind == "hf" else None
+        model = build_hf_model(config, folder=folder, where=f"checkpoint={str(source)!r}")
+        if folder is None:
+            load_state_into(model, load_weights(found.weights), f"checkpoint={str(source)!r}")
+        return model.eval(), config
     state = load_weights(found.weights)
     dtype = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
-    model = empty_model(config, dtype=dtype)
-    load_state_into(model, state, f"checkpoint={str(source)!r}")
-    return model.eval(), config
+    native = empty_model(config, dtype=dtype)
+    load_state_into(native, state, f"checkpoint={str(source)!r}")
+    return native.eval(), config
 
 
 def tokenizer_of(source: str | Path) -> Path:
@@ -162,6 +186,8 @@ def export_checkpoint(
     """
     tokenizer_path = Path(tokenizer).expanduser() if tokenizer is not None else tokenizer_of(source)
     model, config = load_checkpoint(source)
+    if isinstance(model, HFCausalLM):
+        return export_fallback(model, config, Path(out_dir), tokenizer_path, dtype, check)
     if dtype is not None:
         model = model.to(dtype)
     folder = export_hf_checkpoint(model, config, out_dir, tokenizer_path)
@@ -169,6 +195,82 @@ def export_checkpoint(
         difference = check_against_transformers(folder, model, config)
         log.info("%s: transformers' logits match within %.1e", folder, difference)
     return folder
+
+
+def export_fallback(
+    model: HFCausalLM,
+    config: ModelConfig,
+    out_dir: Path,
+    tokenizer_path: Path,
+    dtype: torch.dtype | None,
+    check: bool,
+) -> Path:
+    """Write a model of the transformers fallback with transformers' ``save_pretrained``
+    (and the tokenizer beside it), then check transformers' float32 logits of the folder
+    against the model's.
+
+    Raises:
+        CheckpointError: a tokenizer larger than the vocabulary, or logits that differ.
+    """
+    tokenizer = load_tokenizer(tokenizer_path, key="tokenizer_path")
+    if tokenizer_vocab_size(tokenizer) > config.vocab_size:
+        raise CheckpointError(
+            f"the tokenizer '{tokenizer_path}' has {tokenizer_vocab_size(tokenizer)} tokens, "
+            f"more than the model's vocab_size={config.vocab_size}"
+        )
+    folder = out_dir.expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    hf = model.hf
+    if dtype is not None:
+        hf.to(dtype)
+    hf.save_pretrained(folder)
+    beside = resolve_tokenizer_file(tokenizer_path, key="tokenizer_path").parent
+    eos = token_text(read_json(beside / HF_TOKENIZER_CONFIG_NAME).get("eos_token"))
+    save_tokenizer_folder(
+        folder,
+        tokenizer_path,
+        eos_token=eos or first_special_token(tokenizer),
+        chat_template=hf_chat_template(beside),
+        model_max_length=config.max_seq_len,
+    )
+    if check:
+        difference = check_fallback_export(folder, model, config)
+        log.info("%s: transformers' logits match within %.1e", folder, difference)
+    return folder
+
+
+def check_fallback_export(folder: Path, model: HFCausalLM, config: ModelConfig) -> float:
+    """transformers' float32 logits of ``folder`` against ``model``'s on a few tokens;
+    the largest difference.
+
+    Raises:
+        CheckpointError: transformers cannot load the folder, or the logits differ by
+            more than :data:`PARITY_TOLERANCE`.
+    """
+    import transformers
+
+    rows, length = _PARITY_SHAPE
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randint(
+        0, config.vocab_size, (rows, min(length, config.max_seq_len)), generator=generator
+    )
+    try:
+        theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.float32, trust_remote_code=config.trust_remote_code
+        ).eval()
+    except Exception as err:  # transformers raises many kinds; the first line says which
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"transformers cannot load '{folder}': {reason}") from err
+    with torch.no_grad():
+        ours = model.float().eval().logits(x)
+        theirs: Tensor = theirs_model(input_ids=x).logits
+    difference = float((ours - theirs).abs().max())
+    if not torch.allclose(ours, theirs, atol=PARITY_TOLERANCE, rtol=PARITY_TOLERANCE):
+        raise CheckpointError(
+            f"'{folder}': transformers' float32 logits differ from the checkpoint's by up to "
+            f"{difference:.2e}, more than {PARITY_TOLERANCE:g}"
+        )
+    return difference
 
 
 def wants_hf_export(cfg: RunConfig) -> bool:

@@ -108,6 +108,8 @@ class RunResult:
     hf_path: Path | None = None  # hf/: the output weights as a Hugging Face folder
     # what kernels.activation_checkpointing=auto chose (recipes_lib.launch_check.autofit)
     memory_fit: dict[str, Any] | None = None
+    # the transformers fallback's first-batch losses (recipes_lib.models.hf_fallback)
+    load_check: dict[str, float] | None = None
 
     def summary_lines(self) -> list[str]:
         """What the run left and what to run next, for its closing summary."""
@@ -237,6 +239,7 @@ def _run(cfg: RunConfig, callbacks: Sequence[Callback]) -> RunResult:
         guard={"skipped_updates": skipped, "rollbacks": rollbacks},
         trackers=trackers,
         hf_path=hf_path,
+        load_check=getattr(module.model, "load_check", None),
     )
 
 

@@ -48,6 +48,7 @@ from recipes_lib.files import chmod_as_umask
 from recipes_lib.models import Transformer
 from recipes_lib.models.families import get_family
 from recipes_lib.models.families.base import TensorNames
+from recipes_lib.models.hf_fallback import HFCausalLM
 
 ADAPTER_CONFIG_NAME = "adapter_config.json"
 ADAPTER_WEIGHTS_NAME = "adapter_model.safetensors"
@@ -197,6 +198,10 @@ def save_adapter(
     Raises:
         CheckpointError: ``model`` has no adapters.
     """
+    if isinstance(model, HFCausalLM):  # the transformers fallback: its own names
+        from recipes_lib.adapters.hf_fallback import save_fallback_adapter
+
+        return save_fallback_adapter(model, out_dir, config, state=state)
     tensors, stacked = peft_state_dict(model, state)
     if not tensors:
         raise CheckpointError(f"cannot save an adapter to {out_dir}: the model has no LoRA layers")

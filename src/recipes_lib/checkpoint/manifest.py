@@ -102,6 +102,9 @@ class StageManifest:
             and the ``winner``.
         memory_fit: what ``kernels.activation_checkpointing=auto`` chose: checkpointing,
             loss chunk, micro-batch and accumulation, the estimate and the budget.
+        load_check: a model of the transformers fallback (``model.family=hf``): its
+            first batch's loss as the library computes it and as transformers' own
+            forward does (``library_loss``, ``transformers_loss``, ``difference``).
     """
 
     pipeline: str
@@ -133,6 +136,8 @@ class StageManifest:
     promotion: dict[str, Any] | None = None
     # what kernels.activation_checkpointing=auto chose (recipes_lib.launch_check.autofit)
     memory_fit: dict[str, Any] | None = None
+    # the transformers fallback's first-batch check (recipes_lib.models.hf_fallback)
+    load_check: dict[str, float] | None = None
     format_version: int = MANIFEST_FORMAT_VERSION
     # The folder the manifest was read from or written to; not stored in the file.
     directory: Path | None = field(default=None, compare=False, repr=False)

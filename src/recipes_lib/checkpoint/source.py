@@ -20,6 +20,7 @@ pre-flight compares the two and names every difference (:func:`init_model_mismat
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -47,6 +48,16 @@ from recipes_lib.config.model import field_differences
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.config.store import fill_from_init, from_init_fields
 from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.models.families import FAMILIES
+from recipes_lib.models.hf_fallback import (
+    FALLBACK_FAMILY,
+    fallback_line,
+    fallback_model_config,
+    is_fallback,
+)
+
+log = logging.getLogger(__name__)
+_ANNOUNCED: set[str] = set()  # folders whose fallback line was printed
 
 
 @dataclass(frozen=True)
@@ -97,8 +108,26 @@ def recorded_model(model: Any) -> dict[str, Any] | None:
     return dict(model) if isinstance(model, dict) else None
 
 
-def read_init_source(path: str | os.PathLike, key: str = "stage.init_from") -> InitSource:
-    """Tell what ``path`` holds (see the module docstring).
+def _hf_folder_model(folder: Path, where: str, fallback: bool) -> dict[str, Any]:
+    """The model of a Hugging Face folder: its native family's, or the transformers
+    fallback's (``fallback``, or a ``model_type`` no family reads: said in one line)."""
+    hf_config = read_hf_config(folder)
+    model_type = hf_config.get("model_type")
+    native = any(model_type in family.hf_model_types for family in FAMILIES.values())
+    if native and not fallback:
+        return asdict(model_config_from_hf(hf_config, name=folder.name))
+    if not fallback and where not in _ANNOUNCED:
+        _ANNOUNCED.add(where)
+        log.warning(fallback_line(where, model_type))
+    return asdict(fallback_model_config(hf_config, name=folder.name))
+
+
+def read_init_source(
+    path: str | os.PathLike, key: str = "stage.init_from", *, fallback: bool = False
+) -> InitSource:
+    """Tell what ``path`` holds (see the module docstring); a Hugging Face folder's
+    model is the transformers fallback's with ``fallback`` (``model=hf``) or when no
+    family reads its ``model_type``.
 
     Raises:
         CheckpointError: naming ``key`` and the path, when it is none of those kinds or
@@ -114,8 +143,7 @@ def read_init_source(path: str | os.PathLike, key: str = "stage.init_from") -> I
             model = recorded_model(manifest.model)
             return InitSource(source, "manifest", manifest.weights_path, model, manifest)
         if is_hf_folder(source):
-            hf_model = model_config_from_hf(read_hf_config(source), name=source.name)
-            return InitSource(source, "hf", source, asdict(hf_model))
+            return InitSource(source, "hf", source, _hf_folder_model(source, where, fallback))
         if is_sharded_checkpoint(source):
             meta = read_checkpoint(source / SHARDED_METADATA_NAME)
             return InitSource(source, "sharded", source, _hyperparameter_model(meta))
@@ -159,7 +187,9 @@ def fill_model_from_init(cfg: DictConfig) -> DictConfig:
             "but stage.init_from is not set: set stage.init_from=DIR, or choose a model "
             "(model=NAME)"
         )
-    source = read_init_source(init_from)
+    family = OmegaConf.to_container(cfg.model, resolve=False).get("family")  # type: ignore[union-attr]
+    fallback = family == FALLBACK_FAMILY  # model=hf
+    source = read_init_source(init_from, fallback=fallback)
     cfg = cfg.copy()
     fill_from_init(cfg.model, source.model, f"stage.init_from={init_from!r} ({source.kind})")
     return cfg
@@ -172,6 +202,10 @@ def init_model_mismatches(model: ModelConfig, source: InitSource) -> list[str]:
     RoPE settings and context may change between stages)."""
     if source.model is None:
         return []
+    if source.kind == "hf" and is_fallback(model):  # transformers reads the folder itself
+        theirs = read_hf_config(source.path).get("model_type")
+        ours = (model.hf_config or {}).get("model_type")
+        return [] if ours == theirs else [f"model.hf_config.model_type={ours!r} vs {theirs!r}"]
     if source.kind == "hf":
         return hf_config_mismatches(_as_model(source.model), model)
     differences = field_differences(model, source.model, "shape")
@@ -211,7 +245,7 @@ def load_model_weights(model: nn.Module, path: str | os.PathLike, label: str | N
             mismatches are listed).
     """
     label = label or f"stage.init_from={str(path)!r}"
-    if is_hf_folder(path):
+    if is_hf_folder(path) and not is_fallback(getattr(model, "config", {})):
         load_hf_weights_into(model, path, label)  # type: ignore[arg-type]
         return
     try:

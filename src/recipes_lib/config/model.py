@@ -127,6 +127,11 @@ class ModelConfig:
     moe_aux_loss_coef: float = field(default=0.0, metadata=LABEL)
     moe_z_loss_coef: float = field(default=0.0, metadata=LABEL)
     moe_bias_update_rate: float = field(default=0.0, metadata=LABEL)
+    # the transformers fallback (family=hf, recipes_lib.models.hf_fallback): the folder's
+    # config.json, which transformers builds the model from, and whether the folder's
+    # own code may run (refused unless set; recorded with the run)
+    hf_config: Any = field(default=None, metadata=SHAPE)  # a dict, or None
+    trust_remote_code: bool = field(default=False, metadata=LABEL)
 
 
 # The block options: what a model family fixes or reads from its config.json. A family

@@ -42,7 +42,11 @@ def _quantized_params(model: nn.Module) -> set[nn.Parameter]:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    """The decoder's transformer blocks, also under a peft wrapper."""
+    """The decoder's transformer blocks, also under a peft wrapper; a model that names
+    its own (``blocks``: the transformers fallback's decoder layers) is asked."""
+    declared = getattr(model, "blocks", None)
+    if isinstance(declared, list) and declared:
+        return declared
     for module in model.modules():
         layers = getattr(module, "layers", None)
         if isinstance(layers, nn.ModuleList) and len(layers) > 0:

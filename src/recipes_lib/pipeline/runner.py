@@ -220,6 +220,7 @@ def _finish_stage(
         metrics=metrics,
         guard=result.guard,
         memory_fit=result.memory_fit,
+        load_check=result.load_check,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     attach_files(result.trackers, [write_manifest(manifest, stage_dir)], "manifest")

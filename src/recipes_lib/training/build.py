@@ -16,12 +16,19 @@ applied here and nowhere else, in this order:
 
 Compilation must see the final modules (after the adapter and float8), and sharding
 comes last, so FSDP's hooks wrap compiled, checkpointed blocks.
+
+A model of the transformers fallback (``model.family=hf``) follows the same order
+(:func:`_build_fallback`): transformers' own model with the folder's weights, its
+adapter (:mod:`recipes_lib.adapters.hf_fallback`), checkpointing and compilation of
+its decoder layers, sharding per decoder layer.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -37,10 +44,11 @@ from recipes_lib.config.schema import (
     PrecisionConfig,
     StrategyConfig,
 )
-from recipes_lib.errors import CheckpointError
+from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.kernels.compiled import compile_blocks
 from recipes_lib.models import Transformer, TransformerBlock
+from recipes_lib.models.hf_fallback import HFCausalLM, build_hf_model, is_fallback
 from recipes_lib.models.moe import set_expert_path
 from recipes_lib.parallel.strategy import get_strategy
 
@@ -103,6 +111,8 @@ def build_model(
     Raises:
         CheckpointError: ``init_from`` is missing, unreadable or does not fit.
     """
+    if is_fallback(plan.model):  # the native decoder's interface, transformers' model
+        return cast(Transformer, _build_fallback(plan, device=device, mesh=mesh))
     backend = attention or get_attention_backend(plan.kernels.attention)
     with torch.device(device):
         model = _seeded_decoder(plan.model, backend)  # 1
@@ -137,6 +147,45 @@ def build_model(
             block.checkpoint_activations = index % stride == 0
     if plan.kernels.compile:  # 6
         compile_blocks(_blocks(model), varying_shapes=plan.varying_shapes)
+    if mesh is not None and spec.shard is not None:  # 7
+        spec.shard(model, mesh, plan.strategy, plan.precision)
+    return model
+
+
+def _build_fallback(plan: ModelBuild, *, device: torch.device, mesh=None) -> HFCausalLM:
+    """transformers' own model of ``plan.model`` (``family=hf``), in the order of the
+    module docstring."""
+    from recipes_lib.adapters.hf_fallback import apply_fallback_adapter
+    from recipes_lib.checkpoint.hf_files import is_hf_folder
+
+    label = plan.init_label or f"stage.init_from={plan.init_from!r}"
+    folder = None
+    if plan.init_from is not None and is_hf_folder(plan.init_from):
+        folder = Path(plan.init_from).expanduser()
+    seed = os.environ.get("PL_GLOBAL_SEED")
+    with torch.random.fork_rng(enabled=seed is not None), torch.device(device):  # 1
+        if seed is not None:
+            torch.manual_seed(int(seed))
+        # transformers' flex attention has no CPU backward: sdpa there
+        attention = plan.kernels.attention if device.type == "cuda" else "sdpa"
+        model = build_hf_model(plan.model, folder=folder, attention=attention, where=label)
+    if plan.init_from is not None and folder is None:  # 2: a stage's or a run's weights
+        load_model_weights(model, plan.init_from, plan.init_label)
+    if plan.upcycle:
+        raise ConfigError(f"{label}: stage.upcycle needs a native model family")
+    if plan.adapter is not None:  # 3
+        apply_fallback_adapter(model, plan.adapter)
+    elif not plan.trains:
+        model.requires_grad_(False)
+    model.train(plan.trains)  # a trained model as transformers trains it (its dropout on)
+    if plan.trains and plan.precision.name == "fp8":  # 4
+        raise ConfigError("precision=fp8 needs a native model family (model.family=hf has none)")
+    stride = plan.kernels.checkpoint_stride()
+    if plan.trains and stride:  # 5
+        model.set_activation_checkpointing(True, stride)
+    if plan.kernels.compile:  # 6
+        compile_blocks(model.blocks, varying_shapes=plan.varying_shapes)
+    spec = get_strategy(plan.strategy.name)
     if mesh is not None and spec.shard is not None:  # 7
         spec.shard(model, mesh, plan.strategy, plan.precision)
     return model

@@ -166,4 +166,5 @@ def test_model_from_init_fills_every_field_of_the_model():
 
     marked = from_init_fields(compose_config(["model=from_init"]).model)
     top = {key.split(".")[0] for key in marked}
-    assert top == {f.name for f in fields(ModelConfig)} - {"init_std"}
+    # trust_remote_code is the user's own choice, never a source's
+    assert top == {f.name for f in fields(ModelConfig)} - {"init_std", "trust_remote_code"}

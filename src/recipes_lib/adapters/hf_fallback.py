@@ -1,0 +1,137 @@
+"""LoRA on a model of the transformers fallback (``model.family=hf``), and its adapter in
+PEFT's format.
+
+The fallback's modules carry transformers' own names, so ``adapter.target_modules``
+are taken as transformers names (the native names ``wq``, ``w1``, ... are read as
+``q_proj``, ``gate_proj``, ...): every ``nn.Linear`` inside a decoder layer whose last
+name is a target gets a PEFT LoRA layer. A model none of whose linears has those names
+(each architecture names its own) gets one on every ``nn.Linear`` of its decoder
+layers, said in one line. Merging for export is the library's own
+(:func:`recipes_lib.adapters.merge_adapter`), and the adapter folder is PEFT's, over
+the folder the run started from.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from recipes_lib.adapters.lora import (
+    _LORA_MARK,
+    ADAPTER_NAME,
+    HF_TO_NATIVE_TARGET,
+    check_adapter_config,
+    lora_config,
+    lora_factors,
+    lora_layers,
+)
+from recipes_lib.config.schema import AdapterConfig
+from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.files import chmod_as_umask
+from recipes_lib.models.hf_fallback import HFCausalLM
+
+log = logging.getLogger(__name__)
+_NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE_TARGET.items()}
+PEFT_PREFIX = "base_model.model."
+
+
+def fallback_targets(model: HFCausalLM, config: AdapterConfig) -> list[str]:
+    """The full names of the linears LoRA adapts (see the module docstring).
+
+    Raises:
+        ConfigError: the decoder layers hold no ``nn.Linear`` (GPT-2's ``Conv1D``).
+    """
+    wanted = {_NATIVE_TO_HF.get(name, name) for name in config.target_modules}
+    layers = {id(layer) for layer in model.blocks}
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if id(module) in layers:
+            prefix = f"{name}."
+            inside += [
+                f"{prefix}{child}"
+                for child, sub in module.named_modules()
+                if child and isinstance(sub, nn.Linear)
+            ]
+    named = [name for name in inside if name.rsplit(".", 1)[-1] in wanted]
+    if named:
+        return named
+    if not inside:
+        raise ConfigError(
+            f"adapter.kind={config.kind}: {type(model.hf).__name__}'s decoder layers hold no "
+            "nn.Linear for LoRA to adapt (its projections are another kind of layer); "
+            "train it in full (adapter.kind=none)"
+        )
+    kinds = sorted({name.rsplit(".", 1)[-1] for name in inside})
+    log.warning(
+        "adapter.target_modules=%s name no linear of %s; adapting every linear of its "
+        "decoder layers: %s",
+        list(config.target_modules),
+        type(model.hf).__name__,
+        kinds,
+    )
+    return inside
+
+
+def apply_fallback_adapter(model: HFCausalLM, config: AdapterConfig) -> HFCausalLM:
+    """Put LoRA adapters on ``model`` in place and freeze everything else.
+
+    Raises:
+        ConfigError: a bad adapter config, QLoRA (4-bit bases need a native family), or
+            no linear to adapt.
+    """
+    if config.kind == "none":
+        return model
+    check_adapter_config(config)
+    if config.kind == "qlora":
+        raise ConfigError(
+            "adapter.kind=qlora needs a native model family; the transformers fallback "
+            "(model.family=hf) trains adapter.kind=lora or the whole model"
+        )
+    from peft import inject_adapter_in_model
+
+    targets = fallback_targets(model, config)
+    inject_adapter_in_model(lora_config(config, targets), model, adapter_name=ADAPTER_NAME)
+    for name, param in model.named_parameters():
+        param.requires_grad_(_LORA_MARK in name)
+    return model
+
+
+def save_fallback_adapter(
+    model: HFCausalLM,
+    out_dir: str | os.PathLike,
+    config: AdapterConfig,
+    *,
+    state: Mapping[str, Tensor] | None = None,
+) -> Path:
+    """Write ``model``'s adapters as a PEFT folder for ``PeftModel.from_pretrained``
+    over the transformers model it was trained from (``state``: the adapted state dict
+    to take the factors from instead of the model's own).
+
+    Raises:
+        CheckpointError: ``model`` has no adapters.
+    """
+    layers = lora_layers(model)
+    if not layers:
+        raise CheckpointError(f"cannot save an adapter to {out_dir}: the model has no LoRA layers")
+    given = dict(state or {})
+    tensors: dict[str, Tensor] = {}
+    for name, layer in layers.items():
+        for factor, own in zip("AB", lora_factors(layer), strict=True):
+            key = f"{name}.lora_{factor}.{ADAPTER_NAME}.weight"
+            value = given.get(key, own)
+            tensors[f"{PEFT_PREFIX}{name}.lora_{factor}.weight"] = value.detach().cpu().contiguous()
+    folder = Path(out_dir).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    peft_config = lora_config(config, sorted({name.rsplit(".", 1)[-1] for name in layers}))
+    peft_config.task_type = "CAUSAL_LM"
+    peft_config.inference_mode = True
+    weights = folder / "adapter_model.safetensors"
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    chmod_as_umask(weights)  # safetensors creates it 0600
+    peft_config.save_pretrained(str(folder))  # adapter_config.json
+    return folder

@@ -1,0 +1,639 @@
+"""The transformers fallback: any causal language model transformers can build, trained
+through the interface of the native :class:`~recipes_lib.models.Transformer`.
+
+A folder whose ``model_type`` has no native family (or any folder with ``model=hf``) is
+built as transformers' own ``AutoModelForCausalLM`` (``model.family=hf``), and
+:class:`HFCausalLM` wraps it so that every objective calls it as it calls the native
+decoder: ``model(input_ids, doc_ids, labels=..., per_token=..., loss_chunk_size=...)``,
+``forward_hidden``, ``blocks`` (the decoder layers, for FSDP and activation
+checkpointing), ``attention_backend.check`` and ``flops_per_token``.
+
+- Its state dict is transformers' own (``model.layers.0.self_attn.q_proj.weight``): the
+  wrapper holds the model's children as its own, so a run's ``model.safetensors`` and an
+  export with ``save_pretrained`` carry the names the folder came with.
+- Packed rows: document ids become position ids that restart at each document, which
+  transformers' attention turns into a block-diagonal causal mask; a model whose
+  attention ignores them gets an explicit 4-D mask instead (probed once, at build).
+- The output head is fused with the loss (hidden states from the model's base, the
+  head applied in chunks) where the model's logits are exactly ``lm_head(hidden)``;
+  a model that does more to its logits (soft-capping, a scale, a bias) computes them
+  whole, as transformers does (probed once, at build).
+
+:func:`fallback_model_config` reads the shape fields the rest of the library estimates
+with from any ``config.json``; :func:`check_fallback_folder` refuses, in one line, a
+folder this path cannot train.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from recipes_lib.config.model import ModelConfig
+from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.losses import chunked_cross_entropy, linear_token_logprobs
+from recipes_lib.models.head import head_loss
+
+log = logging.getLogger(__name__)
+
+FALLBACK_FAMILY = "hf"
+# the attention implementation transformers runs for each kernels.attention
+ATTENTION_IMPLEMENTATIONS = {
+    "sdpa": "sdpa",
+    "flex": "flex_attention",
+    "flash_attn": "flash_attention_2",
+}
+_PROBE_TOKENS = 12  # tokens of the build-time probes (causality, head, packing)
+_PROBE_TOLERANCE = 1e-4
+
+
+def is_fallback(model: ModelConfig | Mapping[str, Any]) -> bool:
+    """Whether ``model`` (a ModelConfig or its dict) is served by the transformers
+    fallback (``model.family=hf``)."""
+    family = model.get("family") if isinstance(model, Mapping) else model.family
+    return family == FALLBACK_FAMILY
+
+
+def _first(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    for key in keys:
+        value = config.get(key)
+        if value is not None:
+            return value
+    return default
+
+
+def fallback_model_config(
+    hf_config: Mapping[str, Any],
+    *,
+    name: str | None = None,
+    max_seq_len: int | None = None,
+    trust_remote_code: bool = False,
+) -> ModelConfig:
+    """The :class:`ModelConfig` of the fallback for a ``config.json``: ``family=hf``,
+    the whole config in ``hf_config`` (what the model is built from), and the shape
+    fields the estimates and data checks read, taken from the keys most configs use.
+
+    Raises:
+        CheckpointError: the config names no ``vocab_size`` or hidden size.
+    """
+    config = dict(hf_config)
+    vocab = config.get("vocab_size")
+    dim = _first(config, "hidden_size", "n_embd", "d_model", "dim")
+    if not vocab or not dim:
+        raise CheckpointError(
+            f"model_type={config.get('model_type')!r}: its config.json names no vocab_size or "
+            "hidden size (hidden_size, n_embd, d_model), so it is not a language model's"
+        )
+    n_heads = int(_first(config, "num_attention_heads", "n_head", "num_heads", default=1))
+    head_dim = _first(config, "head_dim")
+    positions = _first(
+        config, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"
+    )
+    context = int(max_seq_len or positions or 2048)
+    return ModelConfig(
+        name=str(name or config.get("_name_or_path") or config.get("model_type") or "hf"),
+        family=FALLBACK_FAMILY,
+        vocab_size=int(vocab),
+        dim=int(dim),
+        n_layers=int(_first(config, "num_hidden_layers", "n_layer", "num_layers", default=1)),
+        n_heads=n_heads,
+        n_kv_heads=_first(config, "num_key_value_heads"),
+        head_dim=int(head_dim) if head_dim else None,
+        ffn_dim=int(_first(config, "intermediate_size", "n_inner", "ffn_dim", default=4 * dim)),
+        max_seq_len=context,
+        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        hf_config=config,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+# ------------------------------------------------------------------ bad input
+def causal_lm_types() -> frozenset[str]:
+    """The ``model_type`` values transformers has an ``AutoModelForCausalLM`` for."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def remote_code_of(hf_config: Mapping[str, Any]) -> str | None:
+    """The folder's own causal-LM class (``auto_map``), which runs the folder's code."""
+    auto_map = hf_config.get("auto_map") or {}
+    return auto_map.get("AutoModelForCausalLM") if isinstance(auto_map, Mapping) else None
+
+
+def check_fallback_config(
+    hf_config: Mapping[str, Any], trust_remote_code: bool, where: str
+) -> None:
+    """Refuse, in one line naming ``where``, a config the fallback cannot build: a model
+    type transformers builds no causal LM for (an encoder, a diffusion model), or a model
+    whose code is the folder's own without ``model.trust_remote_code=true``.
+
+    Raises:
+        ConfigError: as above.
+    """
+    model_type = hf_config.get("model_type")
+    remote = remote_code_of(hf_config)
+    if remote is not None:
+        if not trust_remote_code:
+            raise ConfigError(
+                f"{where}: its config.json runs the folder's own code ({remote}); set "
+                "model.trust_remote_code=true to run it (the run records the flag)"
+            )
+        return
+    if model_type not in causal_lm_types():
+        architectures = ", ".join(hf_config.get("architectures") or []) or "none named"
+        raise ConfigError(
+            f"{where}: model_type={model_type!r} (architectures: {architectures}) is not a "
+            "causal language model: transformers has no AutoModelForCausalLM for it"
+        )
+    if hf_config.get("is_encoder_decoder"):
+        raise ConfigError(
+            f"{where}: model_type={model_type!r} is an encoder-decoder model, not a "
+            "decoder-only causal language model"
+        )
+
+
+def tokenizer_size(folder: Path) -> int | None:
+    """Tokens of the folder's ``tokenizer.json`` (added ones included), or None."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+
+
+def check_fallback_folder(folder: Path, vocab_size: int, where: str) -> None:
+    """Refuse a folder whose tokenizer has more tokens than the model has embeddings.
+
+    Raises:
+        ConfigError: in one line naming ``where``.
+    """
+    tokens = tokenizer_size(folder)
+    if tokens is not None and tokens > vocab_size:
+        raise ConfigError(
+            f"{where}: its tokenizer.json has {tokens} tokens but the model embeds "
+            f"{vocab_size} (vocab_size in config.json): ids past {vocab_size - 1} have no "
+            "embedding; use the tokenizer the model was trained with"
+        )
+
+
+# --------------------------------------------------------------- the wrapper
+@dataclass(frozen=True)
+class FallbackAttention:
+    """What the base module asks of an attention backend, for transformers' own
+    attention (``name`` is transformers' ``attn_implementation``)."""
+
+    name: str
+    packs_documents: bool
+
+    def check(self, *, device: torch.device, dtype: torch.dtype, document_mask: bool) -> None:
+        """Raises ConfigError: document masking on a model that cannot keep documents apart."""
+        del device, dtype
+        if document_mask and not self.packs_documents:
+            raise ConfigError(
+                "data.document_mask=true: this transformers model's attention does not "
+                "keep the documents of a packed row apart; set data.document_mask=false"
+            )
+
+
+def document_positions(doc_ids: Tensor) -> Tensor:
+    """Position ids ``(B, T)`` that restart at 0 where each document of a packed row
+    starts (where ``doc_ids`` changes)."""
+    B, T = doc_ids.shape
+    index = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return index - first
+
+
+def document_mask_4d(doc_ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """An additive ``(B, 1, T, T)`` mask: each token sees the earlier tokens of its own
+    document."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    allowed = (same & causal)[:, None]
+    zero = torch.zeros((), dtype=dtype, device=doc_ids.device)
+    return torch.where(allowed, zero, torch.finfo(dtype).min)
+
+
+def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
+    """The model's decoder layers: the modules of the classes transformers declares as
+    never split (``_no_split_modules``), else the longest ``nn.ModuleList``."""
+    kinds = set(getattr(hf_model, "_no_split_modules", None) or [])
+    layers = [m for m in hf_model.modules() if type(m).__name__ in kinds]
+    if layers:
+        return layers
+    lists = [list(m) for m in hf_model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=len) if lists else []
+
+
+class HFCausalLM(nn.Module):
+    """A transformers causal LM behind the native decoder's interface.
+
+    Args:
+        config: the run's ``model`` (``family=hf``).
+        hf_model: transformers' ``...ForCausalLM``.
+        attention: the attention implementation it runs (transformers' name).
+    """
+
+    hf: Any  # transformers' model (a PreTrainedModel)
+    _base: Any  # its base model: the decoder without the head
+
+    def __init__(self, config: ModelConfig, hf_model: nn.Module, attention: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        # transformers' model, held outside the module tree: its children are this
+        # module's own, so the state dict has transformers' names
+        self.__dict__["hf"] = hf_model
+        for name, child in hf_model.named_children():
+            self.add_module(name, child)
+        for name, param in hf_model.named_parameters(recurse=False):
+            self.register_parameter(name, param)
+        self.__dict__["_base"] = getattr(
+            hf_model, "base_model", hf_model
+        )  # not a child: no second name
+        self._layers = decoder_layers(hf_model)
+        self.fused_head = False
+        self.attention_backend = FallbackAttention(attention, packs_documents=True)
+        self._packing = "positions"  # | "mask": a 4-D block mask
+        # the first training batch's loss, the library's and transformers' own
+        self.load_check: dict[str, float] | None = None
+        self.train(hf_model.training)
+        self.probe()
+
+    # -------------------------------------------------------------- interface
+    @property
+    def blocks(self) -> list[nn.Module]:
+        """The decoder layers (FSDP's units, activation checkpointing's)."""
+        return list(self._layers)
+
+    @property
+    def head_weight(self) -> Tensor:
+        head = self.hf.get_output_embeddings()
+        return head.weight
+
+    def set_activation_checkpointing(self, enabled: bool, stride: int = 1) -> None:
+        """Recompute the activations of every ``stride``-th decoder layer in the
+        backward pass (transformers' own checkpointing, non-reentrant)."""
+        if not enabled:
+            self.hf.gradient_checkpointing_disable()
+            return
+        self.hf.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+        layers: list[Any] = self._layers  # transformers' GradientCheckpointingLayer
+        for index, layer in enumerate(layers):
+            if hasattr(layer, "gradient_checkpointing"):
+                layer.gradient_checkpointing = index % stride == 0
+
+    def _inputs(self, input_ids: Tensor, doc_ids: Tensor | None) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": False}
+        if doc_ids is None:
+            return kwargs
+        if doc_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"doc_ids {tuple(doc_ids.shape)} must have the shape of input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
+        kwargs["position_ids"] = document_positions(doc_ids)
+        if self._packing == "mask":
+            dtype = self.head_weight.dtype
+            if torch.is_autocast_enabled(input_ids.device.type):
+                dtype = torch.get_autocast_dtype(input_ids.device.type)
+            kwargs["attention_mask"] = document_mask_4d(doc_ids, dtype)
+        return kwargs
+
+    def forward_hidden(
+        self,
+        input_ids: Tensor,
+        doc_ids: Tensor | None = None,
+        *,
+        cache: Any = None,
+        start_pos: int | None = None,
+        token_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Hidden states after the model's final norm, ``(B, T, C)``."""
+        del token_mask  # a mixture's balance loss is transformers' own business
+        if cache is not None or start_pos:
+            raise ConfigError("the transformers fallback (model.family=hf) has no KV cache here")
+        self._check_length(input_ids)
+        return self._base(**self._inputs(input_ids, doc_ids)).last_hidden_state
+
+    def _check_length(self, input_ids: Tensor) -> None:
+        if input_ids.shape[1] > self.config.max_seq_len:
+            raise ConfigError(
+                f"input of length {input_ids.shape[1]} is longer than "
+                f"model.max_seq_len={self.config.max_seq_len}"
+            )
+
+    def logits(self, input_ids: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """transformers' own logits ``(B, T, V)``."""
+        self._check_length(input_ids)
+        return self.hf(**self._inputs(input_ids, doc_ids)).logits
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        doc_ids: Tensor | None = None,
+        *,
+        cache: Any = None,
+        start_pos: int | None = None,
+        labels: Tensor | None = None,
+        per_token: bool = False,
+        loss_chunk_size: int | None = None,
+        last_only: bool = False,
+        temperature: float = 1.0,
+        token_mask: Tensor | None = None,
+        fused: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        """As :meth:`recipes_lib.models.Transformer.forward`: logits, or with ``labels``
+        the mean cross-entropy (``per_token``: each label's log-prob), the head fused
+        with the loss in chunks of ``loss_chunk_size`` rows where the model allows it."""
+        if cache is not None or start_pos:
+            raise ConfigError("the transformers fallback (model.family=hf) has no KV cache here")
+        if labels is not None and labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels {tuple(labels.shape)} must have the shape of input_ids "
+                f"{tuple(input_ids.shape)}"
+            )
+        if labels is not None and self.training and self.load_check is None:
+            self.first_batch_check(input_ids, doc_ids, labels, loss_chunk_size)
+        fuse = self.fused_head and (fused is not None or loss_chunk_size is not None)
+        if fused is not None and not self.fused_head:
+            raise ConfigError(
+                "this transformers model's logits are not its head's product with the hidden "
+                "states (soft-capping, a scale or a bias), so a loss fused with the head "
+                "cannot be computed on it"
+            )
+        if not fuse or labels is None:
+            logits = self.logits(input_ids, doc_ids)
+            if last_only:
+                logits = logits[:, -1:]
+            if labels is None:
+                return logits
+            if temperature != 1.0:
+                logits = logits / temperature
+            return head_loss(logits, labels, per_token)
+        hidden = self.forward_hidden(input_ids, doc_ids)
+        weight = self.head_weight
+        if fused is not None:
+            return fused(hidden, weight)
+        if temperature != 1.0:
+            hidden = hidden / temperature
+        assert loss_chunk_size is not None
+        flat_hidden, flat_labels = hidden.flatten(0, -2), labels.flatten()
+        if per_token:
+            out = linear_token_logprobs(flat_hidden, weight, flat_labels, loss_chunk_size)
+            return out.view(labels.shape)
+        return chunked_cross_entropy(flat_hidden, weight, flat_labels, loss_chunk_size)
+
+    @torch.no_grad()
+    def first_batch_check(
+        self, input_ids: Tensor, doc_ids: Tensor | None, labels: Tensor, chunk: int | None
+    ) -> dict[str, float]:
+        """The mean cross-entropy of a batch as the library computes it (``chunk``: the
+        head fused with the loss) and as transformers' own forward does (its
+        ``labels``, shifted inside), in eval mode; kept as :attr:`load_check`.
+
+        transformers shifts the labels itself, so the last position's label (which it
+        cannot see) counts in neither.
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            ours_labels = labels.clone()
+            ours_labels[:, -1] = -100
+            ours = self(input_ids, doc_ids, labels=ours_labels, loss_chunk_size=chunk)
+            theirs_labels = torch.full_like(labels, -100)
+            theirs_labels[:, 1:] = labels[:, :-1]
+            kwargs = self._inputs(input_ids, doc_ids)
+            theirs = self.hf(**kwargs, labels=theirs_labels).loss
+        finally:
+            self.train(was_training)
+        self.load_check = {
+            "library_loss": float(ours),
+            "transformers_loss": float(theirs),
+            "difference": abs(float(ours) - float(theirs)),
+        }
+        if self.load_check["difference"] > 1e-3 * max(1.0, abs(float(theirs))):
+            log.warning(
+                "the transformers fallback's first batch: the library's loss %.6f differs "
+                "from transformers' own %.6f",
+                float(ours),
+                float(theirs),
+            )
+        return self.load_check
+
+    # --------------------------------------------------------------- numbers
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Parameters, each counted once (a tied head with its embeddings)."""
+        seen = {id(p): p for p in self.parameters()}
+        n = sum(p.numel() for p in seen.values())
+        if exclude_embeddings:
+            n -= self.hf.get_input_embeddings().weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, the native decoder's convention: ``6 * N`` over the
+        non-embedding parameters (the head counted) plus the attention's
+        ``12 * layers * heads * head_dim * seq_len``."""
+        c = self.config
+        n = self.num_params(exclude_embeddings=True)
+        if c.tie_embeddings:
+            n += self.head_weight.numel()
+        head_dim = c.head_dim or c.dim // max(c.n_heads, 1)
+        return 6.0 * n + 12.0 * c.n_layers * c.n_heads * head_dim * seq_len
+
+    # ---------------------------------------------------------------- probes
+    @torch.no_grad()
+    def probe(self) -> None:
+        """Decide, on a few random tokens, how the model is called: refuse one whose
+        outputs see later tokens (an encoder); fuse the head with the loss where the
+        logits are ``lm_head(hidden)``; keep packed documents apart by position ids, or
+        by a 4-D mask where the attention ignores them (or neither: no document masking).
+
+        Raises:
+            ConfigError: the model is not causal.
+        """
+        weight = self.head_weight
+        if weight.is_meta:
+            return
+        was_training = self.training
+        self.eval()
+        try:
+            self._probe(weight)
+        finally:
+            self.train(was_training)
+
+    def _probe(self, weight: Tensor) -> None:
+        g = torch.Generator().manual_seed(0)
+        T, vocab = _PROBE_TOKENS, self.config.vocab_size
+        ids = torch.randint(0, vocab, (1, T), generator=g).to(weight.device)
+        logits = self.hf(input_ids=ids, use_cache=False).logits.float()
+        changed = ids.clone()
+        changed[0, -1] = (changed[0, -1] + 1) % vocab
+        later = self.hf(input_ids=changed, use_cache=False).logits.float()
+        if not torch.allclose(logits[:, :-1], later[:, :-1], atol=_PROBE_TOLERANCE):
+            raise ConfigError(
+                f"model_type={self.config.hf_config and self.config.hf_config.get('model_type')!r}"
+                ": its outputs at a position depend on later tokens, so it is not a causal "
+                "language model (an encoder; one with a decoder mode needs is_decoder=true "
+                "in its config.json)"
+            )
+        head = self.hf.get_output_embeddings()
+        if isinstance(head, nn.Linear) and head.bias is None:
+            # a head 100x larger makes logits large enough that soft-capping shows
+            kept = head.weight.detach().clone()
+            head.weight.mul_(100.0)
+            try:
+                hidden = self._base(input_ids=ids, use_cache=False).last_hidden_state
+                ours = (hidden @ head.weight.T).float()
+                theirs = self.hf(input_ids=ids, use_cache=False).logits.float()
+                self.fused_head = ours.shape == theirs.shape and torch.allclose(
+                    ours, theirs, atol=_PROBE_TOLERANCE * 100, rtol=_PROBE_TOLERANCE
+                )
+            finally:
+                head.weight.copy_(kept)
+        # packed documents: two documents in one row, each as if alone
+        cut = T // 2
+        doc_ids = torch.zeros_like(ids)
+        doc_ids[:, cut:] = 1
+        alone = torch.cat(
+            [
+                self.hf(input_ids=ids[:, :cut], use_cache=False).logits,
+                self.hf(input_ids=ids[:, cut:], use_cache=False).logits,
+            ],
+            dim=1,
+        ).float()
+        for packing in ("positions", "mask"):
+            self._packing = packing
+            try:
+                packed = self.logits(ids, doc_ids).float()
+            except Exception:  # noqa: BLE001 - a model that takes no 4-D mask cannot pack
+                continue
+            if torch.allclose(packed, alone, atol=_PROBE_TOLERANCE, rtol=_PROBE_TOLERANCE):
+                return
+        self._packing = "positions"
+        self.attention_backend = FallbackAttention(self.attention_backend.name, False)
+
+
+# ------------------------------------------------------------------ building
+def hf_config_object(config: ModelConfig, folder: Path | None = None):
+    """transformers' config object of ``config.hf_config`` (with remote code, read from
+    ``folder``)."""
+    from transformers import AutoConfig
+
+    if folder is not None and config.trust_remote_code:
+        return AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    values = dict(config.hf_config or {})
+    model_type = values.pop("model_type", None)
+    if model_type is None:
+        raise CheckpointError("model.hf_config names no model_type")
+    for key in ("transformers_version", "architectures", "auto_map"):
+        values.pop(key, None)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def _with_attention(build: Callable[[str], nn.Module], attention: str) -> tuple[nn.Module, str]:
+    """Build with transformers' implementation of ``attention``, or eager attention
+    where the model has none of that kind."""
+    implementation = ATTENTION_IMPLEMENTATIONS.get(attention, attention)
+    try:
+        return build(implementation), implementation
+    except (ValueError, ImportError) as err:
+        if "attn_implementation" not in str(err) and "does not support" not in str(err):
+            raise
+        return build("eager"), "eager"
+
+
+def build_hf_model(
+    config: ModelConfig,
+    *,
+    folder: Path | None,
+    attention: str = "sdpa",
+    where: str = "model",
+) -> HFCausalLM:
+    """transformers' causal LM of ``config`` in float32 on the default device: with the
+    weights of the Hugging Face ``folder``, else freshly initialised (from the torch
+    seed), wrapped as :class:`HFCausalLM`.
+
+    Raises:
+        ConfigError: a folder the fallback refuses (see :func:`check_fallback_config`,
+            :func:`check_fallback_folder`), or one that does not hold every parameter.
+    """
+    from transformers import AutoModelForCausalLM
+
+    check_fallback_config(config.hf_config or {}, config.trust_remote_code, where)
+    remote = config.trust_remote_code
+    if folder is not None:
+        check_fallback_folder(folder, config.vocab_size, where)
+
+        def load(implementation: str) -> nn.Module:
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                folder,
+                dtype=torch.float32,
+                trust_remote_code=remote,
+                attn_implementation=implementation,
+                output_loading_info=True,
+            )
+            model, info = loaded
+            missing = list(info.get("missing_keys") or [])
+            if missing:
+                shown = ", ".join(sorted(missing)[:3])
+                raise ConfigError(
+                    f"{where}: {len(missing)} parameter(s) of {type(model).__name__} have no "
+                    f"weights in the folder ({shown}{', ...' if len(missing) > 3 else ''})"
+                )
+            return model
+
+        hf_model, implementation = _with_attention(load, attention)
+    else:
+        hf_config = hf_config_object(config)
+
+        def fresh(implementation: str) -> nn.Module:
+            return AutoModelForCausalLM.from_config(
+                hf_config,
+                dtype=torch.float32,
+                trust_remote_code=remote,
+                attn_implementation=implementation,
+            )
+
+        hf_model, implementation = _with_attention(fresh, attention)
+    hf_model.to(torch.get_default_device())
+    return HFCausalLM(config, hf_model, implementation)
+
+
+def hf_folder_config(folder: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of ``folder``."""
+    return json.loads((folder / "config.json").read_text())
+
+
+def fallback_line(where: str, model_type: object) -> str:
+    """The one line a run prints when a folder goes through the fallback on its own."""
+    return (
+        f"{where}: model_type={model_type!r} has no native path; training it as transformers' "
+        "own AutoModelForCausalLM (model.family=hf, the transformers fallback)"
+    )
+
+
+__all__ = [
+    "FALLBACK_FAMILY",
+    "FallbackAttention",
+    "HFCausalLM",
+    "build_hf_model",
+    "check_fallback_config",
+    "check_fallback_folder",
+    "document_positions",
+    "fallback_model_config",
+    "is_fallback",
+]
