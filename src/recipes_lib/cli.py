@@ -154,6 +154,34 @@ def _train(cfg: DictConfig) -> float | None:
     return result.metrics.get("val/loss")  # the value a sweeper optimises
 
 
+def _inspect_chat(cfg: DictConfig, show: bool) -> None:
+    """``data.chat.show`` (when ``show``) and ``data.chat.prove_masks`` on the SFT data of
+    ``cfg``, set up as a run's would be (:mod:`recipes_lib.data.chat.show`,
+    :mod:`recipes_lib.data.chat.proof`): the examples and counts, the proof's lines."""
+    from recipes_lib.checkpoint.source import fill_model_from_init
+    from recipes_lib.config import to_run_config
+    from recipes_lib.data.chat.module import ChatDataModule
+    from recipes_lib.data.chat.proof import prove_chat_data
+    from recipes_lib.data.chat.show import show_chat_data
+    from recipes_lib.objectives import build_data
+
+    run_cfg = to_run_config(fill_model_from_init(_with_job_output_dir(cfg)))
+    chat = run_cfg.data.chat
+    datamodule = build_data(run_cfg, total_train_samples=1)
+    if not isinstance(datamodule, ChatDataModule):
+        raise ConfigError(
+            "data.chat.prove_masks and data.chat.show read chat (SFT) data; "
+            f"stage.objective={run_cfg.stage.objective} reads other data"
+        )
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    if show and chat.show:
+        show_chat_data(datamodule, chat.show)
+    if chat.prove_masks:
+        for line in prove_chat_data(datamodule, chat.prove_masks):
+            print(f"mask proof: {line}")
+
+
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _prepare(cfg: DictConfig) -> None:
     configure_console()
@@ -161,6 +189,9 @@ def _prepare(cfg: DictConfig) -> None:
     from recipes_lib.data import prepare
 
     try:
+        if cfg.data.chat.show or cfg.data.chat.prove_masks:
+            _inspect_chat(cfg, show=True)
+            return
         run_cfg = to_run_config(_with_job_output_dir(cfg))
         prepare(run_cfg.data, model_vocab_size=run_cfg.model.vocab_size)
     except RecipesError as err:
@@ -171,6 +202,12 @@ def _prepare(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _check(cfg: DictConfig) -> None:
     configure_console()
+    if cfg.data.chat.prove_masks:  # before the table: a difference is bad input
+        try:
+            _inspect_chat(cfg, show=False)
+        except RecipesError as err:
+            _report(err)
+            sys.exit(2)
     _launch_check(cfg)
 
 
@@ -377,13 +414,16 @@ def train_main() -> None:
 
 
 def prepare_main() -> None:
-    """Entry point of ``recipes-prepare``: tokenize the configured data into shards."""
+    """Entry point of ``recipes-prepare``: tokenize the configured data into shards; with
+    ``data.chat.show=N`` print N rendered chat examples of each source, trained tokens
+    marked, and with ``data.chat.prove_masks=N`` prove N records' masks."""
     _run_and_exit(_prepare)
 
 
 def check_main() -> None:
     """Entry point of ``recipes-check``: the pre-launch check of a run's config (the
-    same groups and overrides as ``recipes-train``), a table, non-zero on a problem."""
+    same groups and overrides as ``recipes-train``), a table, non-zero on a problem;
+    with ``data.chat.prove_masks=N``, N records of each chat source proved first."""
     _run_and_exit(_check)
 
 
