@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shutil
 import subprocess
@@ -130,3 +131,11 @@ def test_recipes_prepare_shows_and_proves_chat_data(tmp_path):
     assert "[[two plus two makes four<|im_end|>]]" in proc.stdout
     assert "3 examples: " in proc.stdout
     assert "mask proof: data.path: 3 record(s): token ids and trained tokens equal" in proc.stdout
+
+
+def test_a_run_logs_its_trained_token_counts_as_it_sets_up(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        datamodule = _data_module(tmp_path)
+    counts = trained_counts(datamodule)
+    total = counts.trained_tokens + counts.untrained_tokens
+    assert f"{counts.trained_tokens:,} of their {total:,} tokens trained" in caplog.text

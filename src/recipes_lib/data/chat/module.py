@@ -14,7 +14,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import ConcatDataset, Dataset
 
 from recipes_lib.config.schema import DataConfig, RunConfig, SourceConfig
-from recipes_lib.data.chat.examples import ChatExample, ChatSourceStats, tokenize_records
+from recipes_lib.data.chat.examples import (
+    IGNORE_INDEX,
+    ChatExample,
+    ChatSourceStats,
+    tokenize_records,
+)
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.data.chat.packing import ChatExampleDataset, PackedChatDataset, pad_collate
 from recipes_lib.data.chat.template import ChatRenderer
@@ -100,7 +105,7 @@ class ChatDataModule(ChatRecordsDataModule):
             )
             val_examples = tokenize_records(records, val_idx, self.renderer, config, where, stats)
             stats.train, stats.val = len(train_examples), len(val_examples)
-            self._report(key, stats)
+            self._report(key, stats, train_examples + val_examples)
             if not train_examples:
                 raise DataError(
                     f"{key}: no training conversation is left of {len(records)} records "
@@ -125,10 +130,13 @@ class ChatDataModule(ChatRecordsDataModule):
         return ChatExampleDataset(examples)
 
     @staticmethod
-    def _report(key: str, stats: ChatSourceStats) -> None:
+    def _report(key: str, stats: ChatSourceStats, examples: list[ChatExample]) -> None:
+        tokens = sum(len(e) for e in examples)
+        trained = sum(int((e.labels != IGNORE_INDEX).sum()) for e in examples)
         rank_zero_info(
             f"{key}: {stats.records} records -> {stats.train} training and {stats.val} "
-            f"held-out conversations ({stats.truncated} truncated, {stats.dropped} dropped)"
+            f"held-out conversations ({stats.truncated} truncated, {stats.dropped} dropped); "
+            f"{trained:,} of their {tokens:,} tokens trained, {tokens - trained:,} not"
         )
         if stats.skipped:
             rank_zero_warning(
