@@ -36,6 +36,7 @@ from typing import Any
 
 from recipes_lib.config.schema import DataConfig
 from recipes_lib.data.chat.examples import ChatSourceStats, tokenize_records
+from recipes_lib.data.chat.messages import record_messages
 from recipes_lib.data.chat.module import ChatDataModule
 from recipes_lib.data.chat.show import mark_trained, trained_positions
 from recipes_lib.data.chat.template import ChatRenderer
@@ -103,14 +104,18 @@ def hf_tokenizer(tokenizer_file: str | Path, eos_token: str) -> Any:
 
 def conversation_of(record: Mapping[str, Any], config: DataConfig) -> tuple[list[dict], Any]:
     """``(messages, tools)`` of a record as transformers takes them: its messages field
-    as written, or its prompt/response pair as a user and an assistant turn."""
+    as written, or its prompt/response pair as a user and an assistant turn. A record
+    in another shape is read into turns as the library reads it: the proof is of the
+    rendering and the masks, not of how a format maps to turns."""
     chat = config.chat
     messages = record.get(chat.messages_field)
-    if messages is None:
+    if messages is None and record.get(chat.prompt_field) is not None:
         messages = [
             {"role": "user", "content": record.get(chat.prompt_field)},
             {"role": "assistant", "content": record.get(chat.response_field)},
         ]
+    elif messages is None:
+        messages = record_messages(record, 0, chat)
     clean = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
     tools = record.get("tools")
     if isinstance(tools, str):
