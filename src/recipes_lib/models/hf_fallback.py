@@ -199,8 +199,9 @@ class FallbackAttention:
         del device, dtype
         if document_mask and not self.packs_documents:
             raise ConfigError(
-                "data.document_mask=true: this transformers model's attention does not "
-                "keep the documents of a packed row apart; set data.document_mask=false"
+                "data.document_mask=true: this transformers model does not keep the "
+                "documents of a packed row apart (neither by position ids nor by a 4-D "
+                "mask); set data.document_mask=false data.chat.packing=false (a row each)"
             )
 
 
@@ -276,6 +277,12 @@ class HFCausalLM(nn.Module):
     def blocks(self) -> list[nn.Module]:
         """The decoder layers (FSDP's units, activation checkpointing's)."""
         return list(self._layers)
+
+    @property
+    def packing(self) -> str:
+        """How packed rows keep their documents apart: ``positions`` (position ids that
+        restart per document) or ``mask`` (a 4-D block mask)."""
+        return self._packing
 
     @property
     def head_weight(self) -> Tensor:

@@ -1,0 +1,311 @@
+"""The transformers fallback over transformers' causal-LM model types: each type made
+tiny (its default config with small dims, as transformers' own tiny test configs are),
+saved as a folder a user downloads, trained 5 steps of ``recipe=sft/lora`` and of
+``recipe=dpo/full`` with ``model=hf``, exported and reloaded by transformers with the
+same logits. :func:`sweep_type` gives one type's row, :func:`write_table` the docs page
+(docs/models/fallback.md)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from hf_folders import VOCAB, write_chat_records, write_preference_records, write_tokenizer
+from tiny import QUIET_OVERRIDES
+
+from recipes_lib.data.chat.instructions import stdlib_instruction_records
+
+# small dims under every name configs use for them; only names a config has are set
+TINY_DIMS: dict[str, Any] = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "intermediate_size": 128,
+    "n_inner": 128,
+    "ffn_dim": 128,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "n_positions": 512,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "is_decoder": True,
+    "tie_word_embeddings": True,
+}
+MAX_TINY_PARAMS = 5_000_000  # a type whose default config does not shrink is skipped
+SECONDS_PER_TYPE = 240
+UNPACKED = ["data.document_mask=false", "data.chat.packing=false"]  # a row each
+SHORT = ["trainer=cpu", "trainer.max_steps=5", "scheduler.warmup=1", "trainer.val_check_interval=5"]
+NATIVE = {
+    "llama",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "gemma3_text",
+    "olmo2",
+    "phi3",
+    "smollm3",
+    "qwen3_moe",
+    "olmoe",
+    "mixtral",
+}
+
+
+class Skip(Exception):
+    """A type that cannot be made tiny here (extra dependencies, a nested config)."""
+
+
+def _shrink(values: dict[str, Any]) -> dict[str, Any]:
+    out = dict(values)
+    for key, value in values.items():
+        if isinstance(value, dict) and ("hidden_size" in value or "vocab_size" in value):
+            out[key] = _shrink(value)  # a text or vision tower's own config
+        elif key in TINY_DIMS and key in values:
+            out[key] = TINY_DIMS[key]
+    if out.get("layer_types"):  # sliding / full layers: keep the first kinds
+        out["layer_types"] = list(values["layer_types"])[: out.get("num_hidden_layers", 2)]
+    return out
+
+
+def tiny_config(model_type: str):
+    """transformers' config of ``model_type`` with :data:`TINY_DIMS`.
+
+    Raises:
+        Skip: the type cannot be built here (its reason).
+    """
+    import transformers
+
+    try:
+        default = transformers.AutoConfig.for_model(model_type).to_dict()
+        values = _shrink(default)
+        values.pop("model_type", None)
+        for key in ("transformers_version", "architectures", "_name_or_path"):
+            values.pop(key, None)
+        return transformers.AutoConfig.for_model(model_type, **values)
+    except ImportError as err:
+        raise Skip(f"needs {str(err).splitlines()[0][:80]}") from err
+    except Exception as err:  # noqa: BLE001 - any reason a config does not build is recorded
+        raise Skip(f"config: {type(err).__name__}: {str(err).splitlines()[0][:80]}") from err
+
+
+def make_tiny_folder(model_type: str, folder: Path) -> int:
+    """Save a tiny ``model_type`` model (seed 0) with a tokenizer into ``folder``;
+    return its parameter count.
+
+    Raises:
+        Skip: it cannot be built tiny here.
+    """
+    import transformers
+
+    config = tiny_config(model_type)
+    try:
+        with torch.device("meta"):
+            shapes = transformers.AutoModelForCausalLM.from_config(config)
+        count = sum(p.numel() for p in shapes.parameters())
+        if count > MAX_TINY_PARAMS:
+            raise Skip(f"does not shrink with the common dims ({count / 1e6:.0f}M parameters)")
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        model.save_pretrained(folder)
+    except Skip:
+        raise
+    except ImportError as err:
+        raise Skip(f"needs {str(err).splitlines()[0][:80]}") from err
+    except Exception as err:  # noqa: BLE001 - recorded as the type's reason
+        raise Skip(f"build: {type(err).__name__}: {str(err).splitlines()[0][:80]}") from err
+    write_tokenizer(folder, stdlib_instruction_records(200))
+    return count
+
+
+def _timeout(signum, frame):  # noqa: ARG001 - signal handler signature
+    raise TimeoutError(f"over {SECONDS_PER_TYPE} s")
+
+
+def _run(recipe: str, folder: Path, data: Path, out: Path, extra: Iterable[str] = ()):
+    from recipes_lib.config import compose_config
+    from recipes_lib.train import run
+
+    overrides = [
+        f"recipe={recipe}",
+        "model=hf",
+        f"stage.init_from={folder}",
+        f"data.path={data}",
+        "data.seq_len=128",
+        *SHORT,
+        *QUIET_OVERRIDES,
+        f"run.dir={out / 'run'}",
+        f"data.cache_dir={out / 'cache'}",
+        *extra,
+    ]
+    return run(compose_config(overrides))
+
+
+def _reloads_same(result) -> float:
+    """transformers' logits of the exported hf/ against the run's own weights, built as
+    the fallback builds them; the largest difference."""
+    import transformers
+
+    from recipes_lib.export import load_checkpoint
+
+    ours, config = load_checkpoint(result.output_dir)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(result.hf_path).eval()
+    x = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return float((ours.float().eval()(x) - theirs(input_ids=x).logits).abs().max())
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:140] if text else ''}"
+
+
+def sweep_type(model_type: str, tmp: Path) -> dict[str, Any]:
+    """One type's row: ``status`` (``ok`` | ``partial`` | ``skipped`` | ``failed``),
+    what passed and why anything did not."""
+    row: dict[str, Any] = {
+        "model_type": model_type,
+        "path": "native" if model_type in NATIVE else "fallback",
+    }
+    folder = tmp / "folder"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    previous = signal.signal(signal.SIGALRM, _timeout)
+    signal.alarm(SECONDS_PER_TYPE)
+    started = time.perf_counter()
+    try:
+        row["params"] = make_tiny_folder(model_type, folder)
+        chat = write_chat_records(tmp / "chat.jsonl", 40)
+        pairs = write_preference_records(tmp / "pairs.jsonl", 40)
+        row["packing"] = _packs(folder)
+        rows = UNPACKED if row["packing"] == "no" else []
+        for recipe, data in (("sft/lora", chat), ("dpo/full", pairs)):
+            key = recipe.replace("/", "_")
+            try:
+                result = _run(recipe, folder, data, tmp / key, ["stage.export_hf=true", *rows])
+                assert result.global_step == 5 and result.hf_path is not None
+                row[key] = "ok"
+                row[f"{key}_load_check"] = (result.load_check or {}).get("difference")
+                row[f"{key}_reload"] = _reloads_same(result)
+                if row[f"{key}_reload"] > 1e-4:
+                    row[key] = f"reloaded logits differ by {row[f'{key}_reload']:.1e}"
+            except TimeoutError:
+                raise
+            except Exception as err:  # noqa: BLE001 - the row records why
+                row[key] = _first_line(err)
+        passed = [row.get(k) == "ok" for k in ("sft_lora", "dpo_full")]
+        row["status"] = "ok" if all(passed) else "partial" if any(passed) else "failed"
+    except Skip as err:
+        row.update(status="skipped", reason=str(err))
+    except Exception as err:  # noqa: BLE001 - a timeout or a crash outside a recipe
+        row.update(status="failed", reason=_first_line(err))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        shutil.rmtree(tmp, ignore_errors=True)
+    row["seconds"] = round(time.perf_counter() - started, 1)
+    return row
+
+
+def _packs(folder: Path) -> str:
+    """How the fallback keeps the documents of a packed row apart (probed at build)."""
+    from recipes_lib.models.hf_fallback import (
+        build_hf_model,
+        fallback_model_config,
+        hf_folder_config,
+    )
+
+    model = build_hf_model(fallback_model_config(hf_folder_config(folder)), folder=folder)
+    if not model.attention_backend.packs_documents:
+        return "no"  # trained a row per example
+    return "position ids" if model.packing == "positions" else "4-D mask"
+
+
+def causal_lm_types() -> list[str]:
+    from recipes_lib.models.hf_fallback import causal_lm_types as types
+
+    return sorted(types())
+
+
+HEADER = """# The transformers fallback: every causal-LM model type
+
+<!-- generated by tests/integration/test_hf_fallback_sweep.py; do not edit -->
+
+A Hugging Face folder whose `model_type` has no native family trains as transformers' own
+`AutoModelForCausalLM` (`model.family=hf`), chosen on its own with one line saying so;
+`model=hf` chooses it for any folder. See [Models](../models.md#the-transformers-fallback).
+
+Each model type of transformers {version}'s `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` was made tiny
+(its default config with 2 layers of width 64, a 512-token vocabulary), saved with a
+tokenizer, then trained through the fallback (`model=hf`) 5 steps of `recipe=sft/lora` and
+5 of `recipe=dpo/full` on the CPU; each run exported `hf/` with `save_pretrained`, and
+transformers' reload of it gave the run's own logits within 1e-4. *load check*: the
+largest difference between the library's first-batch loss and transformers' own.
+*packing*: how packed rows keep their documents apart (position ids restarting per
+document, else a 4-D block mask; *no*: the model keeps no documents apart, such as a
+state-space or linear-attention model, and trains one example per row with
+`data.chat.packing=false data.document_mask=false`).
+
+**{ok} of {total} types pass both recipes**, {partial} pass one, {failed} fail, {skipped}
+cannot be made tiny here (extra dependencies or a config that does not shrink).
+
+| model type | path | sft/lora | dpo/full | load check | packing | note |
+|---|---|---|---|---|---|---|
+"""
+
+
+def _cell(value: Any) -> str:
+    if value == "ok":
+        return "yes"
+    if value is None:
+        return ""
+    return "no"
+
+
+def write_table(rows: list[Mapping[str, Any]], path: Path) -> dict[str, int]:
+    """Write the docs page of ``rows``; return the counts by status."""
+    import transformers
+
+    counts = {
+        s: sum(r["status"] == s for r in rows) for s in ("ok", "partial", "failed", "skipped")
+    }
+    lines = [
+        HEADER.format(version=transformers.__version__, total=len(rows), **counts),
+    ]
+    for r in sorted(rows, key=lambda r: r["model_type"]):
+        checks = [r.get("sft_lora_load_check"), r.get("dpo_full_load_check")]
+        worst = max((c for c in checks if c is not None), default=None)
+        notes = [r.get("reason")] + [
+            f"{k.replace('_', '/')}: {r[k]}"
+            for k in ("sft_lora", "dpo_full")
+            if r.get(k) not in (None, "ok")
+        ]
+        note = "; ".join(n for n in notes if n).replace("|", "\\|")
+        lines.append(
+            f"| `{r['model_type']}` | {r['path']} | {_cell(r.get('sft_lora'))} | "
+            f"{_cell(r.get('dpo_full'))} | {'' if worst is None else f'{worst:.0e}'} | "
+            f"{r.get('packing', '')} | {note} |\n"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(lines))
+    path.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    return counts
