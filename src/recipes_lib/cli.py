@@ -94,9 +94,16 @@ def _join_submitit_job() -> None:
 
 def _launch_check(cfg: DictConfig) -> None:
     """The pre-launch check of ``cfg``: its table on stdout (rank 0), then exit status 1
-    if any check failed."""
+    if any check failed. With ``data.chat.prove_masks`` the mask proof runs first; a
+    record that differs ends the check with status 2."""
     from recipes_lib.launch_check import check_launch, print_report
 
+    if cfg.data.chat.prove_masks:  # before the table: a difference is bad input
+        try:
+            _inspect_chat(cfg, show=False)
+        except RecipesError as err:
+            _report(err)
+            sys.exit(2)
     report = check_launch(_with_job_output_dir(cfg))
     if global_rank() == 0:
         print_report(report, title=f"pre-launch check: {cfg.run.name} ({cfg.model.name})")
@@ -202,12 +209,6 @@ def _prepare(cfg: DictConfig) -> None:
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="config")
 def _check(cfg: DictConfig) -> None:
     configure_console()
-    if cfg.data.chat.prove_masks:  # before the table: a difference is bad input
-        try:
-            _inspect_chat(cfg, show=False)
-        except RecipesError as err:
-            _report(err)
-            sys.exit(2)
     _launch_check(cfg)
 
 

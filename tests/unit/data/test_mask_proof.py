@@ -35,7 +35,9 @@ from recipes_lib.data.chat.proof import (  # noqa: E402
     hf_tokenizer,
     prove_chat_data,
     prove_records,
+    sample_indices,
 )
+from recipes_lib.errors import ConfigError  # noqa: E402
 
 pytest.importorskip("transformers")
 
@@ -219,3 +221,12 @@ def test_a_wrong_template_stops_at_the_first_record_on_its_token_ids(tmp_path):
     where = datamodule._record_source(name)
     with pytest.raises(MaskProofError, match=r"chat\.jsonl:1: .* the token ids differ"):
         prove_records(records, [0, 1], datamodule.renderer, reference, datamodule.config, where)
+
+
+def test_the_sample_is_seeded_and_a_negative_count_refused(tmp_path):
+    assert sample_indices(3, 10, seed=0) == [0, 1, 2]
+    picked = sample_indices(100, 5, seed=1)
+    assert picked == sorted(picked) == sample_indices(100, 5, seed=1) and len(set(picked)) == 5
+    datamodule = _data_module(tmp_path, FAMILIES["smollm3"], plain_records())
+    with pytest.raises(ConfigError, match=r"data\.chat\.prove_masks=-1 must be 0 or more"):
+        prove_chat_data(datamodule, -1)
