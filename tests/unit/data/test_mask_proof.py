@@ -7,15 +7,11 @@ The families' templates and tiny tokenizers come from ``tests/chat_families.py``
 from __future__ import annotations
 
 import re
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: chat_families
-
-from chat_families import (  # noqa: E402
+from chat_families import (
     FAMILIES,
     ChatFamily,
     multi_turn_records,
@@ -26,9 +22,9 @@ from chat_families import (  # noqa: E402
     write_records,
 )
 
-from recipes_lib.config.schema import ChatFormatConfig, DataConfig, TokenizerConfig  # noqa: E402
-from recipes_lib.data.chat.module import ChatDataModule  # noqa: E402
-from recipes_lib.data.chat.proof import (  # noqa: E402
+from recipes_lib.config.schema import ChatFormatConfig, DataConfig, TokenizerConfig
+from recipes_lib.data.chat.module import ChatDataModule
+from recipes_lib.data.chat.proof import (
     MaskProofError,
     ReferenceRenderer,
     conversation_of,
@@ -37,7 +33,7 @@ from recipes_lib.data.chat.proof import (  # noqa: E402
     prove_records,
     sample_indices,
 )
-from recipes_lib.errors import ConfigError  # noqa: E402
+from recipes_lib.errors import ConfigError
 
 pytest.importorskip("transformers")
 

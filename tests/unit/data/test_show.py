@@ -12,10 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: chat_families
-
-from chat_families import (  # noqa: E402
+from chat_families import (
     FAMILIES,
     multi_turn_records,
     plain_records,
@@ -23,10 +20,10 @@ from chat_families import (  # noqa: E402
     write_records,
 )
 
-from recipes_lib.config.schema import DataConfig, TokenizerConfig  # noqa: E402
-from recipes_lib.data.chat.examples import IGNORE_INDEX, ChatExample  # noqa: E402
-from recipes_lib.data.chat.module import ChatDataModule  # noqa: E402
-from recipes_lib.data.chat.show import (  # noqa: E402
+from recipes_lib.config.schema import DataConfig, TokenizerConfig
+from recipes_lib.data.chat.examples import IGNORE_INDEX, ChatExample
+from recipes_lib.data.chat.module import ChatDataModule
+from recipes_lib.data.chat.show import (
     ANSI_RESET,
     ANSI_TRAINED,
     mark_trained,
@@ -34,7 +31,7 @@ from recipes_lib.data.chat.show import (  # noqa: E402
     trained_counts,
     trained_positions,
 )
-from recipes_lib.errors import ConfigError  # noqa: E402
+from recipes_lib.errors import ConfigError
 
 FAMILY = FAMILIES["smollm3"]
 
