@@ -85,3 +85,61 @@ def test_sft_then_dpo_lora_pipeline_through_the_fallback(tmp_path):
         torch.testing.assert_close(
             adapted(input_ids=x).logits, theirs(input_ids=x).logits, atol=1e-4, rtol=1e-4
         )
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_trains_as_the_native_family_does(tmp_path):
+    """FSDP2 shards each decoder layer of transformers' model: two gloo processes train
+    a Llama folder through the fallback (model=hf) to the weights the native family
+    reaches under FSDP on the same data."""
+    from run_helpers import torchrun
+
+    from recipes_lib.checkpoint.weights import load_weights
+
+    config = transformers.AutoConfig.for_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    folder = tmp_path / "llama"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    write_tokenizer(folder, stdlib_instruction_records(200))
+    chat = write_chat_records(tmp_path / "chat.jsonl", 40)
+    for name, model in (("native", "from_init"), ("fallback", "hf")):
+        torchrun(
+            2,
+            "-m",
+            "recipes_lib.cli",
+            "recipe=sft/full",
+            f"model={model}",
+            f"stage.init_from={folder}",
+            f"data.path={chat}",
+            "data.seq_len=128",
+            "data.batch_size=2",
+            "trainer=cpu",
+            "trainer.max_steps=3",
+            "trainer.val_check_interval=3",
+            "scheduler.warmup=1",
+            "optim.lr=1e-3",
+            "stage.export_hf=true",
+            "strategy=fsdp",
+            "trainer.devices=2",
+            *QUIET_OVERRIDES,
+            f"run.dir={tmp_path / name}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            omp_threads=1,
+        )
+    native = load_weights(tmp_path / "native" / "hf" / "model.safetensors")
+    ours = load_weights(tmp_path / "fallback" / "model.safetensors")
+    start = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert ours.keys() == native.keys()
+    worst = max((ours[k] - native[k]).abs().max().item() for k in ours)
+    moved = max((ours[k] - start[k]).abs().max().item() for k in ours)
+    assert worst < 0.02 * moved, (worst, moved)

@@ -375,6 +375,23 @@ class HFCausalLM(nn.Module):
             )
         if labels is not None and self.training and self.load_check is None:
             self.first_batch_check(input_ids, doc_ids, labels, loss_chunk_size)
+        return self._forward(
+            input_ids, doc_ids, labels, per_token, loss_chunk_size, last_only, temperature, fused
+        )
+
+    def _forward(
+        self,
+        input_ids: Tensor,
+        doc_ids: Tensor | None,
+        labels: Tensor | None,
+        per_token: bool = False,
+        loss_chunk_size: int | None = None,
+        last_only: bool = False,
+        temperature: float = 1.0,
+        fused: Callable[[Tensor, Tensor], Tensor] | None = None,
+    ) -> Tensor:
+        # the body of forward, also called from inside it (a sharded model's weights are
+        # gathered around the outer call only)
         fuse = self.fused_head and (fused is not None or loss_chunk_size is not None)
         if fused is not None and not self.fused_head:
             raise ConfigError(
@@ -420,7 +437,7 @@ class HFCausalLM(nn.Module):
         try:
             ours_labels = labels.clone()
             ours_labels[:, -1] = -100
-            ours = self(input_ids, doc_ids, labels=ours_labels, loss_chunk_size=chunk)
+            ours = self._forward(input_ids, doc_ids, ours_labels, loss_chunk_size=chunk)
             theirs_labels = torch.full_like(labels, -100)
             theirs_labels[:, 1:] = labels[:, :-1]
             kwargs = self._inputs(input_ids, doc_ids)
