@@ -215,3 +215,27 @@ def test_a_refused_folder_stops_the_run_before_training(tmp_path):
     with pytest.raises(ConfigError, match="not a causal language model"):
         run(compose_config(overrides))
     assert not (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_remote_code_runs_with_the_flag_and_is_recorded(tmp_path):
+    folder = tiny_folder(tmp_path / "mine", "llama")
+    (folder / "configuration_mine.py").write_text(
+        "from transformers import LlamaConfig\n\n\n"
+        "class MyConfig(LlamaConfig):\n    model_type = 'mine'\n"
+    )
+    (folder / "modeling_mine.py").write_text(
+        "from transformers import LlamaForCausalLM\n"
+        "from .configuration_mine import MyConfig\n\n\n"
+        "class MyForCausalLM(LlamaForCausalLM):\n    config_class = MyConfig\n"
+    )
+    config = hf_folder_config(folder)
+    config["model_type"] = "mine"
+    config["auto_map"] = {
+        "AutoConfig": "configuration_mine.MyConfig",
+        "AutoModelForCausalLM": "modeling_mine.MyForCausalLM",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    model_config = fallback_model_config(config, trust_remote_code=True)
+    model = build_hf_model(model_config, folder=folder)
+    assert type(model.hf).__name__ == "MyForCausalLM"
+    assert model.config.trust_remote_code  # recorded with the run's model
