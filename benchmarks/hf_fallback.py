@@ -15,7 +15,8 @@ Prints one JSON object to stdout. On the GPU machine::
 
     python benchmarks/hf_fallback.py --out $OUT/hf_fallback.json
 
-``--tiny`` runs on the CPU in seconds, so CI can check that the script works::
+``--tiny`` (or ``--smoke``) runs on the CPU in seconds, so CI can check that the script
+works::
 
     python benchmarks/hf_fallback.py --tiny
 """
@@ -129,7 +130,9 @@ def measure(path: str, config: dict[str, Any], args, device: torch.device) -> di
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny shape on the CPU")
+    parser.add_argument(
+        "--tiny", "--smoke", dest="tiny", action="store_true", help="tiny shape on the CPU"
+    )
     parser.add_argument("--families", nargs="+", default=list(FAMILIES))
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)

@@ -22,6 +22,10 @@ checkpointing), ``attention_backend.check`` and ``flops_per_token``.
 :func:`fallback_model_config` reads the shape fields the rest of the library estimates
 with from any ``config.json``; :func:`check_fallback_folder` refuses, in one line, a
 folder this path cannot train.
+
+One concept: transformers' model as the library's decoder; the config it is read from,
+the folders it refuses and the probes that decide how it is called all answer to the
+one wrapper and change with it.
 """
 
 from __future__ import annotations
