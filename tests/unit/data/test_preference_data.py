@@ -346,7 +346,7 @@ def test_a_text_corpus_is_not_a_preference_source(tmp_path, small_tokenizer_path
         PreferenceDataModule(config, 512, 1024).setup()
 
 
-def _sized_item(index: int, chosen: int, rejected: int) -> dict:
+def _item(index: int, chosen: int, rejected: int) -> dict:
     def seq(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.arange(1, n + 1)
         mask = torch.zeros(n, dtype=torch.bool)
@@ -369,7 +369,7 @@ def _sized_item(index: int, chosen: int, rejected: int) -> dict:
     ids=["short", "one-long", "full"],
 )
 def test_packed_rows_under_compile_are_as_narrow_as_their_tokens_need(lengths):
-    items = [_sized_item(i, c, r) for i, (c, r) in enumerate(lengths)]
+    items = [_item(i, c, r) for i, (c, r) in enumerate(lengths)]
     loose = collate_pairs(items, pad_id=0, packing=True, seq_len=2048)
     fixed = collate_pairs(items, pad_id=0, packing=True, seq_len=2048, fixed_width=True)
     rows, width = fixed["input_ids"].shape

@@ -148,22 +148,19 @@ def collate_pairs(
         # empty rows pad a pass of one row to two: dynamo would specialise a single
         # row, one more graph (recipes_lib.kernels.compiled)
         min_rows = MIN_ROWS if fixed_width else 1
-        halves = (lengths[:n_pairs], lengths[n_pairs:]) if kto else (lengths,)
-
-        def pack(capacity: int) -> list[list[list[int]]]:
-            return [_at_least(_first_fit_rows(half, capacity), min_rows) for half in halves]
-
         capacity = seq_len
-        packed = pack(seq_len)
-        if fixed_width:  # narrower rows, unless first fit leaves them more to compute
-            narrow = max(packed_width(half, seq_len) for half in halves)
-            narrower = pack(narrow)
-            if narrow * sum(map(len, narrower)) < seq_len * sum(map(len, packed)):
-                capacity, packed = narrow, narrower
-        rows = packed[0]
         if kto:  # completions' rows, then the twins' own (each pass of the policy's)
+            if fixed_width:
+                halves = (lengths[:n_pairs], lengths[n_pairs:])
+                capacity = max(packed_width(half, seq_len) for half in halves)
+            rows = _at_least(_first_fit_rows(lengths[:n_pairs], capacity), min_rows)
+            twins = _at_least(_first_fit_rows(lengths[n_pairs:], capacity), min_rows)
             twin_rows = len(rows)
-            rows = rows + [[n_pairs + s for s in row] for row in packed[1]]
+            rows += [[n_pairs + s for s in row] for row in twins]
+        else:
+            if fixed_width:
+                capacity = packed_width(lengths, seq_len)
+            rows = _at_least(_first_fit_rows(lengths, capacity), min_rows)
     else:
         rows = [[s] for s in range(len(sequences))]
         twin_rows = n_pairs
