@@ -22,11 +22,9 @@ from recipes_lib.kernels.compiled import CALL_KINDS, GRAPHS_PER_KIND
 from recipes_lib.train import run
 
 STEPS = 50
-# packed pairs: per kind of call (policy with and without gradients, the reference),
-# its first width static, then the width dynamic; under LoRA the first block's input
-# takes no gradient, one kind more
-PACKED = 3 * GRAPHS_PER_KIND
-PACKED_LORA = CALL_KINDS * GRAPHS_PER_KIND
+# packed pairs: one graph per kind of call (policy with and without gradients, the
+# reference); under LoRA the first block's input takes no gradient, one more
+PACKED = CALL_KINDS
 # padded rows: the first length, then the length dynamic, for training and validation;
 # and the same two of the loss's compiled cross-entropy
 PADDED = 2 * GRAPHS_PER_KIND + 2
@@ -96,7 +94,7 @@ def eager_backend(monkeypatch):
     "recipe,data,extra,at_most",
     [
         ("dpo/full", "pairs", (), PACKED),
-        ("dpo/lora", "pairs", (), PACKED_LORA),
+        ("dpo/lora", "pairs", (), PACKED),
         ("kto/full", "examples", (), PACKED),
         ("reward/full", "pairs", (), PACKED),
         ("sft/full", "chat", ("data.chat.packing=false",), PADDED),

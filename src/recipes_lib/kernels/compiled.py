@@ -20,15 +20,14 @@ So where an objective's batches vary, only what varies is dynamic (``mark_varyin
 
 - the rows of a batch (dim 0 of the hidden states and of the attention mask's
   per-row tensors) are dynamic from the first call: how many rows a batch of packed
-  pairs fills varies;
-- widths are rounded up to a multiple of :data:`LENGTH_MULTIPLE`
-  (:func:`bucketed_length`, used by every collate that pads to its longest row, and by
-  packed pairs, whose rows are only as wide as their tokens need), so the widths align
-  with the attention kernels' blocks; the second width a kind sees makes the width
-  dynamic, once. Rows of pretraining and packed SFT are always ``data.seq_len`` wide.
+  pairs fills varies, their width ``data.seq_len`` does not and stays static;
+- padded lengths are rounded up to a multiple of :data:`LENGTH_MULTIPLE`
+  (:func:`bucketed_length`, used by every collate that pads to its longest row under
+  compile), so the few distinct lengths align with the attention kernels' blocks; the
+  second length a kind sees makes the length dynamic, once.
 
-A kind thus takes at most two graphs (:data:`GRAPHS_PER_KIND`): its first, compiled
-before the first step, and the dynamic one, compiled in a later step; a batch of a single row
+A kind thus takes one graph on packed rows and at most two on padded ones
+(:data:`GRAPHS_PER_KIND`), each compiled in its first steps; a batch of a single row
 would be specialised by dynamo and take a third, so packed preference batches hold at
 least two rows. :data:`GRAPH_BOUND` is the recompile limit a varying-shape run sets.
 A call the compiled path cannot take (dynamo or its backend fails on that shape) runs
@@ -51,7 +50,7 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 CALL_KINDS = 4  # training; the policy without gradients; adapters bypassed; a frozen model
-GRAPHS_PER_KIND = 2  # the first width static, then the width dynamic
+GRAPHS_PER_KIND = 2  # the first length static, then the length dynamic (padded rows)
 GRAPH_BOUND = CALL_KINDS * GRAPHS_PER_KIND  # graphs of one compiled block, any data
 # padded rows are a multiple of this long under compile: flex attention's block of 128
 # keys, and matmul tiles; more lengths would only add guard checks, fewer would pad more

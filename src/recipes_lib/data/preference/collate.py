@@ -27,11 +27,9 @@ Without packing (``data.chat.packing=false``) every sequence has its own row, pa
 to the longest of the batch (with compiled blocks, rounded up to a few widths): rows
 ``0..P-1`` are the chosen sequences and ``P..2P-1`` the rejected ones, so one forward
 pass sees both. With packing, sequences share rows of ``data.seq_len`` (first fit,
-longest first; as wide as the fullest row) and ``doc_ids`` keeps them apart, which
-needs ``data.document_mask=true``. With compiled blocks a packed batch holds at least two
-rows, and its width is a multiple of 128 (:func:`packed_width`): no wider than its tokens
-need when they are spread over as few rows as ``data.seq_len`` allows, so a batch of
-short pairs does not compute over rows of ``data.seq_len`` that are mostly padding.
+longest first; as wide as the fullest row, or with compiled blocks ``data.seq_len``
+wide and at least two rows per pass, an empty one where all fit in one) and
+``doc_ids`` keeps them apart, which needs ``data.document_mask=true``.
 """
 
 from __future__ import annotations
@@ -96,20 +94,6 @@ def _first_fit_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def packed_width(lengths: Sequence[int], seq_len: int) -> int:
-    """The row width of a packed batch under compile: the longest sequence, or the
-    tokens spread evenly over the fewest rows of ``seq_len`` (at least ``MIN_ROWS``),
-    whichever is wider, rounded up to a multiple of 128 and never past ``seq_len``
-    (:func:`~recipes_lib.kernels.compiled.bucketed_length`).
-
-    The widths a run sees vary with its data, so the width dimension becomes dynamic in
-    each kind of call's second graph, once (:mod:`recipes_lib.kernels.compiled`).
-    """
-    total = sum(lengths)
-    rows = max(MIN_ROWS, -(-total // seq_len))
-    return bucketed_length(max(max(lengths, default=1), -(-total // rows), 1), seq_len)
-
-
 def _at_least(rows: list[list[int]], count: int) -> list[list[int]]:
     """``rows`` and empty ones after them, ``count`` in all."""
     return rows + [[] for _ in range(count - len(rows))]
@@ -132,10 +116,10 @@ def collate_pairs(
         seq_len: the row length when packing.
         shifted: inputs and next-token labels; False: every token an input, and each
             sequence's ``score_index``.
-        fixed_width: shapes for compiled blocks: packed rows as wide as
-            :func:`packed_width` makes them and at least ``MIN_ROWS`` of them, padded
-            rows as wide as :func:`~recipes_lib.kernels.compiled.bucketed_length` makes
-            the longest.
+        fixed_width: shapes for compiled blocks: packed rows are ``seq_len`` wide (not as
+            wide as the fullest row) and at least ``MIN_ROWS`` of them, padded rows as
+            wide as :func:`~recipes_lib.kernels.compiled.bucketed_length` makes the
+            longest.
     """
     n_pairs = len(items)
     sequences = [(it["chosen_ids"], it["chosen_mask"]) for it in items]
@@ -148,27 +132,22 @@ def collate_pairs(
         # empty rows pad a pass of one row to two: dynamo would specialise a single
         # row, one more graph (recipes_lib.kernels.compiled)
         min_rows = MIN_ROWS if fixed_width else 1
-        capacity = seq_len
         if kto:  # completions' rows, then the twins' own (each pass of the policy's)
-            if fixed_width:
-                halves = (lengths[:n_pairs], lengths[n_pairs:])
-                capacity = max(packed_width(half, seq_len) for half in halves)
-            rows = _at_least(_first_fit_rows(lengths[:n_pairs], capacity), min_rows)
-            twins = _at_least(_first_fit_rows(lengths[n_pairs:], capacity), min_rows)
+            rows = _at_least(_first_fit_rows(lengths[:n_pairs], seq_len), min_rows)
+            twins = _at_least(_first_fit_rows(lengths[n_pairs:], seq_len), min_rows)
             twin_rows = len(rows)
             rows += [[n_pairs + s for s in row] for row in twins]
         else:
-            if fixed_width:
-                capacity = packed_width(lengths, seq_len)
-            rows = _at_least(_first_fit_rows(lengths, capacity), min_rows)
+            rows = _at_least(_first_fit_rows(lengths, seq_len), min_rows)
     else:
         rows = [[s] for s in range(len(sequences))]
         twin_rows = n_pairs
     width = max(sum(lengths[s] for s in row) for row in rows)
     if packing and fixed_width:
-        # a multiple of 128 (recipes_lib.kernels.compiled); first fit may leave rows
-        # part empty
-        width = capacity
+        # one row width whatever the pairs' lengths: compiled blocks traced a graph per
+        # width (recipes_lib.kernels.compiled); first fit leaves the last row part empty
+        assert seq_len is not None  # packing needs it (checked above)
+        width = seq_len
     elif fixed_width:  # a few widths (recipes_lib.kernels.compiled)
         width = bucketed_length(width, seq_len)
     shape = (len(rows), width)

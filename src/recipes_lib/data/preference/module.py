@@ -74,7 +74,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
         ConfigError: bad sizes or policies, or packing without document masking.
     """
 
-    fixed_width = False  # packed widths a multiple of 128 (compiled blocks): see collate
+    fixed_width = False  # packed rows data.seq_len wide (compiled blocks): see collate
 
     default_sources = DEFAULT_PREFERENCE_SOURCES
     builtin_records: dict[str, RecordBuiltin] = PREFERENCE_BUILTINS
@@ -243,5 +243,5 @@ def build_preference_data(
         tokenizer_path=tokenizer,
         shifted=shifted,
     )
-    module.fixed_width = bool(cfg.kernels.compile)  # widths for compiled blocks (see collate)
+    module.fixed_width = bool(cfg.kernels.compile)  # one row width for compiled blocks
     return module

@@ -167,5 +167,5 @@ def build_unpaired_data(cfg: RunConfig, *, total_train_samples: int) -> Unpaired
         total_train_samples=total_train_samples,
         tokenizer_path=init_tokenizer_path(data, cfg.stage.init_from),
     )
-    module.fixed_width = bool(cfg.kernels.compile)  # widths for compiled blocks (see collate)
+    module.fixed_width = bool(cfg.kernels.compile)  # one row width for compiled blocks
     return module
