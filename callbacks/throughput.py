@@ -134,10 +134,12 @@ class ThroughputMonitor(OptimizerStepCallback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        input_ids = batch.get("input_ids") if isinstance(batch, dict) else None
-        if isinstance(input_ids, torch.Tensor):
-            self._seq_len = input_ids.shape[-1]
-            self._tokens += input_ids.numel() * trainer.world_size
+        # a step's micro-batches (a list) when the module runs the step, else one batch
+        for micro in batch if isinstance(batch, list) else [batch]:
+            input_ids = micro.get("input_ids") if isinstance(micro, dict) else None
+            if isinstance(input_ids, torch.Tensor):
+                self._seq_len = input_ids.shape[-1]
+                self._tokens += input_ids.numel() * trainer.world_size
         # the batch's tokens are counted first: a window that closes now includes them
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not is_logging_step(trainer, self._batch_step):

@@ -94,3 +94,23 @@ def test_a_pipeline_attaches_manifests_and_its_report(tmp_path, shared_cache, mo
         }
     assert files["first"] == {"config/config.yaml", "manifest/manifest.json"}
     assert {"manifest/manifest.json", "report/loss.png", "report/summary.json"} <= files["second"]
+
+
+def test_the_throughput_figures_of_a_run_the_module_steps_itself(tiny_cfg):
+    # the module runs each step's micro-batches: the callback sees them as a list, and
+    # still knows the rows' length, so TFLOP/s and MFU (with a peak given) are logged
+    result = run(
+        tiny_cfg(
+            "callbacks=default",
+            "trainer.max_steps=6",
+            "trainer.accumulate_grad_batches=2",
+            "trainer.log_every_n_steps=1",
+            "callbacks.throughput.window=2",
+            "+callbacks.throughput.peak_tflops=1e-3",
+        )
+    )
+    rows = read_metrics(result.output_dir)
+    assert metric_series(rows, "perf/tflops")
+    assert all(v > 0 for _, v in metric_series(rows, "perf/tflops"))
+    assert metric_series(rows, "perf/mfu")
+    assert all(v > 0 for _, v in metric_series(rows, "perf/mfu"))
