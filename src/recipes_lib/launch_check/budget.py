@@ -19,7 +19,7 @@ from recipes_lib.config.schema import RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
 from recipes_lib.launch_check.memory import recomputed_block_count, rows_per_micro_batch
 from recipes_lib.launch_check.parameters import ParameterCounts
-from recipes_lib.models import Transformer
+from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type, lightning_precision
 
@@ -145,8 +145,7 @@ def step_flops(cfg: RunConfig, world_size: int = 1) -> float:
     parameter and token, plus attention) times the step's tokens; a DPO reference's
     forward adds a third, activation checkpointing's second forward another third of
     the matmul work."""
-    with torch.device("meta"):  # shapes only
-        model = Transformer(cfg.model)
+    model = model_shapes(cfg.model)  # shapes only, on the meta device
     per_token = model.flops_per_token(cfg.data.seq_len)
     if _reference_each_step(cfg):
         per_token *= 4 / 3

@@ -15,7 +15,7 @@ import torch
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.launch_check.activations import DecoderShape
 from recipes_lib.launch_check.parameters import adapted_linears, weight_bytes_of
-from recipes_lib.models import Transformer
+from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.optim import ParameterInfo, describe_parameters, get_optimizer_spec
 
 
@@ -24,8 +24,7 @@ def trainable_parameters(cfg: RunConfig) -> list[ParameterInfo]:
     dtype = torch.bfloat16 if weight_bytes_of(cfg.precision.name) == 2 else torch.float32
     lora = adapted_linears(cfg)
     if lora is None:
-        with torch.device("meta"):  # shapes only
-            model = Transformer(cfg.model)
+        model = model_shapes(cfg.model)  # shapes only, on the meta device
         return [
             ParameterInfo(p.shape, dtype, p.group, p.outer)
             for p in describe_parameters(model, cfg.optim)

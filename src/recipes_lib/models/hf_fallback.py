@@ -35,7 +35,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -44,6 +44,9 @@ from recipes_lib.config.model import ModelConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.losses import chunked_cross_entropy, linear_token_logprobs
 from recipes_lib.models.head import head_loss
+
+if TYPE_CHECKING:
+    from recipes_lib.models.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -639,6 +642,22 @@ def build_hf_model(
         hf_model, implementation = _with_attention(fresh, attention)
     hf_model.to(torch.get_default_device())
     return HFCausalLM(config, hf_model, implementation)
+
+
+def model_shapes(config: ModelConfig) -> Transformer | HFCausalLM:
+    """The model ``config`` describes on the meta device (shapes only, no memory): the
+    native decoder, or transformers' own for the fallback. What the estimates count."""
+    with torch.device("meta"):
+        if is_fallback(config):
+            from transformers import AutoModelForCausalLM
+
+            hf_model = AutoModelForCausalLM.from_config(
+                hf_config_object(config), trust_remote_code=config.trust_remote_code
+            )
+            return HFCausalLM(config, hf_model)
+        from recipes_lib.models.transformer import Transformer
+
+        return Transformer(config)
 
 
 def hf_folder_config(folder: Path) -> dict[str, Any]:

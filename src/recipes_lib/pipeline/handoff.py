@@ -192,13 +192,11 @@ def check_weights_fit(stage: StageSpec, model: ModelConfig, weights: Path) -> No
     Raises:
         ConfigError: a tensor the model has is shaped differently, or none match.
     """
-    import torch
     from safetensors import safe_open
 
-    from recipes_lib.models import Transformer
+    from recipes_lib.models.hf_fallback import model_shapes
 
-    with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in Transformer(model).state_dict().items()}
+    expected = {k: tuple(v.shape) for k, v in model_shapes(model).state_dict().items()}
     try:
         with safe_open(str(weights), framework="pt", device="cpu") as f:
             found = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118

@@ -239,3 +239,12 @@ def test_remote_code_runs_with_the_flag_and_is_recorded(tmp_path):
     model = build_hf_model(model_config, folder=folder)
     assert type(model.hf).__name__ == "MyForCausalLM"
     assert model.config.trust_remote_code  # recorded with the run's model
+
+
+def test_the_estimates_count_transformers_model_on_the_meta_device(neox):
+    from recipes_lib.models.hf_fallback import model_shapes
+
+    shapes = model_shapes(neox.config)
+    assert isinstance(shapes, HFCausalLM) and all(p.is_meta for p in shapes.parameters())
+    assert shapes.num_params() == neox.num_params() == neox.hf.num_parameters()
+    assert shapes.flops_per_token(64) == neox.flops_per_token(64) > 6 * neox.num_params(True)
