@@ -47,6 +47,7 @@ from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses import causal_lm_loss
 from recipes_lib.models import Transformer
+from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel.precision import compute_dtype
@@ -259,8 +260,7 @@ class CausalLMModule(L.LightningModule):
         """
         model = self.built_model()
         if self.adapter_config.kind != "none":
-            with torch.device("meta"):  # shapes only, no memory
-                model = Transformer(self.model_config, attention=model.attention_backend)
+            return model_shapes(self.model_config).flops_per_token(seq_len)  # meta: no memory
         return model.flops_per_token(seq_len)
 
     def built_model(self) -> Transformer:
