@@ -27,6 +27,7 @@ from recipes_lib.data.chat.show import (
     ANSI_RESET,
     ANSI_TRAINED,
     mark_trained,
+    marked_tokens,
     show_chat_data,
     trained_counts,
     trained_positions,
@@ -63,6 +64,27 @@ def test_marking_wraps_runs_of_trained_tokens():
     assert mark_trained(pieces, trained, color=False) == "<u>hi\\n\n<a>[[yes<e>]]\\n\n"
     colored = mark_trained(pieces, trained, color=True)
     assert f"{ANSI_TRAINED}yes<e>{ANSI_RESET}" in colored and "[[" not in colored
+
+
+def test_runs_of_tokens_alike_are_decoded_together():
+    seen: list[list[int]] = []
+
+    def decode(ids: list[int]) -> str:
+        seen.append(ids)
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    text = marked_tokens([0, 1, 2, 3, 4], [False, False, True, True, False], decode, False)
+    assert text == "ab[[cd]]e" and seen == [[0, 1], [2, 3], [4]]
+    # a character whose bytes span two tokens decodes whole
+    tokenizer = _data_module_tokenizer()
+    ids = tokenizer.encode("é", add_special_tokens=False).ids
+    assert marked_tokens(ids, [True] * len(ids), tokenizer.decode, False) == "[[é]]"
+
+
+def _data_module_tokenizer():
+    from recipes_lib.data.tokenizer import train_bpe_tokenizer
+
+    return train_bpe_tokenizer(["plain ascii text only"] * 4, 300)
 
 
 def test_show_prints_records_with_their_trained_tokens_and_the_counts(tmp_path):

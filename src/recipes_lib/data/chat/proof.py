@@ -38,7 +38,7 @@ from recipes_lib.config.schema import DataConfig
 from recipes_lib.data.chat.examples import ChatSourceStats, tokenize_records
 from recipes_lib.data.chat.messages import record_messages
 from recipes_lib.data.chat.module import ChatDataModule
-from recipes_lib.data.chat.show import mark_trained, trained_positions
+from recipes_lib.data.chat.show import marked_tokens, trained_positions
 from recipes_lib.data.chat.template import ChatRenderer
 from recipes_lib.data.records import RecordSource, record_where
 from recipes_lib.data.sources import source_key
@@ -288,7 +288,7 @@ def library_rendering(
 
 # ----------------------------------------------------------------------- comparing
 def difference(
-    library: Rendering, reference: Rendering, decode: Callable[[int], str]
+    library: Rendering, reference: Rendering, decode: Callable[[list[int]], str]
 ) -> str | None:
     """None when both sides agree, else the first difference as a few readable lines:
     where it is and the tokens around it on each side, trained ones in ``[[...]]``.
@@ -308,8 +308,7 @@ def difference(
 
     def window(side: Rendering) -> str:
         hi = min(len(side.input_ids), at + _CONTEXT + 1)
-        pieces = [decode(i) for i in side.input_ids[lo:hi]]
-        text = mark_trained(pieces, side.trained[lo:hi], color=False)
+        text = marked_tokens(side.input_ids[lo:hi], side.trained[lo:hi], decode, color=False)
         return ("..." if lo else "") + text + ("..." if hi < len(side.input_ids) else "")
 
     return (
@@ -357,7 +356,7 @@ def prove_records(
                 f"{record_where(source, index)}: transformers fails to render what the "
                 f"library rendered: {type(err).__name__}: {err}"
             ) from err
-        diff = difference(ours, theirs, lambda i: tokenizer.decode([i]))
+        diff = difference(ours, theirs, tokenizer.decode)
         if diff is not None:
             raise MaskProofError(f"{record_where(source, index)}: {PROOF_KEY}: {diff}")
         proved += 1

@@ -44,8 +44,24 @@ def visible(text: str) -> str:
     return "".join(_VISIBLE.get(c, c) for c in text)
 
 
+def marked_tokens(
+    ids: Sequence[int], trained: Sequence[bool], decode: Callable[[list[int]], str], color: bool
+) -> str:
+    """Token ``ids`` as text, trained ones highlighted (see :func:`mark_trained`); each
+    run of tokens alike is decoded at once, so a character split over tokens shows whole."""
+    pieces: list[str] = []
+    flags: list[bool] = []
+    start = 0
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or trained[t] != trained[start]:
+            pieces.append(decode([int(i) for i in ids[start:t]]))
+            flags.append(bool(trained[start]))
+            start = t
+    return mark_trained(pieces, flags, color)
+
+
 def mark_trained(pieces: Sequence[str], trained: Sequence[bool], color: bool) -> str:
-    """The decoded ``pieces`` (one per token) joined, runs of trained ones highlighted:
+    """The decoded ``pieces`` (each trained or not) joined, trained runs highlighted:
     ANSI reverse video when ``color``, else ``[[...]]`` around each run."""
     out: list[str] = []
     inside = False
@@ -96,14 +112,13 @@ class TrainedCounts:
 
 
 def show_example(
-    example: ChatExample, decode: Callable[[int], str], *, title: str, color: bool
+    example: ChatExample, decode: Callable[[list[int]], str], *, title: str, color: bool
 ) -> str:
     """One example as text: a title line with its counts, then its tokens marked."""
     trained = trained_positions(example)
-    pieces = [decode(int(i)) for i in example.input_ids]
     n = int(sum(trained))
     head = f"--- {title}: {len(example)} tokens, {n} trained, {len(example) - n} untrained"
-    return f"{head}\n{mark_trained(pieces, trained, color)}"
+    return f"{head}\n{marked_tokens(example.input_ids.tolist(), trained, decode, color)}"
 
 
 def use_color(stream: IO[str] | None = None) -> bool:
@@ -150,8 +165,8 @@ def show_chat_data(
         raise RuntimeError("the data module is not set up")
     config = datamodule.config
 
-    def decode(token: int) -> str:
-        return tokenizer.decode([token], skip_special_tokens=False)
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
 
     for name in datamodule.sources:
         records = datamodule._source_records(name)
