@@ -45,6 +45,15 @@ TINY_DIMS: dict[str, Any] = {
     "n_routed_experts": 4,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 32,
+    # latent attention (DeepSeek-V2/V3 and their kin), partial rotary of GPT-J and CodeGen
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "rotary_dim": 8,
+    "n_group": 1,
+    "topk_group": 1,
     "shared_expert_intermediate_size": 32,
     "pad_token_id": 0,
     "bos_token_id": 1,
@@ -75,15 +84,31 @@ class Skip(Exception):
     """A type that cannot be made tiny here (extra dependencies, a nested config)."""
 
 
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def _per_layer(values: list[Any], layers: int) -> list[Any]:
+    """A per-layer list of a deeper model for ``layers`` layers: one layer of each kind
+    it holds first (a hybrid keeps both kinds), then as the list goes on."""
+    if not all(isinstance(v, str | int | float | bool) for v in values):
+        return list(values[:layers])
+    kinds = list(dict.fromkeys(values))
+    if len(kinds) == len(values):  # every entry its own (indices): the first ones
+        return list(values[:layers])
+    chosen = kinds[:layers]
+    return chosen + [chosen[-1]] * (layers - len(chosen))
+
+
 def _shrink(values: dict[str, Any]) -> dict[str, Any]:
     out = dict(values)
+    depth = next((values[k] for k in LAYER_COUNT_KEYS if isinstance(values.get(k), int)), None)
     for key, value in values.items():
         if isinstance(value, dict) and ("hidden_size" in value or "vocab_size" in value):
             out[key] = _shrink(value)  # a text or vision tower's own config
-        elif key in TINY_DIMS and key in values:
+        elif key in TINY_DIMS:
             out[key] = TINY_DIMS[key]
-    if out.get("layer_types"):  # sliding / full layers: keep the first kinds
-        out["layer_types"] = list(values["layer_types"])[: out.get("num_hidden_layers", 2)]
+        elif isinstance(value, list) and depth and len(value) == depth and depth > 2:
+            out[key] = _per_layer(value, 2)  # layer_types and its kin
     return out
 
 
@@ -171,7 +196,8 @@ def _reloads_same(result) -> float:
     theirs = transformers.AutoModelForCausalLM.from_pretrained(result.hf_path).eval()
     x = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        return float((ours.float().eval()(x) - theirs(input_ids=x).logits).abs().max())
+        theirs_logits = theirs(input_ids=x, use_cache=False).logits
+        return float((ours.float().eval()(x) - theirs_logits).abs().max())
 
 
 def _first_line(err: BaseException) -> str:

@@ -245,6 +245,24 @@ def decoder_layers(hf_model: nn.Module) -> list[nn.Module]:
     return max(lists, key=len) if lists else []
 
 
+def base_model(hf_model: nn.Module) -> nn.Module:
+    """The decoder under the head: transformers' ``get_decoder()``, else its
+    ``base_model``."""
+    get_decoder = getattr(hf_model, "get_decoder", None)
+    decoder = get_decoder() if callable(get_decoder) else None
+    if isinstance(decoder, nn.Module) and decoder is not hf_model:
+        return decoder
+    base = getattr(hf_model, "base_model", hf_model)
+    if base is not hf_model:
+        return base
+    # a model whose prefix names no child (Llama 4's text model): its first child that
+    # is a transformers model of its own
+    from transformers import PreTrainedModel
+
+    inner = [m for m in hf_model.children() if isinstance(m, PreTrainedModel)]
+    return inner[0] if inner else hf_model
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind the native decoder's interface.
 
@@ -267,9 +285,8 @@ class HFCausalLM(nn.Module):
             self.add_module(name, child)
         for name, param in hf_model.named_parameters(recurse=False):
             self.register_parameter(name, param)
-        self.__dict__["_base"] = getattr(
-            hf_model, "base_model", hf_model
-        )  # not a child: no second name
+        # not a child either: its modules would have a second name
+        self.__dict__["_base"] = base_model(hf_model)
         self._layers = decoder_layers(hf_model)
         self.fused_head = False
         self.attention_backend = FallbackAttention(attention, packs_documents=True)
