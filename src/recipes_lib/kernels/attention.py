@@ -45,6 +45,8 @@ class AttentionCapabilities:
         dtypes: tensor dtypes it computes in.
         devices: device types it runs on (``"cpu"``, ``"cuda"``).
         min_cuda_capability: lowest CUDA compute capability, or None for any.
+        context_parallel: it may run with each row split over the ranks of a
+            context-parallel group (:mod:`recipes_lib.kernels.sharded`).
     """
 
     document_mask: bool
@@ -52,6 +54,7 @@ class AttentionCapabilities:
     dtypes: tuple[torch.dtype, ...]
     devices: tuple[str, ...]
     min_cuda_capability: tuple[int, int] | None = None
+    context_parallel: bool = False
 
 
 def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
@@ -152,7 +155,11 @@ class SDPAAttention(AttentionBackend):
 
     name = "sdpa"
     capabilities = AttentionCapabilities(
-        document_mask=False, gqa=True, dtypes=_ALL_FLOAT_DTYPES, devices=("cpu", "cuda")
+        document_mask=False,
+        gqa=True,
+        dtypes=_ALL_FLOAT_DTYPES,
+        devices=("cpu", "cuda"),
+        context_parallel=True,
     )
 
     def __init__(self) -> None:
@@ -249,7 +256,11 @@ class FlexAttention(AttentionBackend):
 
     name = "flex"
     capabilities = AttentionCapabilities(
-        document_mask=True, gqa=True, dtypes=_ALL_FLOAT_DTYPES, devices=("cpu", "cuda")
+        document_mask=True,
+        gqa=True,
+        dtypes=_ALL_FLOAT_DTYPES,
+        devices=("cpu", "cuda"),
+        context_parallel=True,
     )
 
     def __init__(self) -> None:

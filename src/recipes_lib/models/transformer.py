@@ -34,6 +34,7 @@ from recipes_lib.config.model import HEADS, head_tied
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.kernels.compiled import call_block, mark_varying, varying
+from recipes_lib.kernels.sharded import ContextShard, ShardedAttention
 from recipes_lib.models.blocks import FeedForward, TransformerBlock
 from recipes_lib.models.families import check_family
 from recipes_lib.models.head import OutputHead, head_loss
@@ -95,6 +96,7 @@ class Transformer(nn.Module):
                 f"(model.n_kv_heads={n_kv_heads} < model.n_heads={config.n_heads})"
             )
         self.attention_backend = backend
+        self.sharded_attention: ShardedAttention | None = None  # set_context_shard
 
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
@@ -128,6 +130,16 @@ class Transformer(nn.Module):
         a third more compute) instead of keeping them from the forward pass."""
         for layer in self.blocks:
             layer.checkpoint_activations = enabled
+
+    def set_context_shard(self, shard: ContextShard | None) -> None:
+        """Train on one rank's share of each row (context parallelism): the inputs of
+        :meth:`forward_hidden` are then ``shard``'s positions of every row, attention
+        gathers the others' keys and values, and RoPE and the masks use the global
+        positions (:mod:`recipes_lib.kernels.sharded`). None: whole rows again."""
+        sharded = None if shard is None else ShardedAttention(self.attention_backend, shard)
+        self.sharded_attention = sharded
+        for layer in self.blocks:
+            layer.attention.backend = sharded or self.attention_backend
 
     def _apply(self, fn, recurse=True):
         # Moving a meta-device build (to_empty) gives each module a new Parameter,
@@ -226,9 +238,13 @@ class Transformer(nn.Module):
             start = cache.length if start_pos is None else start_pos
             self._check_cached(B, T, start, cache)
         end = start + T
-        # one mask per batch and window, shared by the layers with that window
-        masks = {w: self._mask(input_ids, doc_ids, start, cache, w) for w in self._windows}
-        tables = {local: rope_window(self, start, end, local) for local in self._ropes}
+        sharded = self.sharded_attention if cache is None else None
+        if sharded is not None:  # this rank's positions of rows of sharded.shard.seq_len
+            masks, tables = self._sharded_inputs(sharded, doc_ids, T, input_ids.device)
+        else:
+            # one mask per batch and window, shared by the layers with that window
+            masks = {w: self._mask(input_ids, doc_ids, start, cache, w) for w in self._windows}
+            tables = {local: rope_window(self, start, end, local) for local in self._ropes}
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         if self.config.scale_embeddings:  # by sqrt(C) rounded to their dtype, as Gemma's
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
@@ -246,6 +262,24 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length = end
         return self.norm(h)  # (B, T, C)
+
+    def _sharded_inputs(
+        self, sharded: ShardedAttention, doc_ids: Tensor | None, T: int, device: torch.device
+    ) -> tuple[dict[int | None, object], dict[bool, tuple[Tensor, Tensor]]]:
+        """The masks and RoPE tables of one rank's share of the rows."""
+        shard = sharded.shard
+        if shard.seq_len > self.config.max_seq_len:
+            limit = self.config.max_seq_len
+            raise ConfigError(f"rows of {shard.seq_len} tokens exceed model.max_seq_len={limit}")
+        masks: dict[int | None, object] = {
+            w: sharded.build_mask(doc_ids, T, device=device, window=w) for w in self._windows
+        }
+        positions = shard.positions.to(device)
+        tables: dict[bool, tuple[Tensor, Tensor]] = {}
+        for local in self._ropes:
+            cos, sin = rope_window(self, 0, shard.seq_len, local)
+            tables[local] = (cos[positions], sin[positions])
+        return masks, tables
 
     def _mask(
         self,

@@ -1,0 +1,151 @@
+"""Attention over a sequence split across the ranks of a context-parallel group.
+
+Context parallelism splits each row's ``T`` positions over the ``N`` ranks of a group.
+The sequence is cut into ``2N`` equal chunks and rank ``i`` holds chunks ``i`` and
+``2N - 1 - i`` (load-balanced causal sharding: an early chunk has few keys before it,
+a late one many, so each rank's pair does the same causal work). Every layer keeps its
+queries local, all-gathers the keys and values of the group (an autograd collective:
+the backward pass sums their gradients back onto the rank that holds them), and
+attends from its queries to the keys of the whole sequence under a mask built from
+global positions: causal, within a local layer's window, and within the document of a
+packed row, so documents that straddle two shards are respected.
+
+Why not ``torch.distributed.tensor.experimental.context_parallel``: its ring attention
+replaces SDPA's flash, memory-efficient and cuDNN CUDA kernels, so it does not run on
+CPU over gloo, and it takes no document mask. The all-gather holds the whole
+sequence's keys and values on each rank (of the key/value heads only), and the
+attention here is SDPA with a dense ``(T / N, T)`` boolean mask per row on every
+device: a reference implementation, correct under any mask, not the fastest one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+import torch.nn.functional as F
+from torch import Tensor
+
+from recipes_lib.errors import UnsupportedKernelError
+from recipes_lib.kernels.attention import AttentionBackend
+
+
+def load_balanced_positions(seq_len: int, degree: int, rank: int) -> Tensor:
+    """The positions of a ``seq_len`` row held by ``rank`` of ``degree``: chunks
+    ``rank`` and ``2 * degree - 1 - rank`` of its ``2 * degree`` equal chunks, in order.
+
+    Raises:
+        ValueError: ``seq_len`` is not a multiple of ``2 * degree``.
+    """
+    if seq_len % (2 * degree) != 0:
+        raise ValueError(f"a row of {seq_len} tokens does not split into {2 * degree} chunks")
+    chunk = seq_len // (2 * degree)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second_start = (2 * degree - 1 - rank) * chunk
+    second = torch.arange(second_start, second_start + chunk)
+    return torch.cat([first, second])
+
+
+@dataclass
+class ContextShard:
+    """One rank's share of each row under context parallelism.
+
+    Attributes:
+        seq_len: the whole row's length ``T``.
+        degree: the ranks of the group, ``N``.
+        rank: this rank's index in the group.
+        group: the process group of the ``N`` ranks (None: the default group).
+    """
+
+    seq_len: int
+    degree: int
+    rank: int
+    group: dist.ProcessGroup | None = None
+    positions: Tensor = field(init=False)  # (T / N,) global positions held here
+    key_positions: Tensor = field(init=False)  # (T,) global positions in gathered order
+
+    def __post_init__(self) -> None:
+        self.positions = load_balanced_positions(self.seq_len, self.degree, self.rank)
+        self.key_positions = torch.cat(
+            [load_balanced_positions(self.seq_len, self.degree, r) for r in range(self.degree)]
+        )
+
+    def shard(self, rows: Tensor) -> Tensor:
+        """This rank's positions of ``rows`` (``(B, T, ...)`` -> ``(B, T / N, ...)``)."""
+        return rows[:, self.positions.to(rows.device)]
+
+    def gather(self, x: Tensor, dim: int) -> Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order; gradients flow back
+        to the rank each part came from (summed over the group)."""
+        if self.degree == 1:
+            return x
+        parts = dist_fn.all_gather(x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+class ShardedAttention(AttentionBackend):
+    """An attention backend run over a :class:`ContextShard`: queries local, keys and
+    values gathered from the group, masks built from global positions.
+
+    ``inner`` is the configured backend; it must declare ``context_parallel`` in its
+    capabilities. ``build_mask`` takes this rank's ``doc_ids`` (``(B, T / N)``) and
+    gathers the others' (integers: no gradient).
+    """
+
+    def __init__(self, inner: AttentionBackend, shard: ContextShard):
+        if not inner.capabilities.context_parallel:
+            raise UnsupportedKernelError(
+                f"kernels.attention={inner.name} cannot run with its sequence split over "
+                "ranks (strategy.context_parallel > 1); use kernels.attention=flex or sdpa"
+            )
+        self.inner = inner
+        self.shard = shard
+        self.name = inner.name
+        self.capabilities = inner.capabilities
+
+    def build_mask(
+        self,
+        doc_ids: Tensor | None,
+        seq_len: int,
+        *,
+        device: torch.device | str | None = None,
+        window: int | None = None,
+    ) -> Tensor:
+        """``(B | 1, 1, T / N, T)`` True where a local query may attend a gathered key."""
+        shard = self.shard
+        if seq_len != len(shard.positions):
+            raise ValueError(
+                f"a shard of {len(shard.positions)} tokens was expected, got {seq_len} "
+                f"(a row of {shard.seq_len} over {shard.degree} ranks)"
+            )
+        if doc_ids is not None:
+            device = doc_ids.device
+        q_pos = shard.positions.to(device)[:, None]  # (T / N, 1)
+        k_pos = shard.key_positions.to(device)[None, :]  # (1, T)
+        allowed = q_pos >= k_pos
+        if window is not None:
+            allowed = allowed & (q_pos - k_pos < window)
+        if doc_ids is None:
+            return allowed[None, None]  # (1, 1, T / N, T)
+        key_docs = doc_ids
+        if shard.degree > 1:  # integers, no gradient: a plain all-gather
+            parts = [torch.empty_like(doc_ids) for _ in range(shard.degree)]
+            dist.all_gather(parts, doc_ids.contiguous(), group=shard.group)
+            key_docs = torch.cat(parts, dim=1)  # (B, T) in gathered order
+        same = doc_ids[:, :, None] == key_docs[:, None, :]  # (B, T / N, T)
+        return (allowed[None] & same)[:, None]  # (B, 1, T / N, T)
+
+    def __call__(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+    ) -> Tensor:
+        # q (B, H, T / N, D); k, v (B, Hkv, T / N, D) -> (B, H, T / N, D)
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"sharded attention needs its own mask, got {type(mask).__name__}")
+        # one collective for both, so that every rank runs the backward's in one order
+        k_all, v_all = self.shard.gather(torch.stack([k, v]), dim=3).unbind(0)  # (B, Hkv, T, D)
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k_all, v_all, attn_mask=mask, enable_gqa=gqa, scale=scale
+        )

@@ -1,0 +1,96 @@
+"""Run by ``torchrun`` from ``test_context_parallel.py``: the loss and gradients of a
+tiny decoder with each row split over every process (context parallelism) must equal
+those of the whole rows on one process.
+
+Every rank computes the one-process reference itself (same seed, same batch), then its
+share: the sum of its tokens' losses over the group's token count, backward, and the
+gradients summed over the group. Exits non-zero with the largest differences otherwise.
+
+Usage: ``torchrun --nproc_per_node=N context_parallel_worker.py <attention> <documents>
+<window>``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from recipes_lib.config.schema import ModelConfig
+from recipes_lib.kernels.sharded import ContextShard
+from recipes_lib.models.families import get_family
+from recipes_lib.models.transformer import Transformer
+
+TOLERANCE = 1e-5  # fp32: the same sums in a different order
+
+
+def token_losses(model: Transformer, input_ids, labels, doc_ids) -> tuple[torch.Tensor, int]:
+    logits = model(input_ids, doc_ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    return loss, int((labels != -100).sum())
+
+
+def main() -> None:
+    attention, documents, window = sys.argv[1], sys.argv[2] == "docs", sys.argv[3] == "window"
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    T, B = 32, 2
+    config = ModelConfig(
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=64,
+        max_seq_len=T,
+        # Gemma 3's local layers: a window that crosses the shards' boundaries
+        **(
+            dict(**get_family("gemma3").fixed, family="gemma3", sliding_window=5, window_layers=[0])
+            if window
+            else {}
+        ),
+    )
+    torch.manual_seed(0)
+    model = Transformer(config, attention)
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 64, (B, T), generator=generator)
+    labels = torch.randint(0, 64, (B, T), generator=generator)
+    labels[0, :3] = -100  # some positions carry no loss
+    doc_ids = None
+    if documents:  # documents that cross the shards' boundaries
+        bounds = torch.tensor([[0] * 7 + [1] * 13 + [2] * 12, [0] * 20 + [1] * 3 + [2] * 9])
+        doc_ids = bounds
+
+    loss, count = token_losses(model, input_ids, labels, doc_ids)
+    (loss / count).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    reference_loss = (loss / count).item()
+    model.zero_grad()
+
+    shard = ContextShard(seq_len=T, degree=world, rank=rank)
+    model.set_context_shard(shard)
+    local_docs = None if doc_ids is None else shard.shard(doc_ids)
+    local_loss, local_count = token_losses(
+        model, shard.shard(input_ids), shard.shard(labels), local_docs
+    )
+    total = torch.tensor(float(local_count))
+    dist.all_reduce(total)
+    (local_loss / total).backward()
+    summed = local_loss.detach().clone()
+    dist.all_reduce(summed)
+    cp_loss = (summed / total).item()
+    worst = 0.0
+    for name, p in model.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad)
+        worst = max(worst, (grad - reference[name]).abs().max().item())
+    print(f"rank {rank}: loss {cp_loss:.8f} vs {reference_loss:.8f}, worst grad diff {worst:.2e}")
+    ok = abs(cp_loss - reference_loss) < TOLERANCE and worst < TOLERANCE
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
