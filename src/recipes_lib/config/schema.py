@@ -129,7 +129,12 @@ class ChatFormatConfig:
     label_field: str = "label"  # KTO: true where the completion is desirable
     chat_template: str | None = None  # Jinja template; None: the tokenizer's, else built in
     packing: bool = True  # several conversations per sequence, with document masking
-    truncation: str = "right"  # right | left | drop: what to do with over-long samples
+    # right | left | drop | turn: what to do with over-long samples (turn: SFT conversations
+    # cut after the last whole turn that fits, never inside a tool round; dropped if none)
+    truncation: str = "right"
+    format: str = "auto"  # auto | messages | prompt_response | sharegpt | alpaca
+    train_on: str = "all"  # all | last | without_reasoning: the assistant turns trained on
+    enable_thinking: bool | None = None  # the template's thinking switch; None: not given
     on_bad_record: str = "error"  # error | skip (skips are counted and reported)
     # a record with more text than this (bytes) is a bad record; null: no limit
     max_record_bytes: int | None = 4_000_000

@@ -50,12 +50,13 @@ from recipes_lib.data.tokenizer import (
 )
 from recipes_lib.errors import ConfigError, DataError
 
-TRUNCATION_POLICIES = ("right", "left", "drop")
+TRUNCATION_POLICIES = ("right", "left", "drop", "turn")
 BAD_RECORD_POLICIES = ("error", "skip")
 
 
 def check_chat_format(chat: ChatFormatConfig) -> None:
-    """Raise :class:`ConfigError` on an unknown truncation or bad-record policy."""
+    """Raise :class:`ConfigError` on an unknown truncation or bad-record policy (the
+    chat pipeline checks its record format and train-on policy itself)."""
     if chat.truncation not in TRUNCATION_POLICIES:
         raise ConfigError(
             f"data.chat.truncation={chat.truncation!r} is not one of {list(TRUNCATION_POLICIES)}"

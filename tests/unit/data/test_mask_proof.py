@@ -70,6 +70,12 @@ for _family in ("llama3_1", "gemma3", "mistral"):
     PENDING[(_family, "plain")] = PENDING[(_family, "multi_turn")] = _BOS
 PENDING[("gpt_oss", "plain")] = _CHANNEL
 PENDING[("gpt_oss", "multi_turn")] = _GROWS
+# rendered and masked as transformers does since tools, reasoning and the thinking switch
+# reach the template
+for _case in [("qwen3_no_think", "plain")] + [
+    (f, s) for f in ("smollm3", "smollm3_no_think") for s in ("tools", "reasoning")
+]:
+    del PENDING[_case]
 # the run's key for its template's switches, where the chat settings have one
 _SWITCH_KEY = next(
     (k for k in ("template_kwargs", "enable_thinking") if hasattr(ChatFormatConfig(), k)), None

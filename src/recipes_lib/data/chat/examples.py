@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from recipes_lib.config.schema import DataConfig
-from recipes_lib.data.chat.messages import record_messages
+from recipes_lib.data.chat.messages import record_conversation
 from recipes_lib.data.chat.template import ChatRenderer, RenderedChat
 from recipes_lib.data.chat_records import TRUNCATION_POLICIES, bad_record_error
 from recipes_lib.data.records import RecordSource
@@ -72,8 +72,10 @@ def tokenize_records(
     examples = []
     for index in indices:
         try:
-            messages = record_messages(records[index], index, chat, source)
-            rendered = renderer.render(messages, index=index, source=source)
+            conversation = record_conversation(records[index], index, chat, source)
+            rendered = renderer.render(
+                conversation.messages, tools=conversation.tools, index=index, source=source
+            )
         except DataError as err:
             if chat.on_bad_record == "error":
                 raise bad_record_error(err) from None
@@ -98,12 +100,23 @@ def truncate(rendered: RenderedChat, max_len: int, policy: str) -> RenderedChat 
     """``rendered`` cut to at most ``max_len`` tokens.
 
     ``right`` keeps the first ``max_len`` tokens, ``left`` the last ``max_len`` (the
-    end of the conversation), ``drop`` returns None for an over-long conversation.
+    end of the conversation), ``drop`` returns None for an over-long conversation, and
+    ``turn`` keeps the turns before the last of its cut points that fits (never inside
+    a tool round), None when even its first whole turn does not fit.
     """
     if len(rendered) <= max_len:
         return rendered
     if policy == "drop":
         return None
+    if policy == "turn":
+        cut = max((c for c in rendered.cuts if c <= max_len), default=0)
+        if cut == 0:
+            return None
+        return RenderedChat(
+            rendered.input_ids[:cut],
+            rendered.assistant_mask[:cut],
+            tuple(c for c in rendered.cuts if c <= cut),
+        )
     if policy == "right":
         return RenderedChat(rendered.input_ids[:max_len], rendered.assistant_mask[:max_len])
     if policy == "left":

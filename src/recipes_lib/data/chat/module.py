@@ -20,9 +20,10 @@ from recipes_lib.data.chat.examples import (
     ChatSourceStats,
     tokenize_records,
 )
+from recipes_lib.data.chat.formats import check_format
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.data.chat.packing import ChatExampleDataset, PackedChatDataset, pad_collate
-from recipes_lib.data.chat.template import ChatRenderer
+from recipes_lib.data.chat.template import ChatRenderer, check_train_on
 from recipes_lib.data.chat_records import (
     ChatRecordsDataModule,
     PreparedChat,
@@ -68,6 +69,8 @@ class ChatDataModule(ChatRecordsDataModule):
         builtins: Mapping[str, RecordBuiltin] = SFT_BUILTINS,
     ) -> None:
         check_chat_format(config.chat)
+        check_format(config.chat)
+        check_train_on(config.chat.train_on)
         check_batch_shape(config, model_max_seq_len)
         super().__init__(
             config,

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import jinja2
 from jinja2 import nodes
@@ -31,14 +33,37 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from recipes_lib.config.schema import DataConfig
-from recipes_lib.data.chat.messages import Message
+from recipes_lib.data.chat.messages import Message, trainable
 from recipes_lib.data.records import RecordSource, record_where
 from recipes_lib.data.tokenizer import CHATML_TOKENS
 from recipes_lib.errors import ConfigError, DataError
 
 CHATML_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\nYou may call these functions, each call in <tool_call></tool_call>:\n' }}"
+    "{% for tool in tools %}{{ (tool | tojson) + '\n' }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message.get('tool_calls') or message.get('reasoning_content') %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message.get('reasoning_content') %}"
+    "{{ '<think>\n' + message['reasoning_content'] + '\n</think>\n\n' }}"
+    "{% endif %}"
+    "{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{% set arguments = call['function'].get('arguments') or {} %}"
+    "{{ '<tool_call>\n{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ arguments if arguments is string else (arguments | tojson) }}"
+    "{{ '}\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% elif not (tools and loop.first and message['role'] == 'system') %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -50,6 +75,15 @@ PLAIN_TEMPLATE = (
 )
 BUILTIN_TEMPLATES = {"chatml": CHATML_TEMPLATE, "plain": PLAIN_TEMPLATE}
 _TEMPLATE_KEY = "data.chat.chat_template"
+
+# data.chat.train_on: which assistant turns carry loss
+TRAIN_ON_KEY = "data.chat.train_on"
+TRAIN_ON_ALL, TRAIN_ON_LAST, TRAIN_ON_WITHOUT_REASONING = "all", "last", "without_reasoning"
+TRAIN_ON = {
+    TRAIN_ON_ALL: "every assistant turn: its content, reasoning and tool calls",
+    TRAIN_ON_LAST: "the last assistant turn only",
+    TRAIN_ON_WITHOUT_REASONING: "every assistant turn, its reasoning left untrained",
+}
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +173,12 @@ def resolve_template(
     )
 
 
+def check_train_on(train_on: str) -> None:
+    """Raise :class:`ConfigError` on an unknown ``data.chat.train_on``."""
+    if train_on not in TRAIN_ON:
+        raise ConfigError(f"{TRAIN_ON_KEY}={train_on!r} is not one of {list(TRAIN_ON)}")
+
+
 def _special_tokens(tokenizer: Tokenizer) -> list[str]:
     return [t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special]
 
@@ -149,6 +189,9 @@ class RenderedChat:
 
     input_ids: list[int]
     assistant_mask: list[bool]
+    # token offsets where the conversation may be cut: after a turn that ends no tool
+    # round mid-way (see ``data.chat.truncation=turn``)
+    cuts: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -180,8 +223,16 @@ class ChatRenderer:
         eos_token: str = "<|endoftext|>",
         bos_token: str | None = None,
         tokenizer_source: str | None = None,
+        train_on: str = TRAIN_ON_ALL,
+        enable_thinking: bool | None = None,
     ) -> None:
+        check_train_on(train_on)
         self.tokenizer = tokenizer
+        self.train_on = train_on
+        # the template's own switches, given as transformers' apply_chat_template gives them
+        self.switches: dict[str, Any] = {}
+        if enable_thinking is not None:
+            self.switches["enable_thinking"] = enable_thinking
         self.template_name, self.template_text = resolve_template(
             template, tokenizer_template, tokenizer_source
         )
@@ -190,6 +241,7 @@ class ChatRenderer:
         self.bos_token = bos_token or ""
         self._check_tokens()
         self._specials = sorted(_special_tokens(tokenizer), key=len, reverse=True)
+        self._reads_reasoning = "reasoning_content" in self.template_text
 
     @classmethod
     def from_config(
@@ -208,6 +260,8 @@ class ChatRenderer:
             tokenizer_template=tokenizer_template,
             eos_token=config.tokenizer.eos_token,
             tokenizer_source=tokenizer_source,
+            train_on=config.chat.train_on,
+            enable_thinking=config.chat.enable_thinking,
         )
 
     def _check_tokens(self) -> None:
@@ -228,13 +282,21 @@ class ChatRenderer:
             )
 
     # ------------------------------------------------------------------ text
-    def text(self, messages: Sequence[Message], add_generation_prompt: bool = False) -> str:
-        """The template's rendering of ``messages`` (raises ``jinja2.TemplateError``)."""
+    def text(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = False,
+        tools: Sequence[Mapping] | None = None,
+    ) -> str:
+        """The template's rendering of ``messages`` (raises ``jinja2.TemplateError``),
+        given ``tools`` and the run's switches as ``apply_chat_template`` gives them."""
         return self._template.render(
             messages=list(messages),
+            tools=list(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             eos_token=self.eos_token,
             bos_token=self.bos_token,
+            **self.switches,
         )
 
     def _assistant_span(self, delta: str, content: str) -> tuple[int, int]:
@@ -255,49 +317,91 @@ class ChatRenderer:
                 return start, end + (len(rest) - len(stripped)) + len(token)
         return start, end
 
-    def segments(self, messages: Sequence[Message]) -> list[tuple[str, bool]]:
-        """The rendered text of ``messages`` cut into ``(text, is_assistant)`` pieces.
+    def _turn_span(self, delta: str, message: Message) -> tuple[int, int]:
+        """The trained part of an assistant turn's text: its content through its end of
+        turn; a turn that calls tools or reasons is trained whole (all the template
+        writes after the generation prompt, through its end of turn), and without its
+        reasoning under ``train_on=without_reasoning``."""
+        content = message["content"]
+        if message.get("tool_calls") or message.get("reasoning_content"):
+            start, end = 0, len(delta.rstrip())
+        else:
+            start, end = self._assistant_span(delta, content)
+        if self.train_on == TRAIN_ON_WITHOUT_REASONING:
+            start = max(start, _reasoning_end(delta, message))
+        return start, max(start, end)
+
+    def _pieces(
+        self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
+    ) -> list[tuple[str, bool, bool]]:
+        """``(text, trained, cut_after)`` pieces of the rendered conversation:
+        ``cut_after`` marks the end of a turn where it may be truncated (an assistant
+        turn that leaves no tool call open)."""
+        trained_turns = [i for i, m in enumerate(messages) if trainable(m)]
+        if self.train_on == TRAIN_ON_LAST:
+            trained_turns = trained_turns[-1:]
+        pieces: list[tuple[str, bool, bool]] = []
+        previous = ""
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                head = self.text(messages[:i], add_generation_prompt=True, tools=tools)
+                full = self.text(messages[: i + 1], tools=tools)
+                _check_prefix(previous, head, i)
+                _check_prefix(head, full, i)
+                pieces.append((head[len(previous) :], False, False))
+                delta = full[len(head) :]
+                start, end = self._turn_span(delta, message)
+                trained = i in trained_turns
+                closes = not message.get("tool_calls")
+                pieces += [
+                    (delta[:start], False, False),
+                    (delta[start:end], trained, False),
+                    (delta[end:], False, closes),
+                ]
+            else:
+                full = self.text(messages[: i + 1], tools=tools)
+                _check_prefix(previous, full, i)
+                pieces.append((full[len(previous) :], False, False))
+            previous = full
+        return pieces
+
+    def segments(
+        self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
+    ) -> list[tuple[str, bool]]:
+        """The rendered text of ``messages`` cut into ``(text, is_trained)`` pieces.
 
         Raises:
             jinja2.TemplateError: the template fails on these messages.
             ValueError: the template is not incremental (rendering the first k turns is
                 not a prefix of rendering k + 1 turns), so turns cannot be told apart.
         """
-        pieces: list[tuple[str, bool]] = []
-        previous = ""
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                head = self.text(messages[:i], add_generation_prompt=True)
-                full = self.text(messages[: i + 1])
-                _check_prefix(previous, head, i)
-                _check_prefix(head, full, i)
-                pieces.append((head[len(previous) :], False))
-                delta = full[len(head) :]
-                start, end = self._assistant_span(delta, message["content"])
-                pieces += [(delta[:start], False), (delta[start:end], True), (delta[end:], False)]
-            else:
-                full = self.text(messages[: i + 1])
-                _check_prefix(previous, full, i)
-                pieces.append((full[len(previous) :], False))
-            previous = full
-        return [(text, flag) for text, flag in pieces if text]
+        return [(text, flag) for text, flag, _ in self._pieces(messages, tools) if text]
+
+    def _as_template_reads(self, messages: Sequence[Message]) -> list[Message]:
+        """``messages`` with a ``<think>...</think>`` block at the start of an assistant
+        turn moved to its ``reasoning_content``, where the template reads that field."""
+        if not self._reads_reasoning:
+            return list(messages)
+        return [_split_think(m) for m in messages]
 
     # ---------------------------------------------------------------- tokens
     def render(
         self,
         messages: Sequence[Message],
         *,
+        tools: Sequence[Mapping] | None = None,
         index: int | None = None,
         source: RecordSource = "data",
     ) -> RenderedChat:
-        """Token ids of the conversation and the mask of its assistant tokens.
+        """Token ids of the conversation and the mask of its trained tokens (the
+        assistant turns ``train_on`` chooses), with the points it may be cut at.
 
         Raises:
             DataError: the template fails to render the conversation (naming record
                 ``index`` of ``source`` when given).
         """
         try:
-            pieces = self.segments(messages)
+            pieces = [p for p in self._pieces(self._as_template_reads(messages), tools) if p[0]]
         except (jinja2.TemplateError, ValueError, TypeError) as err:
             label = source if isinstance(source, str) else "data"
             where = record_where(source, index) if index is not None else f"{label}: a conversation"
@@ -306,19 +410,56 @@ class ChatRenderer:
                 f"({self.template_name}) failed to render it: {err}"
             ) from err
         encoded = self.tokenizer.encode_batch(
-            [text for text, _ in pieces], add_special_tokens=False
+            [text for text, _, _ in pieces], add_special_tokens=False
         )
         ids: list[int] = []
         mask: list[bool] = []
-        for (_, is_assistant), encoding in zip(pieces, encoded, strict=True):
+        cuts: list[int] = []
+        for (_, trained, cut_after), encoding in zip(pieces, encoded, strict=True):
             ids.extend(encoding.ids)
-            mask.extend([is_assistant] * len(encoding.ids))
-        return RenderedChat(ids, mask)
+            mask.extend([trained] * len(encoding.ids))
+            if cut_after:
+                cuts.append(len(ids))
+        return RenderedChat(ids, mask, tuple(cuts))
 
-    def render_prompt(self, messages: Sequence[Message]) -> list[int]:
+    def render_prompt(
+        self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` followed by the assistant header (for generation)."""
-        text = self.text(messages, add_generation_prompt=True)
+        text = self.text(self._as_template_reads(messages), add_generation_prompt=True, tools=tools)
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+
+_THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.DOTALL)
+_THINK_END = re.compile(r"\s*</think>\s*")
+
+
+def _split_think(message: Message) -> Message:
+    """An assistant turn whose content opens with ``<think>...</think>`` and has no
+    ``reasoning_content``, with the block moved there."""
+    if message["role"] != "assistant" or message.get("reasoning_content"):
+        return message
+    found = _THINK.match(message["content"])
+    if found is None:
+        return message
+    return {
+        **message,
+        "reasoning_content": found.group(1).strip("\n"),
+        "content": message["content"][found.end() :],
+    }
+
+
+def _reasoning_end(delta: str, message: Message) -> int:
+    """Where a turn's reasoning ends in the text it adds (past a ``</think>`` that
+    closes it and the space after): 0 when the turn shows no reasoning."""
+    reasoning = message.get("reasoning_content") or ""
+    at = delta.find(reasoning) + len(reasoning) if reasoning.strip() else -1
+    if reasoning.strip() and at < len(reasoning):
+        at = -1
+    close = _THINK_END.search(delta, max(at, 0))
+    if close is not None and (at < 0 or delta[at : close.start()].strip() == ""):
+        return close.end()
+    return max(at, 0)
 
 
 def _check_prefix(prefix: str, text: str, turn: int) -> None:

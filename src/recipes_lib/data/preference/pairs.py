@@ -231,10 +231,10 @@ class PairEncoder:
         if longest <= limit:
             return prompt, responses
         policy = self.chat.truncation
-        if policy == "drop":
+        if policy in ("drop", "turn"):  # a pair is not cut between turns: dropped
             raise BadRecord(
                 f"{where}: {longest} tokens, longer than {self.limit}",
-                "too long (data.chat.truncation=drop)",
+                f"too long (data.chat.truncation={policy})",
             )
         if policy == "right":
             if len(prompt) >= limit:
