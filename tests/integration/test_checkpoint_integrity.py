@@ -71,7 +71,7 @@ def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_one_before(
     with caplog.at_level(logging.WARNING, logger="recipes_lib"):
         resumed = _resume(tmp_path, shared_cache)
     [line] = [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
-    assert "step000016.ckpt differs from the SHA-256 recorded" in line
+    assert "step000016.ckpt differs from the xxh3_128 checksum recorded" in line
     assert "moved aside to step000016.ckpt.corrupt-" in line
     assert f"resuming from {ckpts / 'step000012.ckpt'} (step 12)" in line
     assert resumed.global_step == 16
@@ -280,7 +280,7 @@ def test_a_damaged_sharded_folder_falls_back_under_fsdp_written_in_the_backgroun
     proc = _fsdp(again, shared_cache, "strategy.async_checkpoint=true", "run.ckpt_path=last")
     log = (again / "cli.log").read_text()
     [line] = [text for text in log.splitlines() if "resuming from" in text]
-    assert "step000006.ckpt has __" in line and "which differs from the SHA-256" in line
+    assert "step000006.ckpt has __" in line and "which differs from the xxh3_128" in line
     assert "moved aside to step000006.ckpt.corrupt-" in line and "(step 3)" in line
     assert "resuming from" in proc.stdout  # on the console too, once (rank 0)
     assert proc.stdout.count("resuming from") == 1

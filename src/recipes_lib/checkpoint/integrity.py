@@ -4,11 +4,16 @@ A checkpoint file gets a sidecar beside it (``step000200.ckpt.sha256.json``); a 
 folder gets ``sha256.json`` inside it, written before the folder is renamed into place,
 so the folder and its record appear together. Both hold the same JSON::
 
-    {"format": 1, "global_step": 200,
-     "files": {"step000200.ckpt": {"bytes": 2147483648, "sha256": "9f86d0..."}}}
+    {"format": 2, "global_step": 200,
+     "files": {"step000200.ckpt": {"bytes": 2147483648, "xxh3_128": "9f86d0..."}}}
 
-A file's digest is computed while it is written (each block is hashed on its way to
-the disk), so recording it costs one SHA-256 pass on the CPU and no second read.
+Each file entry names its checksum by its key: ``xxh3_128`` (xxhash's 128-bit XXH3,
+many GB/s on one core) for what this version writes, ``sha256`` for records written
+before it (format 1), which still verify. The file names stay as they were
+(``.sha256.json``), so older runs' records are found where they always were.
+
+A file's digest is computed while it is written: each block ``torch.save`` writes is
+handed to a hashing thread, so the hash runs beside the write and needs no second read.
 Verifying reads every byte once more: sizes first (a truncated file fails at once),
 then the digests. A checkpoint verified once in a process is not hashed again while
 its files stay the same (size, inode and modification time), so the resume choice and
@@ -24,11 +29,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
+import xxhash
 
 from recipes_lib.checkpoint.layout import (
     PARTIAL_SUFFIX,
@@ -39,16 +47,21 @@ from recipes_lib.checkpoint.layout import (
 from recipes_lib.errors import CheckpointError, CorruptCheckpointError
 from recipes_lib.files import write_atomic, write_json_atomic
 
-FORMAT = 1
+FORMAT = 2
+# the checksums a record may name, by the key its file entries hold the digest under;
+# new records use WRITTEN, older ones (format 1) hold sha256
+ALGORITHMS: dict[str, Callable[[], Any]] = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+WRITTEN = "xxh3_128"
 _CHUNK = 8 << 20  # bytes read per hashing step
+_PARALLEL_FROM = 1 << 20  # a written block this large is hashed beside its write
 
 # real path -> the stat signature it had when it last verified (see verify_checkpoint)
 _verified: dict[str, tuple] = {}
 
 
-def sha256_file(path: str | os.PathLike, chunk_size: int = _CHUNK) -> str:
-    """Hex SHA-256 digest of the file at ``path``, read in ``chunk_size`` pieces."""
-    digest = hashlib.sha256()
+def file_digest(path: str | os.PathLike, algorithm: str, chunk_size: int = _CHUNK) -> str:
+    """Hex digest of the file at ``path`` by ``algorithm`` (a key of :data:`ALGORITHMS`)."""
+    digest = ALGORITHMS[algorithm]()
     try:
         with open(path, "rb") as f:
             while chunk := f.read(chunk_size):
@@ -58,16 +71,31 @@ def sha256_file(path: str | os.PathLike, chunk_size: int = _CHUNK) -> str:
     return digest.hexdigest()
 
 
+def sha256_file(path: str | os.PathLike, chunk_size: int = _CHUNK) -> str:
+    """Hex SHA-256 digest of the file at ``path``, read in ``chunk_size`` pieces."""
+    return file_digest(path, "sha256", chunk_size)
+
+
 @dataclass(frozen=True)
 class FileDigest:
-    """The size and SHA-256 a file had when it was written."""
+    """The size and checksum a file had when it was written, and the checksum's name."""
 
     bytes: int
-    sha256: str
+    digest: str
+    algorithm: str = WRITTEN
 
     @classmethod
     def of(cls, path: Path) -> FileDigest:
-        return cls(path.stat().st_size, sha256_file(path))
+        return cls(path.stat().st_size, file_digest(path, WRITTEN))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, self.algorithm: self.digest}
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> FileDigest:
+        """The entry's digest under the first key that names a known checksum."""
+        algorithm = next(a for a in ALGORITHMS if a in entry)  # StopIteration: none known
+        return cls(int(entry["bytes"]), str(entry[algorithm]), algorithm)
 
 
 @dataclass(frozen=True)
@@ -82,18 +110,15 @@ class Checksums:
         return {
             "format": FORMAT,
             "global_step": self.global_step,
-            "files": {n: {"bytes": d.bytes, "sha256": d.sha256} for n, d in self.files.items()},
+            "files": {name: d.to_json() for name, d in self.files.items()},
         }
 
     @classmethod
     def from_json(cls, data: Any, record: Path) -> Checksums:
         try:
-            files = {
-                str(name): FileDigest(int(entry["bytes"]), str(entry["sha256"]))
-                for name, entry in data["files"].items()
-            }
+            files = {str(name): FileDigest.from_json(e) for name, e in data["files"].items()}
             step = data.get("global_step")
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError, StopIteration) as err:
             raise CorruptCheckpointError(record, f"is not a checksum record ({err!r})") from err
         return cls(files, int(step) if isinstance(step, int) else None)
 
@@ -138,22 +163,39 @@ def write_checksums(checkpoint: str | os.PathLike, checksums: Checksums) -> Path
 
 class _HashingWriter:
     """A write-only file object that hashes what passes through it: ``torch.save``
-    streams the checkpoint through it, so the digest costs no second read."""
+    streams the checkpoint through it, so the digest costs no second read.
 
-    def __init__(self, file):
+    A large block is hashed on a thread of its own while this one writes it (both let
+    go of the GIL), and ``write`` returns once both are done: the block is memory
+    ``torch.save`` may free or reuse as soon as ``write`` returns.
+    """
+
+    def __init__(self, file, algorithm: str = WRITTEN):
         self._file = file
-        self._digest = hashlib.sha256()
+        self._digest = ALGORITHMS[algorithm]()
+        self._hasher: ThreadPoolExecutor | None = None
         self.size = 0
 
     def write(self, data) -> int:
-        self._digest.update(data)
-        self.size += memoryview(data).nbytes
-        return self._file.write(data)
+        view = memoryview(data)
+        self.size += view.nbytes
+        if view.nbytes < _PARALLEL_FROM:
+            self._digest.update(view)
+            return self._file.write(view)
+        if self._hasher is None:
+            self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checksum")
+        hashed = self._hasher.submit(self._digest.update, view)
+        try:
+            return self._file.write(view)
+        finally:
+            hashed.result()
 
     def flush(self) -> None:
         self._file.flush()
 
     def hexdigest(self) -> str:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
         return self._digest.hexdigest()
 
 
@@ -186,8 +228,8 @@ def tensor_bytes(state: Any) -> int:
 
 
 def save_torch_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> Checksums:
-    """``torch.save`` ``checkpoint`` to ``path`` atomically, then record its size, SHA-256
-    and ``global_step`` beside it.
+    """``torch.save`` ``checkpoint`` to ``path`` atomically, then record its size,
+    checksum and ``global_step`` beside it.
 
     An older record of ``path`` (``last.ckpt`` is rewritten) is removed first and the new
     one written after the file is in place, so a crash anywhere leaves either a file
@@ -277,9 +319,9 @@ def _problem(real: Path, checksums: Checksums) -> str | None:
                 return f"{what} truncated: {size:,} of {want.bytes:,} bytes"
             return f"{what} {size:,} bytes long, {want.bytes:,} recorded"
     for name, path, want in files:
-        if sha256_file(path) != want.sha256:
+        if file_digest(path, want.algorithm) != want.digest:
             what = "" if name is None else f"has {name}, which "
-            return f"{what}differs from the SHA-256 recorded when it was written"
+            return f"{what}differs from the {want.algorithm} checksum recorded when it was written"
     return None
 
 

@@ -13,6 +13,14 @@ load on each rank, so no callback needs to know:
   naming the file and how (a checkpoint without a record loads as before);
 - a removal takes the record with the file.
 
+With ``asynchronous`` (``strategy.async_checkpoint``), a save copies the checkpoint
+once into reused host buffers (:class:`~recipes_lib.checkpoint.staging.HostStaging`,
+pinned on CUDA) and returns; a writer thread writes and records it as above. The next
+save, a load, a removal and the end of fit (:meth:`teardown`) wait for it first, and a
+write that failed raises there as a ``CheckpointError``, so a run never ends with its
+last checkpoint unwritten or a failure unseen. DDP saves on global rank 0 through this
+plugin, so it writes in the background the same way.
+
 Sharded folders are written by :class:`~recipes_lib.parallel.engines.FSDP2Strategy`,
 which asks this plugin for the retention (:meth:`VerifiedCheckpointIO.retain`).
 """
@@ -20,15 +28,23 @@ which asks this plugin for the retention (:meth:`VerifiedCheckpointIO.retain`).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from recipes_lib.checkpoint.integrity import save_torch_checkpoint, verify_checkpoint
+from recipes_lib.checkpoint.integrity import (
+    refuse_foreign_link,
+    save_torch_checkpoint,
+    verify_checkpoint,
+)
 from recipes_lib.checkpoint.layout import checksum_sidecar
 from recipes_lib.checkpoint.retention import Retention, apply_retention
+from recipes_lib.checkpoint.staging import HostStaging
+from recipes_lib.errors import CheckpointError
 
 
 class VerifiedCheckpointIO(TorchCheckpointIO):
@@ -38,21 +54,73 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         folder: the run's ``checkpoints/`` folder: retention applies there only, never
             to a checkpoint saved elsewhere.
         retention: which step checkpoints stay (None: all of them).
+        asynchronous: write each save in the background from a host copy.
+
+    Attributes:
+        blocked_s: seconds the last save kept its caller waiting (the host copy when
+            asynchronous, the whole save otherwise).
     """
 
-    def __init__(self, folder: str | os.PathLike | None = None, retention: Retention | None = None):
+    def __init__(
+        self,
+        folder: str | os.PathLike | None = None,
+        retention: Retention | None = None,
+        asynchronous: bool = False,
+    ):
         super().__init__()
         self.folder = Path(folder) if folder is not None else None
         self.retention = retention
+        self.asynchronous = asynchronous
+        self.blocked_s = 0.0
+        self._staging = HostStaging()
+        self._writer: ThreadPoolExecutor | None = None
+        self._pending: tuple[Future, Path] | None = None
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options")
+        self.wait()  # one save at a time; an earlier failure raises here
+        started = time.perf_counter()
         target = Path(path)
+        if not self.asynchronous:
+            self._write(checkpoint, target)
+        else:
+            refuse_foreign_link(target)  # in the caller, before anything is copied
+            staged = self._staging.stage(checkpoint)
+            if self._writer is None:
+                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+            self._pending = (self._writer.submit(self._write, staged, target), target)
+        self.blocked_s = time.perf_counter() - started
+
+    def _write(self, checkpoint: dict[str, Any], target: Path) -> None:
         save_torch_checkpoint(checkpoint, target)
         self.retain(target)
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is written and recorded.
+
+        Raises:
+            CheckpointError: it failed (naming the checkpoint and the error).
+        """
+        if self._pending is None:
+            return
+        (pending, path), self._pending = self._pending, None
+        try:
+            pending.result()
+        except Exception as err:
+            raise CheckpointError(f"the background save of '{path}' failed: {err}") from err
+
+    def teardown(self) -> None:
+        """The end of fit: the last save lands (or its failure raises) before fit returns."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            self._staging.release()
 
     def load_checkpoint(
         self,
@@ -60,12 +128,14 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         map_location: Callable | Any = lambda storage, loc: storage,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
+        self.wait()
         verify_checkpoint(path)  # raises CorruptCheckpointError, naming the file
         return super().load_checkpoint(
             Path(path), map_location=map_location, weights_only=weights_only
         )
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        self.wait()
         super().remove_checkpoint(Path(path))
         checksum_sidecar(path).unlink(missing_ok=True)
 

@@ -3,12 +3,12 @@ newest one that verifies, moving a bad newer one aside (never deleting it)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 
 import pytest
 import torch
+import xxhash
 from damage import flip_byte, truncate
 
 from recipes_lib.checkpoint.integrity import (
@@ -45,7 +45,8 @@ def test_a_saved_checkpoint_records_its_size_digest_and_step(tmp_path):
     assert record["global_step"] == 8
     entry = record["files"][path.name]
     assert entry["bytes"] == path.stat().st_size
-    assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()  # hashed as written
+    assert record["format"] == 2
+    assert entry["xxh3_128"] == xxhash.xxh3_128(path.read_bytes()).hexdigest()  # as written
     assert verify_checkpoint(path) is True
     assert torch.equal(read_checkpoint(path)["state_dict"]["w"], _checkpoint(8)["state_dict"]["w"])
     assert not list(tmp_path.glob(".*"))  # no temporary file left
@@ -53,7 +54,7 @@ def test_a_saved_checkpoint_records_its_size_digest_and_step(tmp_path):
 
 @pytest.mark.parametrize(
     ("damage", "problem"),
-    [(flip_byte, "differs from the SHA-256 recorded"), (truncate, "is truncated: ")],
+    [(flip_byte, "differs from the xxh3_128 checksum recorded"), (truncate, "is truncated: ")],
 )
 def test_a_damaged_file_is_refused_wherever_it_is_read(tmp_path, damage, problem):
     path = _save(tmp_path, 8)
@@ -96,7 +97,7 @@ def test_resume_takes_the_newest_that_verifies_and_moves_a_bad_one_aside(tmp_pat
     assert moved[1].startswith("step000012.ckpt.sha256.json.corrupt-")
     assert not (tmp_path / "step000012.ckpt").exists()
     [line] = [r.getMessage() for r in caplog.records]
-    assert "step000012.ckpt differs from the SHA-256" in line
+    assert "step000012.ckpt differs from the xxh3_128" in line
     assert "moved aside to step000012.ckpt.corrupt-" in line
     assert "resuming from" in line and "step000008.ckpt (step 8)" in line
     assert [s for s, _ in list_step_checkpoints(tmp_path)] == [4, 8]
