@@ -320,6 +320,10 @@ class StrategyConfig:
     # hsdp: the copies of the model, each sharded over world / replicas ranks (FSDP2's
     # 2-D mesh: replicate across, shard within); None: trainer.num_nodes (one per node)
     replicas: int | None = None
+    # ddp: each row split over this many ranks (context parallelism, for long rows): the
+    # ranks of a group read the same rows and the data is sharded over world / N ranks;
+    # data.seq_len must be a multiple of 2 x N (recipes_lib.parallel.context)
+    context_parallel: int = 1
 
 
 @dataclass

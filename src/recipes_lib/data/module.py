@@ -167,7 +167,9 @@ class ResumableDataModule(L.LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             return 0, 1
-        return trainer.global_rank, trainer.world_size
+        # the ranks of a context-parallel group share their rows (recipes_lib.parallel.context)
+        degree = getattr(trainer.strategy, "context_parallel", 1)
+        return trainer.global_rank // degree, trainer.world_size // degree
 
     def train_sampler(self) -> ResumableSampler:
         """The seeded shuffle of ``train_dataset`` that this rank reads its share of,

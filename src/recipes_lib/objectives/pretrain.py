@@ -40,5 +40,6 @@ PRETRAIN = register_objective(
         batch="input_ids, labels, doc_ids (B, data.seq_len)",
         loss="causal_lm_loss",
         from_scratch=True,
+        context_parallel=True,
     )
 )

@@ -98,6 +98,9 @@ class ObjectiveSpec:
         frozen_models: ``frozen_models(cfg, settings)``: the frozen models a run runs
             through training (what the memory estimate and the step's FLOPs count).
         check: ``check(cfg, settings)``: its cross-key rules, raising ConfigError.
+        context_parallel: its loss is the module's plain next-token loss over whole
+            rows of ``data.seq_len``, so its rows may be split over ranks
+            (``strategy.context_parallel``).
     """
 
     name: str
@@ -115,6 +118,7 @@ class ObjectiveSpec:
     batches_vary: Callable[[RunConfig], bool] = _fixed_shapes
     frozen_models: Callable[[RunConfig, Any], tuple[FrozenModel, ...]] = _no_frozen_models
     check: Callable[[RunConfig, Any], None] = _nothing
+    context_parallel: bool = False
 
     def settings_of(self, cfg: RunConfig) -> Any:
         """This objective's settings in ``cfg`` (its defaults where ``cfg`` was built

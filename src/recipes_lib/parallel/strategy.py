@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from recipes_lib.config.schema import RunConfig, StrategyConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.parallel.context import ContextParallelDDP
 from recipes_lib.parallel.engines import FSDP2Strategy, ZeroStrategy, strategy_timeout
 from recipes_lib.parallel.fsdp import full_state_dict, shard_model
 from recipes_lib.parallel.precision import device_type
@@ -47,6 +48,13 @@ def _single(config: StrategyConfig, micro_batch_size: int | None) -> str:
 
 
 def _ddp(config: StrategyConfig, micro_batch_size: int | None) -> Strategy:
+    if config.context_parallel > 1:  # groups of ranks that share each row
+        return ContextParallelDDP(
+            config.context_parallel,
+            find_unused_parameters=config.find_unused_parameters,
+            gradient_as_bucket_view=True,
+            timeout=strategy_timeout(config),
+        )
     return DDPStrategy(
         find_unused_parameters=config.find_unused_parameters,
         gradient_as_bucket_view=True,
@@ -113,6 +121,8 @@ class StrategySpec:
             (``strategy.async_checkpoint``; FSDP2's sharded folders, through DCP).
         expert_parallel: it can spread a mixture's experts over the ranks
             (``strategy.expert_parallel``).
+        context_parallel: it can split each row over groups of ranks
+            (``strategy.context_parallel``, :mod:`recipes_lib.parallel.context`).
         fused_head: the head's loss may be fused with it (``kernels.loss_chunk_size``),
             inside the head's forward, where FSDP has gathered the head's weight.
         expert_adapters: LoRA may adapt a mixture's experts (PEFT's per-call weights).
@@ -138,6 +148,7 @@ class StrategySpec:
     frees_gradients: bool = True
     async_checkpoint: bool = False
     expert_parallel: bool = False
+    context_parallel: bool = False
     fused_head: bool = True
     expert_adapters: bool = True
     needs_package: tuple[str, str] | None = None
@@ -179,7 +190,12 @@ STRATEGIES: dict[str, StrategySpec] = {
     for spec in (
         StrategySpec(name="single", multi_device=False, build=_single, **_REPLICATED),
         StrategySpec(
-            name="ddp", multi_device=True, build=_ddp, frees_gradients=False, **_REPLICATED
+            name="ddp",
+            multi_device=True,
+            build=_ddp,
+            frees_gradients=False,
+            context_parallel=True,
+            **_REPLICATED,
         ),
         StrategySpec(
             name="fsdp",

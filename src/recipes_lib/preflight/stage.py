@@ -19,7 +19,8 @@ from recipes_lib.kernels import get_attention_backend
 from recipes_lib.models.moe import check_expert_path
 from recipes_lib.objectives import objective_of
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
-from recipes_lib.parallel.strategy import get_strategy
+from recipes_lib.parallel.context import check_context_parallel
+from recipes_lib.parallel.strategy import get_strategy, planned_world_size
 from recipes_lib.training.guard import check_guard_config
 
 
@@ -191,3 +192,15 @@ def check_objective(cfg: RunConfig) -> None:
     strategy)."""
     spec = objective_of(cfg)
     spec.check(cfg, spec.settings_of(cfg))
+    degree = cfg.strategy.context_parallel
+    if degree != 1:
+        check_context_parallel(
+            degree,
+            world_size=planned_world_size(cfg),
+            seq_len=cfg.data.seq_len,
+            strategy=cfg.strategy.name,
+            strategy_supports=get_strategy(cfg.strategy.name).context_parallel,
+            backend=get_attention_backend(cfg.kernels.attention),
+            objective=spec.name,
+            objective_supports=spec.context_parallel,
+        )

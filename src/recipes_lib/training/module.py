@@ -50,6 +50,7 @@ from recipes_lib.models import Transformer
 from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
+from recipes_lib.parallel.context import context_shard, sharded_loss
 from recipes_lib.parallel.precision import compute_dtype
 from recipes_lib.parallel.strategy import get_strategy
 from recipes_lib.training.build import ModelBuild, build_model
@@ -129,6 +130,7 @@ class CausalLMModule(L.LightningModule):
             PrecisionConfig, precision or PrecisionConfig(), "precision"
         )
         self.strategy_config = as_config(StrategyConfig, strategy or StrategyConfig(), "strategy")
+        self.context_parallel = self.strategy_config.context_parallel  # ranks sharing a row
         guard_config = as_config(GuardConfig, guard or GuardConfig(), "guard")
         self.guard_config = resolve_policy(guard_config, self.strategy_config.name)
         self.guard = StepGuard(self.guard_config)
@@ -297,6 +299,20 @@ class CausalLMModule(L.LightningModule):
         input_ids, doc_ids = self.model_inputs(batch)
         labels, token_mask = batch["labels"], self.expert_load.token_mask(batch)
         chunk = self.kernels_config.loss_chunk_size
+        trainer = self._attached()
+        shard = None if trainer is None else context_shard(trainer.strategy, labels.shape[1])
+        if shard is not None:  # strategy.context_parallel: this rank's share of each row
+            model.set_context_shard(shard)
+            try:
+                inputs = (shard.shard(input_ids), None if doc_ids is None else shard.shard(doc_ids))
+                mask = None if token_mask is None else shard.shard(token_mask)
+                local = shard.shard(labels)
+                logp = model(
+                    *inputs, labels=local, per_token=True, loss_chunk_size=chunk, token_mask=mask
+                )
+            finally:
+                model.set_context_shard(None)
+            return sharded_loss(-logp.sum(), (local != -100).sum(), shard), {}
         if chunk is None:
             return self._loss_fn(model(input_ids, doc_ids, token_mask=token_mask), labels), {}
         # the head fused with the loss, inside the model's forward (a sharded head too)
@@ -355,7 +371,9 @@ class CausalLMModule(L.LightningModule):
         metrics = {**metrics, **moe_metrics}
         loss = self.guard.inject(loss, self.trainer, batch["input_ids"].size(0), into_step)
         self.guard.add_loss(loss)
-        self.tokens_seen += self.count_tokens(batch) * getattr(self._attached(), "world_size", 1)
+        # the ranks of a context-parallel group share their rows
+        replicas = getattr(self._attached(), "world_size", 1) // self.context_parallel
+        self.tokens_seen += self.count_tokens(batch) * replicas
         batch_size = batch["input_ids"].size(0)
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=batch_size)
         # float64 keeps the count exact up to 2**53 tokens

@@ -1,0 +1,137 @@
+"""Context parallelism (``strategy.context_parallel=N``): each row split over ``N`` ranks.
+
+The world's ranks form groups of ``N`` consecutive ranks; the ranks of one group read
+the same rows (the data is sharded over ``world / N`` data-parallel ranks) and each
+holds its load-balanced share of every row's positions
+(:mod:`recipes_lib.kernels.sharded`: the attention gathers the group's keys and values
+and masks with global positions, so packed documents are respected across shards).
+
+The loss of a rank is its tokens' summed loss over the group's token count, so the
+group's shares add up to the mean over the whole rows; its value is replaced by that
+mean (the same on every rank of the group, for the log and the guard) while the
+gradient stays the rank's share. Gradients are all-reduced (averaged) over the whole
+world by DDP, the group's ranks included, so the share is scaled by ``N``: the
+average over the world is then the average of the groups' whole-row gradients, and
+parameters stay equal on every rank.
+
+:class:`ContextParallelDDP` is DDP with those groups; the checks of
+:func:`check_context_parallel` run in the pre-flight, before anything trains.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+
+from recipes_lib.errors import ConfigError
+from recipes_lib.kernels.sharded import ContextShard
+
+if TYPE_CHECKING:
+    from recipes_lib.kernels.attention import AttentionBackend
+
+
+class ContextParallelDDP(DDPStrategy):
+    """DDP whose ranks also form groups of ``degree`` that share each row.
+
+    ``context_parallel`` (the degree) is what the data module divides its ranks by;
+    ``context_group`` is this rank's group once the processes are connected."""
+
+    def __init__(self, degree: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.context_parallel = degree
+        self.context_group: dist.ProcessGroup | None = None
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        world, rank, n = dist.get_world_size(), dist.get_rank(), self.context_parallel
+        for first in range(0, world, n):  # every rank creates every group, in one order
+            group = dist.new_group(list(range(first, first + n)))
+            if first <= rank < first + n:
+                self.context_group = group
+
+
+def context_shard(strategy: object, seq_len: int) -> ContextShard | None:
+    """This rank's share of rows of ``seq_len`` under ``strategy`` (None: whole rows)."""
+    degree = getattr(strategy, "context_parallel", 1)
+    if degree == 1:
+        return None
+    if seq_len % (2 * degree) != 0:
+        raise ConfigError(
+            f"a batch of rows of {seq_len} tokens does not split into 2 x "
+            f"strategy.context_parallel={degree} chunks"
+        )
+    group = getattr(strategy, "context_group", None)
+    return ContextShard(seq_len=seq_len, degree=degree, rank=dist.get_rank(group), group=group)
+
+
+def sharded_loss(token_loss_sum: Tensor, tokens: Tensor, shard: ContextShard) -> Tensor:
+    """The loss a rank backpropagates: its ``token_loss_sum`` over the group's token count
+    times the degree (DDP averages over the whole world), valued as the group's mean."""
+    total = tokens.detach().float().clone()
+    summed = token_loss_sum.detach().clone()
+    if shard.degree > 1:
+        dist.all_reduce(total, group=shard.group)
+        dist.all_reduce(summed, group=shard.group)
+    total = total.clamp(min=1.0)
+    share = token_loss_sum / total * shard.degree
+    return share + (summed / total - share).detach()
+
+
+def check_context_parallel(
+    degree: int,
+    *,
+    world_size: int,
+    seq_len: int,
+    strategy: str,
+    strategy_supports: bool,
+    backend: AttentionBackend,
+    objective: str,
+    objective_supports: bool,
+) -> None:
+    """Refuse, in one line naming the key, a context-parallel degree the run cannot use.
+
+    Raises:
+        ConfigError: the degree is below 1, does not divide the world, does not split
+            ``data.seq_len`` into ``2 x degree`` chunks, or the strategy, attention
+            backend or objective cannot run with split rows.
+    """
+    if degree < 1:
+        raise ConfigError(f"strategy.context_parallel={degree} must be 1 or more")
+    if degree == 1:
+        return
+    if not strategy_supports:
+        raise ConfigError(
+            f"strategy.context_parallel={degree} needs strategy=ddp; strategy={strategy} "
+            "cannot split rows over ranks"
+        )
+    if world_size % degree != 0:
+        raise ConfigError(
+            f"strategy.context_parallel={degree} does not divide the {world_size} processes "
+            "of the run (trainer.devices x trainer.num_nodes)"
+        )
+    if seq_len % (2 * degree) != 0:
+        raise ConfigError(
+            f"data.seq_len={seq_len} is not divisible by 2 x strategy.context_parallel="
+            f"{degree} (each rank holds two equal chunks of every row)"
+        )
+    if not backend.capabilities.context_parallel:
+        raise ConfigError(
+            f"kernels.attention={backend.name} cannot run with rows split over ranks "
+            f"(strategy.context_parallel={degree}); use kernels.attention=flex or sdpa"
+        )
+    if not objective_supports:
+        raise ConfigError(
+            f"stage.objective={objective} does not train on plain sequences; "
+            f"strategy.context_parallel={degree} works with pretraining only for now"
+        )
+
+
+__all__ = [
+    "ContextParallelDDP",
+    "check_context_parallel",
+    "context_shard",
+    "sharded_loss",
+]

@@ -1,0 +1,34 @@
+"""Run by ``torchrun`` from ``test_context_parallel.py``: ``recipes_lib.train.run`` on the
+overrides given, with a spy on the sharded attention that writes, per rank, how many
+times it ran and the query lengths it saw (``<run.dir>/sharded_rank<r>.json``), so the
+test knows the rows were split and not trained whole on every rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from recipes_lib.config import compose_config
+from recipes_lib.kernels.sharded import ShardedAttention
+from recipes_lib.train import run
+
+
+def main() -> None:
+    seen: list[int] = []
+    attend = ShardedAttention.__call__
+
+    def spy(self, q, k, v, mask, scale=None):
+        seen.append(q.shape[2])
+        return attend(self, q, k, v, mask, scale)
+
+    ShardedAttention.__call__ = spy  # type: ignore[method-assign]
+    cfg = compose_config(sys.argv[1:])
+    run(cfg)
+    out = Path(cfg.run.dir) / f"sharded_rank{os.environ['RANK']}.json"
+    out.write_text(json.dumps({"calls": len(seen), "lengths": sorted(set(seen))}))
+
+
+if __name__ == "__main__":
+    main()

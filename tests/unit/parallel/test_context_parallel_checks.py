@@ -1,0 +1,53 @@
+"""``strategy.context_parallel`` is refused before training, in one line naming the key,
+where its rows cannot be split; a degree that fits passes."""
+
+from __future__ import annotations
+
+import pytest
+
+from recipes_lib.config import compose_config, to_run_config
+from recipes_lib.errors import ConfigError
+from recipes_lib.preflight import check_run
+
+SPLIT = ["strategy=ddp", "trainer.devices=4", "data.seq_len=64", "kernels.attention=flex"]
+
+
+def _cfg(*overrides: str):
+    return to_run_config(compose_config(["recipe=pretrain/tiny", *SPLIT, *overrides]))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["strategy.context_parallel=3"], r"strategy.context_parallel=3 does not divide the 4"),
+        (
+            ["strategy.context_parallel=4", "data.seq_len=60"],
+            r"data.seq_len=60 is not divisible by 2 x strategy.context_parallel=4",
+        ),
+        (
+            ["strategy.context_parallel=2", "kernels.attention=flash_attn"],
+            r"kernels.attention=flash_attn cannot run with rows split",
+        ),
+        (
+            ["strategy.context_parallel=2", "strategy=fsdp"],
+            r"strategy.context_parallel=2 needs strategy=ddp",
+        ),
+        (["strategy.context_parallel=0"], r"strategy.context_parallel=0 must be 1 or more"),
+    ],
+)
+def test_a_degree_the_run_cannot_use_is_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match) as refused:
+        check_run(_cfg(*overrides), ("pretrain",))
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("recipe", ["dpo/tiny", "sft/tiny"])
+def test_an_objective_without_plain_sequences_is_refused(recipe):
+    cfg = to_run_config(compose_config([f"recipe={recipe}", *SPLIT, "strategy.context_parallel=2"]))
+    with pytest.raises(ConfigError, match=r"does not train on plain sequences; strategy.cont"):
+        check_run(cfg, (cfg.stage.objective,))
+
+
+def test_a_degree_that_fits_passes():
+    check_run(_cfg("strategy.context_parallel=4"), ("pretrain",))
+    check_run(_cfg("strategy.context_parallel=2"), ("pretrain",))
