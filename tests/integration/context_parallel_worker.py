@@ -3,8 +3,9 @@ tiny decoder with each row split over every process (context parallelism) must e
 those of the whole rows on one process.
 
 Every rank computes the one-process reference itself (same seed, same batch), then its
-share: the sum of its tokens' losses over the group's token count, backward, and the
-gradients summed over the group. Exits non-zero with the largest differences otherwise.
+share as the module computes it (:func:`recipes_lib.parallel.context.sharded_loss`),
+backward, and the gradients averaged over the group as DDP averages them. Exits
+non-zero with the largest differences otherwise.
 
 Usage: ``torchrun --nproc_per_node=N context_parallel_worker.py <attention> <documents>
 <window>``.
@@ -22,6 +23,7 @@ from recipes_lib.config.schema import ModelConfig
 from recipes_lib.kernels.sharded import ContextShard
 from recipes_lib.models.families import get_family
 from recipes_lib.models.transformer import Transformer
+from recipes_lib.parallel.context import sharded_loss
 
 TOLERANCE = 1e-5  # fp32: the same sums in a different order
 
@@ -75,17 +77,16 @@ def main() -> None:
     local_loss, local_count = token_losses(
         model, shard.shard(input_ids), shard.shard(labels), local_docs
     )
-    total = torch.tensor(float(local_count))
-    dist.all_reduce(total)
-    (local_loss / total).backward()
-    summed = local_loss.detach().clone()
-    dist.all_reduce(summed)
-    cp_loss = (summed / total).item()
+    # the loss the module backpropagates (parallel.context.sharded_loss), and the
+    # gradients averaged over the world as DDP averages them
+    loss = sharded_loss(local_loss, torch.tensor(local_count), shard)
+    loss.backward()
+    cp_loss = loss.item()
     worst = 0.0
     for name, p in model.named_parameters():
         grad = p.grad.clone()
         dist.all_reduce(grad)
-        worst = max(worst, (grad - reference[name]).abs().max().item())
+        worst = max(worst, (grad / world - reference[name]).abs().max().item())
     print(f"rank {rank}: loss {cp_loss:.8f} vs {reference_loss:.8f}, worst grad diff {worst:.2e}")
     ok = abs(cp_loss - reference_loss) < TOLERANCE and worst < TOLERANCE
     dist.destroy_process_group()
