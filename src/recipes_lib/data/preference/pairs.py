@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from recipes_lib.config.schema import ChatFormatConfig
-from recipes_lib.data.chat.messages import BadRecord, Text, text_field
+from recipes_lib.data.chat.messages import TOOLS_FIELD, BadRecord, Text, parse_tools, text_field
 from recipes_lib.data.chat.template import ChatRenderer
 from recipes_lib.data.chat_records import bad_record_error, check_chat_format
 from recipes_lib.data.records import RecordSource, record_where
@@ -48,6 +48,7 @@ class PreferenceRecord:
     prompt: Text
     chosen: Text
     rejected: Text
+    tools: list[dict] | None = None  # the tool schemas the template is given
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,12 @@ def parse_record(record: Mapping, chat: ChatFormatConfig, where: str) -> Prefere
             f"{where}: fields {chat.chosen_field!r} and {chat.rejected_field!r} are identical",
             "identical responses",
         )
-    return PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected)
+    try:
+        tools = parse_tools(record.get(TOOLS_FIELD))
+    except ValueError as err:
+        problem = f"{where}: field {TOOLS_FIELD!r} {err}"
+        raise BadRecord(problem, f"malformed field {TOOLS_FIELD!r}") from None
+    return PreferenceRecord(prompt=prompt, chosen=chosen, rejected=rejected, tools=tools)
 
 
 class PairEncoder:
@@ -149,9 +155,11 @@ class PairEncoder:
         self.chat = chat
         self.twin = twin
 
-    def _render(self, messages: list[dict], where: str) -> tuple[list[int], list[bool]]:
+    def _render(
+        self, messages: list[dict], where: str, tools: list[dict] | None = None
+    ) -> tuple[list[int], list[bool]]:
         try:
-            rendered = self.renderer.render(messages)
+            rendered = self.renderer.render(messages, tools=tools)
         except DataError as err:
             raise BadRecord(f"{where}: {err}", "template failed to render") from err
         return list(rendered.input_ids), [bool(m) for m in rendered.assistant_mask]
@@ -159,13 +167,13 @@ class PairEncoder:
     def split(self, record: PreferenceRecord, where: str) -> tuple[list[int], tuple, tuple]:
         """``prompt_ids`` and, per response, ``(ids, counted_mask)`` after the prompt."""
         prompt = _as_messages(record.prompt, "user")
-        prompt_ids, _ = self._render(prompt, where)
+        prompt_ids, _ = self._render(prompt, where, record.tools)
         responses = []
         for field, part in (
             (self.chat.chosen_field, record.chosen),
             (self.chat.rejected_field, record.rejected),
         ):
-            ids, mask = self._render(prompt + _as_messages(part, "assistant"), where)
+            ids, mask = self._render(prompt + _as_messages(part, "assistant"), where, record.tools)
             if ids[: len(prompt_ids)] != prompt_ids:
                 raise BadRecord(
                     f"{where}: field {field!r}: the chat template renders the prompt differently "
