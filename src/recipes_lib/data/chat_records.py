@@ -121,11 +121,23 @@ def record_texts(records: Iterable[Any], fields: Sequence[str] | None = None) ->
             if isinstance(value, str):
                 yield value
             elif isinstance(value, list):
-                yield from (
-                    m["content"]
-                    for m in value
-                    if isinstance(m, Mapping) and isinstance(m.get("content"), str)
-                )
+                yield from _turn_texts(value)
+
+
+def _turn_texts(turns: list) -> Iterator[str]:
+    """The text of chat turns: content, reasoning, and tool calls or tool schemas as the
+    JSON a template writes them in."""
+    for turn in turns:
+        if not isinstance(turn, Mapping):
+            continue
+        if "role" not in turn and "content" not in turn:  # a tool schema
+            yield json.dumps(dict(turn))
+            continue
+        for key in ("content", "reasoning_content"):
+            if isinstance(turn.get(key), str):
+                yield turn[key]
+        if isinstance(turn.get("tool_calls"), list):
+            yield json.dumps(turn["tool_calls"], default=str)
 
 
 def load_chat_tokenizer(
