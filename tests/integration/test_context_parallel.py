@@ -41,37 +41,66 @@ def test_split_rows_give_the_one_process_loss_and_gradients(
     assert result.stdout.count("worst grad diff") == processes
 
 
+COMMON = (
+    "trainer.max_steps=4",
+    "trainer.val_check_interval=4",
+    "run.checkpoint_every_n_steps=4",
+    "scheduler.warmup=2",
+    "kernels.attention=flex",
+    "data.document_mask=true",
+)
+
+
+def _overrides(root: Path, name: str, *extra: str) -> list[str]:
+    items = tiny_overrides(root, root / "cache", *COMMON, *extra)
+    return [o if not o.startswith("run.dir=") else f"run.dir={root / name}" for o in items]
+
+
+def _split_run(root: Path, processes: int, degree: int, batch_size: int) -> Path:
+    """The tiny pretraining run on ``processes`` gloo processes at ``degree``; asserts
+    each rank's attention ran on its share of every 64-token row."""
+    args = _overrides(
+        root,
+        "split",
+        "strategy=ddp",
+        f"strategy.context_parallel={degree}",
+        f"data.batch_size={batch_size}",
+    )
+    torchrun(processes, RUNNER, *args, f"trainer.devices={processes}", omp_threads=1)
+    for rank in range(processes):
+        spied = json.loads((root / "split" / f"sharded_rank{rank}.json").read_text())
+        assert spied["calls"] > 0 and spied["lengths"] == [64 // degree]
+    return root / "split"
+
+
+def _largest_weight_difference(a: Path, b: Path) -> float:
+    x, y = load_weights(a / "model.safetensors"), load_weights(b / "model.safetensors")
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
 def test_a_pretraining_run_with_split_rows_follows_the_one_process_run(tmp_path):
     """``recipes_lib.train.run`` with strategy.context_parallel=2 over two gloo processes
     (one data-parallel replica) trains on the one-process run's rows, packed documents
     masked, and logs its loss curve within 1e-4."""
-    cache = tmp_path / "cache"
-    common = (
-        "trainer.max_steps=4",
-        "trainer.val_check_interval=4",
-        "run.checkpoint_every_n_steps=4",
-        "scheduler.warmup=2",
-        "data.batch_size=2",
-        "kernels.attention=flex",
-        "data.document_mask=true",
-    )
-
-    def overrides(name: str, *extra: str) -> list[str]:
-        items = tiny_overrides(tmp_path, cache, *common, *extra)
-        return [o if not o.startswith("run.dir=") else f"run.dir={tmp_path / name}" for o in items]
-
-    run(compose_config(overrides("single")))
-    split_args = overrides("split", "strategy=ddp", "strategy.context_parallel=2")
-    torchrun(2, RUNNER, *split_args, "trainer.devices=2", omp_threads=1)
-    for rank in (0, 1):  # each rank attended from half of every 64-token row
-        spied = json.loads((tmp_path / "split" / f"sharded_rank{rank}.json").read_text())
-        assert spied["calls"] > 0 and spied["lengths"] == [32]
+    run(compose_config(_overrides(tmp_path, "single", "data.batch_size=2")))
+    split_dir = _split_run(tmp_path, processes=2, degree=2, batch_size=2)
     single = metric_series(read_metrics(tmp_path / "single"), "train/loss")
-    split = metric_series(read_metrics(tmp_path / "split"), "train/loss")
+    split = metric_series(read_metrics(split_dir), "train/loss")
     assert len(single) == 4
     assert [s for s, _ in split] == [s for s, _ in single]
     assert [v for _, v in split] == pytest.approx([v for _, v in single], abs=1e-4)
     assert single[-1][1] < single[0][1]  # it trained
-    a = load_weights(tmp_path / "single" / "model.safetensors")
-    b = load_weights(tmp_path / "split" / "model.safetensors")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert _largest_weight_difference(tmp_path / "single", split_dir) < 1e-4
+
+
+@pytest.mark.slow
+def test_two_replicas_of_split_rows_reach_the_one_process_weights(tmp_path):
+    """Four processes: two data-parallel replicas (one row a step each) of two ranks that
+    share each row reach the weights and validation loss of one process reading both
+    rows a step."""
+    run(compose_config(_overrides(tmp_path, "single", "data.batch_size=2")))
+    split_dir = _split_run(tmp_path, processes=4, degree=2, batch_size=1)
+    assert _largest_weight_difference(tmp_path / "single", split_dir) < 1e-4
+    val = [v for _, v in metric_series(read_metrics(split_dir), "val/loss")]
+    ref = [v for _, v in metric_series(read_metrics(tmp_path / "single"), "val/loss")]
+    assert val == pytest.approx(ref, abs=1e-4)

@@ -24,12 +24,40 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import Tensor
 
 from recipes_lib.errors import UnsupportedKernelError
 from recipes_lib.kernels.attention import AttentionBackend
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` within ``group``; the backward sums each part's gradient
+    over the group onto the rank it came from (a reduce-scatter: on NCCL one call, else an
+    all-reduce and this rank's slice, which gloo runs on any subgroup).
+
+    Written here because ``torch.distributed.nn.functional.all_gather``'s backward on
+    gloo addresses a subgroup's ranks by their global number and fails on a group that
+    does not start at rank 0."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: dist.ProcessGroup | None) -> Tensor:
+        ctx.dim, ctx.group = dim, group
+        ctx.size, ctx.rank = dist.get_world_size(group), dist.get_rank(group)
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        parts = [p.contiguous() for p in grad.chunk(ctx.size, dim=ctx.dim)]
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            mine = torch.empty_like(parts[ctx.rank])
+            dist.reduce_scatter(mine, parts, group=ctx.group)
+            return mine, None, None
+        summed = grad.contiguous()
+        dist.all_reduce(summed, group=ctx.group)
+        return summed.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None
 
 
 def load_balanced_positions(seq_len: int, degree: int, rank: int) -> Tensor:
@@ -81,8 +109,7 @@ class ContextShard:
         to the rank each part came from (summed over the group)."""
         if self.degree == 1:
             return x
-        parts = dist_fn.all_gather(x.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return _GatherSequence.apply(x, dim, self.group)
 
 
 class ShardedAttention(AttentionBackend):
