@@ -167,6 +167,7 @@ class Preemption(OptimizerStepCallback, Checkpoint):
         if trainer.is_global_zero:
             log.warning("%s received: saving a checkpoint at step %d and stopping", name, step)
         checkpoint = self._save(trainer, step)
+        _finish_background_save(trainer)
         requeued = requeue and trainer.is_global_zero and _requeue_slurm_job()
         raise Preempted(name, step, checkpoint, requeued)
 
@@ -245,3 +246,12 @@ def _requeue_slurm_job() -> bool:
         return False
     log.info("requeued SLURM job %s", job)
     return True
+
+
+def _finish_background_save(trainer: L.Trainer) -> None:
+    """Wait for a checkpoint the checkpoint plugin writes in the background (an
+    asynchronous save), so a preempted job stops with its checkpoint on disk and a
+    failed write raises here."""
+    wait = getattr(trainer.strategy.checkpoint_io, "wait", None)
+    if callable(wait):
+        wait()

@@ -85,7 +85,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
     loggers = instantiate_dict(cfg.logger, "logger", LOGGERS, allowed)
     kwargs["devices"] = trainer_devices(cfg)
     retention = retention_of(cfg.run, cfg.stage.average_last_k)
-    return L.Trainer(
+    checkpoint_io = VerifiedCheckpointIO(
+        RunDir(cfg.run.dir).checkpoints, retention, cfg.strategy.async_checkpoint
+    )
+    trainer = L.Trainer(
         **kwargs,
         strategy=build_strategy(cfg.strategy, micro_batch_size=cfg.data.batch_size),
         precision=lightning_precision(cfg.precision),
@@ -95,8 +98,10 @@ def build_trainer(cfg: RunConfig, extra_callbacks: Sequence[Callback] = ()) -> L
         use_distributed_sampler=False,  # our sampler shards by rank and resumes mid-epoch
         # every checkpoint file written atomically with its checksum, verified on load,
         # and the run's retention applied in checkpoints/ as each one lands
-        plugins=[VerifiedCheckpointIO(RunDir(cfg.run.dir).checkpoints, retention)],
+        plugins=[checkpoint_io],
     )
+    checkpoint_io.final_step = lambda: trainer.max_steps  # the last save is written in place
+    return trainer
 
 
 def build_stage(

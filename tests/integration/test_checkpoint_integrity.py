@@ -21,6 +21,7 @@ from damage import flip_byte, truncate
 from integration_helpers import tiny_overrides
 from lightning.pytorch.callbacks import Callback
 from run_helpers import torchrun
+from tiny import StopAtStep
 
 from recipes_lib.checkpoint.integrity import save_torch_checkpoint, verify_checkpoint
 from recipes_lib.checkpoint.weights import list_step_checkpoints, load_weights
@@ -102,6 +103,52 @@ def test_a_checkpoint_without_a_checksum_still_resumes(straight, tmp_path, share
     resumed = _resume(tmp_path, shared_cache)
     assert resumed.global_step == 16
     _assert_same_weights(_weights(tmp_path / "run"), _weights(straight))
+
+
+class PluginSeen(Callback):
+    """Records whether the run's checkpoint plugin writes in the background."""
+
+    asynchronous: bool | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        self.asynchronous = trainer.strategy.checkpoint_io.asynchronous
+
+
+def _checkpoint_tensors(path: Path) -> list[torch.Tensor]:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    tensors = list(state["state_dict"].values())
+    for optimizer in state["optimizer_states"]:
+        tensors += [
+            t for s in optimizer["state"].values() for t in s.values() if torch.is_tensor(t)
+        ]
+    return tensors
+
+
+def test_a_run_saved_in_the_background_resumes_to_the_uninterrupted_weights(
+    straight, tmp_path, shared_cache
+):
+    background = ("strategy.async_checkpoint=true",)
+    plugin = PluginSeen()
+    first = run(
+        compose_config(tiny_overrides(tmp_path, shared_cache, *EVERY, *background)),
+        callbacks=[StopAtStep(8), plugin],
+    )
+    assert first.global_step == 8
+    assert plugin.asynchronous is True
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert verify_checkpoint(ckpts / "step000008.ckpt")  # landed before fit returned
+    resumed = _resume(tmp_path, shared_cache, *background)
+    assert resumed.global_step == 16
+    _assert_same_weights(_weights(tmp_path / "run"), _weights(straight))
+    for step in (12, 16):  # the same weights and optimizer state as a foreground save's
+        name = f"step{step:06d}.ckpt"
+        assert verify_checkpoint(ckpts / name)
+        found, expected = (
+            _checkpoint_tensors(ckpts / name),
+            _checkpoint_tensors(straight / "checkpoints" / name),
+        )
+        assert len(found) == len(expected)
+        assert all(torch.equal(a, b) for a, b in zip(found, expected, strict=True))
 
 
 KILLER = """

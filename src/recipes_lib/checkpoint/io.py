@@ -57,6 +57,9 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         asynchronous: write each save in the background from a host copy.
 
     Attributes:
+        final_step: the run's last step, asked at each save (the Trainer's ``max_steps``):
+            a save at that step is written in the foreground, so what reads it after fit
+            (the pipeline, an export) finds it in place.
         blocked_s: seconds the last save kept its caller waiting (the host copy when
             asynchronous, the whole save otherwise).
     """
@@ -71,6 +74,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         self.folder = Path(folder) if folder is not None else None
         self.retention = retention
         self.asynchronous = asynchronous
+        self.final_step: Callable[[], int] | None = None
         self.blocked_s = 0.0
         self._staging = HostStaging()
         self._writer: ThreadPoolExecutor | None = None
@@ -84,10 +88,15 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         self.wait()  # one save at a time; an earlier failure raises here
         started = time.perf_counter()
         target = Path(path)
-        if not self.asynchronous:
+        step = checkpoint.get("global_step")
+        last = self.final_step() if self.final_step is not None else 0
+        final = isinstance(step, int) and 0 < last <= step
+        if not self.asynchronous or final:
             self._write(checkpoint, target)
         else:
             refuse_foreign_link(target)  # in the caller, before anything is copied
+            # the folder exists when save returns: Lightning links last.ckpt in it at once
+            target.parent.mkdir(parents=True, exist_ok=True)
             staged = self._staging.stage(checkpoint)
             if self._writer is None:
                 self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")

@@ -311,8 +311,9 @@ class StrategyConfig:
     reshard_after_forward: bool = True  # fsdp: free gathered parameters after forward
     find_unused_parameters: bool = False  # ddp
     timeout_minutes: int = 30  # collective timeout of the process group
-    # fsdp: sharded checkpoints written in the background (torch.distributed.checkpoint's
-    # async_save); training waits only while the shards are copied to host memory
+    # checkpoints written in the background (fsdp: DCP's async_save; single, ddp: a writer
+    # thread); training waits only while the state is copied to host memory, and the end
+    # of fit waits for the last one
     async_checkpoint: bool = False
     # fsdp: a mixture of experts' experts spread over the ranks (each keeps E / ranks of
     # them whole) with the tokens sent to them by all-to-all, instead of gathered

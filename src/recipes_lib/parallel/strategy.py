@@ -118,7 +118,8 @@ class StrategySpec:
             pass runs without them; not where they outlive the step anyway (DDP keeps
             them as views of its communication buckets, DeepSpeed's engine its own).
         async_checkpoint: it writes checkpoints in the background
-            (``strategy.async_checkpoint``; FSDP2's sharded folders, through DCP).
+            (``strategy.async_checkpoint``): FSDP2's sharded folders through DCP, a
+            single device's or DDP's file from a host copy.
         expert_parallel: it can spread a mixture's experts over the ranks
             (``strategy.expert_parallel``).
         context_parallel: it can split each row over groups of ranks
@@ -183,7 +184,12 @@ _ZERO: dict[str, Any] = dict(
 )
 _ALL_STATE = ("parameters", "gradients", "optimizer")
 _REPLICATED: dict[str, Any] = dict(
-    shards=False, cpu_offload=False, float8=True, float8_all_gather=False, quantized_weights=True
+    shards=False,
+    cpu_offload=False,
+    float8=True,
+    float8_all_gather=False,
+    quantized_weights=True,
+    async_checkpoint=True,  # rank 0's file, from a host copy (checkpoint/io.py)
 )
 STRATEGIES: dict[str, StrategySpec] = {
     spec.name: spec

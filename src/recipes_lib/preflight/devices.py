@@ -239,8 +239,8 @@ def check_strategy(cfg: RunConfig) -> None:
     if cfg.strategy.async_checkpoint and not spec.async_checkpoint:
         writers = ", ".join(s for s, other in STRATEGIES.items() if other.async_checkpoint)
         raise ConfigError(
-            f"strategy.async_checkpoint=true writes sharded checkpoint folders in the "
-            f"background ({writers}); strategy={name} saves its checkpoints in the foreground"
+            f"strategy.async_checkpoint=true writes checkpoints in the background "
+            f"({writers}); strategy={name} saves its checkpoints in the foreground"
         )
     check_optimizer_choice(cfg, spec)
     check_replicas(cfg, count)
