@@ -526,7 +526,8 @@ class HFCausalLM(nn.Module):
     def _probe(self, weight: Tensor) -> None:
         g = torch.Generator().manual_seed(0)
         T, vocab = _PROBE_TOKENS, self.config.vocab_size
-        ids = torch.randint(0, vocab, (1, T), generator=g).to(weight.device)
+        # made on the CPU with its generator, whatever device the model is built under
+        ids = torch.randint(0, vocab, (1, T), generator=g, device="cpu").to(weight.device)
         logits = self.hf(input_ids=ids, use_cache=False).logits.float()
         changed = ids.clone()
         changed[0, -1] = (changed[0, -1] + 1) % vocab
