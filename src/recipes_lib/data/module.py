@@ -160,7 +160,7 @@ class ResumableDataModule(L.LightningDataModule):
         """This rank and the world size its samplers shard over (0, 1 without a Trainer).
 
         The Trainer must not shard the loaders a second time: it is built with
-        ``use_distributed_sampler=False`` (as :func:`recipes_lib.train.build_trainer`
+        ``use_distributed_sampler=False`` (as :func:`recipes_lib.assembly.build_trainer`
         builds every Trainer of a run). That is not checked here: Lightning keeps the
         flag in a private attribute and offers no public way to read it back.
         """
@@ -168,7 +168,7 @@ class ResumableDataModule(L.LightningDataModule):
         if trainer is None:
             return 0, 1
         # the ranks of a context-parallel group share their rows (recipes_lib.parallel.context)
-        degree = getattr(trainer.strategy, "context_parallel", 1)
+        degree = getattr(getattr(trainer, "strategy", None), "context_parallel", 1)
         return trainer.global_rank // degree, trainer.world_size // degree
 
     def train_sampler(self) -> ResumableSampler:
