@@ -1,7 +1,7 @@
 """Lightning's checkpoint files, written atomically with a checksum and verified when read.
 
 :class:`VerifiedCheckpointIO` is the ``CheckpointIO`` plugin every run's Trainer gets
-(``recipes_lib.train.build_trainer``). Lightning hands every single-file save to it
+(``recipes_lib.assembly.build_trainer``). Lightning hands every single-file save to it
 (``ModelCheckpoint``'s, ``trainer.save_checkpoint``'s) on global rank 0 and every
 load on each rank, so no callback needs to know:
 
