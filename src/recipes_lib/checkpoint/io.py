@@ -30,12 +30,12 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from recipes_lib.checkpoint.background import BackgroundWrite
 from recipes_lib.checkpoint.integrity import (
     refuse_foreign_link,
     save_torch_checkpoint,
@@ -44,7 +44,6 @@ from recipes_lib.checkpoint.integrity import (
 from recipes_lib.checkpoint.layout import checksum_sidecar
 from recipes_lib.checkpoint.retention import Retention, apply_retention
 from recipes_lib.checkpoint.staging import HostStaging
-from recipes_lib.errors import CheckpointError
 
 
 class VerifiedCheckpointIO(TorchCheckpointIO):
@@ -77,8 +76,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         self.final_step: Callable[[], int] | None = None
         self.blocked_s = 0.0
         self._staging = HostStaging()
-        self._writer: ThreadPoolExecutor | None = None
-        self._pending: tuple[Future, Path] | None = None
+        self._background = BackgroundWrite()
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None
@@ -98,9 +96,7 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
             # the folder exists when save returns: Lightning links last.ckpt in it at once
             target.parent.mkdir(parents=True, exist_ok=True)
             staged = self._staging.stage(checkpoint)
-            if self._writer is None:
-                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-            self._pending = (self._writer.submit(self._write, staged, target), target)
+            self._background.submit(target, self._write, staged, target)
         self.blocked_s = time.perf_counter() - started
 
     def _write(self, checkpoint: dict[str, Any], target: Path) -> None:
@@ -113,22 +109,13 @@ class VerifiedCheckpointIO(TorchCheckpointIO):
         Raises:
             CheckpointError: it failed (naming the checkpoint and the error).
         """
-        if self._pending is None:
-            return
-        (pending, path), self._pending = self._pending, None
-        try:
-            pending.result()
-        except Exception as err:
-            raise CheckpointError(f"the background save of '{path}' failed: {err}") from err
+        self._background.wait()
 
     def teardown(self) -> None:
         """The end of fit: the last save lands (or its failure raises) before fit returns."""
         try:
-            self.wait()
+            self._background.close()
         finally:
-            if self._writer is not None:
-                self._writer.shutdown(wait=True)
-                self._writer = None
             self._staging.release()
 
     def load_checkpoint(

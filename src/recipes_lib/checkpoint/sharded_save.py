@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from recipes_lib.checkpoint.background import BackgroundWrite
 from recipes_lib.checkpoint.integrity import (
     Checksums,
     FileDigest,
@@ -40,7 +41,6 @@ from recipes_lib.checkpoint.integrity import (
 )
 from recipes_lib.checkpoint.layout import checksum_sidecar, partial_checkpoint
 from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME
-from recipes_lib.errors import CheckpointError
 from recipes_lib.files import fsync_dir, write_atomic
 
 log = logging.getLogger(__name__)
@@ -98,8 +98,7 @@ class ShardedSaver:
         self.on_landed = on_landed
         self.timings: list[SaveTiming] = []
         self._group: Any = None
-        self._executor: ThreadPoolExecutor | None = None
-        self._pending: tuple[Future, Path] | None = None
+        self._background = BackgroundWrite()
 
     def _process_group(self) -> Any:
         # gloo: DCP's and our object collectives run on the CPU, and from a background
@@ -136,18 +135,13 @@ class ShardedSaver:
             # with a stager, DCP answers with a staging and an upload future: wait on the upload
             upload = response if isinstance(response, Future) else response.upload_completion
             timing.blocked_s = time.perf_counter() - started
-            self._pending = (self._background().submit(self._land, upload, timing, started), path)
+            self._background.submit(path, self._land, upload, timing, started)
         else:
             dcp.save(state, checkpoint_id=partial, process_group=group)
             self._finish(partial, path, timing)
             timing.blocked_s = timing.finished_s = time.perf_counter() - started
         if rank == 0:
             self.timings.append(timing)
-
-    def _background(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        return self._executor
 
     def _land(self, upload: Future, timing: SaveTiming, started: float) -> None:
         upload.result()  # every rank's shards and DCP's .metadata are on disk
@@ -186,19 +180,8 @@ class ShardedSaver:
         Raises:
             CheckpointError: it failed (naming the checkpoint and the error).
         """
-        if self._pending is None:
-            return
-        (pending, path), self._pending = self._pending, None
-        try:
-            pending.result()
-        except Exception as err:
-            raise CheckpointError(f"the background save of '{path}' failed: {err}") from err
+        self._background.wait()
 
     def close(self) -> None:
         """Wait for the background save, then stop the background thread."""
-        try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+        self._background.close()
