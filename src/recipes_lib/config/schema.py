@@ -47,6 +47,10 @@ class KernelsConfig:
     # loss chunk and micro-batch: recipes_lib.launch_check.autofit)
     activation_checkpointing: str = "off"
     checkpoint_every: int = 2  # selective: blocks 0, N, 2N, ... are recomputed
+    # the block inputs that checkpointing keeps go to pinned host memory and come back for
+    # the backward, overlapped with compute (recipes_lib.kernels.offload); needs
+    # checkpointing. Under checkpointing auto, auto-fit turns it on when nothing else fits
+    activation_offload: bool = False
     # a mixture's experts: auto (one grouped GEMM per weight on CUDA in bf16, else a loop
     # over the experts) | grouped | loop
     experts: str = "auto"
@@ -56,6 +60,12 @@ class KernelsConfig:
         if self.checkpoint_every < 1:
             raise ValueError(
                 f"kernels.checkpoint_every must be 1 or more, got {self.checkpoint_every}"
+            )
+        if self.activation_offload and self.activation_checkpointing == "off":
+            raise ValueError(
+                "kernels.activation_offload=true moves the block inputs that activation "
+                "checkpointing keeps: set kernels.activation_checkpointing to full, "
+                "selective or auto"
             )
 
     def checkpoint_stride(self) -> int:

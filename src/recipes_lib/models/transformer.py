@@ -34,6 +34,7 @@ from recipes_lib.config.model import HEADS, head_tied
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.kernels.compiled import call_block, mark_varying, varying
+from recipes_lib.kernels.offload import ActivationOffload, offloaded
 from recipes_lib.kernels.sharded import ContextShard, ShardedAttention
 from recipes_lib.models.blocks import FeedForward, TransformerBlock
 from recipes_lib.models.families import check_family
@@ -97,6 +98,8 @@ class Transformer(nn.Module):
             )
         self.attention_backend = backend
         self.sharded_attention: ShardedAttention | None = None  # set_context_shard
+        # checkpointed blocks' inputs kept in host memory (kernels.activation_offload)
+        self.activation_offload: ActivationOffload | None = None
 
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
@@ -258,7 +261,8 @@ class Transformer(nn.Module):
             mask = masks[layer.attention.window]
             if rows_vary:
                 mark_varying(h)  # each layer's input is a new tensor
-            h = call_block(layer, h, cos, sin, mask, layer_cache, token_mask)  # (B, T, C)
+            with offloaded(self.activation_offload, h, layer.checkpoint_activations):
+                h = call_block(layer, h, cos, sin, mask, layer_cache, token_mask)  # (B, T, C)
         if cache is not None:
             cache.length = end
         return self.norm(h)  # (B, T, C)

@@ -10,7 +10,8 @@ applied here and nowhere else, in this order:
    computes them in bf16 anyway: :mod:`recipes_lib.adapters.frozen_base`);
 4. float8 Linear layers (a model that trains);
 5. activation checkpointing of every block, or of every N-th (a model that trains;
-   ``auto`` is resolved before the build, :mod:`recipes_lib.launch_check.autofit`);
+   ``auto`` is resolved before the build, :mod:`recipes_lib.launch_check.autofit`),
+   their inputs kept in host memory with ``kernels.activation_offload``;
 6. ``torch.compile`` of each block, in place (parameter names stay as they are);
 7. sharding over the data-parallel mesh, as the strategy declares.
 
@@ -47,6 +48,7 @@ from recipes_lib.config.schema import (
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.kernels import AttentionBackend, get_attention_backend
 from recipes_lib.kernels.compiled import compile_blocks
+from recipes_lib.kernels.offload import ActivationOffload
 from recipes_lib.models import Transformer, TransformerBlock
 from recipes_lib.models.hf_fallback import HFCausalLM, build_hf_model, is_fallback
 from recipes_lib.models.moe import set_expert_path
@@ -145,6 +147,8 @@ def build_model(
     if plan.trains and stride:  # 5
         for index, block in enumerate(_blocks(model)):
             block.checkpoint_activations = index % stride == 0
+        if plan.kernels.activation_offload:  # their inputs kept in host memory
+            _decoder(model).activation_offload = ActivationOffload()
     if plan.kernels.compile:  # 6
         compile_blocks(_blocks(model), varying_shapes=plan.varying_shapes)
     if mesh is not None and spec.shard is not None:  # 7
@@ -182,6 +186,10 @@ def _build_fallback(plan: ModelBuild, *, device: torch.device, mesh=None) -> HFC
         raise ConfigError("precision=fp8 needs a native model family (model.family=hf has none)")
     stride = plan.kernels.checkpoint_stride()
     if plan.trains and stride:  # 5
+        if plan.kernels.activation_offload:
+            raise ConfigError(
+                "kernels.activation_offload needs a native model family (model.family=hf has none)"
+            )
         model.set_activation_checkpointing(True, stride)
     if plan.kernels.compile:  # 6
         compile_blocks(model.blocks, varying_shapes=plan.varying_shapes)
@@ -191,9 +199,14 @@ def _build_fallback(plan: ModelBuild, *, device: torch.device, mesh=None) -> HFC
     return model
 
 
-def _blocks(model: nn.Module) -> list[TransformerBlock]:
-    """The decoder's transformer blocks, also under a peft wrapper."""
+def _decoder(model: nn.Module) -> Transformer:
+    """The decoder, also under a peft wrapper."""
     for module in model.modules():
         if isinstance(module, Transformer):
-            return module.blocks
+            return module
     raise ValueError(f"{type(model).__name__} holds no Transformer")
+
+
+def _blocks(model: nn.Module) -> list[TransformerBlock]:
+    """The decoder's transformer blocks, also under a peft wrapper."""
+    return _decoder(model).blocks
