@@ -24,7 +24,12 @@ class RopeScalingConfig:
     and ``original_max_seq_len``) | ``longrope`` (Phi-3: one factor per frequency,
     ``short_factor`` for forwards within ``original_max_seq_len``, ``long_factor`` past
     it, cos and sin scaled by ``attention_factor``; ``factor`` is the context ratio it
-    was read with).
+    was read with) | ``yarn`` (YaRN: frequencies blended between kept and divided by
+    ``factor`` over the band that ``beta_fast``/``beta_slow`` rotations within
+    ``original_max_seq_len`` mark, the band's edges rounded outwards with ``truncate``;
+    cos and sin scaled by ``attention_factor``, or when it is None by
+    ``0.1 * ln(factor) + 1``, or by the ratio of that formula with ``mscale`` and with
+    ``mscale_all_dim`` when both are set).
     """
 
     type: str = "none"
@@ -34,7 +39,13 @@ class RopeScalingConfig:
     original_max_seq_len: int = 8192
     short_factor: list[float] = field(default_factory=list)
     long_factor: list[float] = field(default_factory=list)
-    attention_factor: float = 1.0
+    # None: longrope's is 1, yarn's follows from factor (and mscale) as described above
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
 
 
 # The role of each ModelConfig field, read by the checks that compare two models:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any, cast, get_type_hints
 
@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from recipes_lib.config.fitted import register_fitted_resolvers
 from recipes_lib.config.objectives import moved_line, stage_schema
-from recipes_lib.config.schema import ModelConfig, RunConfig
+from recipes_lib.config.schema import ModelConfig, RopeScalingConfig, RunConfig
 from recipes_lib.config.widening import check_composed_widening
 from recipes_lib.errors import ConfigError
 
@@ -71,6 +71,9 @@ def from_init_fields(node: DictConfig) -> dict[str, str]:
 # model fields whose None is a value (n_kv_heads None: as many as the query heads; no
 # window; ...), which a source records as None
 _NONE_MEANS_DEFAULT = {f.name for f in fields(ModelConfig) if f.default is None}
+# a source that records no rope_scaling key (one written before the key existed) holds
+# its default, so does one whose key is None (yarn's derived attention_factor)
+_ROPE_DEFAULTS = {f"rope_scaling.{k}": v for k, v in asdict(RopeScalingConfig()).items()}
 
 
 def fill_from_init(node: DictConfig, source: Mapping[str, Any] | None, label: str) -> None:
@@ -90,7 +93,9 @@ def fill_from_init(node: DictConfig, source: Mapping[str, Any] | None, label: st
         value: Any = source
         for part in field.split("."):
             value = value.get(part) if isinstance(value, Mapping) else None
-        if value is None and field not in _NONE_MEANS_DEFAULT:
+        if value is None and field in _ROPE_DEFAULTS:
+            value = _ROPE_DEFAULTS[field]
+        elif value is None and field not in _NONE_MEANS_DEFAULT:
             raise ConfigError(f"model=from_init: {label} does not record model.{field}; set it")
         OmegaConf.update(node, key, value, merge=False)
 

@@ -13,9 +13,13 @@ them, frequencies over ``rd``) and passes the rest through; the tables are ``rd`
 factor: ``short_factor`` for a forward whose last position is within
 ``original_max_seq_len``, ``long_factor`` for one that goes past it (the choice is per
 call, as transformers makes it: cached keys keep the rotation they were written with),
-and scales cos and sin by ``attention_factor``. Such a model keeps both tables.
+and scales cos and sin by its attention factor. Such a model keeps both tables.
 A generation that crosses ``original_max_seq_len`` runs its whole sequence again
 with the long factors, as transformers does (:func:`longrope_restarts`).
+``rope_scaling.type=yarn`` (YaRN) keeps the fast frequencies, divides the slow ones by
+``factor`` and blends the two over a band of dims between (:func:`rope_inv_freq`), and
+scales cos and sin by its attention factor, so every query-key product is multiplied by
+its square, as transformers applies it (:func:`attention_scale`).
 
 Shapes: T positions, hs head dim, rd rotated dims.
 """
@@ -44,7 +48,7 @@ class HoldsRopeTables(Protocol):
     def config(self) -> ModelConfig: ...
 
 
-ROPE_SCALING_TYPES = ("none", "linear", "llama3", "longrope")
+ROPE_SCALING_TYPES = ("none", "linear", "llama3", "longrope", "yarn")
 # the tables of a longrope model for forwards past original_max_seq_len
 _LONG = ("rope_cos_long", "rope_sin_long")
 # the tables of the window layers of a model with model.local_rope_theta
@@ -64,7 +68,7 @@ def rope_inv_freq(
     ``original_max_seq_len / high_freq_factor`` alone, divides frequencies whose
     wavelength exceeds ``original_max_seq_len / low_freq_factor`` by ``factor``, and
     interpolates smoothly between the two bands. ``longrope`` divides each by its entry of
-    ``long_factor`` (``long``) or ``short_factor``.
+    ``long_factor`` (``long``) or ``short_factor``. ``yarn``: see :func:`_yarn_inv_freq`.
     """
     if scaling.type == "longrope":
         factors = torch.tensor(
@@ -77,6 +81,8 @@ def rope_inv_freq(
         return inv_freq
     if scaling.type == "linear":
         return inv_freq / scaling.factor
+    if scaling.type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     # llama3
     old_len, factor = scaling.original_max_seq_len, scaling.factor
     low_freq_wavelen = old_len / scaling.low_freq_factor
@@ -91,6 +97,62 @@ def rope_inv_freq(
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: RopeScalingConfig) -> Tensor:
+    """YaRN's inverse frequencies, ``(hs // 2,)`` float32.
+
+    Frequency ``i`` turns ``original_max_seq_len * inv_freq[i] / (2 pi)`` times over the
+    pretraining context. Those that turn more than ``beta_fast`` times are kept as they
+    are (extrapolated), those that turn fewer than ``beta_slow`` times are divided by
+    ``factor`` (interpolated), and the ones between blend the two linearly in ``i``. The
+    band's edges are the fractional ``i`` solving ``turns = beta``, rounded outwards
+    with ``truncate`` and clipped to ``0 .. hs - 1``.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    wavelengths = theta**exponents  # 1 / inv_freq, over 2 pi
+    kept, divided = 1.0 / wavelengths, 1.0 / (scaling.factor * wavelengths)
+
+    def dim_turning(turns: float) -> float:  # the fractional i with `turns` rotations
+        ratio = scaling.original_max_seq_len / (turns * 2 * math.pi)
+        return head_dim * math.log(ratio) / (2 * math.log(theta))
+
+    fast, slow = dim_turning(scaling.beta_fast), dim_turning(scaling.beta_slow)
+    if scaling.truncate:
+        fast, slow = math.floor(fast), math.ceil(slow)
+    fast, slow = max(fast, 0), min(slow, head_dim - 1)
+    if fast == slow:
+        slow += 0.001  # a band of no width: a step between the two
+    index = torch.arange(head_dim // 2, dtype=torch.float32)
+    blend = ((index - fast) / (slow - fast)).clamp(0, 1)  # 0: kept, 1: divided
+    return divided * blend + kept * (1 - blend)
+
+
+def attention_scale(scaling: RopeScalingConfig) -> float:
+    """What ``longrope`` and ``yarn`` multiply cos and sin by (1 for the other types):
+    ``attention_factor``, or when it is None the type's own, as transformers derives it.
+
+    longrope: ``sqrt(1 + ln(factor) / ln(original_max_seq_len))``. yarn:
+    ``0.1 * ln(factor) + 1``, or with ``mscale`` and ``mscale_all_dim`` both set (and
+    not zero) the ratio of ``0.1 * m * ln(factor) + 1`` for the two; 1 for
+    ``factor <= 1``.
+    """
+    if scaling.type not in ("longrope", "yarn"):
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    factor = scaling.factor
+    if factor <= 1:
+        return 1.0
+    if scaling.type == "longrope":
+        return math.sqrt(1 + math.log(factor) / math.log(scaling.original_max_seq_len))
+
+    def mscale(m: float) -> float:
+        return 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.mscale) / mscale(scaling.mscale_all_dim)
+    return mscale(1.0)
+
+
 def rope_cos_sin(
     seq_len: int,
     head_dim: int,
@@ -100,13 +162,15 @@ def rope_cos_sin(
     long: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """cos and sin tables, each ``(T, hs)`` float32, in the rotate-half layout (``hs``:
-    the rotated dims); ``long`` picks longrope's long factors."""
+    the rotated dims), times :func:`attention_scale`; ``long`` picks longrope's long
+    factors."""
     inv_freq = rope_inv_freq(head_dim, theta, scaling, long).to(device)
     positions = torch.arange(seq_len, dtype=torch.float32, device=device)
     angles = torch.outer(positions, inv_freq)  # (T, hs/2)
     angles = torch.cat([angles, angles], dim=-1)  # (T, hs): both halves share a frequency
-    if scaling.type == "longrope":
-        return angles.cos() * scaling.attention_factor, angles.sin() * scaling.attention_factor
+    scale = attention_scale(scaling)
+    if scale != 1:
+        return angles.cos() * scale, angles.sin() * scale
     return angles.cos(), angles.sin()
 
 
@@ -199,6 +263,8 @@ def check_rope(config: ModelConfig, head_dim: int, family: str, extended: bool) 
         )
     if scaling.type == "longrope":
         _check_longrope(scaling, rd)
+    if scaling.type == "yarn":
+        _check_yarn(scaling)
 
 
 def _check_longrope(scaling: RopeScalingConfig, rd: int) -> None:
@@ -209,11 +275,30 @@ def _check_longrope(scaling: RopeScalingConfig, rd: int) -> None:
                 f"model.rope_scaling.{key} must hold {rd // 2} positive factors (one per "
                 f"frequency of the {rd} rotated dims), got {len(values)}"
             )
-    if scaling.attention_factor <= 0 or scaling.original_max_seq_len < 1:
+    _check_context(scaling)
+
+
+def _check_context(scaling: RopeScalingConfig) -> None:
+    factor = scaling.attention_factor
+    if (factor is not None and factor <= 0) or scaling.original_max_seq_len < 1:
         raise ConfigError(
-            "model.rope_scaling.attention_factor and original_max_seq_len must be positive, "
-            f"got {scaling.attention_factor} and {scaling.original_max_seq_len}"
+            "model.rope_scaling.attention_factor (or null) and original_max_seq_len must be "
+            f"positive, got {factor} and {scaling.original_max_seq_len}"
         )
+
+
+def _check_yarn(scaling: RopeScalingConfig) -> None:
+    _check_context(scaling)
+    if not scaling.beta_fast >= scaling.beta_slow > 0:
+        raise ConfigError(
+            "model.rope_scaling needs beta_fast >= beta_slow > 0 (the rotations that bound "
+            f"YaRN's blended band), got beta_fast={scaling.beta_fast}, "
+            f"beta_slow={scaling.beta_slow}"
+        )
+    for key in ("mscale", "mscale_all_dim"):
+        value = getattr(scaling, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"model.rope_scaling.{key}={value!r} must be positive or null")
 
 
 def check_nope_layers(config: ModelConfig) -> None:

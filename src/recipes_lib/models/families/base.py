@@ -216,21 +216,73 @@ def rope_from_hf(config: Mapping[str, Any]) -> tuple[float, RopeScalingConfig]:
     theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
     if float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))) != 1:
         raise CheckpointError("partial_rotary_factor != 1 (partial RoPE) is not supported")
+    # a top-level original_max_position_embeddings comes first, as transformers reads it
+    original = config.get("original_max_position_embeddings")
+    if original is not None:
+        params = {**params, "original_max_position_embeddings": original}
+    return theta, scaling_from_hf(params, config.get("max_position_embeddings"))
+
+
+def scaling_from_hf(params: Mapping[str, Any], max_positions: Any) -> RopeScalingConfig:
+    """The scaling one ``rope_parameters`` entry (or ``rope_scaling``) describes; YaRN's
+    keys as transformers 5 reads them (``original_max_position_embeddings`` defaults to
+    ``max_positions``, ``factor`` to their ratio, a zero or missing beta to 32 and 1).
+
+    Raises:
+        CheckpointError: a rope type the decoder does not compute, or a missing key.
+    """
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
-        return theta, RopeScalingConfig()
+        return RopeScalingConfig()
     if rope_type == "linear":
-        return theta, RopeScalingConfig(type="linear", factor=float(params["factor"]))
+        return RopeScalingConfig(type="linear", factor=float(params["factor"]))
     if rope_type == "llama3":
-        return theta, RopeScalingConfig(
+        return RopeScalingConfig(
             type="llama3",
             factor=float(params["factor"]),
             low_freq_factor=float(params["low_freq_factor"]),
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_seq_len=int(params["original_max_position_embeddings"]),
         )
+    if rope_type == "yarn":
+        return _yarn_from_hf(params, max_positions)
     raise CheckpointError(
-        f"rope scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
+        f"rope scaling type {rope_type!r} is not supported; supported: "
+        f"{', '.join(HF_ROPE_TYPES)} (longrope: model_type phi3)"
+    )
+
+
+HF_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # what scaling_from_hf reads
+
+
+def _yarn_from_hf(params: Mapping[str, Any], max_positions: Any) -> RopeScalingConfig:
+    original = params.get("original_max_position_embeddings") or max_positions
+    if original is None:
+        raise CheckpointError(
+            "the Hugging Face config's yarn rope scaling has no "
+            "'original_max_position_embeddings' (nor 'max_position_embeddings')"
+        )
+    factor = params.get("factor")
+    if factor is None:
+        if max_positions is None:
+            raise CheckpointError("the Hugging Face config's yarn rope scaling has no 'factor'")
+        factor = int(max_positions) / int(original)
+
+    def optional(key: str) -> float | None:  # transformers reads a zero as unset
+        value = params.get(key)
+        return float(value) if value else None
+
+    attention = params.get("attention_factor")
+    return RopeScalingConfig(
+        type="yarn",
+        factor=float(factor),
+        original_max_seq_len=int(original),
+        attention_factor=None if attention is None else float(attention),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
     )
 
 
@@ -245,6 +297,21 @@ def rope_to_hf(scaling: RopeScalingConfig) -> dict[str, Any] | None:
             "low_freq_factor": scaling.low_freq_factor,
             "high_freq_factor": scaling.high_freq_factor,
             "original_max_position_embeddings": scaling.original_max_seq_len,
+        }
+    if scaling.type == "yarn":
+        optional = {
+            key: getattr(scaling, key)
+            for key in ("attention_factor", "mscale", "mscale_all_dim")
+            if getattr(scaling, key) is not None
+        }
+        return {
+            "rope_type": "yarn",
+            "factor": scaling.factor,
+            "original_max_position_embeddings": scaling.original_max_seq_len,
+            "beta_fast": scaling.beta_fast,
+            "beta_slow": scaling.beta_slow,
+            "truncate": scaling.truncate,
+            **optional,
         }
     return None
 
