@@ -133,7 +133,7 @@ def _turn_texts(turns: list) -> Iterator[str]:
         if "role" not in turn and "content" not in turn:  # a tool schema
             yield json.dumps(dict(turn))
             continue
-        for key in ("content", "reasoning_content"):
+        for key in ("content", "reasoning_content", "thinking"):
             if isinstance(turn.get(key), str):
                 yield turn[key]
         if isinstance(turn.get("tool_calls"), list):
@@ -226,6 +226,29 @@ def tokenizer_chat_template(folder: Path) -> str | None:
             return template
     jinja_file = folder / "chat_template.jinja"
     return jinja_file.read_text() if jinja_file.is_file() else None
+
+
+def tokenizer_bos_token(source: str | Path | None) -> str | None:
+    """The BOS token that the ``tokenizer_config.json`` beside a tokenizer names
+    (``source``: a tokenizer.json or its folder), which templates write as
+    ``bos_token``; None when there is none.
+
+    Raises:
+        DataError: tokenizer_config.json is not readable JSON.
+    """
+    if source is None:
+        return None
+    folder = Path(source).expanduser()
+    config_file = (folder if folder.is_dir() else folder.parent) / "tokenizer_config.json"
+    if not config_file.is_file():
+        return None
+    try:
+        token = json.loads(config_file.read_text()).get("bos_token")
+    except (OSError, ValueError, AttributeError) as err:
+        raise DataError(f"data.tokenizer.path: {config_file} is not readable JSON: {err}") from err
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
 
 
 def _limited(texts: Iterable[str], max_bytes: int) -> Iterator[str]:

@@ -132,11 +132,16 @@ def test_template_that_fails_to_render_names_the_record(chat_tokenizer):
         ChatRenderer(chat_tokenizer, "{% for m in messages %}{{ m }")
 
 
-def test_template_that_is_not_incremental_is_refused(chat_tokenizer):
-    # puts the number of turns first: no rendering is a prefix of the next one
+def test_a_template_that_rewrites_earlier_turns_still_trains_each_answer_exactly(chat_tokenizer):
+    """Puts the number of turns first, so no rendering of fewer turns starts the whole
+    one: the conversation is rendered once and each answer found in it."""
     counting = "{{ messages | length }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(DataError, match="record 2.*not incremental"):
-        ChatRenderer(chat_tokenizer, counting).render(CONVERSATION, index=2)
+    renderer = ChatRenderer(chat_tokenizer, counting)
+    segments = renderer.segments(CONVERSATION)
+    assert "".join(text for text, _ in segments) == "5" + "".join(
+        m["content"] for m in CONVERSATION
+    )
+    assert [text for text, trained in segments if trained] == ASSISTANT_TEXTS
 
 
 # ------------------------------------------------------------- bad records

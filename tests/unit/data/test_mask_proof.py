@@ -50,32 +50,7 @@ END_OF_TURN = {  # what each family's trained runs end with
     "smollm3_no_think": ("<|im_end|>",),
 }
 
-# What the library's chat rendering does not do yet, so its proof fails for now (each
-# case turns into an unexpected pass, and a failure, once it does).
-_BOS = "the renderer of a run leaves out the tokenizer's BOS token the template starts with"
-_TOOLS = "tool turns and tool calls are not rendered yet"
-_REASONING = "reasoning fields are not passed to the template yet"
-_GROWS = "the template changes earlier turns as the conversation grows (not incremental)"
-_THINK_BLOCK = "the think block the model writes itself is left untrained"
-_CHANNEL = "the channel header the model writes itself is left untrained"
 _SWITCH = "the run gives its template no enable_thinking switch yet"
-PENDING: dict[tuple[str, str], str] = {}
-for _family in FAMILIES:
-    PENDING[(_family, "tools")] = _TOOLS
-    PENDING[(_family, "reasoning")] = _REASONING
-for _family in ("qwen3", "qwen3_no_think", "qwen3_5"):
-    PENDING[(_family, "plain")] = _THINK_BLOCK
-    PENDING[(_family, "multi_turn")] = _GROWS
-for _family in ("llama3_1", "gemma3", "mistral"):
-    PENDING[(_family, "plain")] = PENDING[(_family, "multi_turn")] = _BOS
-PENDING[("gpt_oss", "plain")] = _CHANNEL
-PENDING[("gpt_oss", "multi_turn")] = _GROWS
-# rendered and masked as transformers does since tools, reasoning and the thinking switch
-# reach the template
-for _case in [("qwen3_no_think", "plain")] + [
-    (f, s) for f in ("smollm3", "smollm3_no_think") for s in ("tools", "reasoning")
-]:
-    del PENDING[_case]
 # the run's key for its template's switches, where the chat settings have one
 _SWITCH_KEY = next(
     (k for k in ("template_kwargs", "enable_thinking") if hasattr(ChatFormatConfig(), k)), None
@@ -100,8 +75,6 @@ def _cases() -> list:
             marks = []
             if family.template_kwargs and _SWITCH_KEY is None:  # both sides would ignore it
                 marks = [pytest.mark.skip(reason=_SWITCH)]
-            elif (name, shape) in PENDING:
-                marks = [pytest.mark.xfail(reason=PENDING[name, shape], strict=True)]
             cases.append(pytest.param(name, shape, marks=marks, id=f"{name}-{shape}"))
     return cases
 

@@ -10,7 +10,9 @@ Tool use is OpenAI's: a record's ``tools`` list of JSON schemas (or that list as
 text), assistant turns with ``tool_calls`` (``{"id", "type": "function", "function":
 {"name", "arguments"}}``, arguments a JSON object or its text), and ``tool`` turns with
 a call's result, answering it by ``tool_call_id`` (else calls are answered in order).
-An assistant turn may carry its reasoning in ``reasoning_content``. A conversation is
+An assistant turn may carry its reasoning in ``reasoning_content`` (Qwen's, SmolLM's
+field) or ``thinking`` (gpt-oss's); the renderer gives it to the template in the field
+the template reads. A conversation is
 checked whole: every call answered, no result without a call, something to train.
 """
 
@@ -27,7 +29,8 @@ from recipes_lib.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")
 TOOLS_FIELD = "tools"
-_TURN_KEYS = ("reasoning_content", "tool_call_id", "name")  # kept as given when text
+REASONING_FIELDS = ("reasoning_content", "thinking")  # where templates read reasoning
+_TURN_KEYS = (*REASONING_FIELDS, "tool_call_id", "name")  # kept as given when text
 
 Message = dict[str, Any]
 Text = str | list[dict]  # plain text, or chat messages
@@ -138,8 +141,13 @@ def _unanswered(open_calls: list[str | None], opened_at: dict, field: str) -> No
 def trainable(message: Message) -> bool:
     """Whether an assistant turn says anything: content, tool calls or reasoning."""
     return message["role"] == "assistant" and bool(
-        message["content"].strip() or message.get("tool_calls") or message.get("reasoning_content")
+        message["content"].strip() or message.get("tool_calls") or reasoning_of(message)
     )
+
+
+def reasoning_of(message: Message) -> str:
+    """An assistant turn's reasoning, in whichever of :data:`REASONING_FIELDS` it is."""
+    return next((message[k] for k in REASONING_FIELDS if message.get(k)), "")
 
 
 def parse_tools(value: Any) -> list[dict] | None:

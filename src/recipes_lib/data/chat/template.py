@@ -1,10 +1,12 @@
 """Chat templates: rendering a conversation to token ids and its assistant-token mask.
 
-A conversation is rendered with a Jinja chat template, one turn at a time: the text a
-turn adds is the difference between rendering the turns up to it and the turns before
-it, so every character (and, tokenizing turn by turn, every token) is known to belong
-to one turn. The mask marks an assistant turn's content and the end-of-turn special
-token that follows it; headers, user and system turns are not trained on.
+A conversation is rendered whole with a Jinja chat template, as transformers'
+``apply_chat_template`` renders it (the tokenizer's BOS and EOS tokens, the record's
+tools and the run's template switches given to the template), and tokenized once.
+The trained tokens are the assistant turns' spans in that text (see
+:mod:`recipes_lib.data.chat.spans`): from the end of the generation prompt through the
+end-of-turn token, so what the model writes itself (a think block, a channel header,
+a tool call) is trained and the prompt, user turns and tool results are not.
 
 The template is ``data.chat.chat_template`` (Jinja text, or the name of a built-in
 one), else the tokenizer's own, else the built-in ``chatml``:
@@ -21,8 +23,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -33,7 +36,9 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from recipes_lib.config.schema import DataConfig
-from recipes_lib.data.chat.messages import Message, trainable
+from recipes_lib.data.chat.messages import REASONING_FIELDS, Message, reasoning_of, trainable
+from recipes_lib.data.chat.spans import Render, SpanFinder, TurnSpan, specials_pattern
+from recipes_lib.data.chat_records import tokenizer_bos_token
 from recipes_lib.data.records import RecordSource, record_where
 from recipes_lib.data.tokenizer import CHATML_TOKENS
 from recipes_lib.errors import ConfigError, DataError
@@ -240,8 +245,9 @@ class ChatRenderer:
         self.eos_token = eos_token
         self.bos_token = bos_token or ""
         self._check_tokens()
-        self._specials = sorted(_special_tokens(tokenizer), key=len, reverse=True)
-        self._reads_reasoning = "reasoning_content" in self.template_text
+        self._specials = specials_pattern(_special_tokens(tokenizer))
+        # the field this template reads an assistant's reasoning from (None: neither)
+        self.reasoning_field = next((f for f in REASONING_FIELDS if f in self.template_text), None)
 
     @classmethod
     def from_config(
@@ -253,12 +259,14 @@ class ChatRenderer:
     ) -> ChatRenderer:
         """The renderer of a run: ``data.chat.chat_template`` (else ``tokenizer_template``,
         the tokenizer's own) with ``data.tokenizer.eos_token``; ``tokenizer_source``
-        names a tokenizer the run did not train (see :func:`resolve_template`)."""
+        names a tokenizer the run did not train (see :func:`resolve_template`), whose
+        ``tokenizer_config.json`` gives the BOS token templates write."""
         return cls(
             tokenizer,
             config.chat.chat_template,
             tokenizer_template=tokenizer_template,
             eos_token=config.tokenizer.eos_token,
+            bos_token=tokenizer_bos_token(tokenizer_source),
             tokenizer_source=tokenizer_source,
             train_on=config.chat.train_on,
             enable_thinking=config.chat.enable_thinking,
@@ -299,71 +307,30 @@ class ChatRenderer:
             **self.switches,
         )
 
-    def _assistant_span(self, delta: str, content: str) -> tuple[int, int]:
-        """Where, in the text an assistant turn adds, its trained part starts and ends:
-        from its content through the first special token after it (the end of turn),
-        or through the content's end when no special token follows."""
-        start = delta.find(content) if content else -1
-        if start < 0 and content.strip():
-            start = delta.find(content.strip())
-            content = content.strip()
-        if start < 0:  # the template rewrote the content: train on the whole turn
-            return 0, len(delta.rstrip())
-        end = start + len(content)
-        rest = delta[end:]
-        stripped = rest.lstrip()
-        for token in self._specials:
-            if stripped.startswith(token):
-                return start, end + (len(rest) - len(stripped)) + len(token)
-        return start, end
+    def _render(self, tools: Sequence[Mapping] | None) -> Render:
+        def render(messages: Sequence[Message], add_generation_prompt: bool) -> str:
+            return self.text(messages, add_generation_prompt, tools)
 
-    def _turn_span(self, delta: str, message: Message) -> tuple[int, int]:
-        """The trained part of an assistant turn's text: its content through its end of
-        turn; a turn that calls tools or reasons is trained whole (all the template
-        writes after the generation prompt, through its end of turn), and without its
-        reasoning under ``train_on=without_reasoning``."""
-        content = message["content"]
-        if message.get("tool_calls") or message.get("reasoning_content"):
-            start, end = 0, len(delta.rstrip())
-        else:
-            start, end = self._assistant_span(delta, content)
-        if self.train_on == TRAIN_ON_WITHOUT_REASONING:
-            start = max(start, _reasoning_end(delta, message))
-        return start, max(start, end)
+        return render
 
-    def _pieces(
+    def _spans(
         self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
-    ) -> list[tuple[str, bool, bool]]:
-        """``(text, trained, cut_after)`` pieces of the rendered conversation:
-        ``cut_after`` marks the end of a turn where it may be truncated (an assistant
-        turn that leaves no tool call open)."""
-        trained_turns = [i for i, m in enumerate(messages) if trainable(m)]
+    ) -> tuple[str, list[TurnSpan]]:
+        """The whole conversation's text and the trained spans of the assistant turns
+        ``train_on`` chooses (see :mod:`recipes_lib.data.chat.spans`), without their
+        reasoning under ``train_on=without_reasoning``."""
+        finder = SpanFinder(self._render(tools), messages, self._specials)
+        turns = [i for i, m in enumerate(messages) if trainable(m)]
         if self.train_on == TRAIN_ON_LAST:
-            trained_turns = trained_turns[-1:]
-        pieces: list[tuple[str, bool, bool]] = []
-        previous = ""
-        for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                head = self.text(messages[:i], add_generation_prompt=True, tools=tools)
-                full = self.text(messages[: i + 1], tools=tools)
-                _check_prefix(previous, head, i)
-                _check_prefix(head, full, i)
-                pieces.append((head[len(previous) :], False, False))
-                delta = full[len(head) :]
-                start, end = self._turn_span(delta, message)
-                trained = i in trained_turns
-                closes = not message.get("tool_calls")
-                pieces += [
-                    (delta[:start], False, False),
-                    (delta[start:end], trained, False),
-                    (delta[end:], False, closes),
-                ]
-            else:
-                full = self.text(messages[: i + 1], tools=tools)
-                _check_prefix(previous, full, i)
-                pieces.append((full[len(previous) :], False, False))
-            previous = full
-        return pieces
+            turns = turns[-1:]
+        spans = []
+        for i in turns:
+            span = finder.span(i)
+            if self.train_on == TRAIN_ON_WITHOUT_REASONING:
+                skip = _reasoning_end(finder.text[span.start : span.end], messages[i])
+                span = replace(span, start=min(span.start + skip, span.end))
+            spans.append(span)
+        return finder.text, spans
 
     def segments(
         self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
@@ -372,17 +339,24 @@ class ChatRenderer:
 
         Raises:
             jinja2.TemplateError: the template fails on these messages.
-            ValueError: the template is not incremental (rendering the first k turns is
-                not a prefix of rendering k + 1 turns), so turns cannot be told apart.
         """
-        return [(text, flag) for text, flag, _ in self._pieces(messages, tools) if text]
+        text, spans = self._spans(messages, tools)
+        pieces: list[tuple[str, bool]] = []
+        at = 0
+        for span in spans:
+            pieces += [(text[at : span.start], False), (text[span.start : span.end], True)]
+            at = span.end
+        pieces.append((text[at:], False))
+        return [(piece, trained) for piece, trained in pieces if piece]
 
     def _as_template_reads(self, messages: Sequence[Message]) -> list[Message]:
-        """``messages`` with a ``<think>...</think>`` block at the start of an assistant
-        turn moved to its ``reasoning_content``, where the template reads that field."""
-        if not self._reads_reasoning:
+        """``messages`` with each assistant turn's reasoning in the field the template
+        reads (``reasoning_content`` or ``thinking``), a ``<think>...</think>`` block
+        opening its content moved there too; as given when the template reads neither."""
+        field = self.reasoning_field
+        if field is None:
             return list(messages)
-        return [_split_think(m) for m in messages]
+        return [_reasoning_in(m, field) for m in messages]
 
     # ---------------------------------------------------------------- tokens
     def render(
@@ -400,8 +374,9 @@ class ChatRenderer:
             DataError: the template fails to render the conversation (naming record
                 ``index`` of ``source`` when given).
         """
+        messages = self._as_template_reads(messages)
         try:
-            pieces = [p for p in self._pieces(self._as_template_reads(messages), tools) if p[0]]
+            text, spans = self._spans(messages, tools)
         except (jinja2.TemplateError, ValueError, TypeError) as err:
             label = source if isinstance(source, str) else "data"
             where = record_where(source, index) if index is not None else f"{label}: a conversation"
@@ -409,18 +384,12 @@ class ChatRenderer:
                 f"{where}, field 'messages': the chat template "
                 f"({self.template_name}) failed to render it: {err}"
             ) from err
-        encoded = self.tokenizer.encode_batch(
-            [text for text, _, _ in pieces], add_special_tokens=False
-        )
-        ids: list[int] = []
-        mask: list[bool] = []
-        cuts: list[int] = []
-        for (_, trained, cut_after), encoding in zip(pieces, encoded, strict=True):
-            ids.extend(encoding.ids)
-            mask.extend([trained] * len(encoding.ids))
-            if cut_after:
-                cuts.append(len(ids))
-        return RenderedChat(ids, mask, tuple(cuts))
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        mask = trained_tokens(encoding.offsets, [(s.start, s.end) for s in spans])
+        closing = [s.cut for s in spans if not messages[s.turn].get("tool_calls")]
+        starts = [a for a, _ in encoding.offsets]
+        cuts = [bisect_left(starts, c) for c in closing]
+        return RenderedChat(list(encoding.ids), mask, tuple(cuts))
 
     def render_prompt(
         self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
@@ -434,25 +403,26 @@ _THINK = re.compile(r"\s*<think>(.*?)</think>\s*", re.DOTALL)
 _THINK_END = re.compile(r"\s*</think>\s*")
 
 
-def _split_think(message: Message) -> Message:
-    """An assistant turn whose content opens with ``<think>...</think>`` and has no
-    ``reasoning_content``, with the block moved there."""
-    if message["role"] != "assistant" or message.get("reasoning_content"):
+def _reasoning_in(message: Message, field: str) -> Message:
+    """An assistant turn with its reasoning in ``field`` alone: moved from the other
+    reasoning field, or from a ``<think>...</think>`` block opening its content."""
+    if message["role"] != "assistant":
         return message
-    found = _THINK.match(message["content"])
-    if found is None:
+    reasoning = reasoning_of(message)
+    content = message["content"]
+    found = None if reasoning else _THINK.match(content)
+    if found is not None:
+        reasoning, content = found.group(1).strip("\n"), content[found.end() :]
+    if not reasoning or (message.get(field) == reasoning and found is None):
         return message
-    return {
-        **message,
-        "reasoning_content": found.group(1).strip("\n"),
-        "content": message["content"][found.end() :],
-    }
+    moved = {k: v for k, v in message.items() if k not in REASONING_FIELDS}
+    return {**moved, "content": content, field: reasoning}
 
 
 def _reasoning_end(delta: str, message: Message) -> int:
     """Where a turn's reasoning ends in the text it adds (past a ``</think>`` that
     closes it and the space after): 0 when the turn shows no reasoning."""
-    reasoning = message.get("reasoning_content") or ""
+    reasoning = reasoning_of(message)
     at = delta.find(reasoning) + len(reasoning) if reasoning.strip() else -1
     if reasoning.strip() and at < len(reasoning):
         at = -1
@@ -462,12 +432,20 @@ def _reasoning_end(delta: str, message: Message) -> int:
     return max(at, 0)
 
 
-def _check_prefix(prefix: str, text: str, turn: int) -> None:
-    if not text.startswith(prefix):
-        raise ValueError(
-            f"the template is not incremental: rendering turns 0..{turn} does not start with "
-            "the rendering of the turns before it, so turns cannot be masked separately"
-        )
+def trained_tokens(
+    offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
+) -> list[bool]:
+    """Per token (its ``(start, end)`` characters), whether it overlaps a trained span:
+    a token holding any trained character is trained, as transformers' assistant mask
+    marks every token holding a character of a generation block."""
+    mask = []
+    k = 0
+    ordered = sorted(s for s in spans if s[0] < s[1])
+    for start, end in offsets:
+        while k < len(ordered) and ordered[k][1] <= start:
+            k += 1
+        mask.append(k < len(ordered) and ordered[k][0] < end and end > start)
+    return mask
 
 
 def render_chat(
