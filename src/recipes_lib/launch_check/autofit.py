@@ -12,7 +12,12 @@ first whose estimate (:func:`~recipes_lib.launch_check.estimate_memory`) is at m
    recomputed, then every block (each recomputed block costs another forward);
 3. within those: the fused loss in chunks of 4,096 rows, then 1,024, then the configured
    ``kernels.loss_chunk_size`` (fewer, larger chunks launch fewer kernels). An unfused
-   loss (null) stays unfused.
+   loss (null) stays unfused;
+4. when none of those fits: every block recomputed and their inputs in host memory
+   (``kernels.activation_offload``, :mod:`recipes_lib.kernels.offload`), which costs
+   host-device copies on top of the recomputation, from the configured micro-batch down
+   and with each loss chunk as above. With ``kernels.activation_offload=true`` set,
+   only these are tried.
 
 With no card and no budget (a CPU run), ``auto`` is off. A budget that no candidate
 fits is a :class:`~recipes_lib.errors.ConfigError` naming the smallest estimate.
@@ -56,6 +61,7 @@ class FitChoice:
         accumulate: ``trainer.accumulate_grad_batches``.
         rows: sequences per micro-batch (a preference pair is two).
         seq_len: tokens per sequence.
+        offload: the recomputed blocks' inputs go to host memory.
         estimate: the estimated bytes at the peak (None: nothing was estimated).
         budget: the bytes fitted to (None: no card and no budget).
         budget_from: ``run.memory_budget_gib``, the card's name, or why there is none.
@@ -67,6 +73,7 @@ class FitChoice:
     accumulate: int
     rows: int
     seq_len: int
+    offload: bool = False
     estimate: int | None = None
     budget: int | None = None
     budget_from: str = ""
@@ -74,6 +81,8 @@ class FitChoice:
     def settings(self) -> str:
         """The choice in words: checkpointing, loss chunk, micro-batch."""
         parts = [f"activation checkpointing {_blocks_phrase(self.stride)}"]
+        if self.offload:
+            parts.append("their inputs offloaded to host memory")
         if self.loss_chunk_size is not None:
             parts.append(f"loss chunk {self.loss_chunk_size}")
         rows = f"{self.rows} x {self.seq_len} rows"
@@ -96,6 +105,7 @@ class FitChoice:
         return {
             "activation_checkpointing": mode,
             "checkpoint_every": self.stride,
+            "activation_offload": self.offload,
             "loss_chunk_size": self.loss_chunk_size,
             "batch_size": self.batch_size,
             "accumulate_grad_batches": self.accumulate,
@@ -113,6 +123,7 @@ class FitChoice:
             activation_checkpointing=mode,
             checkpoint_every=self.stride if mode == "selective" else cfg.kernels.checkpoint_every,
             loss_chunk_size=self.loss_chunk_size,
+            activation_offload=self.offload,
         )
         factor = self.accumulate // cfg.trainer.accumulate_grad_batches
         ramp = cfg.stage.batch_ramp  # its start counts micro-batches
@@ -153,20 +164,24 @@ def candidates(cfg: RunConfig) -> list[FitChoice]:
     if configured is not None:
         ascending = sorted({*(c for c in LARGE_LOSS_CHUNKS if c > configured), configured})
         chunks = list(reversed(ascending))
+    # offloading needs recomputed blocks (every block: selective would keep the others'
+    # activations whole); asked for, it is kept in every candidate
+    passes = [True] if cfg.kernels.activation_offload else [False, True]
     out = []
-    for micro in (b for b in range(batch, 0, -1) if batch % b == 0):
-        data = dataclasses.replace(cfg.data, batch_size=micro)
-        rows = rows_per_micro_batch(dataclasses.replace(cfg, data=data))
-        tokens = rows * cfg.data.seq_len
-        # a chunk as large as the micro-batch's tokens holds them all: larger ones are alike
-        sizes = [c for c in chunks if c is None or c == configured or c <= tokens]
-        for stride in strides:
-            for chunk in sizes:
-                out.append(
-                    FitChoice(
-                        stride, chunk, micro, accumulate * batch // micro, rows, cfg.data.seq_len
+    for offload in passes:
+        for micro in (b for b in range(batch, 0, -1) if batch % b == 0):
+            data = dataclasses.replace(cfg.data, batch_size=micro)
+            rows = rows_per_micro_batch(dataclasses.replace(cfg, data=data))
+            # a rank's tokens (its share of each row under context parallelism): a chunk
+            # as large as them holds them all, larger ones are alike
+            tokens = rows * cfg.data.seq_len // max(1, cfg.strategy.context_parallel)
+            sizes = [c for c in chunks if c is None or c == configured or c <= tokens]
+            for stride in strides if not offload else [1]:
+                for chunk in sizes:
+                    steps = accumulate * batch // micro
+                    out.append(
+                        FitChoice(stride, chunk, micro, steps, rows, cfg.data.seq_len, offload)
                     )
-                )
     return out
 
 

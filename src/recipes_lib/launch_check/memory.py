@@ -37,6 +37,17 @@ does not hold them). FSDP2
 gathers each block in the compute dtype and keeps the last one gathered for the
 backward. Activations per block and token: :mod:`recipes_lib.launch_check.activations`.
 
+Context parallelism (``strategy.context_parallel=N``): a rank holds ``T / N`` tokens of
+each row, so every per-token term is divided by ``N``; but each attention it keeps holds
+the group's gathered keys and values (the whole row's, ``N`` times its own) and the
+additive ``(T / N, T)`` mask SDPA makes of the boolean one, and the boolean masks
+themselves (one per window size, per row with document masks) live through the step:
+:mod:`recipes_lib.kernels.sharded` attends with a dense mask.
+
+Activation offload (``kernels.activation_offload``): the recomputed blocks' inputs live
+in host memory; on the device are at most :data:`OFFLOAD_IN_FLIGHT` of them (one being
+copied, one fetched back ahead of its block).
+
 Every constant that is not a shape is in the block below, with where it comes from;
 ``benchmarks/memory_estimate.py`` compares the estimate with measured peaks.
 """
@@ -61,6 +72,7 @@ from recipes_lib.launch_check.parameters import (
     frozen_model_bytes,
     weight_bytes_of,
 )
+from recipes_lib.models.windows import layer_window
 from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type
 from recipes_lib.parallel.strategy import StrategySpec, get_strategy
@@ -86,6 +98,9 @@ NF4_DOUBLE_QUANT_GROUP = 256
 # Activation checkpointing: while a block's backward runs, its recomputed activations
 # and their gradients (about as large again) exist beside the stored block inputs.
 RECOMPUTED_BLOCKS = 2.0
+# Activation offload: block inputs on the device at once (one copied out or fetched back
+# ahead, one in use).
+OFFLOAD_IN_FLIGHT = 2
 # FSDP2 gathers the block being computed and prefetches the next.
 GATHERED_BLOCKS = 2
 # Cross-entropy (``losses.causal_lm_loss``), bytes per token and vocabulary entry, ``a``
@@ -242,7 +257,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     gradients = share("gradients", weights.trainable * weight_bytes)
     optimizer = 0.0 if offload else share("optimizer", optimizer_state_bytes(cfg))
     rope = 2 * shape.max_seq_len * shape.head_dim * 4  # cos and sin, fp32
-    buffers = rope + (WORKSPACE_BYTES if _on_cuda(cfg) else 0)
+    buffers: float = rope + (WORKSPACE_BYTES if _on_cuda(cfg) else 0)
 
     # --- weight copies kept from the forward to the backward, and while computing
     head = shape.head_params
@@ -265,7 +280,9 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     # first sequences' activations are kept
     objective = objective_of(cfg)
     twins_apart = objective.second_sequence_without_gradient and not cfg.model.moe_experts
-    tokens = rows_per_micro_batch(cfg) // (2 if twins_apart else 1) * cfg.data.seq_len
+    degree = max(1, cfg.strategy.context_parallel)  # ranks sharing each row
+    sequences = rows_per_micro_batch(cfg) // (2 if twins_apart else 1)
+    tokens = sequences * cfg.data.seq_len // degree  # this rank's share of every row
     block = tokens * block_bytes_per_token(
         shape,
         dt,
@@ -274,6 +291,11 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         quantized=qlora,
         compiled=compiled,
     )
+    masks = 0.0
+    if degree > 1:  # the gathered keys and values, SDPA's additive mask, the boolean masks
+        sharded, masks = _sharded_attention(cfg, shape, dt.compute, sequences, degree)
+        block += tokens * 2 * shape.kv_width * dt.compute * (degree - 1) + sharded
+    buffers += masks
     head_input = ((2 if dt.casts else dt.residual) * shape.dim) if lora is None else 0
     saved: float = tokens * (dt.residual * shape.dim + head_input + 8)  # final norm, head, ids
     logit_bytes = dt.compute
@@ -291,7 +313,9 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         upcast = LOSS_FP32 if logit_bytes != LOSS_FP32 else 0
         loss_forward = vocab_tokens * (logit_bytes + upcast + LOSS_FP32)
         loss_backward = vocab_tokens * LOSS_BACKWARD
-    saved += recomputing * tokens * dt.residual * shape.dim  # recomputed blocks' inputs
+    offloading = cfg.kernels.activation_offload and checkpointing  # inputs on the host
+    inputs = min(recomputing, OFFLOAD_IN_FLIGHT) if offloading else recomputing
+    saved += inputs * tokens * dt.residual * shape.dim  # recomputed blocks' inputs
     saved += storing * block
     if checkpointing:
         computing, recomputed = block, RECOMPUTED_BLOCKS * block
@@ -340,7 +364,7 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         phase=phase,
         overhead=int(overhead),
         world_size=world,
-        notes=tuple(_notes(cfg, spec, lora)),
+        notes=tuple(_notes(cfg, spec, lora, recomputing * tokens * dt.residual * shape.dim)),
         gradient_bytes=int(gradients),
     )
 
@@ -368,9 +392,35 @@ def _frozen_model(cfg: RunConfig, lora: dict[str, int] | None) -> tuple[int, flo
     return params, size, sharded
 
 
-def _notes(cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None) -> list[str]:
+def _sharded_attention(
+    cfg: RunConfig, shape: DecoderShape, compute: int, rows: int, degree: int
+) -> tuple[float, float]:
+    """Bytes of split rows' attention masks: SDPA's additive copy that one kept attention
+    holds, and the boolean masks of the step (one per window size; per row with document
+    masks, else one broadcast over the rows)."""
+    seq_len = cfg.data.seq_len
+    mask_rows = rows if cfg.data.document_mask else 1
+    elements = mask_rows * (seq_len // degree) * seq_len  # (rows | 1, T / N, T)
+    windows = {layer_window(cfg.model, i) for i in range(shape.n_layers)}
+    return float(elements * compute), float(len(windows) * elements)
+
+
+def _notes(
+    cfg: RunConfig, spec: StrategySpec, lora: dict[str, int] | None, block_inputs: float
+) -> list[str]:
     """What the figure assumes beyond the measured cases."""
     notes = []
+    if cfg.strategy.context_parallel > 1:
+        notes.append(
+            f"strategy.context_parallel={cfg.strategy.context_parallel}: a rank's share of "
+            "each row counted, with the whole row's keys, values and dense masks (estimated, "
+            "not yet measured)"
+        )
+    if cfg.kernels.activation_offload and block_inputs:
+        notes.append(
+            f"kernels.activation_offload: {block_inputs / GIB:.2f} GiB of block inputs in "
+            "pinned host memory per rank, not counted"
+        )
     if cfg.kernels.activation_checkpointing == "auto":
         notes.append(
             "kernels.activation_checkpointing=auto: counted as off; the run picks what fits "

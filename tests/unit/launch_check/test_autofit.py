@@ -45,7 +45,8 @@ def test_auto_is_the_post_training_recipes_default_and_pretraining_keeps_off():
 
 
 def test_candidates_run_from_the_fastest_to_the_smallest():
-    order = [(c.batch_size, c.stride, c.loss_chunk_size) for c in candidates(cfg_of())]
+    plain = [c for c in candidates(cfg_of()) if not c.offload]
+    order = [(c.batch_size, c.stride, c.loss_chunk_size) for c in plain]
     assert order[:4] == [(8, 0, 1024), (8, 0, 256), (8, 4, 1024), (8, 4, 256)]
     assert [s for b, s, c in order if b == 8 and c == 256] == [0, 4, 3, 2, 1]
     assert order[-1] == (1, 1, 256)
@@ -139,3 +140,60 @@ def test_selective_checkpointing_sits_between_off_and_full():
 def test_a_bad_checkpointing_value_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="kernels.activation_checkpointing='sometimes'"):
         to_run_config(compose_config(["kernels.activation_checkpointing=sometimes"]))
+
+
+def offload_aware_estimate(cfg) -> int:
+    """``fake_estimate`` where offloading takes the recomputed blocks' share away."""
+    if not cfg.kernels.activation_offload:
+        return fake_estimate(cfg)
+    rows = cfg.data.batch_size / 8
+    stored = cfg.model.n_layers - (-(-cfg.model.n_layers // cfg.kernels.checkpoint_stride()))
+    return int((1 + rows * stored + (cfg.kernels.loss_chunk_size or 0) / 1024 / 4) * GIB)
+
+
+def test_offload_is_tried_only_when_nothing_else_fits():
+    plain = [c for c in candidates(cfg_of()) if not c.offload]
+    moved = [c for c in candidates(cfg_of()) if c.offload]
+    assert candidates(cfg_of()) == plain + moved  # every plain candidate first
+    assert moved and {c.stride for c in moved} == {1}  # every block recomputed
+    # full checkpointing of a micro-batch of one needs 1.19 GiB without offload: within
+    # 90% of 1.4, not of 1.2, where all eight rows fit with offload
+    first = choose(cfg_of(), int(1.4 * GIB), offload_aware_estimate)
+    assert (first.offload, first.batch_size) == (False, 1)
+    choice = choose(cfg_of(), int(1.2 * GIB), offload_aware_estimate)
+    assert (choice.offload, choice.stride, choice.batch_size) == (True, 1, 8)
+    assert "their inputs offloaded to host memory" in choice.line()
+    assert choice.as_dict()["activation_offload"] is True
+    assert choice.apply(cfg_of()).kernels.activation_offload
+
+
+def test_offload_asked_for_is_kept_in_every_candidate():
+    cfg = cfg_of("kernels.activation_offload=true")
+    assert {c.offload for c in candidates(cfg)} == {True}
+
+
+def test_the_estimate_drops_offloaded_block_inputs():
+    # 64 blocks: their kept inputs make the forward the peak
+    base = ("precision=bf16-mixed", "kernels.activation_checkpointing=full", "model.n_layers=64")
+    kept = estimate_memory(cfg_of(*base))
+    offloaded = estimate_memory(cfg_of(*base, "kernels.activation_offload=true"))
+    inputs = 8 * 256 * cfg_of().model.dim * 4  # 8 x 256 tokens, fp32 under autocast
+    assert kept.phase == "forward" and offloaded.phase == "backward end"
+    assert kept.activations > 62 * inputs > offloaded.activations
+    assert offloaded.allocated < kept.allocated
+    assert any("pinned host memory" in note for note in offloaded.notes)
+
+
+def test_the_estimate_counts_a_rank_share_of_split_rows():
+    one = cfg_of("precision=bf16-mixed", "kernels.activation_checkpointing=full")
+    two = cfg_of(
+        "precision=bf16-mixed",
+        "kernels.activation_checkpointing=full",
+        "strategy=ddp",
+        "strategy.context_parallel=2",
+    )
+    whole, split = estimate_memory(one), estimate_memory(two, world_size=2)
+    assert split.activations < whole.activations
+    # the dense boolean mask of a rank's half of each 256-token row, broadcast over rows
+    assert split.buffers - whole.buffers == 128 * 256
+    assert any("strategy.context_parallel=2" in note for note in split.notes)
