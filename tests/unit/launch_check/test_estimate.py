@@ -57,6 +57,7 @@ def meta_tensors(cfg) -> int:
         "gemma3_1b",
         "qwen3_4b",
         "olmo2_7b",
+        "olmo3_7b",
         "moe_tiny",
         "moe_1b",
         "olmoe_1b_7b",

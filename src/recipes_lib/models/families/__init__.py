@@ -17,6 +17,7 @@ from recipes_lib.models.families.gemma3 import GEMMA3
 from recipes_lib.models.families.llama import LLAMA
 from recipes_lib.models.families.mixtral import MIXTRAL
 from recipes_lib.models.families.olmo2 import OLMO2
+from recipes_lib.models.families.olmo3 import OLMO3
 from recipes_lib.models.families.olmoe import OLMOE
 from recipes_lib.models.families.phi3 import PHI3
 from recipes_lib.models.families.qwen2 import QWEN2
@@ -29,7 +30,19 @@ if TYPE_CHECKING:
 
 FAMILIES: dict[str, Family] = {
     family.name: family
-    for family in (LLAMA, QWEN2, QWEN3, OLMO2, SMOLLM3, PHI3, GEMMA3, QWEN3_MOE, OLMOE, MIXTRAL)
+    for family in (
+        LLAMA,
+        QWEN2,
+        QWEN3,
+        OLMO2,
+        OLMO3,
+        SMOLLM3,
+        PHI3,
+        GEMMA3,
+        QWEN3_MOE,
+        OLMOE,
+        MIXTRAL,
+    )
 }
 GUIDE = "docs/models.md, 'Adding a model family'"
 

@@ -344,6 +344,26 @@ def common_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     )
 
 
+def sliding_layers(family: str, config: Mapping[str, Any], pattern: int) -> list[int]:
+    """The ``sliding_attention`` layers of ``config.json``'s ``layer_types``; without the
+    list, all but every ``pattern``-th layer (transformers' default for the family).
+
+    Raises:
+        CheckpointError: ``layer_types`` that is not one entry per layer of the two kinds.
+    """
+    n_layers = int(required(config, "num_hidden_layers"))
+    types = config.get("layer_types")
+    if types is None:
+        return [layer for layer in range(n_layers) if (layer + 1) % pattern]
+    kinds = {"sliding_attention", "full_attention"}
+    if len(types) < n_layers or not set(types[:n_layers]) <= kinds:
+        raise CheckpointError(
+            f"{family}: layer_types must name sliding_attention or full_attention for each of "
+            f"the num_hidden_layers={n_layers} layers, got {list(types)!r}"
+        )
+    return [layer for layer, kind in enumerate(types[:n_layers]) if kind == "sliding_attention"]
+
+
 def without_attention_bias(family: str, config: Mapping[str, Any]) -> None:
     """Refuse a ``config.json`` with ``attention_bias`` (biases on q, k, v and o, which
     the decoder does not have), naming the family.
