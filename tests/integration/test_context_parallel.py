@@ -1,7 +1,9 @@
 """Context parallelism on the CPU over gloo: each row split over 2 and 4 processes gives
 the one-process loss and gradients of a tiny decoder (fp32, within 1e-5), with plain
 causal rows, packed rows whose documents cross the shards, and local-window layers.
-The comparison runs inside each process (``context_parallel_worker.py``)."""
+The comparison runs inside each process (``context_parallel_worker.py``). Whole runs
+(pretraining, SFT with LoRA on packed conversations, SFT on padded ones) over two
+processes follow the one-process run's loss curve and reach its weights."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import pytest
 import torch
 from integration_helpers import metric_series, read_metrics, tiny_overrides
 from run_helpers import torchrun
+from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config
@@ -104,3 +107,55 @@ def test_two_replicas_of_split_rows_reach_the_one_process_weights(tmp_path):
     val = [v for _, v in metric_series(read_metrics(split_dir), "val/loss")]
     ref = [v for _, v in metric_series(read_metrics(tmp_path / "single"), "val/loss")]
     assert val == pytest.approx(ref, abs=1e-4)
+
+
+def _sft_overrides(root: Path, name: str, recipe: str, *extra: str) -> list[str]:
+    """A tiny SFT run from scratch (its tokenizer trained on the records, shared by both
+    runs through the cache): rows of 64 tokens, two a step, four steps."""
+    return [
+        f"recipe={recipe}",
+        f"run.dir={root / name}",
+        f"data.cache_dir={root / 'cache'}",
+        "data.seq_len=64",
+        "data.batch_size=2",
+        "data.sources.stdlib_sft.max_documents=200",
+        *SMALL_VOCAB_OVERRIDES,
+        *COMMON,
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        *QUIET_OVERRIDES,
+        "callbacks=minimal",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("recipe", "rows"),
+    [
+        ("sft/lora_tiny", "data.chat.packing=true"),  # packed conversations, LoRA
+        ("sft/tiny", "data.chat.packing=false"),  # one padded conversation a row
+    ],
+)
+def test_an_sft_run_with_split_rows_follows_the_one_process_run(tmp_path, recipe, rows):
+    """SFT over two gloo processes at strategy.context_parallel=2 (one replica): the loss
+    on the assistant's tokens only, conversations masked from each other, follows the
+    one-process curve within 1e-4 (fp32), validation too, and the weights (LoRA's
+    merged) agree. Padded rows of any length are widened to a multiple of four."""
+    run(compose_config(_sft_overrides(tmp_path, "single", recipe, rows)))
+    args = _sft_overrides(
+        tmp_path, "split", recipe, rows, "strategy=ddp", "strategy.context_parallel=2"
+    )
+    torchrun(2, RUNNER, *args, "trainer.devices=2", omp_threads=1)
+    for rank in range(2):
+        spied = json.loads((tmp_path / "split" / f"sharded_rank{rank}.json").read_text())
+        assert spied["calls"] > 0 and max(spied["lengths"]) <= 32  # half of each row
+        if rows.endswith("true"):
+            assert spied["lengths"] == [32]
+    single = read_metrics(tmp_path / "single")
+    split = read_metrics(tmp_path / "split")
+    for name in ("train/loss", "val/loss"):
+        ones, twos = metric_series(single, name), metric_series(split, name)
+        assert ones and [s for s, _ in twos] == [s for s, _ in ones]
+        assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4)
+    assert _largest_weight_difference(tmp_path / "single", tmp_path / "split") < 1e-4

@@ -98,9 +98,9 @@ class ObjectiveSpec:
         frozen_models: ``frozen_models(cfg, settings)``: the frozen models a run runs
             through training (what the memory estimate and the step's FLOPs count).
         check: ``check(cfg, settings)``: its cross-key rules, raising ConfigError.
-        context_parallel: its loss is the module's plain next-token loss over whole
-            rows of ``data.seq_len``, so its rows may be split over ranks
-            (``strategy.context_parallel``).
+        context_parallel: its loss is the module's next-token loss (a sum over the
+            tokens its labels train, over their count), so its rows may be split over
+            ranks (``strategy.context_parallel``).
     """
 
     name: str

@@ -78,5 +78,6 @@ SFT = register_objective(
         batch="input_ids, labels (-100 off the assistant's tokens), doc_ids (B, T)",
         loss="causal_lm_loss on the assistant's tokens",
         batches_vary=chat_rows_vary,
+        context_parallel=True,
     )
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 
@@ -65,6 +66,41 @@ def context_shard(strategy: object, seq_len: int) -> ContextShard | None:
         )
     group = getattr(strategy, "context_group", None)
     return ContextShard(seq_len=seq_len, degree=degree, rank=dist.get_rank(group), group=group)
+
+
+def split_rows(
+    strategy: object,
+    input_ids: Tensor,
+    labels: Tensor,
+    doc_ids: Tensor | None = None,
+    token_mask: Tensor | None = None,
+) -> tuple[ContextShard, tuple[Tensor, Tensor, Tensor | None, Tensor | None]] | None:
+    """This rank's share of a batch's rows under ``strategy`` (None: whole rows), and
+    its shard.
+
+    Rows of any length are split: padded rows (SFT without packing) are first widened on
+    the right to a multiple of ``2 x strategy.context_parallel`` with padding that
+    carries no loss (labels -100, a document id of its own, outside ``token_mask``);
+    no real token attends to it, since it comes after every one.
+    """
+    degree = getattr(strategy, "context_parallel", 1)
+    if degree == 1:
+        return None
+    extra = -labels.shape[1] % (2 * degree)
+    if extra:
+        input_ids = F.pad(input_ids, (0, extra), value=0)
+        labels = F.pad(labels, (0, extra), value=-100)
+        doc_ids = None if doc_ids is None else F.pad(doc_ids, (0, extra), value=-1)
+        token_mask = None if token_mask is None else F.pad(token_mask, (0, extra), value=False)
+    shard = context_shard(strategy, labels.shape[1])
+    assert shard is not None  # degree > 1
+    parts = (
+        shard.shard(input_ids),
+        shard.shard(labels),
+        None if doc_ids is None else shard.shard(doc_ids),
+        None if token_mask is None else shard.shard(token_mask),
+    )
+    return shard, parts
 
 
 def sharded_loss(token_loss_sum: Tensor, tokens: Tensor, shard: ContextShard) -> Tensor:
@@ -125,7 +161,8 @@ def check_context_parallel(
     if not objective_supports:
         raise ConfigError(
             f"stage.objective={objective} does not train on plain sequences; "
-            f"strategy.context_parallel={degree} works with pretraining only for now"
+            f"strategy.context_parallel={degree} works with pretraining, continued "
+            "pretraining and SFT (LoRA and QLoRA included) for now"
         )
 
 
@@ -134,4 +171,5 @@ __all__ = [
     "check_context_parallel",
     "context_shard",
     "sharded_loss",
+    "split_rows",
 ]

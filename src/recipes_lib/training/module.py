@@ -50,7 +50,7 @@ from recipes_lib.models import Transformer
 from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
-from recipes_lib.parallel.context import context_shard, sharded_loss
+from recipes_lib.parallel.context import sharded_loss, split_rows
 from recipes_lib.parallel.precision import compute_dtype
 from recipes_lib.parallel.strategy import get_strategy
 from recipes_lib.training.build import ModelBuild, build_model
@@ -300,15 +300,15 @@ class CausalLMModule(L.LightningModule):
         labels, token_mask = batch["labels"], self.expert_load.token_mask(batch)
         chunk = self.kernels_config.loss_chunk_size
         trainer = self._attached()
-        shard = None if trainer is None else context_shard(trainer.strategy, labels.shape[1])
-        if shard is not None:  # strategy.context_parallel: this rank's share of each row
+        split = None
+        if trainer is not None:  # strategy.context_parallel: this rank's share of each row
+            split = split_rows(trainer.strategy, input_ids, labels, doc_ids, token_mask)
+        if split is not None:
+            shard, (ids, local, docs, mask) = split
             model.set_context_shard(shard)
             try:
-                inputs = (shard.shard(input_ids), None if doc_ids is None else shard.shard(doc_ids))
-                mask = None if token_mask is None else shard.shard(token_mask)
-                local = shard.shard(labels)
                 logp = model(
-                    *inputs, labels=local, per_token=True, loss_chunk_size=chunk, token_mask=mask
+                    ids, docs, labels=local, per_token=True, loss_chunk_size=chunk, token_mask=mask
                 )
             finally:
                 model.set_context_shard(None)
