@@ -72,6 +72,7 @@ NATIVE = {
     "qwen3",
     "gemma3_text",
     "olmo2",
+    "olmo3",
     "phi3",
     "smollm3",
     "qwen3_moe",

@@ -31,6 +31,7 @@ HF_FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
@@ -43,6 +44,20 @@ HF_FAMILIES = {
 FAMILY_SETTINGS: dict[str, dict[str, Any]] = {
     "qwen3": {"head_dim": 16},
     "olmo2": {"pad_token_id": None},
+    "olmo3": {
+        "pad_token_id": None,
+        "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "full_attention": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 1024,
+                "rope_theta": 5e5,
+            },
+            "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+        },
+    },
     "smollm3": {"pad_token_id": None, "no_rope_layers": [1, 0]},
     "phi3": {"pad_token_id": None, "partial_rotary_factor": 0.5},
     "gemma3_text": {

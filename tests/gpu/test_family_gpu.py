@@ -1,6 +1,6 @@
 """Every model family, a mixture of experts among them, trains on a GPU the fast way
 (``pytest -m gpu``): blocks compiled, FlexAttention with packed documents (and Gemma 3's
-windows), bf16; under FSDP on two
+and OLMo 3's windows), bf16; under FSDP on two
 GPUs a Gemma 3 follows its one-GPU loss curve."""
 
 from __future__ import annotations
@@ -24,6 +24,16 @@ pytestmark = pytest.mark.gpu
 FAMILIES = {
     "qwen3": ("model.family=qwen3", "model.qk_norm=head", "model.head_dim=96"),
     "olmo2": ("model.family=olmo2", "model.qk_norm=full", "model.norm_placement=post"),
+    # OLMo 3: windows on three layers of four, YaRN on the global ones
+    "olmo3": (
+        *family_overrides("olmo3"),
+        "model.sliding_window=64",
+        "model.window_layers=[0,1,2,4]",
+        "model.local_rope_theta=10000",
+        "model.rope_scaling.type=yarn",
+        "model.rope_scaling.factor=4",
+        "model.rope_scaling.original_max_seq_len=64",
+    ),
     "smollm3": ("model.family=smollm3", "model.nope_layers=[3]"),
     "phi3": ("model.family=phi3", "model.partial_rotary_factor=0.5"),
     # experts in every layer: the grouped GEMM path, compiled, with the auxiliary losses

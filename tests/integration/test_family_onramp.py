@@ -22,7 +22,8 @@ from recipes_lib.train import run
 transformers = pytest.importorskip("transformers")
 PeftModel = pytest.importorskip("peft").PeftModel
 SHORT = ["trainer=cpu", "trainer.max_steps=2", "scheduler.warmup=1", "trainer.val_check_interval=2"]
-FAMILY_OF = {"qwen3": "qwen3", "olmo2": "olmo2", "smollm3": "smollm3", "phi3": "phi3"}
+FAMILY_OF = {"qwen3": "qwen3", "olmo2": "olmo2", "olmo3": "olmo3", "smollm3": "smollm3"}
+FAMILY_OF.update(phi3="phi3")
 FAMILY_OF.update(gemma3_text="gemma3", qwen3_moe="qwen3_moe", mixtral="mixtral")
 
 
