@@ -75,7 +75,9 @@ class ThroughputMonitor(OptimizerStepCallback):
     ``flops_per_token(seq_len)`` comes from the LightningModule (training FLOPs, i.e.
     forward and backward, per token at the batch's sequence length); tokens come from
     the module's ``tokens_seen`` counter when it has one, else from the batch's
-    ``input_ids`` times the world size. The time spent in validation is left out.
+    ``input_ids`` times the data-parallel replicas (the world size, over the
+    context-parallel degree: a group's ranks share their rows). The time spent in
+    validation is left out.
 
     Args:
         window: Optimizer steps per measurement.
@@ -139,7 +141,9 @@ class ThroughputMonitor(OptimizerStepCallback):
             input_ids = micro.get("input_ids") if isinstance(micro, dict) else None
             if isinstance(input_ids, torch.Tensor):
                 self._seq_len = input_ids.shape[-1]
-                self._tokens += input_ids.numel() * trainer.world_size
+                # the ranks of a context-parallel group share their rows
+                degree = getattr(trainer.strategy, "context_parallel", 1)
+                self._tokens += input_ids.numel() * (trainer.world_size // degree)
         # the batch's tokens are counted first: a window that closes now includes them
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if not is_logging_step(trainer, self._batch_step):

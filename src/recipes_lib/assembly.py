@@ -27,6 +27,7 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.objectives import build_module, objective_names
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import build_strategy, get_strategy, trainer_devices
+from recipes_lib.parallel.context import data_parallel_size
 from recipes_lib.parallel.fp8 import fp8_callbacks
 from recipes_lib.parallel.precision import lightning_precision
 from recipes_lib.preflight import check_run
@@ -34,14 +35,17 @@ from recipes_lib.training.module import CausalLMModule
 
 
 def tokens_per_step(cfg: RunConfig, world_size: int) -> int:
-    """Tokens consumed by one full optimizer step across all ranks (after any ramp)."""
-    return cfg.data.seq_len * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * world_size
+    """Tokens consumed by one full optimizer step across all ranks (after any ramp); the
+    ranks of a context-parallel group share their rows."""
+    replicas = data_parallel_size(world_size, cfg.strategy.context_parallel)
+    return cfg.data.seq_len * cfg.data.batch_size * cfg.trainer.accumulate_grad_batches * replicas
 
 
 def batch_schedule(cfg: RunConfig, world_size: int) -> BatchSchedule:
     """Micro-batches per optimizer step: ``trainer.accumulate_grad_batches``, ramped up to
     over ``stage.batch_ramp.tokens`` when set (:mod:`recipes_lib.optim.batch_ramp`)."""
-    micro = cfg.data.seq_len * cfg.data.batch_size * world_size
+    replicas = data_parallel_size(world_size, cfg.strategy.context_parallel)
+    micro = cfg.data.seq_len * cfg.data.batch_size * replicas
     return BatchSchedule.of(cfg.stage.batch_ramp, cfg.trainer.accumulate_grad_batches, micro)
 
 

@@ -21,6 +21,7 @@ from recipes_lib.launch_check.memory import recomputed_block_count, rows_per_mic
 from recipes_lib.launch_check.parameters import ParameterCounts
 from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.objectives import objective_of
+from recipes_lib.parallel.context import data_parallel_size
 from recipes_lib.parallel.precision import device_type, lightning_precision
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
@@ -152,7 +153,8 @@ def step_flops(cfg: RunConfig, world_size: int = 1) -> float:
     # the recomputed blocks' second forward (every block: a third more matmul work)
     recomputed = recomputed_block_count(cfg.model.n_layers, cfg.kernels.checkpoint_stride())
     per_token *= 1 + (CHECKPOINTING_FLOPS - 1) * recomputed / cfg.model.n_layers
-    rows = rows_per_micro_batch(cfg) * cfg.trainer.accumulate_grad_batches * world_size
+    replicas = data_parallel_size(world_size, cfg.strategy.context_parallel)  # whole rows
+    rows = rows_per_micro_batch(cfg) * cfg.trainer.accumulate_grad_batches * replicas
     return per_token * rows * cfg.data.seq_len
 
 

@@ -30,6 +30,7 @@ from recipes_lib.data.module import dataset_length
 from recipes_lib.data.text.shards import TokenShard
 from recipes_lib.launch_check.budget import human
 from recipes_lib.objectives import build_data as build_objective_data
+from recipes_lib.parallel.context import data_parallel_size
 
 # Training on the same data more often than this many times is worth a warning:
 # Muennighoff et al. (2023) find up to about 4 epochs of repeated data nearly as good
@@ -52,14 +53,19 @@ class SourceSize:
 
 
 def training_samples(cfg: RunConfig, steps: int, world_size: int) -> int:
-    """Rows (or pairs) every rank together reads over ``steps`` optimizer steps."""
+    """Rows (or pairs) every data-parallel replica together reads over ``steps``
+    optimizer steps (the ranks of a context-parallel group read the same rows)."""
     micro_batches = batch_schedule(cfg, world_size).micro_batches_before(steps)
-    return micro_batches * cfg.data.batch_size * world_size
+    return micro_batches * cfg.data.batch_size * _replicas(cfg, world_size)
+
+
+def _replicas(cfg: RunConfig, world_size: int) -> int:
+    return data_parallel_size(world_size, cfg.strategy.context_parallel)
 
 
 def build_data(cfg: RunConfig, steps: int, world_size: int = 1) -> L.LightningDataModule:
     """The objective's data module, prepared and set up as a run's would be."""
-    per_rank = training_samples(cfg, steps, world_size) // world_size
+    per_rank = training_samples(cfg, steps, world_size) // _replicas(cfg, world_size)
     datamodule = build_objective_data(cfg, total_train_samples=per_rank)
     datamodule.prepare_data()
     datamodule.setup("fit")

@@ -54,6 +54,13 @@ class ContextParallelDDP(DDPStrategy):
                 self.context_group = group
 
 
+def data_parallel_size(world_size: int, degree: int) -> int:
+    """The data-parallel replicas of ``world_size`` processes whose groups of ``degree``
+    share each row: each group reads one replica's rows, so a step's tokens and rows
+    count ``world_size / degree`` replicas, not ``world_size``."""
+    return max(1, world_size // max(1, degree))
+
+
 def context_shard(strategy: object, seq_len: int) -> ContextShard | None:
     """This rank's share of rows of ``seq_len`` under ``strategy`` (None: whole rows)."""
     degree = getattr(strategy, "context_parallel", 1)
@@ -170,6 +177,7 @@ __all__ = [
     "ContextParallelDDP",
     "check_context_parallel",
     "context_shard",
+    "data_parallel_size",
     "sharded_loss",
     "split_rows",
 ]
