@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from recipes_lib.adapters import adapters_disabled, has_adapter
 from recipes_lib.checkpoint.source import load_model_weights
+from recipes_lib.models.hf_fallback import is_fallback
 from recipes_lib.training.build import build_model
 
 REFERENCE_SOURCE_KEY = "dpo_reference_from"  # checkpoint entry: where the reference came from
@@ -81,13 +82,18 @@ def build_reference(
     of its own built as the policy is (same seed, kernels, compilation and sharding; no
     adapter, float8 or activation checkpointing: it does not train) from ``source``
     (``key`` names it in errors). Without a source it starts from the policy's initial
-    weights, which the shared seed already gives it."""
+    weights, which the shared seed already gives it.
+
+    A reference of the weights the policy was just loaded from (DPO's and GRPO's
+    default) copies them from the policy, still untrained when this runs, instead of
+    reading and converting the same files a second time (:func:`_copies_policy`)."""
     policy = module.built_model()
     if has_adapter(policy) and same_base:
         return FrozenReference(adapted_policy=policy)
+    copies = _copies_policy(module, source, upcycle)
     plan = dataclasses.replace(
         module.policy_build(),
-        init_from=source,
+        init_from=None if copies else source,
         init_label=f"{key}={source!r}" if source is not None else None,
         adapter=None,
         trains=False,
@@ -95,8 +101,39 @@ def build_reference(
     )
     device, mesh = module.placement()
     reference = build_model(plan, device=device, mesh=mesh, attention=policy.attention_backend)
+    if copies and source is not None and not _copy_weights(policy, reference):
+        load_model_weights(reference, source, plan.init_label)  # unlike names: read them
     resolved = str(Path(source).expanduser().resolve()) if source is not None else None
     return FrozenReference(model=reference, source=resolved)
+
+
+def _copies_policy(module: CausalLMModule, source: str | None, upcycle: bool) -> bool:
+    """Whether the reference's weights are the policy's as it was loaded: the same
+    source, the policy a native model without adapters (names alike) and not float8
+    (its weights wrapped for the cast), nor upcycled."""
+    return (
+        source is not None
+        and source == module.init_from
+        and not upcycle
+        and not has_adapter(module.built_model())
+        and module.precision_config.name != "fp8"
+        and not is_fallback(module.model_config)
+    )
+
+
+@torch.no_grad()
+def _copy_weights(policy: nn.Module, reference: nn.Module) -> bool:
+    """Copy ``policy``'s state into ``reference`` (cast where the reference stores its
+    frozen projections narrower; shard for shard under FSDP2, both being sharded alike);
+    False, copying nothing, where their entries differ."""
+    theirs, ours = policy.state_dict(), reference.state_dict()
+    if theirs.keys() != ours.keys() or any(
+        theirs[name].shape != tensor.shape for name, tensor in ours.items()
+    ):
+        return False
+    for name, tensor in ours.items():
+        tensor.copy_(theirs[name])
+    return True
 
 
 def restore_reference(

@@ -194,6 +194,40 @@ def test_reference_is_loaded_from_its_source(tmp_path):
     torch.testing.assert_close(module.model(x), start(x), atol=0, rtol=0)
 
 
+def test_a_reference_of_the_policys_source_is_copied_from_it_not_read_again(tmp_path, monkeypatch):
+    """The default reference (the weights the policy starts from) is copied from the
+    just-loaded policy: the same tensors a second read would give, stored apart, so
+    training the policy leaves it where it started."""
+    torch.manual_seed(0)
+    start = Transformer(MODEL)
+    save_weights(start.state_dict(), tmp_path / "start.safetensors")
+    reads: list[str] = []
+    import recipes_lib.training.build as build
+    import recipes_lib.training.reference as reference_module
+
+    load = build.load_model_weights
+
+    def counted(model, source, *args):
+        reads.append(source)
+        return load(model, source, *args)
+
+    for where in (build, reference_module):
+        monkeypatch.setattr(where, "load_model_weights", counted)
+    module = make_module(init_from=str(tmp_path / "start.safetensors"))
+    module.configure_model()
+    assert len(reads) == 1  # the policy's read only
+    reference = module.reference.built().model
+    for (name, ours), theirs in zip(
+        reference.state_dict().items(), start.state_dict().values(), strict=True
+    ):
+        assert torch.equal(ours, theirs.to(ours.dtype)), name
+    with torch.no_grad():
+        for p in module.model.parameters():
+            p.add_(1.0)  # the policy moves; its copy does not
+    x = torch.randint(0, VOCAB, (2, 10))
+    torch.testing.assert_close(reference(x), start(x), atol=0, rtol=0)
+
+
 def test_with_lora_the_reference_is_the_base_model_without_a_second_copy(tmp_path):
     torch.manual_seed(0)
     base = Transformer(MODEL)
