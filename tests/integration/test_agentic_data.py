@@ -68,9 +68,11 @@ def write_jsonl(path, records) -> str:
 
 def sft_overrides(run_dir, data: str, *extra: str) -> list[str]:
     """A tiny SFT run from scratch: its tokenizer is trained on the records with the
-    ChatML tokens, so the built-in chatml template renders the tools and reasoning."""
+    ChatML tokens, so the built-in chatml template renders the tools and reasoning (the
+    recipe's ``plain`` template writes neither)."""
     return [
         "recipe=sft/tiny",
+        "data.chat.chat_template=chatml",
         f"run.dir={run_dir / 'run'}",
         f"data.cache_dir={run_dir / 'cache'}",
         f"data.path={data}",
@@ -147,6 +149,7 @@ def test_dpo_trains_on_pairs_whose_answers_call_tools(tmp_path, tool_sft):
         f"data.cache_dir={tmp_path / 'cache'}",
         f"stage.init_from={tool_sft.weights_path}",
         f"data.tokenizer.path={tool_sft.tokenizer_path}",
+        "data.chat.chat_template=null",  # the SFT stage's chatml, saved with its tokenizer
         f"data.path={data}",
         *SMALL_VOCAB_OVERRIDES,
         "data.seq_len=384",
@@ -164,3 +167,5 @@ def test_dpo_trains_on_pairs_whose_answers_call_tools(tmp_path, tool_sft):
     assert result.global_step == 12
     margin = metric_series(read_metrics(result.output_dir), "val/rewards/margin")
     assert margin and all(math.isfinite(m) for _, m in margin)
+    # the policy starts as its reference (margin 0) and learns to prefer the right call
+    assert margin[-1][1] > margin[0][1] + 0.01 and margin[-1][1] > 0, margin

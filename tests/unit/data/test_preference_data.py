@@ -266,6 +266,36 @@ def test_pairs_that_truncation_makes_identical_are_skipped(tokenizer):
     )
 
 
+def _calling(name: str) -> list[dict]:
+    call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": {"a": 1}}}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+        {"role": "assistant", "content": "It is 2."},
+    ]
+
+
+def test_pairs_that_render_the_same_are_skipped_and_named(tokenizer):
+    """Responses told apart only by their tool call's name: the built-in plain template
+    writes no tool calls, so both render alike and the pair is skipped with its reason;
+    a template that writes the call keeps it, with the call's tokens differing."""
+    pair = {"prompt": "Add one.", "chosen": _calling("add"), "rejected": _calling("subtract")}
+    with pytest.raises(DataError, match=r"record 0: fields 'chosen' and 'rejected' render to"):
+        encode_records([pair, GOOD], make_encoder(tokenizer), KEY)
+    encoded = encode_records([pair, GOOD], make_encoder(tokenizer, on_bad_record="skip"), KEY)
+    assert len(encoded.pairs) == 1
+    assert encoded.skipped == Counter({"identical once rendered": 1})
+    calls = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
+        "{% for c in m.get('tool_calls') or [] %}{{ 'call ' + c['function']['name'] }}"
+        "{% endfor %}{{ eos_token }}{% endfor %}"
+    )
+    (kept,) = encode_records([pair], make_encoder(tokenizer, chat_template=calls), KEY).pairs
+    assert kept.chosen_ids.tolist() != kept.rejected_ids.tolist()
+    text = tokenizer.decode(kept.rejected_ids[kept.rejected_mask].tolist())
+    assert "subtract" in text and "It is 2." in text
+
+
 def pairs_config(tmp_path, tokenizer_path, sources, **overrides):
     settings = {"seq_len": 96, "batch_size": 2, "val_fraction": 0.25}
     settings.update(overrides)

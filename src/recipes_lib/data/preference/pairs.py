@@ -22,6 +22,10 @@ inputs and their next-token labels):
 - ``left``: the start of the prompt is cut, by the same amount for both responses
   (a pair whose longer response alone exceeds the window is skipped and counted);
 - ``drop``: the pair is skipped and counted.
+
+A pair whose two responses render to the same tokens (a template that does not write
+the tool calls or reasoning that tell them apart, such as the built-in ``plain``) is
+skipped and counted too: it could only teach nothing.
 """
 
 from __future__ import annotations
@@ -194,6 +198,14 @@ class PairEncoder:
                 does not fit under the truncation policy.
         """
         prompt, (chosen, chosen_mask), (rejected, rejected_mask) = self.split(record, where)
+        if not self.twin and chosen == rejected:
+            raise BadRecord(
+                f"{where}: fields {self.chat.chosen_field!r} and {self.chat.rejected_field!r} "
+                f"render to the same tokens: the chat template "
+                f"({self.renderer.template_name}) does not write what tells them apart "
+                "(tool calls and reasoning need a template that renders them)",
+                "identical once rendered",
+            )
         checked = [(self.chat.chosen_field, chosen_mask)]
         if not self.twin:
             checked.append((self.chat.rejected_field, rejected_mask))
