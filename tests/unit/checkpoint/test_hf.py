@@ -290,7 +290,10 @@ def test_mismatched_checkpoint_lists_the_first_mismatches(tmp_path):
         ),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"attention_bias": True}, "attention_bias=true also adds a bias to o_proj"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+            "'dynamic' is not supported",
+        ),
         ({"hidden_size": None}, "no 'hidden_size'"),
     ],
 )

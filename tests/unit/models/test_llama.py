@@ -189,7 +189,7 @@ def test_input_longer_than_max_seq_len_raises():
     [
         ({"dim": 66}, "model.dim=66"),
         ({"n_kv_heads": 3}, "model.n_kv_heads=3"),
-        ({"rope_scaling": RopeScalingConfig(type="yarn")}, "model.rope_scaling.type='yarn'"),
+        ({"rope_scaling": RopeScalingConfig(type="ntk")}, "model.rope_scaling.type='ntk'"),
         (
             {"rope_scaling": RopeScalingConfig(type="llama3", low_freq_factor=4.0)},
             "high_freq_factor",
