@@ -68,8 +68,8 @@ def write_jsonl(path, records) -> str:
 
 def sft_overrides(run_dir, data: str, *extra: str) -> list[str]:
     """A tiny SFT run from scratch: its tokenizer is trained on the records with the
-    ChatML tokens, so the built-in chatml template renders the tools and reasoning (the
-    recipe's ``plain`` template writes neither)."""
+    ChatML tokens, so the built-in chatml template renders the tools, calls and
+    reasoning with the chat tokens the model will use."""
     return [
         "recipe=sft/tiny",
         "data.chat.chat_template=chatml",

@@ -33,6 +33,7 @@ from recipes_lib.data.chat.proof import (
     prove_records,
     sample_indices,
 )
+from recipes_lib.data.chat.template import BUILTIN_TEMPLATES
 from recipes_lib.errors import ConfigError
 
 pytest.importorskip("transformers")
@@ -79,8 +80,10 @@ def _cases() -> list:
     return cases
 
 
-def _data_module(tmp_path: Path, family: ChatFamily, records: list[dict]) -> ChatDataModule:
-    folder = write_family_tokenizer(tmp_path / "tokenizer", family)
+def _data_module(
+    tmp_path: Path, family: ChatFamily, records: list[dict], template: str | None = None
+) -> ChatDataModule:
+    folder = write_family_tokenizer(tmp_path / "tokenizer", family, template)
     path = write_records(tmp_path / "chat.jsonl", records)
     chat = ChatFormatConfig()
     if _SWITCH_KEY == "template_kwargs":
@@ -155,6 +158,22 @@ def test_the_library_masks_as_transformers_does(tmp_path, name, shape):
     datamodule = _data_module(tmp_path, family, records)
     (line,) = prove_chat_data(datamodule, 10)
     assert f"{len(records)} record(s): token ids and trained tokens equal" in line
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("builtin", sorted(BUILTIN_TEMPLATES))
+def test_the_builtin_templates_mask_as_transformers_does(tmp_path, builtin, shape):
+    """The library's own templates, saved with a run's tokenizer, write tools, calls and
+    reasoning, and transformers renders and masks them alike."""
+    family = FAMILIES["smollm3"]  # the ChatML tokens, with <think> and <tool_call> added
+    records = _records(family, shape)
+    assert records is not None
+    datamodule = _data_module(tmp_path, family, records, BUILTIN_TEMPLATES[builtin])
+    (line,) = prove_chat_data(datamodule, 10)
+    assert f"{len(records)} record(s): token ids and trained tokens equal" in line
+    if shape in ("tools", "reasoning"):
+        text = datamodule.tokenizer.decode(datamodule.train_dataset[0]["input_ids"].tolist())
+        assert ("<tool_call>" if shape == "tools" else "<think>") in text
 
 
 def test_a_wrong_mask_stops_at_the_record_with_a_readable_diff(tmp_path):

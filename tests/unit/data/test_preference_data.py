@@ -276,24 +276,23 @@ def _calling(name: str) -> list[dict]:
 
 
 def test_pairs_that_render_the_same_are_skipped_and_named(tokenizer):
-    """Responses told apart only by their tool call's name: the built-in plain template
-    writes no tool calls, so both render alike and the pair is skipped with its reason;
-    a template that writes the call keeps it, with the call's tokens differing."""
+    """Responses told apart only by their tool call's name: a template that writes no
+    tool calls renders both alike, so the pair is refused, or skipped with its reason;
+    the built-in plain template writes the call and keeps it, the call's tokens trained."""
     pair = {"prompt": "Add one.", "chosen": _calling("add"), "rejected": _calling("subtract")}
+    content_only = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+    )
     with pytest.raises(DataError, match=r"record 0: fields 'chosen' and 'rejected' render to"):
-        encode_records([pair, GOOD], make_encoder(tokenizer), KEY)
-    encoded = encode_records([pair, GOOD], make_encoder(tokenizer, on_bad_record="skip"), KEY)
+        encode_records([pair, GOOD], make_encoder(tokenizer, chat_template=content_only), KEY)
+    skipping = make_encoder(tokenizer, chat_template=content_only, on_bad_record="skip")
+    encoded = encode_records([pair, GOOD], skipping, KEY)
     assert len(encoded.pairs) == 1
     assert encoded.skipped == Counter({"identical once rendered": 1})
-    calls = (
-        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
-        "{% for c in m.get('tool_calls') or [] %}{{ 'call ' + c['function']['name'] }}"
-        "{% endfor %}{{ eos_token }}{% endfor %}"
-    )
-    (kept,) = encode_records([pair], make_encoder(tokenizer, chat_template=calls), KEY).pairs
+    (kept,) = encode_records([pair], make_encoder(tokenizer, seq_len=256), KEY).pairs
     assert kept.chosen_ids.tolist() != kept.rejected_ids.tolist()
     text = tokenizer.decode(kept.rejected_ids[kept.rejected_mask].tolist())
-    assert "subtract" in text and "It is 2." in text
+    assert '"subtract"' in text and "It is 2." in text
 
 
 def pairs_config(tmp_path, tokenizer_path, sources, **overrides):

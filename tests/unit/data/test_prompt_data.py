@@ -76,3 +76,49 @@ def test_the_builtin_task_asks_for_a_function_by_its_name():
     for record in records:
         assert f"`{record['source'].split(':')[1]}`" in record["prompt"]
         assert f"def {record['name']}(" in record["prompt"]
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+# writes the tools before the turns, as the families' templates do
+TOOLS_TEMPLATE = (
+    "{% if tools %}{% for t in tools %}{{ 'tool ' + t['function']['name'] + '\\n' }}"
+    "{% endfor %}{% endif %}{% for m in messages %}{{ '### ' + m['role'] + '\\n' }}"
+    "{{ m['content'] + eos_token + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant\\n' }}{% endif %}"
+)
+
+
+def test_prompts_give_their_tools_to_the_template(tmp_path, small_tokenizer_path):
+    """A prompt record's tools reach the template (listed JSON or its text); one whose
+    tools are not JSON is named by file:line."""
+    rows = [{"prompt": f"weather in city {i}", "tools": [WEATHER]} for i in range(3)]
+    rows.append({"prompt": "weather in paris", "tools": json.dumps([WEATHER])})
+    rows.append({"prompt": "no tools here"})
+    write_prompts(tmp_path / "prompts.jsonl", rows)
+    config = data_config(
+        tmp_path / "cache",
+        {"prompts": SourceConfig(path=str(tmp_path / "prompts.jsonl"))},
+        small_tokenizer_path,
+        val_fraction=0.0,
+    )
+    config.chat.chat_template = TOOLS_TEMPLATE
+    module = PromptDataModule(config, 512, 1024, total_train_samples=5, max_new_tokens=16)
+    module.setup()
+    texts = {}
+    for prompt in module.train_dataset.prompts:
+        texts[prompt.record["prompt"]] = module.tokenizer.decode(prompt.ids)
+    assert len(texts) == 5
+    for name, text in texts.items():
+        assert text.startswith("tool get_weather\n") == (name != "no tools here"), text
+
+    rows[2] = {"prompt": "broken", "tools": "[{not json"}
+    write_prompts(tmp_path / "prompts.jsonl", rows)
+    with pytest.raises(DataError, match=r"prompts\.jsonl:3: field 'tools' is not JSON"):
+        PromptDataModule(config, 512, 1024, max_new_tokens=16).setup()

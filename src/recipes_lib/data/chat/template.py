@@ -15,7 +15,10 @@ one), else the tokenizer's own, else the built-in ``chatml``:
 
 which needs ``<|im_start|>`` and ``<|im_end|>`` as special tokens of the tokenizer (a
 tokenizer trained for a chat run gets them). The built-in ``plain`` needs only the
-end-of-document token: ``### {role}\\n{content}{eos_token}\\n`` per turn.
+end-of-document token: ``### {role}\\n{content}{eos_token}\\n`` per turn, the tools
+first as JSON lines, reasoning in a ``<think>`` block before the content and tool
+calls after it as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``. Both
+built-ins write tools, tool calls and reasoning, so none is silently dropped.
 """
 
 from __future__ import annotations
@@ -73,8 +76,23 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 PLAIN_TEMPLATE = (
+    "{% if tools %}{{ '### tools\n' }}"
+    "{% for tool in tools %}{{ (tool | tojson) + '\n' }}{% endfor %}"
+    "{{ eos_token + '\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '### ' + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
+    "{{ '### ' + message['role'] + '\n' }}"
+    "{% if message.get('reasoning_content') %}"
+    "{{ '<think>\n' + message['reasoning_content'] + '\n</think>\n' }}"
+    "{% endif %}"
+    "{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% if message['content'] or not loop.first %}{{ '\n' }}{% endif %}"
+    "{% set arguments = call['function'].get('arguments') or {} %}"
+    "{{ '<tool_call>{\"name\": ' + (call['function']['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ arguments if arguments is string else (arguments | tojson) }}"
+    "{{ '}</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '### assistant\n' }}{% endif %}"
 )
@@ -394,8 +412,18 @@ class ChatRenderer:
     def render_prompt(
         self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
     ) -> list[int]:
-        """Token ids of ``messages`` followed by the assistant header (for generation)."""
-        text = self.text(self._as_template_reads(messages), add_generation_prompt=True, tools=tools)
+        """Token ids of ``messages`` followed by the generation prompt, ``tools`` given to
+        the template.
+
+        Raises:
+            DataError: the template fails to render the conversation.
+        """
+        try:
+            text = self.text(self._as_template_reads(messages), True, tools)
+        except (jinja2.TemplateError, ValueError, TypeError) as err:
+            raise DataError(
+                f"the chat template ({self.template_name}) failed to render the prompt: {err}"
+            ) from err
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
 

@@ -11,7 +11,9 @@ A batch of ``B`` prompts (:func:`collate_prompts`) is::
     where           list of B str: each record's file and line (or source and index)
 
 A prompt is ``data.chat.prompt_field`` (text, a user turn) or ``messages_field`` (a
-conversation to continue). Prompts longer than ``data.seq_len - stage.grpo.max_new_tokens``
+conversation to continue, tool rounds included); a record's ``tools`` (JSON schemas, or
+their list as JSON text) are given to the template, as in SFT, so the policy sees the
+tools it may call. Prompts longer than ``data.seq_len - stage.grpo.max_new_tokens``
 tokens leave no room for a completion: ``data.chat.truncation=left`` cuts their start,
 otherwise they are skipped and counted.
 
@@ -33,7 +35,7 @@ import torch
 from torch.utils.data import Dataset
 
 from recipes_lib.config.schema import DataConfig, SourceConfig
-from recipes_lib.data.chat.messages import BadRecord, text_field
+from recipes_lib.data.chat.messages import TOOLS_FIELD, BadRecord, parse_tools, text_field
 from recipes_lib.data.chat.template import ChatRenderer
 from recipes_lib.data.chat_records import (
     ChatRecordsDataModule,
@@ -170,7 +172,12 @@ class PromptDataModule(ChatRecordsDataModule):
         prompt = text_field(record, field, where)
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         try:
-            ids = renderer.render_prompt(messages)
+            tools = parse_tools(record.get(TOOLS_FIELD))
+        except ValueError as err:
+            problem = f"{where}: field {TOOLS_FIELD!r} {err}"
+            raise BadRecord(problem, f"malformed field {TOOLS_FIELD!r}") from None
+        try:
+            ids = renderer.render_prompt(messages, tools)
         except DataError as err:
             raise BadRecord(f"{where}: {err}", "template failed to render") from err
         if len(ids) <= self.max_prompt_tokens:
