@@ -157,7 +157,7 @@ import recipes_lib.checkpoint.integrity as integrity
 import recipes_lib.checkpoint.io as io
 
 writing = {}
-save, write = integrity.save_torch_checkpoint, integrity._HashingWriter.write
+save, write = integrity.save_torch_checkpoint, integrity.HashingWriter.write
 
 def tracked_save(checkpoint, path):
     writing["name"] = os.path.basename(str(path))
@@ -169,7 +169,7 @@ def killing_write(self, data):  # SIGKILL halfway through writing step 12
         os.kill(os.getpid(), signal.SIGKILL)
     return written
 
-io.save_torch_checkpoint, integrity._HashingWriter.write = tracked_save, killing_write
+io.save_torch_checkpoint, integrity.HashingWriter.write = tracked_save, killing_write
 from recipes_lib.config import compose_config
 from recipes_lib.train import run
 run(compose_config(sys.argv[1:]))

@@ -117,7 +117,7 @@ import recipes_lib.checkpoint.integrity as integrity
 import recipes_lib.checkpoint.io as io
 
 writing = {}
-save, write = integrity.save_torch_checkpoint, integrity._HashingWriter.write
+save, write = integrity.save_torch_checkpoint, integrity.HashingWriter.write
 
 def tracked_save(checkpoint, path):
     writing["name"] = os.path.basename(str(path))
@@ -129,7 +129,7 @@ def filling_write(self, data):
     return write(self, data)
 
 usage = collections.namedtuple("usage", "total used free")
-io.save_torch_checkpoint, integrity._HashingWriter.write = tracked_save, filling_write
+io.save_torch_checkpoint, integrity.HashingWriter.write = tracked_save, filling_write
 shutil.disk_usage = lambda path: usage(2**30, 2**30 - 3 * 2**20, 3 * 2**20)
 """
 

@@ -12,8 +12,9 @@ many GB/s on one core) for what this version writes, ``sha256`` for records writ
 before it (format 1), which still verify. The file names stay as they were
 (``.sha256.json``), so older runs' records are found where they always were.
 
-A file's digest is computed while it is written: each block ``torch.save`` writes is
-handed to a hashing thread, so the hash runs beside the write and needs no second read.
+A file's digest is computed while it is written: each large block (a piece of a tensor
+storage, see :mod:`recipes_lib.checkpoint.torch_file`) is handed to a hashing thread,
+so the hash runs beside the write and needs no second read.
 Verifying reads every byte once more: sizes first (a truncated file fails at once),
 then the digests. A checkpoint verified once in a process is not hashed again while
 its files stay the same (size, inode and modification time), so the resume choice and
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 import torch
 import xxhash
@@ -44,6 +45,7 @@ from recipes_lib.checkpoint.layout import (
     checksum_sidecar,
     is_own_link,
 )
+from recipes_lib.checkpoint.torch_file import save_torch_file
 from recipes_lib.errors import CheckpointError, CorruptCheckpointError
 from recipes_lib.files import write_atomic, write_json_atomic
 
@@ -161,17 +163,19 @@ def write_checksums(checkpoint: str | os.PathLike, checksums: Checksums) -> Path
     return write_json_atomic(record_path(checkpoint), checksums.to_json())
 
 
-class _HashingWriter:
-    """A write-only file object that hashes what passes through it: ``torch.save``
-    streams the checkpoint through it, so the digest costs no second read.
+class HashingWriter:
+    """A write-only file object that hashes what passes through it: a checkpoint file
+    (or a shard DCP writes) is streamed through it, so the digest costs no second read.
 
     A large block is hashed on a thread of its own while this one writes it (both let
-    go of the GIL), and ``write`` returns once both are done: the block is memory
-    ``torch.save`` may free or reuse as soon as ``write`` returns.
+    go of the GIL), and ``write`` returns once both are done: the block is memory its
+    caller may free or reuse as soon as ``write`` returns (a pinned buffer refilled from
+    the GPU).
     """
 
     def __init__(self, file, algorithm: str = WRITTEN):
         self._file = file
+        self._algorithm = algorithm
         self._digest = ALGORITHMS[algorithm]()
         self._hasher: ThreadPoolExecutor | None = None
         self.size = 0
@@ -193,10 +197,20 @@ class _HashingWriter:
     def flush(self) -> None:
         self._file.flush()
 
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def hexdigest(self) -> str:
         if self._hasher is not None:
             self._hasher.shutdown(wait=True)
         return self._digest.hexdigest()
+
+    def file_digest(self) -> FileDigest:
+        """The size and digest of everything written."""
+        return FileDigest(self.size, self.hexdigest(), self._algorithm)
 
 
 def refuse_foreign_link(path: str | os.PathLike) -> None:
@@ -228,8 +242,9 @@ def tensor_bytes(state: Any) -> int:
 
 
 def save_torch_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -> Checksums:
-    """``torch.save`` ``checkpoint`` to ``path`` atomically, then record its size,
-    checksum and ``global_step`` beside it.
+    """Write ``checkpoint`` to ``path`` atomically as a ``torch.save`` file, in large
+    writes (:func:`~recipes_lib.checkpoint.torch_file.save_torch_file`), then record its
+    size, checksum and ``global_step`` beside it.
 
     An older record of ``path`` (``last.ckpt`` is rewritten) is removed first and the new
     one written after the file is in place, so a crash anywhere leaves either a file
@@ -242,22 +257,35 @@ def save_torch_checkpoint(checkpoint: dict[str, Any], path: str | os.PathLike) -
     """
     target = Path(path)
     refuse_foreign_link(target)
-    written: dict[str, FileDigest] = {}
     checksum_sidecar(target).unlink(missing_ok=True)
-
-    def write(partial: Path) -> None:
-        with open(partial, "wb") as f:
-            hashing = _HashingWriter(f)
-            # torch.save only writes and flushes, which the stub's IO[bytes] does not say
-            torch.save(checkpoint, cast(IO[bytes], hashing))
-        written["file"] = FileDigest(hashing.size, hashing.hexdigest())
-
-    write_atomic(target, write, size=tensor_bytes(checkpoint))
+    digest = write_torch_file(checkpoint, target)
     step = checkpoint.get("global_step")
-    checksums = Checksums({target.name: written["file"]}, step if isinstance(step, int) else None)
+    checksums = Checksums({target.name: digest}, step if isinstance(step, int) else None)
     write_checksums(target, checksums)
     remember_verified(target)
     return checksums
+
+
+def write_torch_file(obj: Any, path: str | os.PathLike) -> FileDigest:
+    """Write ``obj`` to ``path`` atomically as a ``torch.save`` file in large writes
+    (:func:`~recipes_lib.checkpoint.torch_file.save_torch_file`), hashing beside them.
+
+    Returns:
+        the file's size and checksum, as written.
+
+    Raises:
+        DiskFullError: the disk filled; ``path`` is as it was.
+    """
+    written: list[FileDigest] = []
+
+    def write(partial: Path) -> None:
+        with open(partial, "wb") as f:
+            hashing = HashingWriter(f)
+            save_torch_file(obj, hashing)
+        written.append(hashing.file_digest())
+
+    write_atomic(path, write, size=tensor_bytes(obj))
+    return written[0]
 
 
 def folder_files(folder: Path) -> list[str]:

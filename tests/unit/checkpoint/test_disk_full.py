@@ -48,7 +48,7 @@ def test_a_full_disk_names_the_file_its_size_and_the_space_left(
     if where == "torch":
         monkeypatch.setattr(integrity.torch, "save", _full_from_torch)
     else:
-        monkeypatch.setattr(integrity._HashingWriter, "write", _full_from_the_file_system)
+        monkeypatch.setattr(integrity.HashingWriter, "write", _full_from_the_file_system)
     target = tmp_path / "step000008.ckpt"
     with pytest.raises(DiskFullError) as full:
         save_torch_checkpoint(_checkpoint(8), target)
