@@ -2,14 +2,16 @@
 
 Every rank writes its shard with ``torch.distributed.checkpoint`` (DCP) into a hidden
 folder beside the target (``.step000200.ckpt.partial``); rank 0 adds ``meta.pt`` (the
-loops' and callbacks' state). When every rank is done, each hashes an equal share of
-the folder's files, rank 0 gathers the digests, writes ``sha256.json`` inside, and
-renames the folder into place; the other ranks wait for that. A crash at any point
-leaves the previous checkpoint and a hidden ``.partial`` folder, never a folder named
-like a checkpoint that is not one.
+loops' and callbacks' state). Each file is hashed as it is written: DCP writes through
+:class:`~recipes_lib.checkpoint.sharded_writer.HashingFileSystemWriter`, whose streams
+hash the bytes on their way to the disk, so no file is read back. When every rank is
+done, rank 0 gathers the digests, writes ``sha256.json`` inside, and renames the folder
+into place; the other ranks wait for that. A crash at any point leaves the previous
+checkpoint and a hidden ``.partial`` folder, never a folder named like a checkpoint
+that is not one.
 
 With ``asynchronous``, :meth:`ShardedSaver.save` returns once DCP has copied this
-rank's shards to host memory; the write, the digests and the rename run on a background
+rank's shards to host memory; the write, its digests and the rename run on a background
 thread that talks over a gloo process group of its own (so its collectives never
 interleave with training's). The next save, a load, a removal and the end of training
 wait for it first. DCP's staging copies every tensor, including those already on the
@@ -25,9 +27,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 
 from recipes_lib.checkpoint.background import BackgroundWrite
@@ -38,10 +39,14 @@ from recipes_lib.checkpoint.integrity import (
     refuse_foreign_link,
     remember_verified,
     write_checksums,
+    write_torch_file,
 )
 from recipes_lib.checkpoint.layout import checksum_sidecar, partial_checkpoint
 from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME
-from recipes_lib.files import fsync_dir, write_atomic
+from recipes_lib.files import fsync_dir
+
+if TYPE_CHECKING:
+    from recipes_lib.checkpoint.sharded_writer import HashingFileSystemWriter
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +120,8 @@ class ShardedSaver:
         rank calls it, with the same ``path``."""
         import torch.distributed.checkpoint as dcp
 
+        from recipes_lib.checkpoint.sharded_writer import HashingFileSystemWriter
+
         refuse_foreign_link(path)  # every rank sees the same link and stops alike
         self.wait()
         started = time.perf_counter()
@@ -125,27 +132,41 @@ class ShardedSaver:
             shutil.rmtree(partial)
         dist.barrier(group=group)
         partial.mkdir(parents=True, exist_ok=True)
+        written: dict[str, FileDigest] = {}  # meta.pt's digest, on rank 0
         if rank == 0:
-            write_atomic(partial / SHARDED_METADATA_NAME, lambda tmp: torch.save(metadata, tmp))
+            written[SHARDED_METADATA_NAME] = write_torch_file(
+                metadata, partial / SHARDED_METADATA_NAME
+            )
         step = metadata.get("global_step")
         timing = SaveTiming(path, step if isinstance(step, int) else None, 0.0)
         timing.asynchronous = asynchronous
+        writer = HashingFileSystemWriter(partial)
         if asynchronous:
-            response = dcp.async_save(state, checkpoint_id=partial, process_group=group)
+            response = dcp.async_save(
+                state, checkpoint_id=partial, storage_writer=writer, process_group=group
+            )
             # with a stager, DCP answers with a staging and an upload future: wait on the upload
             upload = response if isinstance(response, Future) else response.upload_completion
             timing.blocked_s = time.perf_counter() - started
-            self._background.submit(path, self._land, upload, timing, started)
+            self._background.submit(path, self._land, upload, writer, written, timing, started)
         else:
-            dcp.save(state, checkpoint_id=partial, process_group=group)
-            self._finish(partial, path, timing)
+            dcp.save(state, checkpoint_id=partial, storage_writer=writer, process_group=group)
+            self._finish(partial, path, writer.digests(partial) | written, timing)
             timing.blocked_s = timing.finished_s = time.perf_counter() - started
         if rank == 0:
             self.timings.append(timing)
 
-    def _land(self, upload: Future, timing: SaveTiming, started: float) -> None:
+    def _land(
+        self,
+        upload: Future,
+        writer: HashingFileSystemWriter,
+        written: dict[str, FileDigest],
+        timing: SaveTiming,
+        started: float,
+    ) -> None:
         upload.result()  # every rank's shards and DCP's .metadata are on disk
-        self._finish(partial_checkpoint(timing.path), timing.path, timing)
+        partial = partial_checkpoint(timing.path)
+        self._finish(partial, timing.path, writer.digests(partial) | written, timing)
         timing.finished_s = time.perf_counter() - started
         log.debug(
             "checkpoint %s written in the background in %.1f s (training waited %.2f s)",
@@ -154,16 +175,22 @@ class ShardedSaver:
             timing.blocked_s,
         )
 
-    def _finish(self, partial: Path, target: Path, timing: SaveTiming) -> None:
-        """Hash the folder's files (a share per rank), record them, rename into place."""
+    def _finish(
+        self, partial: Path, target: Path, mine: dict[str, FileDigest], timing: SaveTiming
+    ) -> None:
+        """Gather the digests of the folder's files (``mine``: this rank's, each hashed
+        as it was written), record them, rename into place."""
         group = self._process_group()
         rank, world = dist.get_rank(), dist.get_world_size()
-        names = folder_files(partial)
-        mine = {name: FileDigest.of(partial / name) for name in names[rank::world]}
         shares: list[Any] = [None] * world
         dist.all_gather_object(shares, mine, group=group)
         if rank == 0:
-            digests = {name: d for share in shares for name, d in share.items()}
+            gathered = {name: d for share in shares for name, d in share.items()}
+            digests = {}
+            for name in folder_files(partial):  # the folder says which files it holds
+                if name not in gathered:  # never expected: DCP wrote it some other way
+                    log.warning("%s was not hashed as it was written; hashing it now", name)
+                digests[name] = gathered.get(name) or FileDigest.of(partial / name)
             timing.bytes = sum(d.bytes for d in digests.values())
             write_checksums(partial, Checksums(dict(sorted(digests.items())), timing.step))
             fsync_dir(partial)
