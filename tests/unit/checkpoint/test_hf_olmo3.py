@@ -186,10 +186,17 @@ def test_options_olmo3_cannot_have_are_refused(changes, message):
     assert "\n" not in str(err.value)
 
 
-def test_the_7b_preset_has_the_published_parameter_count():
+@pytest.mark.parametrize(
+    ("preset", "count"),
+    [
+        ("olmo3_7b", 7_298_011_136),  # Olmo-3-1025-7B's safetensors total
+        ("olmo3_32b", 32_233_522_176),
+    ],
+)
+def test_the_presets_have_the_published_parameter_counts(preset, count):
     from recipes_lib.config import compose_config, to_run_config
 
-    config = to_run_config(compose_config(["model=olmo3_7b"])).model
+    config = to_run_config(compose_config([f"model={preset}"])).model
     with torch.device("meta"):
         model = Transformer(config)
-    assert model.num_params() == 7_298_011_136  # Olmo-3-1025-7B's safetensors total
+    assert model.num_params() == count
