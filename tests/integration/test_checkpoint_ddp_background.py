@@ -1,0 +1,111 @@
+"""Under DDP (two gloo processes) rank 0 writes the step checkpoints in the background
+(``strategy.async_checkpoint``), and a run resumed from one of them reaches the
+uninterrupted run's weights and optimizer state bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from integration_helpers import tiny_overrides
+from run_helpers import torchrun
+
+from recipes_lib.checkpoint.integrity import forget_verified, verify_checkpoint
+from recipes_lib.checkpoint.weights import list_step_checkpoints, load_weights
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+        reason="needs torch.distributed with gloo",
+    ),
+]
+
+DDP_BACKGROUND = (
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=3",
+    "run.checkpoint_every_n_steps=3",
+    "scheduler.warmup=2",
+    "strategy=ddp",
+    "strategy.async_checkpoint=true",
+    "data.batch_size=2",
+    "trainer.devices=2",
+)
+
+# the run, with each process saying how its checkpoints are written and which thread
+# wrote each file (the plugin's background thread, or the training loop's)
+TRAIN = """
+import os, sys, threading
+import recipes_lib.checkpoint.io as io
+from lightning.pytorch.callbacks import Callback
+from recipes_lib.config import compose_config
+from recipes_lib.train import run
+
+write = io.save_torch_checkpoint
+
+def reporting_write(checkpoint, path):
+    thread = threading.current_thread().name
+    print(f"wrote {os.path.basename(path)} on {thread}", flush=True)
+    return write(checkpoint, path)
+
+class Plugin(Callback):
+    def on_train_start(self, trainer, pl_module):
+        plugin = trainer.strategy.checkpoint_io
+        print(f"rank {trainer.global_rank}: {type(plugin).__name__} "
+              f"asynchronous={plugin.asynchronous}", flush=True)
+
+io.save_torch_checkpoint = reporting_write
+run(compose_config(sys.argv[1:]), callbacks=[Plugin()])
+"""
+
+
+def _ddp(script: Path, run_dir: Path, cache: Path, *extra: str) -> str:
+    items = tiny_overrides(run_dir.parent, cache, *DDP_BACKGROUND, *extra)
+    items = [o if not o.startswith("run.dir=") else f"run.dir={run_dir}" for o in items]
+    return torchrun(2, str(script), *items, omp_threads=1).stdout
+
+
+def _checkpoint_tensors(path: Path) -> list[torch.Tensor]:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    tensors = list(state["state_dict"].values())
+    for optimizer in state["optimizer_states"]:
+        tensors += [
+            t for s in optimizer["state"].values() for t in s.values() if torch.is_tensor(t)
+        ]
+    return tensors
+
+
+def test_a_ddp_run_saved_in_the_background_resumes_to_the_uninterrupted_weights(
+    tmp_path, shared_cache
+):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    first = tmp_path / "first"
+    out = _ddp(script, first, shared_cache)
+    for rank in (0, 1):
+        assert f"rank {rank}: VerifiedCheckpointIO asynchronous=True" in out
+    # rank 0 alone writes: step 3 in the background, the final step before fit returns
+    assert out.count("wrote step000003.ckpt") == 1
+    assert "wrote step000003.ckpt on checkpoint_0" in out
+    assert "wrote step000006.ckpt on MainThread" in out
+    ckpts = first / "checkpoints"
+    assert [s for s, _ in list_step_checkpoints(ckpts)] == [3, 6]
+    forget_verified()
+    for step in (3, 6):
+        assert verify_checkpoint(ckpts / f"step{step:06d}.ckpt")
+    assert not list(ckpts.glob(".*"))  # no temporary file left behind
+
+    resumed = tmp_path / "resumed"
+    _ddp(script, resumed, shared_cache, f"run.ckpt_path={ckpts / 'step000003.ckpt'}")
+    expected, found = (
+        load_weights(first / "model.safetensors"),
+        load_weights(resumed / "model.safetensors"),
+    )
+    assert found.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(found[name], tensor), name
+    # the final checkpoint too: the same weights and optimizer state, bit for bit
+    a = _checkpoint_tensors(ckpts / "step000006.ckpt")
+    b = _checkpoint_tensors(resumed / "checkpoints" / "step000006.ckpt")
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
