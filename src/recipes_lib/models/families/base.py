@@ -15,6 +15,7 @@ from typing import Any
 
 from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.models.families.image_text import ImageText
 
 # the decoder's own names inside a block, and outside the blocks
 _NATIVE_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
@@ -172,6 +173,8 @@ class Family:
         hf_score_class: the ``architectures`` entry of a score head's export
             (``model.head=score``); None: the ``...ForSequenceClassification`` of
             ``hf_architecture``; empty: transformers has none for the family.
+        image_text: the image-text folder whose text tower is one of its models
+            (Gemma 3's ``Gemma3ForConditionalGeneration``), or None.
     """
 
     name: str
@@ -186,6 +189,7 @@ class Family:
     sliding_window: Callable[[Mapping[str, Any]], int | None] = lambda config: None
     extended_rope: bool = False
     hf_score_class: str | None = None
+    image_text: ImageText | None = None
 
     def architecture(self, head: str) -> str | None:
         """The ``architectures`` entry of an export of a model with ``model.head=head``,

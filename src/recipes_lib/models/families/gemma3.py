@@ -30,6 +30,13 @@ refused: Gemma 3's published models have none of them.
 
 The gains stay ``w`` (not ``1 + w``, which bfloat16 would round to steps of 2**-7), so
 a model loaded in bfloat16 computes its norms as transformers does.
+
+The official 4B, 12B and 27B folders are image-text (``model_type`` ``gemma3``,
+``Gemma3ForConditionalGeneration``): their ``text_config`` is a ``gemma3_text`` model
+whose tensors are ``language_model.model.*`` (``model.language_model.*`` as
+transformers 5 names them in memory), beside ``vision_tower.*`` and
+``multi_modal_projector.*`` (:data:`GEMMA3_IMAGE_TEXT`). The text model trains as this
+family's; the vision tower and projector are copied through on export.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from recipes_lib.models.families.base import (
     rope_from_hf,
     without_attention_bias,
 )
+from recipes_lib.models.families.image_text import ImageText
 from recipes_lib.models.families.llama import LLAMA_NAMES
 
 _NORMS = ("input_layernorm", "post_attention_layernorm")
@@ -177,6 +185,31 @@ def _check(config: ModelConfig) -> None:
         raise refuse("gemma3", "local_rope_theta", None, why)
 
 
+# Gemma3TextConfig's defaults of what the family reads without a default of its own: the
+# published folders' text_config writes only what differs from them
+TEXT_DEFAULTS = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+}
+GEMMA3_IMAGE_TEXT = ImageText(
+    model_type="gemma3",
+    architecture="Gemma3ForConditionalGeneration",
+    text_model_type="gemma3_text",
+    text_defaults=TEXT_DEFAULTS,
+    text_prefixes=(
+        ("language_model.model.", "model."),  # the published files, transformers 4
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),  # transformers 5's own names
+        ("lm_head.", "lm_head."),
+    ),
+)
+
 GEMMA3 = Family(
     name="gemma3",
     hf_model_types=("gemma3_text",),
@@ -194,4 +227,5 @@ GEMMA3 = Family(
     },
     reads=("query_pre_attn_scalar", "sliding_window", "window_layers", "local_rope_theta"),
     check=_check,
+    image_text=GEMMA3_IMAGE_TEXT,
 )
