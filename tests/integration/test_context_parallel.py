@@ -133,7 +133,9 @@ def _sft_overrides(root: Path, name: str, recipe: str, *extra: str) -> list[str]
 @pytest.mark.parametrize(
     ("recipe", "rows"),
     [
-        ("sft/lora_tiny", "data.chat.packing=true"),  # packed conversations, LoRA
+        # packed conversations, LoRA; blocks recomputed in the backward (their attention
+        # sharded again there) with their inputs offloaded
+        ("sft/lora_tiny", "data.chat.packing=true kernels.activation_offload=true"),
         ("sft/tiny", "data.chat.packing=false"),  # one padded conversation a row
     ],
 )
@@ -141,17 +143,20 @@ def test_an_sft_run_with_split_rows_follows_the_one_process_run(tmp_path, recipe
     """SFT over two gloo processes at strategy.context_parallel=2 (one replica): the loss
     on the assistant's tokens only, conversations masked from each other, follows the
     one-process curve within 1e-4 (fp32), validation too, and the weights (LoRA's
-    merged) agree. Padded rows of any length are widened to a multiple of four."""
-    run(compose_config(_sft_overrides(tmp_path, "single", recipe, rows)))
+    merged) agree. Padded rows of any length are widened to a multiple of four. Every
+    block is recomputed in the backward pass, sharded as in the forward."""
+    rows_and_memory = (*rows.split(), "kernels.activation_checkpointing=full")
+    run(compose_config(_sft_overrides(tmp_path, "single", recipe, *rows_and_memory)))
     args = _sft_overrides(
-        tmp_path, "split", recipe, rows, "strategy=ddp", "strategy.context_parallel=2"
+        tmp_path, "split", recipe, *rows_and_memory, "strategy=ddp", "strategy.context_parallel=2"
     )
     torchrun(2, RUNNER, *args, "trainer.devices=2", omp_threads=1)
     for rank in range(2):
         spied = json.loads((tmp_path / "split" / f"sharded_rank{rank}.json").read_text())
         assert spied["calls"] > 0 and max(spied["lengths"]) <= 32  # half of each row
-        if rows.endswith("true"):
+        if "packing=true" in rows:
             assert spied["lengths"] == [32]
+            assert spied["offloaded"] > 0
     single = read_metrics(tmp_path / "single")
     split = read_metrics(tmp_path / "split")
     for name in ("train/loss", "val/loss"):

@@ -310,7 +310,12 @@ class CausalLMModule(L.LightningModule):
                 logp = model(
                     ids, docs, labels=local, per_token=True, loss_chunk_size=chunk, token_mask=mask
                 )
-            finally:
+            except BaseException:
+                model.set_context_shard(None)
+                raise
+            # checkpointed blocks recompute their attention in the backward pass, sharded
+            # too: with a gradient the shard stays until the backward has run (training_step)
+            if not torch.is_grad_enabled():
                 model.set_context_shard(None)
             return sharded_loss(-logp.sum(), (local != -100).sum(), shard), {}
         if chunk is None:
@@ -353,6 +358,8 @@ class CausalLMModule(L.LightningModule):
             with contextlib.nullcontext() if last or block_sync is None else block_sync():
                 loss = self.micro_batch_loss(micro, index)
                 self.manual_backward(loss / count)
+            if self.context_parallel > 1:  # whole rows again (see compute_loss)
+                self.built_model().set_context_shard(None)
         self._clipping = True
         try:
             opt.step()
