@@ -291,10 +291,10 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
         quantized=qlora,
         compiled=compiled,
     )
-    masks = 0.0
-    if degree > 1:  # the gathered keys and values, SDPA's additive mask, the boolean masks
-        sharded, masks = _sharded_attention(cfg, shape, dt.compute, sequences, degree)
-        block += tokens * 2 * shape.kv_width * dt.compute * (degree - 1) + sharded
+    bias, masks = 0.0, 0.0  # an attention's additive mask; the boolean masks of the step
+    if degree > 1:  # and the gathered keys and values each kept attention holds
+        bias, masks = _sharded_attention(cfg, shape, dt.compute, sequences, degree)
+        block += tokens * 2 * shape.kv_width * dt.compute * (degree - 1)
     buffers += masks
     head_input = ((2 if dt.casts else dt.residual) * shape.dim) if lora is None else 0
     saved: float = tokens * (dt.residual * shape.dim + head_input + 8)  # final norm, head, ids
@@ -316,9 +316,9 @@ def estimate_memory(cfg: RunConfig, world_size: int = 1) -> MemoryEstimate:
     offloading = cfg.kernels.activation_offload and checkpointing  # inputs on the host
     inputs = min(recomputing, OFFLOAD_IN_FLIGHT) if offloading else recomputing
     saved += inputs * tokens * dt.residual * shape.dim  # recomputed blocks' inputs
-    saved += storing * block
-    if checkpointing:
-        computing, recomputed = block, RECOMPUTED_BLOCKS * block
+    saved += storing * (block + bias)
+    if checkpointing:  # one additive mask: the block's gradients hold none
+        computing, recomputed = block + bias, RECOMPUTED_BLOCKS * block + bias
     else:
         computing, recomputed = 0.0, 0.0
     computing = max(computing, block) if twins_apart else computing  # beside the saved
