@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 from integration_helpers import metric_series, read_metrics
@@ -169,3 +170,30 @@ def test_dpo_trains_on_pairs_whose_answers_call_tools(tmp_path, tool_sft):
     assert margin and all(math.isfinite(m) for _, m in margin)
     # the policy starts as its reference (margin 0) and learns to prefer the right call
     assert margin[-1][1] > margin[0][1] + 0.01 and margin[-1][1] > 0, margin
+
+
+EXAMPLE_SETS = Path(__file__).resolve().parents[2] / "examples" / "data"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("example", "settings"),
+    [
+        ("tool_use", ()),
+        ("reasoning", ("data.chat.enable_thinking=true",)),
+        ("sharegpt", ("data.chat.format=sharegpt",)),
+        ("alpaca", ()),  # detected by its fields
+    ],
+)
+def test_a_tiny_sft_recipe_trains_on_each_example_set(tmp_path, example, settings):
+    """Each shipped example set (twenty records written by hand) trains a tiny model
+    from scratch: its training loss falls as it learns the set."""
+    data = str(EXAMPLE_SETS / f"{example}.jsonl")
+    overrides = sft_overrides(tmp_path, data, *settings)
+    overrides += ["trainer.max_steps=20", "run.checkpoint_every_n_steps=20"]
+    result = run(compose_config(overrides))
+    assert result.global_step == 20
+    losses = [loss for _, loss in metric_series(read_metrics(result.output_dir), "train/loss")]
+    assert len(losses) == 20
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.5, losses

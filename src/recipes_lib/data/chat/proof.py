@@ -106,7 +106,8 @@ def conversation_of(record: Mapping[str, Any], config: DataConfig) -> tuple[list
     """``(messages, tools)`` of a record as transformers takes them: its messages field
     as written, or its prompt/response pair as a user and an assistant turn. A record
     in another shape is read into turns as the library reads it: the proof is of the
-    rendering and the masks, not of how a format maps to turns."""
+    rendering and the masks, not of how a format maps to turns. (The proof then moves
+    each turn's reasoning to the field the template reads, as the library does.)"""
     chat = config.chat
     messages = record.get(chat.messages_field)
     if messages is None and record.get(chat.prompt_field) is not None:
@@ -116,11 +117,15 @@ def conversation_of(record: Mapping[str, Any], config: DataConfig) -> tuple[list
         ]
     elif messages is None:
         messages = record_messages(record, 0, chat)
-    clean = [{k: v for k, v in dict(m).items() if v is not None} for m in messages]
+    clean = [_without_none(m) for m in messages]
     tools = record.get("tools")
     if isinstance(tools, str):
         tools = json.loads(tools)
     return clean, tools
+
+
+def _without_none(message: Mapping[str, Any]) -> dict:
+    return {k: v for k, v in dict(message).items() if v is not None}
 
 
 def _marked(value: Any) -> Any:
@@ -349,6 +354,8 @@ def prove_records(
             left_out += 1
             continue
         messages, tools = conversation_of(records[index], config)
+        # reasoning in the field the template reads, as the library gives it
+        messages = [_without_none(m) for m in renderer.template_messages(messages)]
         try:
             theirs = reference.render(messages, tools)
         except Exception as err:  # transformers' own failure on a record the library took

@@ -367,7 +367,7 @@ class ChatRenderer:
         pieces.append((text[at:], False))
         return [(piece, trained) for piece, trained in pieces if piece]
 
-    def _as_template_reads(self, messages: Sequence[Message]) -> list[Message]:
+    def template_messages(self, messages: Sequence[Message]) -> list[Message]:
         """``messages`` with each assistant turn's reasoning in the field the template
         reads (``reasoning_content`` or ``thinking``), a ``<think>...</think>`` block
         opening its content moved there too; as given when the template reads neither."""
@@ -392,7 +392,7 @@ class ChatRenderer:
             DataError: the template fails to render the conversation (naming record
                 ``index`` of ``source`` when given).
         """
-        messages = self._as_template_reads(messages)
+        messages = self.template_messages(messages)
         try:
             text, spans = self._spans(messages, tools)
         except (jinja2.TemplateError, ValueError, TypeError) as err:
@@ -419,7 +419,7 @@ class ChatRenderer:
             DataError: the template fails to render the conversation.
         """
         try:
-            text = self.text(self._as_template_reads(messages), True, tools)
+            text = self.text(self.template_messages(messages), True, tools)
         except (jinja2.TemplateError, ValueError, TypeError) as err:
             raise DataError(
                 f"the chat template ({self.template_name}) failed to render the prompt: {err}"
@@ -437,10 +437,12 @@ def _reasoning_in(message: Message, field: str) -> Message:
     if message["role"] != "assistant":
         return message
     reasoning = reasoning_of(message)
-    content = message["content"]
-    found = None if reasoning else _THINK.match(content)
-    if found is not None:
-        reasoning, content = found.group(1).strip("\n"), content[found.end() :]
+    content = message.get("content")
+    found = None
+    if not reasoning and isinstance(content, str):
+        found = _THINK.match(content)
+        if found is not None:
+            reasoning, content = found.group(1).strip("\n"), content[found.end() :]
     if not reasoning or (message.get(field) == reasoning and found is None):
         return message
     moved = {k: v for k, v in message.items() if k not in REASONING_FIELDS}
