@@ -23,8 +23,9 @@ class RopeScalingConfig:
     ``llama3`` (Llama 3.1 frequency-band scaling using ``factor``, the two band factors
     and ``original_max_seq_len``) | ``longrope`` (Phi-3: one factor per frequency,
     ``short_factor`` for forwards within ``original_max_seq_len``, ``long_factor`` past
-    it, cos and sin scaled by ``attention_factor``; ``factor`` is the context ratio it
-    was read with) | ``yarn`` (YaRN: frequencies blended between kept and divided by
+    it, cos and sin scaled by ``attention_factor``, when it is None by
+    ``sqrt(1 + ln(factor) / ln(original_max_seq_len))``; ``factor`` is the context ratio
+    it was read with) | ``yarn`` (YaRN: frequencies blended between kept and divided by
     ``factor`` over the band that ``beta_fast``/``beta_slow`` rotations within
     ``original_max_seq_len`` mark, the band's edges rounded outwards with ``truncate``;
     cos and sin scaled by ``attention_factor``, or when it is None by
@@ -39,7 +40,7 @@ class RopeScalingConfig:
     original_max_seq_len: int = 8192
     short_factor: list[float] = field(default_factory=list)
     long_factor: list[float] = field(default_factory=list)
-    # None: longrope's is 1, yarn's follows from factor (and mscale) as described above
+    # None: derived from factor as transformers derives it (models.rope.attention_scale)
     attention_factor: float | None = None
     beta_fast: float = 32.0
     beta_slow: float = 1.0

@@ -88,6 +88,9 @@ def test_yarn_is_a_declared_scaling_type_and_derives_its_factor():
     assert attention_scale(scaling) == pytest.approx(0.1 * math.log(4) + 1)
     assert attention_scale(replace(scaling, factor=1.0)) == 1.0
     assert attention_scale(replace(scaling, type="linear")) == 1.0
+    # longrope's null attention_factor is transformers' derived one too
+    longrope = RopeScalingConfig(type="longrope", factor=32.0, original_max_seq_len=4096)
+    assert attention_scale(longrope) == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
 
 
 # case -> (model_type, transformers' config and model classes, their settings)
