@@ -63,7 +63,9 @@ def native_scores(model: Transformer, ids: torch.Tensor, last: torch.Tensor) -> 
         return sequence_scores(model, ids, None, last)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma3_text", "mixtral"])
+@pytest.mark.parametrize(
+    "model_type", ["llama", "qwen3", "olmo3", "phi3", "gemma3_text", "mixtral"]
+)
 def test_a_reward_model_reads_and_exports_with_transformers_scores(tmp_path, model_type):
     """A ``...ForSequenceClassification`` folder loads as a score head with the same
     scores of right-padded rows (each read at its last token before padding); exported,
