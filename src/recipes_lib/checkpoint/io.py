@@ -5,9 +5,10 @@
 (``ModelCheckpoint``'s, ``trainer.save_checkpoint``'s) on global rank 0 and every
 load on each rank, so no callback needs to know:
 
-- a save streams ``torch.save`` to a hidden temporary file, hashing as it writes,
-  syncs it and renames it into place, then records its size, SHA-256 and step beside
-  it (:func:`~recipes_lib.checkpoint.integrity.save_torch_checkpoint`); a save in the
+- a save writes the checkpoint as a ``torch.save`` file to a hidden temporary file in
+  large writes, hashing beside them, syncs it and renames it into place, then records
+  its size, checksum and step beside it
+  (:func:`~recipes_lib.checkpoint.integrity.save_torch_checkpoint`); a save in the
   run's ``checkpoints/`` folder then applies the run's retention;
 - a load checks the file against its record first and refuses one that differs,
   naming the file and how (a checkpoint without a record loads as before);

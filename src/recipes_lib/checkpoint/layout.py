@@ -6,8 +6,8 @@ A run (``recipes-train``, or one stage of a pipeline) writes into ``run.dir``::
     checkpoints/               step checkpoints (``stepNNNNNN.ckpt``, files or sharded
       last.ckpt                folders) and ``last.ckpt``: a link to the newest one, or a
                                copy at the final step
-      stepNNNNNN.ckpt.sha256.json  beside a checkpoint file: its size, SHA-256 and step
-      stepNNNNNN.ckpt/sha256.json  inside a sharded folder: each file's size and SHA-256
+      stepNNNNNN.ckpt.sha256.json  beside a checkpoint file: its size, checksum and step
+      stepNNNNNN.ckpt/sha256.json  inside a sharded folder: each file's size and checksum
       *.corrupt-<time>         a checkpoint that failed verification, moved aside
     logs/version_N/            the CSV (and TensorBoard) logs of each attempt
     model.safetensors          the output weights (final, averaged or EMA)
@@ -47,8 +47,9 @@ MANIFEST_NAME = "manifest.json"
 FINGERPRINT_NAME = "stage_fingerprint.json"
 REPORT_DIR = "report"
 STEP_CHECKPOINT = "step{step:06d}.ckpt"  # the step checkpoints (conf/callbacks: filename)
-# the size and SHA-256 of what a checkpoint holds: beside a file (``<name>.sha256.json``),
-# inside a sharded folder (``sha256.json``, written before the folder gets its name)
+# the size and checksum (xxh3_128; SHA-256 in older records) of what a checkpoint holds:
+# beside a file (``<name>.sha256.json``), inside a sharded folder (``sha256.json``,
+# written before the folder gets its name); the names predate xxh3 and stay
 CHECKSUM_SUFFIX = ".sha256.json"
 SHARDED_CHECKSUM_NAME = "sha256.json"
 PARTIAL_SUFFIX = ".partial"  # a sharded folder being written: ``.<name>.partial``
