@@ -39,6 +39,10 @@ NEEDS_A_VALUE = {
     ("data", "local_text"): "data.sources.main.path=/tmp",
     ("data", "hub_text"): "data.sources.main.hub=x",
 }
+# recipes whose data the user must name
+RECIPE_NEEDS = {
+    "cpt/long": ["data.sources.main.path=/tmp", "data.sources.short.path=/tmp"],
+}
 
 
 def test_shipped_recipes_are_listed():
@@ -58,7 +62,7 @@ def _typed(overrides: list[str], hf_folder) -> RunConfig:
 
 @pytest.mark.parametrize("recipe", list_recipes())
 def test_every_recipe_composes_to_a_typed_config(recipe, hf_folder):
-    cfg = _typed([f"recipe={recipe}"], hf_folder)
+    cfg = _typed([f"recipe={recipe}", *RECIPE_NEEDS.get(recipe, [])], hf_folder)
     assert isinstance(cfg, RunConfig)
     assert cfg.data.seq_len <= cfg.model.max_seq_len
     assert cfg.data.tokenizer.vocab_size <= cfg.model.vocab_size
