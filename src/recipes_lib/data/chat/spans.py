@@ -28,7 +28,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from os.path import commonprefix
 from typing import Any
 
 import jinja2
@@ -65,11 +64,20 @@ def marked(value: Any) -> Any:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    return len(commonprefix([a, b]))
+    """The length of the longest common start of ``a`` and ``b``, by bisection over
+    slice comparisons (a whole conversation's text is long; a character loop is slow)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _common_suffix(a: str, b: str) -> int:
-    return len(commonprefix([a[::-1], b[::-1]]))
+    return _common_prefix(a[::-1], b[::-1])
 
 
 def _changed(text: str, other: str) -> tuple[int, int]:
