@@ -30,6 +30,7 @@ from recipes_lib.data.chat.proof import (
     ReferenceRenderer,
     conversation_of,
     hf_tokenizer,
+    library_rendering,
     prove_chat_data,
     prove_records,
     sample_indices,
@@ -155,14 +156,46 @@ def test_the_reference_trains_each_assistant_turn_through_its_end_of_turn(tmp_pa
             assert last == runs[-1:], (shape, last)
 
 
+@pytest.mark.parametrize("train_on", ["all", "last"])
 @pytest.mark.parametrize(("name", "shape"), _cases())
-def test_the_library_masks_as_transformers_does(tmp_path, name, shape):
+def test_the_library_masks_as_transformers_does(tmp_path, name, shape, train_on):
     family = FAMILIES[name]
     records = _records(family, shape)
     assert records is not None
-    datamodule = _data_module(tmp_path, family, records)
+    datamodule = _data_module(tmp_path, family, records, train_on=train_on)
     (line,) = prove_chat_data(datamodule, 10)
     assert f"{len(records)} record(s): token ids and trained tokens equal" in line
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5", "gpt_oss", "smollm3"])
+def test_without_reasoning_trains_each_answer_but_not_its_reasoning(tmp_path, name):
+    """train_on=without_reasoning: the reasoning kept in the rendering is read, not
+    trained; each answer is still trained through its end-of-turn token."""
+    family = FAMILIES[name]
+    assert family.reasoning_field is not None
+    records = reasoning_records(family.reasoning_field)
+    datamodule = _data_module(tmp_path, family, records, train_on="without_reasoning")
+    (source,) = datamodule.sources
+    rows = datamodule._source_records(source)
+    assert datamodule.renderer is not None
+    for index, record in enumerate(records):
+        ours = library_rendering(
+            rows, index, datamodule.renderer, datamodule.config, datamodule._record_source(source)
+        )
+        assert ours is not None
+        decode = datamodule.renderer.tokenizer.decode
+        text = decode(ours.input_ids, skip_special_tokens=False)
+        trained = decode(
+            [t for t, on in zip(ours.input_ids, ours.trained, strict=True) if on],
+            skip_special_tokens=False,
+        )
+        last = record["messages"][-1]
+        assert last[family.reasoning_field] in text  # rendered, as the template keeps it
+        assert last[family.reasoning_field] not in trained
+        assert "think" not in trained and "analysis" not in trained
+        for turn in record["messages"][1::2]:
+            assert turn["content"] in trained
+        assert trained.endswith(END_OF_TURN[name])
 
 
 @pytest.mark.parametrize("shape", SHAPES)
