@@ -15,7 +15,9 @@ After writing, transformers loads the folder and its float32 logits on a few tok
 match this library's within 1e-4, or the export fails with one line.
 
 A model of the transformers fallback (``model.family=hf``) is written by transformers'
-own ``save_pretrained``, so the folder has the format of the one it came from.
+own ``save_pretrained``, so the folder has the format of the one it came from. A run
+that started from an image-text folder (Gemma 3's ``Gemma3ForConditionalGeneration``,
+its text tower trained) writes that folder back, the vision tower copied through.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import logging
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor
 
 from recipes_lib.checkpoint.hf import empty_model, load_hf_checkpoint
@@ -168,6 +171,7 @@ def export_checkpoint(
     *,
     dtype: torch.dtype | None = None,
     check: bool = True,
+    base: str | Path | None = None,
 ) -> Path:
     """Write the model ``source`` holds as a Hugging Face folder in ``out_dir``.
 
@@ -178,6 +182,9 @@ def export_checkpoint(
             ``source`` (its tokenizer_config.json's chat template and EOS come along).
         dtype: the dtype to store; default the checkpoint's.
         check: load the folder with transformers and compare logits after writing.
+        base: the folder the model started from; default the ``stage.init_from`` a
+            run folder's ``config.yaml`` records, else ``source``. An image-text one is
+            written back in its own format (``export_hf_checkpoint``'s ``base``).
 
     Raises:
         CheckpointError: an unreadable checkpoint, a model transformers cannot hold, or
@@ -190,11 +197,26 @@ def export_checkpoint(
         return export_fallback(model, config, Path(out_dir), tokenizer_path, dtype, check)
     if dtype is not None:
         model = model.to(dtype)
-    folder = export_hf_checkpoint(model, config, out_dir, tokenizer_path)
+    if base is None:  # an image-text folder itself, or the one a run started from
+        base = _recorded_init_from(source) or source
+    folder = export_hf_checkpoint(model, config, out_dir, tokenizer_path, base=base)
     if check:
         difference = check_against_transformers(folder, model, config)
         log.info("%s: transformers' logits match within %.1e", folder, difference)
     return folder
+
+
+def _recorded_init_from(source: str | Path) -> str | None:
+    """The ``stage.init_from`` the run folder of ``source`` records, or None."""
+    path = Path(source).expanduser()
+    folder = path if path.is_dir() else path.parent
+    if folder.name == CHECKPOINTS_DIR:
+        folder = folder.parent
+    try:
+        init_from = OmegaConf.select(OmegaConf.load(RunDir(folder).config), "stage.init_from")
+    except Exception:  # noqa: BLE001 - no readable record only means "not known"
+        return None
+    return str(init_from) if init_from is not None else None
 
 
 def export_fallback(
@@ -301,7 +323,8 @@ def export_run(cfg: RunConfig, out: Path) -> Path | None:
         return None
     run_dir = RunDir(out)
     try:
-        return export_checkpoint(run_dir.root, run_dir.hf, run_dir.tokenizer)
+        base = cfg.stage.init_from
+        return export_checkpoint(run_dir.root, run_dir.hf, run_dir.tokenizer, base=base)
     except Exception as err:  # chosen by the stage: the run's own outputs stand
         if cfg.stage.export_hf:
             raise

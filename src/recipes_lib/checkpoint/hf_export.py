@@ -8,6 +8,10 @@ A language model (``model.head=lm``) is written as the family's ``...ForCausalLM
 row's score at its last token that is not ``pad_token_id``, which the export sets to the
 EOS token the reward stage's batches pad with, so it reads each sequence's score where
 the library does (:func:`recipes_lib.data.preference.collate.score_position`).
+
+A model trained from an image-text folder (``base``: Gemma 3's
+``Gemma3ForConditionalGeneration``) is written back in that folder's format, its
+vision tower untouched (:mod:`recipes_lib.checkpoint.hf_image_text`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from recipes_lib.checkpoint.hf_files import (
     HF_CONFIG_NAME,
     write_safetensors,
 )
+from recipes_lib.checkpoint.hf_image_text import image_text_base, write_image_text_folder
 from recipes_lib.checkpoint.hf_tokenizer import (
     HF_TOKENIZER_CONFIG_NAME,
     first_special_token,
@@ -133,6 +138,7 @@ def export_hf_checkpoint(
     chat_template: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: torch.dtype | None = None,
+    base: str | os.PathLike | None = None,
 ) -> Path:
     """Write a Hugging Face model folder that ``transformers`` loads.
 
@@ -156,17 +162,27 @@ def export_hf_checkpoint(
             default the one saved beside the tokenizer (see :func:`hf_chat_template`).
         max_shard_bytes: the largest shard.
         dtype: the dtype to store; default the model's.
+        base: the Hugging Face folder the model started from. When it is an
+            image-text folder whose text tower the model is, the folder written is
+            ``base`` with the trained text weights (in its own dtypes), its
+            ``config.json``, vision tower, tokenizer and processor files copied
+            through; ``tokenizer_path``, the token and template arguments and
+            ``dtype`` are then not used. Any other folder is not read.
 
     Returns:
         ``out_dir`` as a path.
 
     Raises:
         CheckpointError: a tensor without a Hugging Face name, a tokenizer larger than
-            the model's vocabulary, or an EOS token that the tokenizer lacks.
+            the model's vocabulary, an EOS token that the tokenizer lacks, or an
+            image-text ``base`` whose text tower is not the model.
         DataError: ``tokenizer_path`` holds no tokenizer, or a padding token it lacks.
     """
     folder = Path(out_dir).expanduser()
     hf_config_from_model(config)  # what the family cannot export, before anything is written
+    if base is not None and image_text_base(base) is not None:
+        text = _hf_state(model, config)
+        return write_image_text_folder(text, config, base, folder, max_shard_bytes)
     tensors = {
         name: t.detach().to("cpu", dtype or t.dtype).contiguous()
         for name, t in _hf_state(model, config).items()

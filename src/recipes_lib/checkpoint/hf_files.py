@@ -1,6 +1,11 @@
 """The files of a Hugging Face model folder: ``config.json`` and the safetensors weights
 (``model.safetensors``, or shards listed by ``model.safetensors.index.json``), read
-tensor by tensor under a family's names, and written in shards."""
+tensor by tensor under a family's names, and written in shards.
+
+An image-text folder whose text tower is a family's model (Gemma 3's
+``Gemma3ForConditionalGeneration``, :class:`~recipes_lib.models.families.image_text.ImageText`)
+reads as that text model: :func:`read_hf_config` gives its text config and
+:func:`checked_tensors` its text tensors, the rest of the folder left where it is."""
 
 from __future__ import annotations
 
@@ -16,10 +21,11 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from recipes_lib.checkpoint.weights import mismatch_lines
-from recipes_lib.errors import CheckpointError
+from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.files import chmod_as_umask
-from recipes_lib.models.families import TensorNames
+from recipes_lib.models.families import FAMILIES, TensorNames
 from recipes_lib.models.families.base import expert_slice, split_expert_slice
+from recipes_lib.models.families.image_text import ImageText
 
 HF_CONFIG_NAME = "config.json"
 HF_WEIGHTS_NAME = "model.safetensors"
@@ -37,8 +43,8 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
     return folder.is_dir() and (folder / HF_CONFIG_NAME).is_file()
 
 
-def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
-    """The parsed ``config.json`` of a Hugging Face model folder.
+def read_folder_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed ``config.json`` of a Hugging Face model folder, as it is written.
 
     Raises:
         CheckpointError: the folder or its config.json is missing or not JSON.
@@ -50,9 +56,45 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"'{folder}' has no {HF_CONFIG_NAME}; not a Hugging Face model")
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"'{file}' holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def image_text_of(config: Mapping[str, Any]) -> ImageText | None:
+    """The image-text folder a family declares for this ``config.json``'s
+    ``model_type``, or None for any other folder."""
+    layouts = [family.image_text for family in FAMILIES.values() if family.image_text]
+    return next((x for x in layouts if x.model_type == config.get("model_type")), None)
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``config.json`` of the causal LM a Hugging Face model folder holds: the file's
+    own, or an image-text folder's text tower's (its text config, defaults filled in).
+
+    Raises:
+        CheckpointError: the folder or its config.json is missing or not JSON.
+        ConfigError: an image-text folder without a text tower a family reads.
+    """
+    config = read_folder_config(path)
+    layout = image_text_of(config)
+    if layout is None:
+        return config
+    text = layout.text_config(config)
+    where = f"'{Path(path).expanduser()}' ({layout.architecture})"
+    if text is None:
+        raise ConfigError(
+            f"{where} has no {layout.text_key}: a vision-only folder has no text model to train"
+        )
+    if text["model_type"] != layout.text_model_type:
+        raise ConfigError(
+            f"{where}: its {layout.text_key}.model_type={text['model_type']!r} is not "
+            f"{layout.text_model_type!r}, the text tower this folder's family trains"
+        )
+    return text
 
 
 def hf_weight_files(path: str | os.PathLike) -> list[Path]:
@@ -85,26 +127,30 @@ def hf_weight_files(path: str | os.PathLike) -> list[Path]:
 
 
 def _locate_tensors(
-    files: list[Path], names: TensorNames, tied: bool
+    files: list[Path], names: TensorNames, tied: bool, layout: ImageText | None
 ) -> tuple[Located, Located, list[str]]:
-    """native name -> (file, Hugging Face name, shape, dtype, None), the same of the fused
-    tensors by their Hugging Face name, and unmapped names."""
+    """native name -> (file, name in the file, shape, dtype, None), the same of the fused
+    tensors by their Hugging Face name, and unmapped names. In an image-text folder
+    (``layout``) only the text tower's tensors are read, by their text model names."""
     located: Located = {}
     fused: Located = {}
     unexpected: list[str] = []
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for hf_name in f.keys():
+                for stored in f.keys():
+                    hf_name = stored if layout is None else layout.text_name(stored)
+                    if hf_name is None:
+                        continue  # not the text tower's: the vision tower, the projector
                     native = names.to_native(hf_name)
                     if native is None and names.fused_parts(hf_name) is None:
                         if not names.ignored.fullmatch(hf_name):
-                            unexpected.append(hf_name)
+                            unexpected.append(stored)
                         continue
                     if tied and native == "output.weight":
                         continue  # a tied head stored anyway: the embeddings are the head
-                    piece = f.get_slice(hf_name)
-                    found = (file, hf_name, tuple(piece.get_shape()), piece.get_dtype(), None)
+                    piece = f.get_slice(stored)
+                    found = (file, stored, tuple(piece.get_shape()), piece.get_dtype(), None)
                     if native is None:
                         fused[hf_name] = found
                     else:
@@ -121,18 +167,18 @@ def _split_fused(
     and the fused tensors that do not stack into them (a line each)."""
     located: Located = {}
     problems: list[str] = []
-    for hf_name, (file, _, shape, dtype, _) in fused.items():
+    for hf_name, (file, stored, shape, dtype, _) in fused.items():
         parts = names.fused_parts(hf_name) or []
         found = [expected.get(part) for part in parts]
         shapes = [s for s in found if s is not None]
         fits = len(shapes) == len(parts) and sum(s[0] for s in shapes) == shape[0]
         if not (fits and all(s[1:] == shape[1:] for s in shapes)):
             model = " + ".join(map(str, found))
-            problems.append(f"{hf_name}: checkpoint {shape} vs model {model} stacked")
+            problems.append(f"{stored}: checkpoint {shape} vs model {model} stacked")
             continue
         start = 0
         for part, part_shape in zip(parts, shapes, strict=True):
-            located[part] = (file, hf_name, part_shape, dtype, (start, start + part_shape[0]))
+            located[part] = (file, stored, part_shape, dtype, (start, start + part_shape[0]))
             start += part_shape[0]
     return located, problems
 
@@ -157,8 +203,21 @@ def checked_tensors(
     folder: Path, model: nn.Module, names: TensorNames, tied: bool, what: str
 ) -> Located:
     """The folder's tensors located by native name, after checking that every tensor of
-    ``model`` (a tied output head aside) is there with its shape and nothing else is."""
-    located, fused, unexpected = _locate_tensors(hf_weight_files(folder), names, tied)
+    ``model`` (a tied output head aside) is there with its shape and nothing else is (in
+    an image-text folder: nothing else of its text tower).
+
+    Raises:
+        CheckpointError: tensors missing, unexpected or of another shape.
+        ConfigError: an image-text folder that holds no text tower's tensors.
+    """
+    layout = image_text_of(read_folder_config(folder))
+    located, fused, unexpected = _locate_tensors(hf_weight_files(folder), names, tied, layout)
+    if layout is not None and not (located or fused or unexpected):
+        raise ConfigError(
+            f"'{folder}' ({layout.architecture}) holds no text tower's tensors (none named "
+            + " or ".join(prefix for prefix, _ in layout.text_prefixes)
+            + "): a vision-only folder has no text model to train"
+        )
     expected: dict[str, tuple[int, ...]] = {}
     for name, t in model.state_dict().items():
         if tied and name == "output.weight":
