@@ -169,7 +169,7 @@ def check_context_parallel(
         raise ConfigError(
             f"stage.objective={objective} does not train on plain sequences; "
             f"strategy.context_parallel={degree} works with pretraining, continued "
-            "pretraining and SFT (LoRA and QLoRA included) for now"
+            "pretraining and SFT (LoRA included) for now"
         )
 
 
