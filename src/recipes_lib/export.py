@@ -32,6 +32,7 @@ from torch import Tensor
 from recipes_lib.checkpoint.hf import empty_model, load_hf_checkpoint
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, read_hf_config
+from recipes_lib.checkpoint.hf_image_text import image_text_base, image_text_dtype
 from recipes_lib.checkpoint.hf_tokenizer import (
     HF_TOKENIZER_CONFIG_NAME,
     first_special_token,
@@ -55,6 +56,7 @@ from recipes_lib.data.tokenizer import (
 from recipes_lib.errors import CheckpointError, DataError
 from recipes_lib.models import Transformer
 from recipes_lib.models.hf_fallback import HFCausalLM, build_hf_model, is_fallback
+from recipes_lib.models.rope import rope_tables
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +182,8 @@ def export_checkpoint(
         out_dir: the folder to write (created if needed).
         tokenizer: a tokenizer.json or a folder holding one; default the one beside
             ``source`` (its tokenizer_config.json's chat template and EOS come along).
-        dtype: the dtype to store; default the checkpoint's.
+        dtype: the dtype to store; default the checkpoint's (an image-text base's
+            text tower's, which no other may replace).
         check: load the folder with transformers and compare logits after writing.
         base: the folder the model started from; default the ``stage.init_from`` a
             run folder's ``config.yaml`` records, else ``source``. An image-text one is
@@ -191,14 +194,23 @@ def export_checkpoint(
             logits that differ.
         DataError: no tokenizer found.
     """
+    if base is None:  # an image-text folder itself, or the one a run started from
+        base = _recorded_init_from(source) or source
     tokenizer_path = Path(tokenizer).expanduser() if tokenizer is not None else tokenizer_of(source)
     model, config = load_checkpoint(source)
     if isinstance(model, HFCausalLM):
         return export_fallback(model, config, Path(out_dir), tokenizer_path, dtype, check)
+    if image_text_base(base) is not None:  # written in its own dtype, and checked so
+        if dtype is not None:
+            raise CheckpointError(
+                f"dtype={dtype}: the image-text folder '{base}' is written back in the dtype "
+                "it stores its text tower in; leave dtype out"
+            )
+        dtype = image_text_dtype(base)
     if dtype is not None:
         model = model.to(dtype)
-    if base is None:  # an image-text folder itself, or the one a run started from
-        base = _recorded_init_from(source) or source
+        for name, table in rope_tables(config, model.head_dim).items():  # float32, as loaded
+            setattr(model, name, table)
     folder = export_hf_checkpoint(model, config, out_dir, tokenizer_path, base=base)
     if check:
         difference = check_against_transformers(folder, model, config)

@@ -168,6 +168,20 @@ def test_sft_trains_the_text_tower_and_writes_the_image_text_folder_back(
     changed = [n for n in base if n.startswith("language_model.")]
     assert any(not torch.equal(exported_by[cli][n], base[n]) for n in changed)
 
+    # a folder stored in bfloat16, as the published ones are: the text tower is written,
+    # and checked against transformers, in bfloat16; another dtype is refused
+    bf16 = tmp_path / "bf16"
+    shutil.copytree(folder, bf16)
+    cast = {n: t.to(torch.bfloat16) for n, t in base.items()}
+    save_file(cast, str(bf16 / "model.safetensors"), metadata={"format": "pt"})
+    written = tensors(export_checkpoint(result.output_dir, tmp_path / "bf16-out", base=bf16))
+    assert all(t.dtype == torch.bfloat16 for t in written.values())
+    embeddings = trained.state_dict()["tok_embeddings.weight"].to(torch.bfloat16)
+    assert torch.equal(written["language_model.model.embed_tokens.weight"], embeddings)
+    with pytest.raises(CheckpointError, match="leave dtype out"):
+        export_checkpoint(result.output_dir, tmp_path / "f16", dtype=torch.float16)
+    assert not (tmp_path / "f16").exists()
+
 
 def test_an_export_whose_model_is_not_the_folders_text_tower_writes_nothing(
     tmp_path, image_text_folder

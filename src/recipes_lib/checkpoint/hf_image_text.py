@@ -21,6 +21,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from torch import Tensor
 
@@ -57,6 +58,21 @@ def image_text_base(path: str | os.PathLike | None) -> ImageText | None:
         return image_text_of(read_folder_config(folder))
     except CheckpointError:  # not readable: not an image-text folder to write back
         return None
+
+
+def image_text_dtype(base: str | os.PathLike) -> torch.dtype | None:
+    """The dtype an image-text folder stores its text tower in (its first text tensor's),
+    or None when it holds none."""
+    folder = Path(base).expanduser()
+    layout = image_text_base(folder)
+    if layout is None:
+        return None
+    for file in hf_weight_files(folder):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for stored in f.keys():
+                if layout.text_name(stored) is not None:
+                    return DTYPES.get(f.get_slice(stored).get_dtype())
+    return None
 
 
 def _is_weights(file: Path) -> bool:
