@@ -185,17 +185,17 @@ def export_checkpoint(
         dtype: the dtype to store; default the checkpoint's (an image-text base's
             text tower's, which no other may replace).
         check: load the folder with transformers and compare logits after writing.
-        base: the folder the model started from; default the ``stage.init_from`` a
-            run folder's ``config.yaml`` records, else ``source``. An image-text one is
-            written back in its own format (``export_hf_checkpoint``'s ``base``).
+        base: where the model started from; default ``source``. When it is an
+            image-text folder, or a run whose ``stage.init_from`` (recorded in its
+            ``config.yaml``, run after run) leads to one, that folder is written back
+            in its own format (``export_hf_checkpoint``'s ``base``).
 
     Raises:
         CheckpointError: an unreadable checkpoint, a model transformers cannot hold, or
             logits that differ.
         DataError: no tokenizer found.
     """
-    if base is None:  # an image-text folder itself, or the one a run started from
-        base = _recorded_init_from(source) or source
+    base = _image_text_origin(base if base is not None else source)
     tokenizer_path = Path(tokenizer).expanduser() if tokenizer is not None else tokenizer_of(source)
     model, config = load_checkpoint(source)
     if isinstance(model, HFCausalLM):
@@ -216,6 +216,19 @@ def export_checkpoint(
         difference = check_against_transformers(folder, model, config)
         log.info("%s: transformers' logits match within %.1e", folder, difference)
     return folder
+
+
+def _image_text_origin(start: str | Path) -> str | Path | None:
+    """The image-text folder ``start`` is, or the one the runs before it started from
+    (each run folder's ``config.yaml`` records its ``stage.init_from``), or None."""
+    path: str | Path | None = start
+    seen: set[str] = set()
+    while path is not None and str(path) not in seen:
+        seen.add(str(path))
+        if image_text_base(path) is not None:
+            return path
+        path = _recorded_init_from(path)
+    return None
 
 
 def _recorded_init_from(source: str | Path) -> str | None:

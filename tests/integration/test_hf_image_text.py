@@ -25,6 +25,7 @@ from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.export import export_checkpoint
 from recipes_lib.models import Transformer
+from recipes_lib.pipeline import parse_pipeline, run_pipeline
 from recipes_lib.train import run
 
 transformers = pytest.importorskip("transformers")
@@ -181,6 +182,35 @@ def test_sft_trains_the_text_tower_and_writes_the_image_text_folder_back(
     with pytest.raises(CheckpointError, match="leave dtype out"):
         export_checkpoint(result.output_dir, tmp_path / "f16", dtype=torch.float16)
     assert not (tmp_path / "f16").exists()
+
+
+@pytest.mark.slow  # two stages: about 20 s on CPU
+def test_a_pipeline_writes_the_image_text_folder_back_at_every_stage(tmp_path, image_text_folder):
+    """The second stage starts from the first's weights: its export still finds the
+    image-text folder the first started from."""
+    folder, _ = image_text_folder
+    chat = write_chat_records(tmp_path / "chat.jsonl", 60)
+
+    def stage(source: str) -> dict:
+        return {
+            "recipe": "sft/full",
+            "from": source,
+            "init": "weights",
+            "data": {"seq_len": 128, "path": str(chat)},
+            "scheduler": {"warmup": 1},
+            "trainer": {"max_steps": 2, "val_check_interval": 2, "limit_val_batches": 1},
+        }
+
+    pipeline = {
+        "name": "image-text",
+        "dir": str(tmp_path / "pipe"),
+        "overrides": ["trainer=cpu", f"data.cache_dir={tmp_path / 'cache'}", *QUIET_OVERRIDES],
+        "stages": {"first": stage(str(folder)), "second": stage("first")},
+    }
+    result = run_pipeline(parse_pipeline(pipeline))
+    for name in ("first", "second"):
+        hf = result[name].manifest.directory / "hf"
+        assert (hf / "config.json").read_bytes() == (folder / "config.json").read_bytes()
 
 
 def test_an_export_whose_model_is_not_the_folders_text_tower_writes_nothing(
