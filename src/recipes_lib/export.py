@@ -195,12 +195,12 @@ def export_checkpoint(
             logits that differ.
         DataError: no tokenizer found.
     """
-    base = _image_text_origin(base if base is not None else source)
+    base = _image_text_origin(base if base is not None else source)  # None: not one
     tokenizer_path = Path(tokenizer).expanduser() if tokenizer is not None else tokenizer_of(source)
     model, config = load_checkpoint(source)
     if isinstance(model, HFCausalLM):
         return export_fallback(model, config, Path(out_dir), tokenizer_path, dtype, check)
-    if image_text_base(base) is not None:  # written in its own dtype, and checked so
+    if base is not None:  # an image-text folder: written in its own dtype, and checked so
         if dtype is not None:
             raise CheckpointError(
                 f"dtype={dtype}: the image-text folder '{base}' is written back in the dtype "
