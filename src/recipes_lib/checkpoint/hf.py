@@ -10,7 +10,9 @@ tokenizer :mod:`recipes_lib.checkpoint.hf_tokenizer`'s.
 fills a model built from a run's config (``stage.init_from=<folder>``) after checking that
 the folder's ``config.json`` describes it (a reward model, ``model.head=score``, may start
 from a language model's folder: its head starts fresh). A ``...ForSequenceClassification``
-folder with one label is read as a model with a score head. Writing a folder is
+folder with one label is read as a model with a score head. An image-text folder whose
+text tower a family reads (Gemma 3's ``Gemma3ForConditionalGeneration``) is read as that
+text model (:func:`~recipes_lib.checkpoint.hf_files.read_hf_config`). Writing a folder is
 :mod:`recipes_lib.checkpoint.hf_export`'s.
 """
 
