@@ -18,7 +18,7 @@ from tiny import QUIET_OVERRIDES
 from recipes_lib.checkpoint.hf import load_hf_checkpoint
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
 from recipes_lib.checkpoint.hf_files import read_hf_config
-from recipes_lib.checkpoint.source import fill_model_from_init
+from recipes_lib.checkpoint.source import fill_model_from_init, read_init_source
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
@@ -260,3 +260,12 @@ def test_a_folder_without_a_gemma3_text_tower_is_one_config_error(
         with pytest.raises(ConfigError, match=message):
             run(compose_config([*overrides, f"run.dir={tmp_path / 'run'}"]))
         assert not (tmp_path / "run").exists()
+
+
+def test_the_transformers_fallback_reads_the_folders_own_config(image_text_folder):
+    """``model=hf`` builds from the folder's own config.json, which names no causal LM:
+    refused as before, instead of a text config whose model the folder's weights miss."""
+    folder, _ = image_text_folder
+    with pytest.raises(CheckpointError, match="model_type='gemma3'.*not a language model"):
+        read_init_source(folder, fallback=True)
+    assert read_init_source(folder).model["family"] == "gemma3"  # natively: its text tower

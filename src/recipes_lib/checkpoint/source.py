@@ -35,7 +35,7 @@ from recipes_lib.checkpoint.hf import (
     load_hf_weights_into,
     model_config_from_hf,
 )
-from recipes_lib.checkpoint.hf_files import is_hf_folder, read_hf_config
+from recipes_lib.checkpoint.hf_files import is_hf_folder, read_folder_config, read_hf_config
 from recipes_lib.checkpoint.layout import MANIFEST_NAME, WEIGHTS_NAME, RunDir
 from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
 from recipes_lib.checkpoint.sharded import SHARDED_METADATA_NAME, is_sharded_checkpoint
@@ -119,7 +119,9 @@ def _hf_folder_model(folder: Path, where: str, fallback: bool) -> dict[str, Any]
     if not fallback and where not in _ANNOUNCED:
         _ANNOUNCED.add(where)
         log.warning(fallback_line(where, model_type))
-    return asdict(fallback_model_config(hf_config, name=folder.name))
+    # transformers reads the folder's own config.json (an image-text one's too, not the
+    # text tower a native family reads from it)
+    return asdict(fallback_model_config(read_folder_config(folder), name=folder.name))
 
 
 def read_init_source(
@@ -203,7 +205,7 @@ def init_model_mismatches(model: ModelConfig, source: InitSource) -> list[str]:
     if source.model is None:
         return []
     if source.kind == "hf" and is_fallback(model):  # transformers reads the folder itself
-        theirs = read_hf_config(source.path).get("model_type")
+        theirs = read_folder_config(source.path).get("model_type")
         ours = (model.hf_config or {}).get("model_type")
         return [] if ours == theirs else [f"model.hf_config.model_type={ours!r} vs {theirs!r}"]
     if source.kind == "hf":
