@@ -227,6 +227,18 @@ def test_an_export_whose_model_is_not_the_folders_text_tower_writes_nothing(
     out = export_hf_checkpoint(model, config, tmp_path / "out", base=folder)
     assert json.loads((out / "config.json").read_text())["model_type"] == "gemma3"
 
+    # a folder that stores its tied head anyway gets the embeddings under that name
+    stored = tmp_path / "stored-head"
+    shutil.copytree(folder, stored)
+    state = tensors(folder)
+    state["language_model.lm_head.weight"] = state[
+        "language_model.model.embed_tokens.weight"
+    ].clone()
+    save_file(state, str(stored / "model.safetensors"), metadata={"format": "pt"})
+    written = tensors(export_hf_checkpoint(model, config, tmp_path / "head", base=stored))
+    assert sorted(written) == sorted(state)
+    assert torch.equal(written["language_model.lm_head.weight"], model.tok_embeddings.weight)
+
 
 @pytest.mark.parametrize(
     "problem, message",

@@ -104,13 +104,14 @@ def _merged(
                 if name is None or ignored.fullmatch(name):
                     out[stored] = f.get_tensor(stored)  # the vision tower, the projector
                     continue
-                if name == _HEAD and name not in text and config.tie_embeddings:
-                    name = _EMBEDDINGS  # a tied head the base stores anyway
+                tied = name == _HEAD and name not in text and config.tie_embeddings
+                name = _EMBEDDINGS if tied else name  # a tied head the base stores anyway
                 if name not in text:
                     left.append(stored)
                     continue
                 dtype = DTYPES.get(f.get_slice(stored).get_dtype(), text[name].dtype)
-                out[stored] = text[name].detach().to("cpu", dtype).contiguous().clone()
+                tensor = text[name].detach().to("cpu", dtype).contiguous()
+                out[stored] = tensor.clone() if tied else tensor  # safetensors: no shared memory
                 placed.add(name)
     extra = [name for name in text if name not in placed]
     if left or extra:
