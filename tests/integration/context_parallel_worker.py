@@ -7,8 +7,12 @@ share as the module computes it (:func:`recipes_lib.parallel.context.sharded_los
 backward, and the gradients averaged over the group as DDP averages them. Exits
 non-zero with the largest differences otherwise.
 
+With a fourth argument ``cuda`` each process takes its GPU over NCCL and the rows are
+1,024 tokens long, so that ``flex`` runs its BlockMask path (chunks of whole 128-token
+blocks) with the compiled kernel; the tolerance is then 1e-3 (the kernel's TF32 dots).
+
 Usage: ``torchrun --nproc_per_node=N context_parallel_worker.py <attention> <documents>
-<window>``.
+<window> [cuda]``.
 """
 
 from __future__ import annotations
@@ -36,12 +40,18 @@ def token_losses(model: Transformer, input_ids, labels, doc_ids) -> tuple[torch.
 
 def main() -> None:
     attention, documents, window = sys.argv[1], sys.argv[2] == "docs", sys.argv[3] == "window"
-    dist.init_process_group("gloo")
+    cuda = sys.argv[4:] == ["cuda"]
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    T, B = 32, 2
+    scale = 32 if cuda else 1  # rows of 1,024 tokens on GPUs
+    T, B = 32 * scale, 2
+    tolerance = 1e-3 if cuda else TOLERANCE
+    if cuda:
+        torch.cuda.set_device(rank)
+        torch.set_default_device(f"cuda:{rank}")
     config = ModelConfig(
         vocab_size=64,
-        dim=32,
+        dim=32 * (2 if cuda else 1),  # flex's CUDA kernel needs heads of 16 or more
         n_layers=2,
         n_heads=4,
         n_kv_heads=2,
@@ -49,7 +59,12 @@ def main() -> None:
         max_seq_len=T,
         # Gemma 3's local layers: a window that crosses the shards' boundaries
         **(
-            dict(**get_family("gemma3").fixed, family="gemma3", sliding_window=5, window_layers=[0])
+            dict(
+                **get_family("gemma3").fixed,
+                family="gemma3",
+                sliding_window=5 * scale,
+                window_layers=[0],
+            )
             if window
             else {}
         ),
@@ -57,13 +72,16 @@ def main() -> None:
     torch.manual_seed(0)
     model = Transformer(config, attention)
     generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(0, 64, (B, T), generator=generator)
-    labels = torch.randint(0, 64, (B, T), generator=generator)
+    input_ids = torch.randint(0, 64, (B, T), generator=generator, device="cpu")
+    labels = torch.randint(0, 64, (B, T), generator=generator, device="cpu")
     labels[0, :3] = -100  # some positions carry no loss
     doc_ids = None
     if documents:  # documents that cross the shards' boundaries
         bounds = torch.tensor([[0] * 7 + [1] * 13 + [2] * 12, [0] * 20 + [1] * 3 + [2] * 9])
-        doc_ids = bounds
+        doc_ids = bounds.repeat_interleave(scale, dim=1)
+    if cuda:
+        input_ids, labels = input_ids.cuda(), labels.cuda()
+        doc_ids = None if doc_ids is None else doc_ids.cuda()
 
     loss, count = token_losses(model, input_ids, labels, doc_ids)
     (loss / count).backward()
@@ -88,7 +106,7 @@ def main() -> None:
         dist.all_reduce(grad)
         worst = max(worst, (grad / world - reference[name]).abs().max().item())
     print(f"rank {rank}: loss {cp_loss:.8f} vs {reference_loss:.8f}, worst grad diff {worst:.2e}")
-    ok = abs(cp_loss - reference_loss) < TOLERANCE and worst < TOLERANCE
+    ok = abs(cp_loss - reference_loss) < tolerance and worst < tolerance
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)
 

@@ -13,9 +13,15 @@ packed row, so documents that straddle two shards are respected.
 Why not ``torch.distributed.tensor.experimental.context_parallel``: its ring attention
 replaces SDPA's flash, memory-efficient and cuDNN CUDA kernels, so it does not run on
 CPU over gloo, and it takes no document mask. The all-gather holds the whole
-sequence's keys and values on each rank (of the key/value heads only), and the
-attention here is SDPA with a dense ``(T / N, T)`` boolean mask per row on every
-device: a reference implementation, correct under any mask, not the fastest one.
+sequence's keys and values on each rank (of the key/value heads only).
+
+The mask: with ``kernels.attention=flex`` on CUDA, where each chunk is a whole number
+of flex attention's 128-token blocks, a BlockMask over the ``(T / N, T)`` scores whose
+``mask_mod`` looks the global positions (and document ids) up, so no dense mask exists
+and blocks outside the causal, window and document masks are skipped
+(:func:`uses_block_mask`). Otherwise (``sdpa``, the CPU, other lengths) SDPA with a
+dense ``(T / N, T)`` boolean mask per row: a reference, correct under any mask, which
+SDPA turns into an additive mask of the compute dtype per call.
 """
 
 from __future__ import annotations
@@ -26,9 +32,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
 
 from recipes_lib.errors import UnsupportedKernelError
-from recipes_lib.kernels.attention import AttentionBackend
+from recipes_lib.kernels.attention import (
+    _BLOCK,
+    AttentionBackend,
+    FlexAttention,
+    _compiled_flex,
+    _create_block_mask_for,
+)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -74,6 +87,13 @@ def load_balanced_positions(seq_len: int, degree: int, rank: int) -> Tensor:
     second_start = (2 * degree - 1 - rank) * chunk
     second = torch.arange(second_start, second_start + chunk)
     return torch.cat([first, second])
+
+
+def uses_block_mask(attention: str, device_type: str, seq_len: int, degree: int) -> bool:
+    """Whether split rows attend through a flex BlockMask (no dense mask): ``flex`` on
+    CUDA with chunks of ``seq_len / (2 x degree)`` tokens, a whole number of blocks."""
+    chunk = seq_len // (2 * degree)
+    return attention == FlexAttention.name and device_type == "cuda" and chunk % _BLOCK == 0
 
 
 @dataclass
@@ -139,8 +159,10 @@ class ShardedAttention(AttentionBackend):
         *,
         device: torch.device | str | None = None,
         window: int | None = None,
-    ) -> Tensor:
-        """``(B | 1, 1, T / N, T)`` True where a local query may attend a gathered key."""
+    ) -> Tensor | BlockMask:
+        """Where a local query may attend a gathered key: a BlockMask over the
+        ``(T / N, T)`` scores (:func:`uses_block_mask`), else ``(B | 1, 1, T / N, T)``,
+        True where allowed."""
         shard = self.shard
         if seq_len != len(shard.positions):
             raise ValueError(
@@ -149,30 +171,65 @@ class ShardedAttention(AttentionBackend):
             )
         if doc_ids is not None:
             device = doc_ids.device
+        device = torch.device(device if device is not None else "cpu")
+        key_docs = None if doc_ids is None else self._gathered(doc_ids)  # (B, T)
+        if uses_block_mask(self.name, device.type, shard.seq_len, shard.degree):
+            return self.block_mask(doc_ids, key_docs, device, window)
         q_pos = shard.positions.to(device)[:, None]  # (T / N, 1)
         k_pos = shard.key_positions.to(device)[None, :]  # (1, T)
         allowed = q_pos >= k_pos
         if window is not None:
             allowed = allowed & (q_pos - k_pos < window)
-        if doc_ids is None:
+        if doc_ids is None or key_docs is None:
             return allowed[None, None]  # (1, 1, T / N, T)
-        key_docs = doc_ids
-        if shard.degree > 1:  # integers, no gradient: a plain all-gather
-            parts = [torch.empty_like(doc_ids) for _ in range(shard.degree)]
-            dist.all_gather(parts, doc_ids.contiguous(), group=shard.group)
-            key_docs = torch.cat(parts, dim=1)  # (B, T) in gathered order
         same = doc_ids[:, :, None] == key_docs[:, None, :]  # (B, T / N, T)
         return (allowed[None] & same)[:, None]  # (B, 1, T / N, T)
+
+    def _gathered(self, doc_ids: Tensor) -> Tensor:
+        """Every rank's ``doc_ids`` in gathered order (integers, no gradient: a plain
+        all-gather)."""
+        if self.shard.degree == 1:
+            return doc_ids
+        parts = [torch.empty_like(doc_ids) for _ in range(self.shard.degree)]
+        dist.all_gather(parts, doc_ids.contiguous(), group=self.shard.group)
+        return torch.cat(parts, dim=1)
+
+    def block_mask(
+        self,
+        doc_ids: Tensor | None,
+        key_docs: Tensor | None,
+        device: torch.device,
+        window: int | None = None,
+    ) -> BlockMask:
+        """The BlockMask of the ``(T / N, T)`` scores: its ``mask_mod`` looks up the global
+        positions of a local query and a gathered key (and their documents)."""
+        shard = self.shard
+        q_pos, k_pos = shard.positions.to(device), shard.key_positions.to(device)
+
+        def sharded_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            q, k = q_pos[q_idx], k_pos[kv_idx]
+            allowed = q >= k
+            if window is not None:
+                allowed = allowed & (q - k < window)
+            if doc_ids is not None and key_docs is not None:
+                allowed = allowed & (doc_ids[b, q_idx] == key_docs[b, kv_idx])
+            return allowed
+
+        rows = None if doc_ids is None else doc_ids.shape[0]
+        build = _create_block_mask_for(device.type)
+        return build(sharded_causal, rows, None, len(shard.positions), shard.seq_len, device)
 
     def __call__(
         self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
     ) -> Tensor:
         # q (B, H, T / N, D); k, v (B, Hkv, T / N, D) -> (B, H, T / N, D)
-        if not isinstance(mask, Tensor):
+        if not isinstance(mask, Tensor | BlockMask):
             raise TypeError(f"sharded attention needs its own mask, got {type(mask).__name__}")
         # one collective for both, so that every rank runs the backward's in one order
         k_all, v_all = self.shard.gather(torch.stack([k, v]), dim=3).unbind(0)  # (B, Hkv, T, D)
         gqa = k.shape[1] != q.shape[1]
+        if isinstance(mask, BlockMask):  # lengths of whole blocks: no padding
+            return _compiled_flex()(q, k_all, v_all, block_mask=mask, enable_gqa=gqa, scale=scale)
         return F.scaled_dot_product_attention(
             q, k_all, v_all, attn_mask=mask, enable_gqa=gqa, scale=scale
         )

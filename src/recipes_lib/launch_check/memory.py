@@ -39,10 +39,11 @@ backward. Activations per block and token: :mod:`recipes_lib.launch_check.activa
 
 Context parallelism (``strategy.context_parallel=N``): a rank holds ``T / N`` tokens of
 each row, so every per-token term is divided by ``N``; but each attention it keeps holds
-the group's gathered keys and values (the whole row's, ``N`` times its own) and the
-additive ``(T / N, T)`` mask SDPA makes of the boolean one, and the boolean masks
-themselves (one per window size, per row with document masks) live through the step:
-:mod:`recipes_lib.kernels.sharded` attends with a dense mask.
+the group's gathered keys and values (the whole row's, ``N`` times its own). Where the
+split attention uses a dense mask (:func:`recipes_lib.kernels.sharded.uses_block_mask`
+says where it does not: flex on CUDA in whole blocks), each attention kept also holds
+the additive ``(T / N, T)`` mask SDPA makes of the boolean one, and the boolean masks
+themselves (one per window size, per row with document masks) live through the step.
 
 Activation offload (``kernels.activation_offload``): the recomputed blocks' inputs live
 in host memory; on the device are at most :data:`OFFLOAD_IN_FLIGHT` of them (one being
@@ -60,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 
 from recipes_lib.config.schema import RunConfig
+from recipes_lib.kernels.sharded import uses_block_mask
 from recipes_lib.launch_check.activations import (
     ActivationDtypes,
     DecoderShape,
@@ -397,8 +399,12 @@ def _sharded_attention(
 ) -> tuple[float, float]:
     """Bytes of split rows' attention masks: SDPA's additive copy that one kept attention
     holds, and the boolean masks of the step (one per window size; per row with document
-    masks, else one broadcast over the rows)."""
+    masks, else one broadcast over the rows). None with a flex BlockMask (its block
+    tables are small)."""
     seq_len = cfg.data.seq_len
+    on = "cuda" if _on_cuda(cfg) else "cpu"
+    if uses_block_mask(cfg.kernels.attention, on, seq_len, degree):
+        return 0.0, 0.0
     mask_rows = rows if cfg.data.document_mask else 1
     elements = mask_rows * (seq_len // degree) * seq_len  # (rows | 1, T / N, T)
     windows = {layer_window(cfg.model, i) for i in range(shape.n_layers)}
@@ -413,8 +419,7 @@ def _notes(
     if cfg.strategy.context_parallel > 1:
         notes.append(
             f"strategy.context_parallel={cfg.strategy.context_parallel}: a rank's share of "
-            "each row counted, with the whole row's keys, values and dense masks (estimated, "
-            "not yet measured)"
+            "each row counted, with the whole row's keys and values (estimated)"
         )
     if cfg.kernels.activation_offload and block_inputs:
         notes.append(

@@ -33,3 +33,35 @@ def test_a_backend_without_sharded_support_is_refused():
         ShardedAttention(FlashAttention(), shard)
     mask = ShardedAttention(FlexAttention(), shard).build_mask(None, 8)
     assert torch.equal(mask[0, 0], torch.ones(8, 8, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("window", [None, 200])
+def test_the_block_mask_of_split_rows_is_the_dense_mask(rank, window):
+    """The flex BlockMask (CUDA's path) allows exactly what the dense mask does: causal
+    by global position, within a window, within each packed document."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    T, degree = 512, 2  # chunks of 128: whole flex blocks
+    shard = ContextShard(seq_len=T, degree=degree, rank=rank)
+    attention = ShardedAttention(FlexAttention(), shard)
+    docs = torch.tensor([[0] * 100 + [1] * 300 + [2] * 112, [0] * 512])  # (B, T)
+    local, gathered = shard.shard(docs), docs[:, shard.key_positions]
+    block = attention.block_mask(local, gathered, torch.device("cpu"), window)
+    allowed = create_mask(block.mask_mod, 2, 1, T // degree, T, "cpu")  # (B, 1, T / N, T)
+    q, k = shard.positions[:, None], shard.key_positions[None, :]
+    expected = (q >= k) & (local[:, :, None] == gathered[:, None, :])
+    if window is not None:
+        expected = expected & (q - k < window)
+    assert torch.equal(allowed[:, 0], expected)
+    # the blocks outside the mask are skipped: fewer than all of them are computed
+    assert int(block.kv_num_blocks.sum()) < 2 * (T // degree // 128) * (T // 128)
+
+
+def test_split_rows_use_the_block_mask_only_for_flex_on_cuda_in_whole_blocks():
+    from recipes_lib.kernels.sharded import uses_block_mask
+
+    assert uses_block_mask("flex", "cuda", 131072, 4)
+    assert not uses_block_mask("flex", "cpu", 131072, 4)
+    assert not uses_block_mask("sdpa", "cuda", 131072, 4)
+    assert not uses_block_mask("flex", "cuda", 1000, 2)  # chunks of 250 tokens
