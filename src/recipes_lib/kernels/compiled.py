@@ -20,7 +20,8 @@ So where an objective's batches vary, only what varies is dynamic (``mark_varyin
 
 - the rows of a batch (dim 0 of the hidden states and of the attention mask's
   per-row tensors) are dynamic from the first call: how many rows a batch of packed
-  pairs fills varies, their width ``data.seq_len`` does not and stays static;
+  pairs fills varies, their width (one for the run: the data's longest sequence,
+  rounded up) does not and stays static;
 - padded lengths are rounded up to a multiple of :data:`LENGTH_MULTIPLE`
   (:func:`bucketed_length`, used by every collate that pads to its longest row under
   compile), so the few distinct lengths align with the attention kernels' blocks; the

@@ -373,3 +373,33 @@ def test_a_text_corpus_is_not_a_preference_source(tmp_path, small_tokenizer_path
     config = pairs_config(tmp_path, small_tokenizer_path, {"web": SourceConfig(builtin="stdlib")})
     with pytest.raises(DataError, match="data.sources.web.builtin='stdlib'.*stdlib_dpo"):
         PreferenceDataModule(config, 512, 1024).setup()
+
+
+def test_compiled_packed_rows_are_as_wide_as_the_longest_sequence_for_the_whole_run(
+    tmp_path, small_tokenizer_path
+):
+    """Packed rows for compiled blocks take one width for the run (one graph), the
+    data's longest sequence rounded up to a multiple of 128, not ``data.seq_len``: short
+    pairs fill their rows instead of padding wide ones."""
+    path = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": f"Question {i}?", "chosen": f"Answer {i}.", "rejected": f"No {i}."}
+        for i in range(16)
+    ]
+    rows[3]["chosen"] = " ".join(["word"] * 150)  # the longest sequence, a few hundred tokens
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = pairs_config(tmp_path, small_tokenizer_path, {"pairs": SourceConfig(path=str(path))})
+    config.chat.packing = True
+    config.document_mask = True
+    config.seq_len = 1024
+    module = PreferenceDataModule(config, 512, 1024, total_train_samples=16)
+    module.fixed_width = True  # compiled blocks
+    module.setup()
+    longest = max(p.max_len for p in module.train_dataset.pairs + module.val_dataset.pairs)
+    width = module.packed_width()
+    assert longest - 1 <= width < longest + 127 and width % 128 == 0 and width < 1024
+    widths = {tuple(b["input_ids"].shape[1:]) for b in module.train_dataloader()}
+    widths |= {tuple(b["input_ids"].shape[1:]) for b in module.val_dataloader()}
+    assert widths == {(width,)}
+    module.fixed_width = False  # eager: as wide as each batch's fullest row
+    assert module.collate_fn().seq_len == 1024

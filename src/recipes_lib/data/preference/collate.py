@@ -26,10 +26,12 @@ sequences first.
 Without packing (``data.chat.packing=false``) every sequence has its own row, padded
 to the longest of the batch (with compiled blocks, rounded up to a few widths): rows
 ``0..P-1`` are the chosen sequences and ``P..2P-1`` the rejected ones, so one forward
-pass sees both. With packing, sequences share rows of ``data.seq_len`` (first fit,
-longest first; as wide as the fullest row, or with compiled blocks ``data.seq_len``
-wide and at least two rows per pass, an empty one where all fit in one) and
-``doc_ids`` keeps them apart, which needs ``data.document_mask=true``.
+pass sees both. With packing, sequences share rows of ``seq_len`` (first fit, longest
+first; as wide as the fullest row, or with compiled blocks ``seq_len`` wide and at
+least two rows per pass, an empty one where all fit in one) and ``doc_ids`` keeps them
+apart, which needs ``data.document_mask=true``. The data module packs compiled rows
+as wide as its data's longest sequence, one width for the run
+(:meth:`~recipes_lib.data.preference.module.PreferenceDataModule.packed_width`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from recipes_lib.data.records import RecordBuiltin, RecordSource
 from recipes_lib.data.sources import check_val_fraction, source_key
 from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id, init_tokenizer_path
 from recipes_lib.errors import ConfigError, DataError
+from recipes_lib.kernels.compiled import bucketed_length
 
 DEFAULT_PREFERENCE_SOURCES = {"stdlib_dpo": SourceConfig(builtin="stdlib_dpo")}
 PREFERENCE_BUILTINS: dict[str, RecordBuiltin] = {"stdlib_dpo": stdlib_preference_records}
@@ -74,7 +75,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
         ConfigError: bad sizes or policies, or packing without document masking.
     """
 
-    fixed_width = False  # packed rows data.seq_len wide (compiled blocks): see collate
+    fixed_width = False  # packed rows of one width (compiled blocks): packed_width, collate
 
     default_sources = DEFAULT_PREFERENCE_SOURCES
     builtin_records: dict[str, RecordBuiltin] = PREFERENCE_BUILTINS
@@ -190,9 +191,28 @@ class PreferenceDataModule(ChatRecordsDataModule):
         if self.eos_id is None:
             raise RuntimeError("call setup() first")
         chat = self.config.chat
-        return PairCollator(
-            self.eos_id, chat.packing, self.config.seq_len, self.shifted, self.fixed_width
+        width = self.packed_width() if chat.packing and self.fixed_width else self.config.seq_len
+        return PairCollator(self.eos_id, chat.packing, width, self.shifted, self.fixed_width)
+
+    def packed_width(self) -> int:
+        """How wide packed rows are for compiled blocks: the data's longest sequence
+        (training and validation) rounded up to a multiple of
+        :data:`~recipes_lib.kernels.compiled.LENGTH_MULTIPLE`, at most ``data.seq_len``.
+
+        One width for the whole run, so the blocks keep their one graph per kind of call
+        (only the number of rows varies); but no wider than the data needs, so short
+        pairs fill rows instead of padding ``data.seq_len``-wide ones (4 pairs of 180
+        tokens a sequence took two 2,048-wide rows, a third of them real tokens)."""
+        longest = max(
+            (
+                pair.max_len
+                for dataset in (self.train_dataset, self.val_dataset)
+                if dataset is not None
+                for pair in dataset.pairs
+            ),
+            default=self.config.seq_len,
         )
+        return bucketed_length(max(1, longest - int(self.shifted)), self.config.seq_len)
 
     def split_dataset(self, split: str) -> PreferencePairDataset | None:
         if split not in ("train", "val"):
