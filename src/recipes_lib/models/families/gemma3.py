@@ -51,8 +51,8 @@ from recipes_lib.models.families.base import (
     TensorNames,
     common_from_hf,
     refuse,
-    required,
     rope_from_hf,
+    sliding_layers,
     without_attention_bias,
 )
 from recipes_lib.models.families.image_text import ImageText
@@ -77,23 +77,14 @@ GELU_TANH = "gelu_pytorch_tanh"
 
 
 def window_layers(config: Mapping[str, Any]) -> list[int]:
-    """The local layers of a Gemma 3 ``config.json`` (see the module docstring).
+    """The local layers of a Gemma 3 ``config.json`` (see the module docstring): its
+    ``layer_types``, else all but every ``sliding_window_pattern``-th layer.
 
     Raises:
         CheckpointError: ``layer_types`` that is not one entry per layer of the two kinds.
     """
-    n_layers = int(required(config, "num_hidden_layers"))
-    types = config.get("layer_types")
-    if types is None:
-        pattern = int(config.get("sliding_window_pattern") or PATTERN)
-        return [layer for layer in range(n_layers) if (layer + 1) % pattern]
-    kinds = {"sliding_attention", "full_attention"}
-    if len(types) < n_layers or not set(types[:n_layers]) <= kinds:
-        raise CheckpointError(
-            f"gemma3: layer_types must name sliding_attention or full_attention for each of "
-            f"the num_hidden_layers={n_layers} layers, got {list(types)!r}"
-        )
-    return [layer for layer, kind in enumerate(types[:n_layers]) if kind == "sliding_attention"]
+    pattern = int(config.get("sliding_window_pattern") or PATTERN)
+    return sliding_layers("gemma3", config, pattern)
 
 
 def _ropes(config: Mapping[str, Any]) -> tuple[dict[str, Any], float]:
