@@ -62,6 +62,18 @@ CASES = {
     ),
     # every layer global: no window at all
     "all-global": ({"layer_types": ["full_attention"] * 4}, []),
+    # YaRN on the global layers
+    "yarn-global": (
+        {
+            "layer_types": LOCAL_GLOBAL,
+            "sliding_window": 8,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        },
+        [0, 1, 3],
+    ),
 }
 
 
@@ -250,3 +262,23 @@ def test_bfloat16_norms_compute_as_transformers_does(tmp_path):
     ours, reference = logits_of(model, x).float(), logits_of(hf, x).float()
     assert (ours - reference).abs().max() < 0.05  # bf16 rounding of different kernels
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() > 0.95
+
+
+def test_yarn_without_its_original_length_reads_it_from_max_position_embeddings(tmp_path):
+    """A published-style config.json whose global YaRN parameters leave out
+    original_max_position_embeddings: transformers takes max_position_embeddings, and so
+    does the import."""
+    overrides, _ = CASES["yarn-global"]
+    hf_model(**overrides).save_pretrained(tmp_path / "theirs")
+    path = tmp_path / "theirs" / "config.json"
+    written = json.loads(path.read_text())
+    written["rope_parameters"]["full_attention"].pop("original_max_position_embeddings", None)
+    path.write_text(json.dumps(written))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "theirs", attn_implementation="eager"
+    ).eval()
+    model, config = load_hf_checkpoint(tmp_path / "theirs")
+    assert config.rope_scaling.type == "yarn"
+    assert config.rope_scaling.original_max_seq_len == written["max_position_embeddings"]
+    x = tokens(VOCAB, 2, 40)
+    torch.testing.assert_close(logits_of(model, x), logits_of(hf, x), atol=1e-4, rtol=1e-4)

@@ -118,7 +118,13 @@ def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
             f"gemma3: hidden_activation={activation!r}; only {GELU_TANH} is supported"
         )
     full, local_theta = _ropes(config)
-    theta, scaling = rope_from_hf({"rope_parameters": {"rope_type": "default", **full}})
+    # YaRN's original length defaults to the model's, as transformers reads it
+    theta, scaling = rope_from_hf(
+        {
+            "rope_parameters": {"rope_type": "default", **full},
+            "max_position_embeddings": config.get("max_position_embeddings"),
+        }
+    )
     skip = ("hidden_act", "rope_parameters", "rope_scaling", "rope_theta")
     fields = common_from_hf({k: v for k, v in config.items() if k not in skip})
     local = window_layers(config)
