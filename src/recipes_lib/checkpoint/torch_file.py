@@ -23,9 +23,10 @@ which ``skip_data`` leaves unset: ``torch.load`` does not read them (see
 ``mmap=True`` too, reads it as any other ``torch.save`` file, and files written before
 read as they always did.
 
-torch numbers the storages in the order its pickler first meets them, and writes their
-gaps in that order; :func:`plan_layout` pickles the checkpoint the same way to list
-them, and keeps the layout only when every gap has its storage's size. Should a later
+torch numbers the storages in the order its pickler first meets them and names each
+record by that number; :func:`plan_layout` pickles the checkpoint the same way to list
+them, matches each gap to its storage by the record's name, and keeps the layout only
+when every gap has its storage's size. Should a later
 torch lay its files out otherwise, or refuse to lay out a checkpoint without its data
 (a tensor on a backend without storages), the checkpoint is written by ``torch.save``
 itself.
@@ -134,7 +135,13 @@ def _storage_order(obj: Any) -> list[torch.UntypedStorage]:
 
 def plan_layout(obj: Any) -> Layout | None:
     """The layout of ``torch.save(obj)``, or None when its gaps do not match the storages
-    (then :func:`save_torch_file` lets ``torch.save`` write the file)."""
+    (then :func:`save_torch_file` lets ``torch.save`` write the file).
+
+    Each gap is matched to its storage by the record name torch wrote just before it
+    (``.../data/<key>``, the key being the storage's number in pickling order), not by
+    position: torch releases have written the records in other orders (2.6 sorts the
+    keys as strings: 0, 1, 10, 11, 2, ...), and storages of equal size in the wrong gaps
+    would pass any size check."""
     recorder = _LayoutRecorder()
     try:
         with torch.serialization.skip_data():
@@ -144,13 +151,39 @@ def plan_layout(obj: Any) -> Layout | None:
         log.debug("torch.save cannot lay out the checkpoint without its data: %r", err)
         return None
     pieces = recorder.finish()
-    gaps = [p for p in pieces if isinstance(p, int) and p > 0]
-    # an empty storage leaves an empty gap (or none): it needs no bytes either way
-    filled = [s for s in storages if s.nbytes() > 0]
-    if [s.nbytes() for s in filled] != gaps:
-        log.debug("torch.save's layout does not match the checkpoint's storages")
+    kept: list[bytes | int] = []
+    filling: list[torch.UntypedStorage] = []
+    for piece in pieces:
+        if isinstance(piece, int) and piece == 0:
+            continue  # an empty storage's record: no bytes to write
+        if isinstance(piece, int):
+            key = _record_key(kept[-1]) if kept and isinstance(kept[-1], bytes) else None
+            if key is None or not key.isdigit() or int(key) >= len(storages):
+                log.debug("torch.save's layout names no storage before a gap")
+                return None
+            storage = storages[int(key)]
+            if storage.nbytes() != piece:
+                log.debug("torch.save's layout does not match the checkpoint's storages")
+                return None
+            filling.append(storage)
+        kept.append(piece)
+    if len(filling) != sum(1 for s in storages if s.nbytes() > 0):
         return None
-    return Layout([p for p in pieces if not isinstance(p, int) or p > 0], filled)
+    return Layout(kept, filling)
+
+
+_LOCAL_HEADER = b"PK\x03\x04"  # a zip record's local header; its name follows 30 bytes in
+
+
+def _record_key(structure: bytes) -> str | None:
+    """The key of the zip record whose data follows ``structure``: the last part of the
+    name in its local header (``archive/data/7`` gives ``7``), or None."""
+    start = structure.rfind(_LOCAL_HEADER)
+    if start < 0 or len(structure) < start + 30:
+        return None
+    name_length = int.from_bytes(structure[start + 26 : start + 28], "little")
+    name = structure[start + 30 : start + 30 + name_length].decode("utf-8", "replace")
+    return name.rsplit("/", 1)[-1] if "/data/" in name else None
 
 
 def _host_view(storage: torch.UntypedStorage) -> memoryview:

@@ -147,3 +147,32 @@ def test_a_truncated_file_is_named_and_the_run_falls_back_to_the_one_before(tmp_
     with pytest.raises(CorruptCheckpointError, match=r"step000003\.ckpt' is truncated: "):
         verify_checkpoint(newer)
     assert newest_good_checkpoint(tmp_path) == older
+
+
+def test_each_gap_is_filled_by_the_storage_its_record_names_in_any_record_order(monkeypatch):
+    """Gaps are matched to storages by the record name before them, not by position:
+    torch 2.6 wrote records in string order of their keys (0, 1, 10, 11, 2, ...), and
+    twelve storages of one size filled in numeric order would pass a size check
+    swapped."""
+    checkpoint = {f"w{i}": torch.full((64,), float(i)) for i in range(12)}
+    storages = torch_file._storage_order(checkpoint)
+    layout = plan_layout(checkpoint)
+    assert layout is not None
+    keys = [
+        torch_file._record_key(before)
+        for before, gap in zip(layout.pieces, layout.pieces[1:], strict=False)
+        if isinstance(before, bytes) and isinstance(gap, int)
+    ]
+    assert keys == [str(i) for i in range(12)]  # this torch writes them in numeric order
+    sink = io.BytesIO()
+    save_torch_file(checkpoint, sink)
+    sink.seek(0)
+    loaded = torch.load(sink, weights_only=True)
+    assert all(torch.equal(loaded[k], v) for k, v in checkpoint.items())
+
+    # records named in string order, as torch 2.6 wrote them: each gap takes its named one
+    named = iter(sorted(keys))
+    monkeypatch.setattr(torch_file, "_record_key", lambda before: next(named))
+    by_name = plan_layout(checkpoint)
+    assert by_name is not None
+    assert [s._cdata for s in by_name.storages] == [storages[int(k)]._cdata for k in sorted(keys)]
