@@ -13,6 +13,7 @@ from tiny import tiny_model_config
 
 from recipes_lib.checkpoint.hf import load_hf_checkpoint, model_config_from_hf
 from recipes_lib.checkpoint.hf_export import export_hf_checkpoint
+from recipes_lib.config.schema import RopeScalingConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.generate import generate
 from recipes_lib.models import Transformer
@@ -176,6 +177,15 @@ def test_what_the_decoder_cannot_compute_is_refused(changes, message):
         ({"norm_placement": "pre"}, "model.family=olmo3 with model.norm_placement='pre'"),
         ({"qk_norm": "head"}, "model.family=olmo3 with model.qk_norm='head'"),
         ({"window_layers": [0], "sliding_window": None}, "needs model.sliding_window"),
+        # its export would be read back untruncated
+        (
+            {
+                "rope_scaling": RopeScalingConfig(
+                    type="yarn", factor=4.0, original_max_seq_len=16, truncate=False
+                )
+            },
+            "model.rope_scaling.truncate=False",
+        ),
     ],
 )
 def test_options_olmo3_cannot_have_are_refused(changes, message):

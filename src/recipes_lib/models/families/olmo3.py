@@ -32,6 +32,7 @@ from recipes_lib.errors import CheckpointError
 from recipes_lib.models.families.base import (
     Family,
     common_from_hf,
+    refuse,
     rope_to_hf,
     scaling_from_hf,
     sliding_layers,
@@ -123,6 +124,17 @@ def _to_hf(config: ModelConfig) -> dict[str, Any]:
     }
 
 
+def _check(config: ModelConfig) -> None:
+    scaling = config.rope_scaling
+    if scaling.type == "yarn" and not scaling.truncate:
+        why = (
+            "OLMo 3's folders keep YaRN per kind of layer, where transformers 5 reads no "
+            "truncate (it reads it only from the top of rope_parameters): the export could "
+            "not be read back as the same model"
+        )
+        raise refuse("olmo3", "rope_scaling.truncate", False, why)
+
+
 OLMO3 = Family(
     name="olmo3",
     hf_model_types=("olmo3",),
@@ -132,4 +144,5 @@ OLMO3 = Family(
     to_hf=_to_hf,
     fixed=OLMO2.fixed,
     reads=("sliding_window", "window_layers", "local_rope_theta"),
+    check=_check,
 )
