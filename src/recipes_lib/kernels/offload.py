@@ -40,6 +40,7 @@ class _HostCopy:
         # the copy saved just before this one: the backward pass needs it next
         self.previous: weakref.ref[_HostCopy] | None = previous
         self.back: Tensor | None = None  # on the device again, once fetched
+        self.used = False  # handed to the backward pass once: a prefetch skips it
         self.arrived: torch.cuda.Event | None = None
         self.left: torch.cuda.Event | None = None
         if stream is None:  # a CPU tensor: a plain copy
@@ -54,9 +55,11 @@ class _HostCopy:
         # the allocator reuses the device memory only once the side stream has copied it
         tensor.record_stream(stream)
 
-    def fetch(self, stream: torch.cuda.Stream | None) -> None:
-        """Start copying back to the device (on ``stream``), unless already started."""
-        if stream is None or self.back is not None:
+    def fetch(self, stream: torch.cuda.Stream | None, *, again: bool = False) -> None:
+        """Start copying back to the device (on ``stream``), unless already started, or
+        already used and not asked for ``again`` (a second backward pass over the same
+        graph): a prefetch never brings back a copy the backward pass is done with."""
+        if stream is None or self.back is not None or (self.used and not again):
             return
         with torch.cuda.stream(stream):
             if self.left is not None:
@@ -112,11 +115,11 @@ class ActivationOffload:
         stream = self._stream(packed.device)
         if stream is None:
             return packed.host
-        packed.fetch(stream)
+        packed.fetch(stream, again=True)
         current = torch.cuda.current_stream(packed.device)
         assert packed.arrived is not None and packed.back is not None  # fetched just now
         current.wait_event(packed.arrived)
-        back, packed.back = packed.back, None
+        back, packed.back, packed.used = packed.back, None, True
         back.record_stream(current)  # allocated on the side stream, used on this one
         previous = packed.previous() if packed.previous is not None else None
         if previous is not None:  # its transfer overlaps this block's recomputation
