@@ -301,3 +301,22 @@ def test_spans_found_from_renderings_match_transformers_generation_tags(tmp_path
         for record in _records(family, shape) or []:
             messages, tools = conversation_of(record, DataConfig())
             assert untagged.render(messages, tools) == tagged.render(messages, tools), shape
+
+
+def test_generation_blocks_decide_the_trained_tokens_where_a_template_has_them(tmp_path):
+    """SmolLM3's template with its generation block stretched over the newline after
+    the end-of-turn token: the library trains what the block holds, as transformers
+    reports it, newline included."""
+    family = FAMILIES["smollm3"]
+    close = "{%- endgeneration %}\n{{- '\\n' }}"
+    assert close in family.text
+    stretched = family.text.replace(close, "{{- '\\n' }}\n{%- endgeneration %}")
+    for shape in SHAPES:
+        records = _records(family, shape)
+        assert records is not None
+        datamodule = _data_module(tmp_path / shape, family, records, stretched)
+        (line,) = prove_chat_data(datamodule, 10)
+        assert f"{len(records)} record(s): token ids and trained tokens equal" in line
+        assert datamodule.renderer is not None
+        pieces = datamodule.renderer.segments(conversation_of(records[-1], DataConfig())[0])
+        assert all(text.endswith("<|im_end|>\n") for text, trained in pieces if trained)

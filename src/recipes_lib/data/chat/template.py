@@ -6,7 +6,9 @@ tools and the run's template switches given to the template), and tokenized once
 The trained tokens are the assistant turns' spans in that text (see
 :mod:`recipes_lib.data.chat.spans`): from the end of the generation prompt through the
 end-of-turn token, so what the model writes itself (a think block, a channel header,
-a tool call) is trained and the prompt, user turns and tool results are not.
+a tool call) is trained and the prompt, user turns and tool results are not. A template
+that marks assistant text with ``{% generation %}`` blocks decides it itself, as
+transformers' ``return_assistant_tokens_mask`` reads it.
 
 The template is ``data.chat.chat_template`` (Jinja text, or the name of a built-in
 one), else the tokenizer's own, else the built-in ``chatml``:
@@ -28,7 +30,7 @@ import logging
 import re
 from bisect import bisect_left
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -40,7 +42,7 @@ from tokenizers import Tokenizer
 
 from recipes_lib.config.schema import DataConfig
 from recipes_lib.data.chat.messages import REASONING_FIELDS, Message, reasoning_of, trainable
-from recipes_lib.data.chat.spans import Render, SpanFinder, TurnSpan, specials_pattern
+from recipes_lib.data.chat.spans import Render, SpanFinder, specials_pattern
 from recipes_lib.data.chat_records import tokenizer_bos_token
 from recipes_lib.data.records import RecordSource, record_where
 from recipes_lib.data.tokenizer import CHATML_TOKENS
@@ -111,19 +113,28 @@ TRAIN_ON = {
 log = logging.getLogger(__name__)
 
 
+# around a {% generation %} block's output when the renderer asks where those blocks are
+GENERATION_OPEN, GENERATION_CLOSE = "\ue001", "\ue002"
+_MARK_GENERATION = "__recipes_lib_mark_generation"
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
 class _GenerationTag(Extension):
     """Accepts ``{% generation %}...{% endgeneration %}`` (used by some Hugging Face
-    templates to mark assistant text) and renders its body unchanged."""
+    templates to mark assistant text) and renders its body unchanged, or between
+    :data:`GENERATION_OPEN` and :data:`GENERATION_CLOSE` when the render asks for it."""
 
     tags = {"generation"}
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno
         body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        call = self.call_method("_render_body")
+        call = self.call_method("_render_body", [nodes.ContextReference()])
         return nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
-    def _render_body(self, caller):
+    def _render_body(self, context, caller):
+        if context.get(_MARK_GENERATION):
+            return GENERATION_OPEN + caller() + GENERATION_CLOSE
         return caller()
 
 
@@ -266,6 +277,8 @@ class ChatRenderer:
         self._specials = specials_pattern(_special_tokens(tokenizer))
         # the field this template reads an assistant's reasoning from (None: neither)
         self.reasoning_field = next((f for f in REASONING_FIELDS if f in self.template_text), None)
+        # the template marks assistant text itself with {% generation %} blocks
+        self.tagged = bool(_GENERATION.search(self.template_text))
 
     @classmethod
     def from_config(
@@ -331,24 +344,65 @@ class ChatRenderer:
 
         return render
 
-    def _spans(
+    def _layout(
         self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
-    ) -> tuple[str, list[TurnSpan]]:
-        """The whole conversation's text and the trained spans of the assistant turns
-        ``train_on`` chooses (see :mod:`recipes_lib.data.chat.spans`), without their
-        reasoning under ``train_on=without_reasoning``."""
+    ) -> tuple[str, list[tuple[int, int]], list[int]]:
+        """The whole conversation's text, its trained character ranges and the points
+        it may be cut at (after an assistant turn that leaves no tool call open).
+
+        The trained ranges are the spans of the assistant turns ``train_on`` chooses
+        (see :mod:`recipes_lib.data.chat.spans`), without their reasoning under
+        ``train_on=without_reasoning``. A template with ``{% generation %}`` blocks
+        gives them itself, as transformers' ``return_assistant_tokens_mask`` reads them:
+        each block that falls within a chosen assistant turn is trained whole (a block
+        around a user turn, in a template that tags every turn, is not).
+        """
         finder = SpanFinder(self._render(tools), messages, self._specials)
-        turns = [i for i, m in enumerate(messages) if trainable(m)]
+        text = finder.text
+        spans = {i: finder.span(i) for i, m in enumerate(messages) if m["role"] == "assistant"}
+        cuts = [s.cut for i, s in spans.items() if not messages[i].get("tool_calls")]
+        turns = [i for i in spans if trainable(messages[i])]
         if self.train_on == TRAIN_ON_LAST:
             turns = turns[-1:]
-        spans = []
-        for i in turns:
-            span = finder.span(i)
-            if self.train_on == TRAIN_ON_WITHOUT_REASONING:
-                skip = _reasoning_end(finder.text[span.start : span.end], messages[i])
-                span = replace(span, start=min(span.start + skip, span.end))
-            spans.append(span)
-        return finder.text, spans
+        trained = [(spans[i].start, spans[i].end) for i in turns]
+        if self.train_on == TRAIN_ON_WITHOUT_REASONING:
+            trained = [
+                (min(a + _reasoning_end(text[a:b], messages[i]), b), b)
+                for i, (a, b) in zip(turns, trained, strict=True)
+            ]
+        elif self.tagged:
+            blocks = self._generation_blocks(messages, tools, text)
+            if blocks is not None:  # those within the chosen turns: no prompt is trained
+                trained = [(a, b) for a, b in blocks if any(a < e and b > s for s, e in trained)]
+        return text, trained, cuts
+
+    def _generation_blocks(
+        self, messages: Sequence[Message], tools: Sequence[Mapping] | None, text: str
+    ) -> list[tuple[int, int]] | None:
+        """Where the template's ``{% generation %}`` blocks lie in ``text`` (None when
+        marking them changes the rest of the text, so they cannot be placed)."""
+        marked = self._template.render(
+            messages=list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=False,
+            eos_token=self.eos_token,
+            bos_token=self.bos_token,
+            **{**self.switches, _MARK_GENERATION: True},
+        )
+        blocks: list[tuple[int, int]] = []
+        plain: list[str] = []
+        length = 0
+        for piece in re.split(f"([{GENERATION_OPEN}{GENERATION_CLOSE}])", marked):
+            if piece == GENERATION_OPEN:
+                blocks.append((length, -1))
+            elif piece == GENERATION_CLOSE and blocks and blocks[-1][1] < 0:
+                blocks[-1] = (blocks[-1][0], length)
+            elif piece:
+                plain.append(piece)
+                length += len(piece)
+        if "".join(plain) != text or any(b < 0 for _, b in blocks):
+            return None
+        return [(a, b) for a, b in blocks if a < b]
 
     def segments(
         self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
@@ -358,12 +412,12 @@ class ChatRenderer:
         Raises:
             jinja2.TemplateError: the template fails on these messages.
         """
-        text, spans = self._spans(messages, tools)
+        text, trained, _ = self._layout(messages, tools)
         pieces: list[tuple[str, bool]] = []
         at = 0
-        for span in spans:
-            pieces += [(text[at : span.start], False), (text[span.start : span.end], True)]
-            at = span.end
+        for start, end in sorted(trained):
+            pieces += [(text[at:start], False), (text[start:end], True)]
+            at = end
         pieces.append((text[at:], False))
         return [(piece, trained) for piece, trained in pieces if piece]
 
@@ -394,7 +448,7 @@ class ChatRenderer:
         """
         messages = self.template_messages(messages)
         try:
-            text, spans = self._spans(messages, tools)
+            text, trained, cuts = self._layout(messages, tools)
         except (jinja2.TemplateError, ValueError, TypeError) as err:
             label = source if isinstance(source, str) else "data"
             where = record_where(source, index) if index is not None else f"{label}: a conversation"
@@ -403,11 +457,9 @@ class ChatRenderer:
                 f"({self.template_name}) failed to render it: {err}"
             ) from err
         encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        mask = trained_tokens(encoding.offsets, [(s.start, s.end) for s in spans])
-        closing = [s.cut for s in spans if not messages[s.turn].get("tool_calls")]
+        mask = trained_tokens(encoding.offsets, trained)
         starts = [a for a, _ in encoding.offsets]
-        cuts = [bisect_left(starts, c) for c in closing]
-        return RenderedChat(list(encoding.ids), mask, tuple(cuts))
+        return RenderedChat(list(encoding.ids), mask, tuple(bisect_left(starts, c) for c in cuts))
 
     def render_prompt(
         self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None
