@@ -210,14 +210,16 @@ _compiled_flex_attention = None
 _compiled_create_block_mask = None
 
 
-def _compiled_flex():
+def compiled_flex():
+    """``flex_attention`` compiled, once per process (shared by the sharded attention)."""
     global _compiled_flex_attention
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention)
     return _compiled_flex_attention
 
 
-def _create_block_mask_for(device_type: str):
+def create_block_mask_for(device_type: str):
+    """``create_block_mask`` as a device needs it: eager on the CPU, compiled elsewhere."""
     global _compiled_create_block_mask
     if device_type == "cpu":
         return create_block_mask
@@ -227,7 +229,7 @@ def _create_block_mask_for(device_type: str):
     return _compiled_create_block_mask
 
 
-_BLOCK = 128  # flex_attention's default block size
+FLEX_BLOCK = 128  # flex_attention's default block size
 
 
 def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -277,8 +279,8 @@ class FlexAttention(AttentionBackend):
         if doc_ids is not None:
             device = doc_ids.device
         device = torch.device(device if device is not None else "cpu")
-        padded_len = seq_len if device.type == "cpu" else -(-seq_len // _BLOCK) * _BLOCK
-        build = _create_block_mask_for(device.type)
+        padded_len = seq_len if device.type == "cpu" else -(-seq_len // FLEX_BLOCK) * FLEX_BLOCK
+        build = create_block_mask_for(device.type)
 
         causal = _causal if window is None else _within(window)
         if doc_ids is None:
@@ -330,5 +332,5 @@ class FlexAttention(AttentionBackend):
         if padded_len != T:
             q, k, v = (F.pad(x, (0, 0, 0, padded_len - T)) for x in (q, k, v))
         # q (B, H, T', D); k, v (B, Hkv, T', D) -> (B, H, T', D)
-        y = _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
+        y = compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
         return y[:, :, :T]

@@ -36,11 +36,11 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from recipes_lib.errors import UnsupportedKernelError
 from recipes_lib.kernels.attention import (
-    _BLOCK,
+    FLEX_BLOCK,
     AttentionBackend,
     FlexAttention,
-    _compiled_flex,
-    _create_block_mask_for,
+    compiled_flex,
+    create_block_mask_for,
 )
 
 
@@ -93,7 +93,7 @@ def uses_block_mask(attention: str, device_type: str, seq_len: int, degree: int)
     """Whether split rows attend through a flex BlockMask (no dense mask): ``flex`` on
     CUDA with chunks of ``seq_len / (2 x degree)`` tokens, a whole number of blocks."""
     chunk = seq_len // (2 * degree)
-    return attention == FlexAttention.name and device_type == "cuda" and chunk % _BLOCK == 0
+    return attention == FlexAttention.name and device_type == "cuda" and chunk % FLEX_BLOCK == 0
 
 
 @dataclass
@@ -216,7 +216,7 @@ class ShardedAttention(AttentionBackend):
             return allowed
 
         rows = None if doc_ids is None else doc_ids.shape[0]
-        build = _create_block_mask_for(device.type)
+        build = create_block_mask_for(device.type)
         return build(sharded_causal, rows, None, len(shard.positions), shard.seq_len, device)
 
     def __call__(
@@ -229,7 +229,7 @@ class ShardedAttention(AttentionBackend):
         k_all, v_all = self.shard.gather(torch.stack([k, v]), dim=3).unbind(0)  # (B, Hkv, T, D)
         gqa = k.shape[1] != q.shape[1]
         if isinstance(mask, BlockMask):  # lengths of whole blocks: no padding
-            return _compiled_flex()(q, k_all, v_all, block_mask=mask, enable_gqa=gqa, scale=scale)
+            return compiled_flex()(q, k_all, v_all, block_mask=mask, enable_gqa=gqa, scale=scale)
         return F.scaled_dot_product_attention(
             q, k_all, v_all, attn_mask=mask, enable_gqa=gqa, scale=scale
         )
