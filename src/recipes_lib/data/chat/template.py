@@ -22,7 +22,7 @@ first as JSON lines, reasoning in a ``<think>`` block before the content and too
 calls after it as ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``. Both
 built-ins write tools, tool calls and reasoning, so none is silently dropped.
 
-One concept over 500 lines: the template's environment, its choice and the renderer
+One concept: the template's environment, its choice and the renderer
 that turns a conversation into ids and a mask are one path that every chat, pair and
 prompt source calls; finding the spans in the rendered text is its own module
 (:mod:`recipes_lib.data.chat.spans`).
