@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -126,10 +126,22 @@ class RunResult:
         return lines
 
 
-def _save_resolved_config(cfg: RunConfig, out: Path) -> None:
+def _save_resolved_config(cfg: RunConfig, out: Path, *, resumed: bool) -> None:
+    """Write ``cfg`` as the run folder's ``config.yaml``.
+
+    A resumed run given no ``stage.init_from`` (the pipeline's resumed stage) keeps the
+    one its first attempt recorded: the run still started from those weights, and what
+    reads the record after it (an export that writes an image-text folder back, a rerun
+    comparing its config) needs where it started, not that a later attempt was not told.
+    """
     out.mkdir(parents=True, exist_ok=True)
+    record = RunDir(out).config
+    if resumed and cfg.stage.init_from is None and record.is_file():
+        started = OmegaConf.select(OmegaConf.load(record), "stage.init_from")
+        if started is not None:
+            cfg = replace(cfg, stage=replace(cfg.stage, init_from=str(started)))
     yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    write_text_atomic(RunDir(out).config, yaml)
+    write_text_atomic(record, yaml)
 
 
 def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunResult:
@@ -287,7 +299,7 @@ def _fit(
     trainer.fit_loop.epoch_loop.max_steps = steps
     saver = prepare_averaging(cfg, trainer, steps, ckpt_path)
     if trainer.is_global_zero:
-        _save_resolved_config(cfg, Path(cfg.run.dir))
+        _save_resolved_config(cfg, Path(cfg.run.dir), resumed=ckpt_path is not None)
 
     samples = schedule.micro_batches_before(steps) * cfg.data.batch_size
     datamodule = build_data(cfg, total_train_samples=samples)

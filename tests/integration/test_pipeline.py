@@ -18,6 +18,7 @@ import pytest
 import torch
 from integration_helpers import metric_series, read_metrics
 from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
 from signal_helpers import ALLOWED, env_with_helpers, signal_at_step, slow_steps_override
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
@@ -272,11 +273,15 @@ def test_preempted_stage_resumes_to_identical_weights(three_stage, tmp_path, sha
     assert len(stopped) == 1 and "run the same command again to resume" in stopped[0]
     assert (out / "pretrain" / "manifest.json").is_file()
     assert not (out / "cpt" / "manifest.json").exists()  # stopped mid-stage
+    started = OmegaConf.load(out / "cpt" / "config.yaml").stage.init_from
+    assert started is not None  # the pretraining stage's output
 
     rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads((out / "report" / "summary.json").read_text())
     assert [s["status"] for s in summary["stages"]] == ["skipped", "resumed", "trained"]
+    # the resumed attempt was given no stage.init_from; its record keeps where it started
+    assert OmegaConf.load(out / "cpt" / "config.yaml").stage.init_from == started
     for stage in ("cpt", "anneal"):
         _assert_same_weights(
             load_weights(out / stage / "model.safetensors"),
