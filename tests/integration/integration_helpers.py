@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from run_helpers import metric_series, read_metrics
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
@@ -31,3 +32,15 @@ def tiny_overrides(tmp_path: Path, cache_dir: Path, *extra: str) -> list[str]:
         "callbacks=minimal",
         *extra,
     ]
+
+
+def checkpoint_tensors(path: Path) -> list[torch.Tensor]:
+    """Every tensor of a Lightning checkpoint file: its weights, then each optimizer's
+    state."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    tensors = list(state["state_dict"].values())
+    for optimizer in state["optimizer_states"]:
+        tensors += [
+            t for s in optimizer["state"].values() for t in s.values() if torch.is_tensor(t)
+        ]
+    return tensors

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from integration_helpers import tiny_overrides
+from integration_helpers import checkpoint_tensors, tiny_overrides
 from run_helpers import torchrun
 
 from recipes_lib.checkpoint.integrity import forget_verified, verify_checkpoint
@@ -66,16 +66,6 @@ def _ddp(script: Path, run_dir: Path, cache: Path, *extra: str) -> str:
     return torchrun(2, str(script), *items, omp_threads=1).stdout
 
 
-def _checkpoint_tensors(path: Path) -> list[torch.Tensor]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    tensors = list(state["state_dict"].values())
-    for optimizer in state["optimizer_states"]:
-        tensors += [
-            t for s in optimizer["state"].values() for t in s.values() if torch.is_tensor(t)
-        ]
-    return tensors
-
-
 def test_a_ddp_run_saved_in_the_background_resumes_to_the_uninterrupted_weights(
     tmp_path, shared_cache
 ):
@@ -106,6 +96,6 @@ def test_a_ddp_run_saved_in_the_background_resumes_to_the_uninterrupted_weights(
     for name, tensor in expected.items():
         assert torch.equal(found[name], tensor), name
     # the final checkpoint too: the same weights and optimizer state, bit for bit
-    a = _checkpoint_tensors(ckpts / "step000006.ckpt")
-    b = _checkpoint_tensors(resumed / "checkpoints" / "step000006.ckpt")
+    a = checkpoint_tensors(ckpts / "step000006.ckpt")
+    b = checkpoint_tensors(resumed / "checkpoints" / "step000006.ckpt")
     assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))

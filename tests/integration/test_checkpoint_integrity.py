@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from damage import flip_byte, truncate
-from integration_helpers import tiny_overrides
+from integration_helpers import checkpoint_tensors, tiny_overrides
 from lightning.pytorch.callbacks import Callback
 from run_helpers import torchrun
 from tiny import StopAtStep
@@ -114,16 +114,6 @@ class PluginSeen(Callback):
         self.asynchronous = trainer.strategy.checkpoint_io.asynchronous
 
 
-def _checkpoint_tensors(path: Path) -> list[torch.Tensor]:
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    tensors = list(state["state_dict"].values())
-    for optimizer in state["optimizer_states"]:
-        tensors += [
-            t for s in optimizer["state"].values() for t in s.values() if torch.is_tensor(t)
-        ]
-    return tensors
-
-
 def test_a_run_saved_in_the_background_resumes_to_the_uninterrupted_weights(
     straight, tmp_path, shared_cache
 ):
@@ -144,8 +134,8 @@ def test_a_run_saved_in_the_background_resumes_to_the_uninterrupted_weights(
         name = f"step{step:06d}.ckpt"
         assert verify_checkpoint(ckpts / name)
         found, expected = (
-            _checkpoint_tensors(ckpts / name),
-            _checkpoint_tensors(straight / "checkpoints" / name),
+            checkpoint_tensors(ckpts / name),
+            checkpoint_tensors(straight / "checkpoints" / name),
         )
         assert len(found) == len(expected)
         assert all(torch.equal(a, b) for a, b in zip(found, expected, strict=True))
