@@ -55,9 +55,10 @@ from recipes_lib.checkpoint.source import fill_model_from_init
 from recipes_lib.config import RunConfig, to_run_config
 from recipes_lib.config.widening import widening_line
 from recipes_lib.data.module import ResumableDataModule
+from recipes_lib.data.sources import resolve_cache_dir
 from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
-from recipes_lib.kernels.compiled import watch_compiles
+from recipes_lib.kernels.compiled import keep_compile_caches, watch_compiles
 from recipes_lib.launch_check.autofit import fit_memory
 from recipes_lib.objectives import build_data
 from recipes_lib.optim.batch_ramp import BatchSchedule
@@ -167,6 +168,9 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     cfg = resolve_device_choices(to_run_config(cfg))
     check_run_config(cfg)
     cfg, fit = _fit_memory(cfg)  # kernels.activation_checkpointing=auto, before the build
+    if cfg.kernels.compile and cfg.kernels.compile_cache is not None:  # before any compile
+        cache = resolve_cache_dir(cfg.kernels.compile_cache, "kernels.compile_cache")
+        keep_compile_caches(str(cache))
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:
         log.info("%s", widened)  # code of the user's own, trusted on the command line
     with hold_run_dir(cfg.run.dir), watch_compiles() as compiled:  # one run at a time

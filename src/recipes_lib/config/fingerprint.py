@@ -28,6 +28,7 @@ LOCATION_KEYS = (
     "run.dir",
     "run.ckpt_path",
     "data.cache_dir",
+    "kernels.compile_cache",
     "data.num_proc",
     "data.num_workers",
     "trainer.enable_progress_bar",

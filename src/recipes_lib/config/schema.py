@@ -40,6 +40,11 @@ class KernelsConfig:
     attention: str = "sdpa"
     # torch.compile each transformer block; null: on when training on a CUDA GPU
     compile: bool | None = False
+    # where inductor and Triton keep compiled kernels between runs (a run that finds its
+    # blocks' graphs there skips most of its compile); beside the data cache, so it
+    # outlives a job's private /tmp. null: torch's own (/tmp/torchinductor_<user>).
+    # TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR, when set, win
+    compile_cache: str | None = "${oc.env:RECIPES_CACHE,'~/.cache/recipes_lib'}/compile"
     loss_chunk_size: int | None = None  # fused output + loss, N rows at a time; None: off
     # recompute blocks' activations in the backward pass instead of storing them: off
     # (or false) | full (or true: every block) | selective (every checkpoint_every-th

@@ -162,8 +162,9 @@ def check_val_fraction(val_fraction: float) -> None:
         raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
 
 
-def resolve_cache_dir(value: str) -> Path:
-    """``data.cache_dir`` as a path: ``~`` expanded, ``${oc.env:...}`` resolved if still there.
+def resolve_cache_dir(value: str, key: str = "data.cache_dir") -> Path:
+    """``data.cache_dir`` (or the cache folder ``key`` names) as a path: ``~`` expanded,
+    ``${oc.env:...}`` resolved if still there.
 
     Raises:
         ConfigError: an interpolation that cannot be resolved outside a full run config.
@@ -172,5 +173,5 @@ def resolve_cache_dir(value: str) -> Path:
         try:
             value = OmegaConf.create({"cache_dir": value}).cache_dir
         except Exception as err:
-            raise ConfigError(f"data.cache_dir={value!r} cannot be resolved: {err}") from err
+            raise ConfigError(f"{key}={value!r} cannot be resolved: {err}") from err
     return Path(value).expanduser()

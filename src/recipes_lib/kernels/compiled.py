@@ -40,10 +40,12 @@ warning line.
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -92,6 +94,41 @@ def compile_blocks(blocks: Iterable[nn.Module], *, varying_shapes: bool) -> None
         # read by mark_varying and call_block; torch types a module's attributes as
         # tensors or modules: a flag is neither
         block.varying_shapes = varying_shapes  # type: ignore[assignment]
+
+
+# the environment variables torch's compile caches read, with the folder each takes
+# under kernels.compile_cache: inductor's FX graphs and AOTAutograd entries, Triton's
+# compiled kernels
+CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def keep_compile_caches(directory: str | None) -> dict[str, str]:
+    """Point torch's compile caches into ``directory`` (``kernels.compile_cache``), so a
+    later run on this machine reads the kernels this one compiles: its blocks' graphs
+    come from the caches instead of inductor (`result.compiled["cache_hits"]`).
+
+    A variable the user set already is left as it is (inductor writes its own default
+    into ``TORCHINDUCTOR_CACHE_DIR`` once it has read it: that one is not the user's);
+    ``None`` leaves torch's default (``/tmp/torchinductor_<user>``, which a job's private
+    ``/tmp`` does not keep). Both caches read their variable whenever they look up or
+    write an entry.
+
+    Returns:
+        The variables set, and their folders.
+    """
+    if directory is None:
+        return {}
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    root = Path(directory).expanduser()
+    torch_defaults = {"TORCHINDUCTOR_CACHE_DIR": os.path.abspath(default_cache_dir())}
+    chosen = {
+        name: str(root / folder)
+        for name, folder in CACHE_VARIABLES.items()
+        if os.environ.get(name, torch_defaults.get(name)) == torch_defaults.get(name)
+    }
+    os.environ.update(chosen)
+    return chosen
 
 
 def bucketed_length(length: int, limit: int | None = None) -> int:
