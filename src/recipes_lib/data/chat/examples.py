@@ -8,6 +8,7 @@ and at the example's last position).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ from recipes_lib.config.schema import DataConfig
 from recipes_lib.data.chat.messages import record_conversation
 from recipes_lib.data.chat.template import ChatRenderer, RenderedChat
 from recipes_lib.data.chat_records import TRUNCATION_POLICIES, bad_record_error
+from recipes_lib.data.encoded import flatten, unflatten
 from recipes_lib.data.records import RecordSource
 from recipes_lib.errors import ConfigError, DataError
 
@@ -47,6 +49,38 @@ class ChatSourceStats:
     truncated: int = 0
     dropped: int = 0  # over-long with truncation=drop, or no assistant token left
     errors: list[str] = field(default_factory=list)  # the first skipped records' errors
+
+
+def examples_to_arrays(
+    train: Sequence[ChatExample], held_out: Sequence[ChatExample], stats: ChatSourceStats
+) -> tuple[dict[str, np.ndarray], dict]:
+    """A source's examples as flat arrays and its stats as a JSON-able rest, for
+    :class:`~recipes_lib.data.encoded.EncodedCache` (:func:`examples_from_arrays` reads
+    them back)."""
+    arrays: dict[str, np.ndarray] = {}
+    for split, examples in (("train", train), ("val", held_out)):
+        for column in ("input_ids", "labels"):
+            values, offsets = flatten([getattr(e, column) for e in examples])
+            arrays[f"{split}_{column}"], arrays[f"{split}_{column}_offsets"] = values, offsets
+    return arrays, dataclasses.asdict(stats)
+
+
+def examples_from_arrays(
+    arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]
+) -> tuple[list[ChatExample], list[ChatExample], ChatSourceStats]:
+    """The examples and stats :func:`examples_to_arrays` wrote."""
+
+    def split(name: str) -> list[ChatExample]:
+        columns = [
+            unflatten(arrays[f"{name}_{c}"], arrays[f"{name}_{c}_offsets"])
+            for c in ("input_ids", "labels")
+        ]
+        return [
+            ChatExample(ids.astype(np.int64), labels.astype(np.int64))
+            for ids, labels in zip(*columns, strict=True)
+        ]
+
+    return split("train"), split("val"), ChatSourceStats(**meta)
 
 
 def tokenize_records(

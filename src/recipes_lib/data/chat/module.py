@@ -18,6 +18,8 @@ from recipes_lib.data.chat.examples import (
     IGNORE_INDEX,
     ChatExample,
     ChatSourceStats,
+    examples_from_arrays,
+    examples_to_arrays,
     tokenize_records,
 )
 from recipes_lib.data.chat.formats import check_format
@@ -29,10 +31,11 @@ from recipes_lib.data.chat_records import (
     PreparedChat,
     check_chat_format,
 )
+from recipes_lib.data.encoded import EncodedCache, encoded_fingerprint
 from recipes_lib.data.mixture import MixtureDataset
 from recipes_lib.data.module import check_batch_shape, rank_zero_warning
-from recipes_lib.data.records import RecordBuiltin
-from recipes_lib.data.sources import source_key
+from recipes_lib.data.records import RecordBuiltin, Records
+from recipes_lib.data.sources import resolve_cache_dir, source_key
 from recipes_lib.data.tokenizer import check_vocab_fits, init_tokenizer_path
 from recipes_lib.errors import DataError
 
@@ -95,19 +98,19 @@ class ChatDataModule(ChatRecordsDataModule):
         self.renderer = ChatRenderer.from_config(tokenizer, config, template, self.tokenizer_path)
         eos = tokenizer.token_to_id(config.tokenizer.eos_token)
         self.pad_id = eos if eos is not None else 0
+        fingerprint = self._data_fingerprint(tokenizer, self.renderer.template_text)
         train: dict[str, Dataset] = {}
         val: list[Dataset] = []
         for name in self.sources:
             key = source_key(name)
             records = self._source_records(name)
-            stats = self.stats[name] = ChatSourceStats(records=len(records))
-            train_idx, val_idx = self._split(name)
-            where = self._record_source(name)
-            train_examples = tokenize_records(
-                records, train_idx, self.renderer, config, where, stats
+            cache = EncodedCache(
+                resolve_cache_dir(config.cache_dir),
+                encoded_fingerprint(type(self).__qualname__, fingerprint, name),
+                key,
             )
-            val_examples = tokenize_records(records, val_idx, self.renderer, config, where, stats)
-            stats.train, stats.val = len(train_examples), len(val_examples)
+            train_examples, val_examples, stats = self._examples(cache, name, records)
+            self.stats[name] = stats
             self._report(key, stats, train_examples + val_examples)
             if not train_examples:
                 raise DataError(
@@ -123,9 +126,26 @@ class ChatDataModule(ChatRecordsDataModule):
             next(iter(train.values())) if len(train) == 1 else MixtureDataset(train, weights)
         )
         self.val_dataset = ConcatDataset(val) if val else None
-        template = self.renderer.template_text
-        fingerprint = self._data_fingerprint(tokenizer, template)
-        self.prepared = PreparedChat(tokenizer_path, fingerprint, template)
+        self.prepared = PreparedChat(tokenizer_path, fingerprint, self.renderer.template_text)
+
+    def _examples(
+        self, cache: EncodedCache, name: str, records: Records
+    ) -> tuple[list[ChatExample], list[ChatExample], ChatSourceStats]:
+        """A source's training and held-out examples and what became of its records:
+        read from ``cache`` when an earlier run left them there, else tokenized and left
+        there for the next run."""
+        found = cache.load()
+        if found is not None:
+            return examples_from_arrays(*found)
+        assert self.renderer is not None  # set by setup before any source is read
+        stats = ChatSourceStats(records=len(records))
+        train_idx, val_idx = self._split(name)
+        where = self._record_source(name)
+        train = tokenize_records(records, train_idx, self.renderer, self.config, where, stats)
+        held_out = tokenize_records(records, val_idx, self.renderer, self.config, where, stats)
+        stats.train, stats.val = len(train), len(held_out)
+        cache.save(*examples_to_arrays(train, held_out, stats))
+        return train, held_out, stats
 
     def _dataset(self, examples: list[ChatExample], seed: int) -> Dataset:
         if self.config.chat.packing:

@@ -23,6 +23,7 @@ from recipes_lib.data.chat_records import (
     PreparedChat,
     check_chat_format,
 )
+from recipes_lib.data.encoded import EncodedCache, encoded_fingerprint
 from recipes_lib.data.module import check_batch_shape, rank_zero_warning
 from recipes_lib.data.preference.collate import PairCollator, PreferencePairDataset
 from recipes_lib.data.preference.pairs import (
@@ -30,10 +31,12 @@ from recipes_lib.data.preference.pairs import (
     EncodedPairs,
     PairEncoder,
     encode_records,
+    pairs_from_arrays,
+    pairs_to_arrays,
 )
 from recipes_lib.data.preference.stdlib_pairs import stdlib_preference_records
-from recipes_lib.data.records import RecordBuiltin, RecordSource
-from recipes_lib.data.sources import check_val_fraction, source_key
+from recipes_lib.data.records import RecordBuiltin, Records, RecordSource
+from recipes_lib.data.sources import check_val_fraction, resolve_cache_dir, source_key
 from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id, init_tokenizer_path
 from recipes_lib.errors import ConfigError, DataError
 from recipes_lib.kernels.compiled import bucketed_length
@@ -137,6 +140,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
         eos_id = eos_token_id(tokenizer, config.tokenizer.eos_token)
         renderer = ChatRenderer.from_config(tokenizer, config, template, self.tokenizer_path)
         encoder = PairEncoder(renderer, config.seq_len, config.chat, shifted=self.shifted)
+        fingerprint = self._data_fingerprint(tokenizer, renderer.template_text)
         splits: dict[str, list[EncodedPair]] = {"train": [], "val": []}
         for name in self.sources:
             key = source_key(name)
@@ -144,8 +148,14 @@ class PreferenceDataModule(ChatRecordsDataModule):
             total = 0
             records = self._source_records(name)
             for split, indices in zip(("train", "val"), self._split(name), strict=True):
-                where = self._record_source(name)
-                encoded = self.encode([records[i] for i in indices], encoder, where, indices)
+                cache = EncodedCache(
+                    resolve_cache_dir(config.cache_dir),
+                    encoded_fingerprint(
+                        type(self).__qualname__, self.shifted, fingerprint, name, split
+                    ),
+                    f"{key}, {split}",
+                )
+                encoded = self._encoded(cache, records, indices, encoder, name)
                 splits[split].extend(encoded.pairs)
                 skipped.update(encoded.skipped)
                 total += encoded.total
@@ -166,12 +176,30 @@ class PreferenceDataModule(ChatRecordsDataModule):
         template = renderer.template_text
         self.prepared = PreparedPairs(
             tokenizer_path=Path(tokenizer_path).resolve(),
-            fingerprint=self._data_fingerprint(tokenizer, template),
+            fingerprint=fingerprint,
             num_train=len(splits["train"]),
             num_val=len(splits["val"]),
             skipped=dict(self.skipped),
             chat_template=template,
         )
+
+    def _encoded(
+        self,
+        cache: EncodedCache,
+        records: Records,
+        indices: list[int],
+        encoder: PairEncoder,
+        name: str,
+    ) -> EncodedPairs:
+        """One split of a source encoded: read from ``cache`` when an earlier run left it
+        there, else encoded (:meth:`encode`) and left there for the next run."""
+        found = cache.load()
+        if found is not None:
+            return pairs_from_arrays(*found)
+        where = self._record_source(name)
+        encoded = self.encode([records[i] for i in indices], encoder, where, indices)
+        cache.save(*pairs_to_arrays(encoded))
+        return encoded
 
     def encode(
         self, records: list, encoder: PairEncoder, where: RecordSource, indices: list[int]

@@ -41,6 +41,7 @@ from recipes_lib.config.schema import ChatFormatConfig
 from recipes_lib.data.chat.messages import TOOLS_FIELD, BadRecord, Text, parse_tools, text_field
 from recipes_lib.data.chat.template import ChatRenderer
 from recipes_lib.data.chat_records import bad_record_error, check_chat_format
+from recipes_lib.data.encoded import flatten, unflatten
 from recipes_lib.data.records import RecordSource, record_where
 from recipes_lib.errors import DataError
 
@@ -304,6 +305,42 @@ class EncodedPairs:
     def skip_summary(self) -> str:
         reasons = ", ".join(f"{n} {reason}" for reason, n in self.skipped.most_common())
         return f"skipped {sum(self.skipped.values())} of {self.total} records: {reasons}"
+
+
+_SEQUENCES = ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
+
+
+def pairs_to_arrays(encoded: EncodedPairs) -> tuple[dict[str, np.ndarray], dict]:
+    """``encoded`` as flat arrays and a JSON-able rest, for
+    :class:`~recipes_lib.data.encoded.EncodedCache` (:func:`pairs_from_arrays` reads
+    them back)."""
+    arrays: dict[str, np.ndarray] = {}
+    for name in _SEQUENCES:
+        values, offsets = flatten([getattr(p, name) for p in encoded.pairs])
+        arrays[name], arrays[f"{name}_offsets"] = values, offsets
+    arrays["desirable"] = np.asarray(
+        [-1 if p.desirable is None else int(p.desirable) for p in encoded.pairs], dtype=np.int8
+    )
+    arrays["kept"] = np.asarray(encoded.kept, dtype=np.int64)
+    return arrays, {"total": encoded.total, "skipped": dict(encoded.skipped)}
+
+
+def pairs_from_arrays(arrays: Mapping[str, np.ndarray], meta: Mapping) -> EncodedPairs:
+    """The :class:`EncodedPairs` :func:`pairs_to_arrays` wrote."""
+    columns = {name: unflatten(arrays[name], arrays[f"{name}_offsets"]) for name in _SEQUENCES}
+    pairs = [
+        EncodedPair(
+            chosen_ids=columns["chosen_ids"][i].astype(np.int64),
+            chosen_mask=columns["chosen_mask"][i].astype(bool),
+            rejected_ids=columns["rejected_ids"][i].astype(np.int64),
+            rejected_mask=columns["rejected_mask"][i].astype(bool),
+            desirable=None if flag < 0 else bool(flag),
+        )
+        for i, flag in enumerate(arrays["desirable"].tolist())
+    ]
+    return EncodedPairs(
+        pairs, int(meta["total"]), Counter(meta["skipped"]), arrays["kept"].tolist()
+    )
 
 
 def encode_records(
