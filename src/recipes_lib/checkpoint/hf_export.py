@@ -17,7 +17,7 @@ vision tower untouched (:mod:`recipes_lib.checkpoint.hf_image_text`).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -99,6 +99,7 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
     names = get_family(config.family).names.for_head(config.head)
     out: dict[str, Tensor] = {}
     fused: dict[str, list[Tensor | None]] = {}
+    joins: dict[str, Callable[[list[Tensor]], Tensor]] = {}  # of the rearranged tensors
     unknown = []
     for name, tensor in state.items():
         if head_tied(config) and name == "output.weight":
@@ -108,7 +109,12 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
             out.update(zip(hf_names, tensor, strict=True))
             continue
         hf_name, into = names.to_hf(name), names.fused_of(name)
-        if into is not None:  # one of the tensors a fused one stacks
+        layout = names.rearranged_of(name)
+        if layout is not None:  # one of the tensors a rearranged one holds
+            count = len(layout[2].parts)
+            fused.setdefault(layout[0], [None] * count)[layout[1]] = tensor
+            joins[layout[0]] = layout[2].join
+        elif into is not None:  # one of the tensors a fused one stacks
             fused.setdefault(into[0], [None] * into[2])[into[1]] = tensor
         elif hf_name is None:
             unknown.append(name)
@@ -118,7 +124,8 @@ def _hf_state(model: nn.Module | Mapping[str, Tensor], config: ModelConfig) -> d
         present = [part for part in parts if part is not None]
         if len(present) < len(parts):
             raise CheckpointError(f"cannot export {hf_name}: the model lacks some of its parts")
-        out[hf_name] = torch.cat(present, dim=0)
+        join = joins.get(hf_name)
+        out[hf_name] = torch.cat(present, dim=0) if join is None else join(present).contiguous()
     if unknown:
         raise CheckpointError(
             f"cannot export {len(unknown)} tensor(s) with no Hugging Face name: "

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from recipes_lib.checkpoint.weights import mismatch_lines
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.files import chmod_as_umask
 from recipes_lib.models.families import FAMILIES, TensorNames
-from recipes_lib.models.families.base import expert_slice, split_expert_slice
+from recipes_lib.models.families.base import Rearranged, expert_slice, split_expert_slice
 from recipes_lib.models.families.image_text import ImageText
 
 HF_CONFIG_NAME = "config.json"
@@ -33,8 +34,10 @@ HF_INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 # native name -> (file, Hugging Face name, shape, dtype, rows) of each tensor found; rows:
-# the (start, stop) of a native tensor inside a fused one along dim 0, else None
-Located = dict[str, tuple[Path, str, tuple[int, ...], str, tuple[int, int] | None]]
+# the (start, stop) of a native tensor inside a fused one along dim 0, the function that
+# takes it out of a rearranged one, else None
+Part = tuple[int, int] | Callable[[Tensor], Tensor] | None
+Located = dict[str, tuple[Path, str, tuple[int, ...], str, Part]]
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -143,7 +146,8 @@ def _locate_tensors(
                     if hf_name is None:
                         continue  # not the text tower's: the vision tower, the projector
                     native = names.to_native(hf_name)
-                    if native is None and names.fused_parts(hf_name) is None:
+                    combined = names.fused_parts(hf_name) or names.rearranged_parts(hf_name)
+                    if native is None and combined is None:
                         if not names.ignored.fullmatch(hf_name):
                             unexpected.append(stored)
                         continue
@@ -168,6 +172,10 @@ def _split_fused(
     located: Located = {}
     problems: list[str] = []
     for hf_name, (file, stored, shape, dtype, _) in fused.items():
+        rearranged = names.rearranged_parts(hf_name)
+        if rearranged is not None:
+            problems += _locate_rearranged(located, rearranged, fused[hf_name], expected)
+            continue
         parts = names.fused_parts(hf_name) or []
         found = [expected.get(part) for part in parts]
         shapes = [s for s in found if s is not None]
@@ -181,6 +189,30 @@ def _split_fused(
             located[part] = (file, stored, part_shape, dtype, (start, start + part_shape[0]))
             start += part_shape[0]
     return located, problems
+
+
+def _nth_part(split: Callable[[Tensor], list[Tensor]], index: int, tensor: Tensor) -> Tensor:
+    return split(tensor)[index]
+
+
+def _locate_rearranged(
+    located: Located,
+    rearranged: tuple[Rearranged, list[str]],
+    found: tuple[Path, str, tuple[int, ...], str, Part],
+    expected: Mapping[str, tuple[int, ...]],
+) -> list[str]:
+    """Locate the native tensors a rearranged one holds (their shapes from its split of
+    an empty tensor of its shape); a line if they do not fit the model's."""
+    layout, parts = rearranged
+    file, stored, shape, dtype, _ = found
+    shapes = [tuple(t.shape) for t in layout.split(torch.empty(shape, device="meta"))]
+    wanted = [expected.get(part) for part in parts]
+    if shapes != wanted:
+        return [f"{stored}: checkpoint {shape} holds {shapes} vs model {wanted}"]
+    for index, (part, part_shape) in enumerate(zip(parts, shapes, strict=True)):
+        take = partial(_nth_part, layout.split, index)
+        located[part] = (file, stored, part_shape, dtype, take)
+    return []
 
 
 def _mismatches(
@@ -247,6 +279,8 @@ def copy_tensors(params: Mapping[str, Tensor], located: Located) -> None:
                     _, hf_name, _, _, rows = located[name]
                     if rows is None:
                         tensor = f.get_tensor(hf_name)
+                    elif callable(rows):  # its part of a rearranged tensor
+                        tensor = rows(f.get_tensor(hf_name))
                     else:  # its rows of a fused tensor
                         tensor = f.get_slice(hf_name)[rows[0] : rows[1]]
                     stacked, expert = split_expert_slice(name)

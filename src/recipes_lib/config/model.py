@@ -84,6 +84,11 @@ class ModelConfig:
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig, metadata=CONTEXT)
     norm_eps: float = field(default=1e-5, metadata=COMPUTE)
     qkv_bias: bool = field(default=False, metadata=SHAPE)
+    # a bias on the attention's output projection too (gpt-oss: biases on q, k, v and o)
+    attention_out_bias: bool = field(default=False, metadata=SHAPE)
+    # a learned logit per query head in each softmax's denominator, with no value: a
+    # query may put weight on nothing (gpt-oss's sinks; kernels.attention sdpa or flex)
+    attention_sinks: bool = field(default=False, metadata=SHAPE)
     # RMSNorm on queries and keys before RoPE: none | head (each head's hs values, Qwen3)
     # | full (the whole projection, OLMo 2)
     qk_norm: str = field(default="none", metadata=SHAPE)
@@ -94,7 +99,11 @@ class ModelConfig:
     # (1 + w): 1; its gains start at zero); 0: x * w in the input's dtype
     norm_gain_offset: float = field(default=0.0, metadata=COMPUTE)
     # the MLP's gate: silu (SwiGLU) | gelu_tanh (GeGLU with the tanh-approximated GELU)
+    # | clamped_swiglu (gpt-oss: the gate clamped above at swiglu_limit, the up projection
+    # to +-swiglu_limit, then (up + 1) * gate * sigmoid(swiglu_alpha * gate))
     activation: str = field(default="silu", metadata=COMPUTE)
+    swiglu_alpha: float = field(default=1.702, metadata=COMPUTE)  # clamped_swiglu only
+    swiglu_limit: float = field(default=7.0, metadata=COMPUTE)  # clamped_swiglu only
     # multiply the token embeddings by sqrt(dim) on the way in (Gemma), not the head's input
     scale_embeddings: bool = field(default=False, metadata=COMPUTE)
     # the softmax scale is 1 / sqrt(this) (Gemma's query_pre_attn_scalar); None: head_dim
@@ -134,6 +143,8 @@ class ModelConfig:
     moe_router: str = field(default="softmax", metadata=SHAPE)  # sigmoid has a bias buffer
     # divide the chosen experts' weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     moe_renormalize: bool = field(default=True, metadata=COMPUTE)
+    # biases on the router and on each expert's three projections (gpt-oss)
+    moe_bias: bool = field(default=False, metadata=SHAPE)
     # training only, free to change between stages: the load-balancing loss's and the
     # router z-loss's weights in the loss, and the bias step of sigmoid routing
     moe_aux_loss_coef: float = field(default=0.0, metadata=LABEL)
@@ -150,12 +161,16 @@ class ModelConfig:
 # holds the default of every one it does not name (recipes_lib.models.families).
 BLOCK_OPTIONS = (
     "qkv_bias",
+    "attention_out_bias",
+    "attention_sinks",
     "qk_norm",
     "norm_placement",
     "norm_gain_offset",
     "nope_layers",
     "partial_rotary_factor",
     "activation",
+    "swiglu_alpha",
+    "swiglu_limit",
     "scale_embeddings",
     "query_pre_attn_scalar",
     "sliding_window",
@@ -168,6 +183,7 @@ BLOCK_OPTIONS = (
     "moe_shared_experts",
     "moe_router",
     "moe_renormalize",
+    "moe_bias",
 )
 
 

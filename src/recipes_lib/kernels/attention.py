@@ -12,17 +12,23 @@ attention). Every backend attends causally; with ``doc_ids`` (``(B, T)``, equal 
 in a row mark one document) a token also attends only within its own document, and
 with a ``window`` only to the ``window`` keys ending at its own position (a local
 layer's sliding window). A ``scale`` other than None replaces ``1 / sqrt(D)`` in the
-softmax.
+softmax. ``sinks`` (``(H,)``, a backend with ``capabilities.sinks``) adds one learned
+logit per query head to each softmax's denominator, with no value (gpt-oss): a query
+may attend to nothing. SDPA takes it as one more key (:func:`sdpa_with_sinks`), flex
+on CUDA through the log-sum-exp it returns: attention with a sink ``s`` is attention
+without it times ``sigmoid(lse - s)``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import (
+    AuxRequest,
     BlockMask,
     create_block_mask,
     create_mask,
@@ -47,6 +53,8 @@ class AttentionCapabilities:
         min_cuda_capability: lowest CUDA compute capability, or None for any.
         context_parallel: it may run with each row split over the ranks of a
             context-parallel group (:mod:`recipes_lib.kernels.sharded`).
+        sinks: it takes a learned logit per query head in each softmax's
+            denominator (``model.attention_sinks``).
     """
 
     document_mask: bool
@@ -55,6 +63,7 @@ class AttentionCapabilities:
     devices: tuple[str, ...]
     min_cuda_capability: tuple[int, int] | None = None
     context_parallel: bool = False
+    sinks: bool = False
 
 
 def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
@@ -140,7 +149,13 @@ class AttentionBackend:
         return []
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: object | None,
+        scale: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         raise NotImplementedError
 
@@ -160,6 +175,7 @@ class SDPAAttention(AttentionBackend):
         dtypes=_ALL_FLOAT_DTYPES,
         devices=("cpu", "cuda"),
         context_parallel=True,
+        sinks=True,
     )
 
     def __init__(self) -> None:
@@ -188,20 +204,81 @@ class SDPAAttention(AttentionBackend):
         return self._window_masks[key]
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: object | None,
+        scale: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         # q (B, H, T, D); k, v (B, Hkv, T, D) -> (B, H, T, D)
         gqa = k.shape[1] != q.shape[1]
-        if mask is None:
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, enable_gqa=gqa, scale=scale
-            )
-        if not isinstance(mask, Tensor):
+        if mask is not None and not isinstance(mask, Tensor):
             raise UnsupportedKernelError(
                 f"kernels.attention={self.name} takes None or its window mask, "
                 f"got {type(mask).__name__}."
             )
+        if sinks is not None:
+            return sdpa_with_sinks(q, k, v, mask, sinks, scale)
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=gqa, scale=scale
+            )
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+
+
+SINK_DIMS = 8  # the dims a sink adds to each query and key (a multiple of 8 keeps kernels)
+
+
+def sdpa_with_sinks(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor, scale: float | None
+) -> Tensor:
+    """SDPA with a sink per query head: one more key, seen by every query, whose value is
+    zero and whose logit is the head's sink.
+
+    The sink's logit rides on ``SINK_DIMS`` extra dims of the queries and keys (the sink
+    over the scale in each query's first one, a one in the sink key's, zeros elsewhere),
+    so the gradient reaches ``sinks`` through the queries and the mask stays boolean and
+    shared by the heads, not an additive ``(H, T, S)`` one.
+
+    Args:
+        q: ``(B, H, T, D)``; k, v: ``(B, Hkv, S, D)``, the last ``T`` keys the queries'
+            own positions.
+        mask: boolean, broadcastable to ``(B, H, T, S)``; None: causal (every key for a
+            single query).
+        sinks: ``(H,)`` logits.
+        scale: the softmax scale; None: ``1 / sqrt(D)``.
+
+    Returns:
+        ``(B, H, T, D)``.
+    """
+    B, H, T, D = q.shape
+    kv_heads, S = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    sink = (sinks / scale).to(q.dtype).view(1, H, 1, 1).expand(B, H, T, 1)
+    q = torch.cat([q, sink, q.new_zeros(B, H, T, SINK_DIMS - 1)], dim=-1)  # (B, H, T, D + P)
+    one = torch.zeros(D + SINK_DIMS, dtype=k.dtype, device=k.device)
+    one[D] = 1.0
+    sink_key = one.expand(B, kv_heads, 1, D + SINK_DIMS)
+    k = torch.cat([F.pad(k, (0, SINK_DIMS)), sink_key], dim=2)  # (B, Hkv, S + 1, D + P)
+    v = torch.cat([v, v.new_zeros(B, kv_heads, 1, D)], dim=2)  # (B, Hkv, S + 1, D)
+    if mask is None and T > 1:  # causal, the queries at the last T positions
+        positions = torch.arange(S, device=q.device)
+        mask = positions[None, :] <= positions[S - T :, None]  # (T, S)
+    if mask is not None:  # every query sees the sink
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:-1], 1)], dim=-1)  # (..., T, S + 1)
+    gqa = kv_heads != H
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+
+
+def flex_with_sinks(flex, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, **kwargs) -> Tensor:
+    """``flex(q, k, v, **kwargs)`` (flex_attention, compiled or not) with a sink per query
+    head, through the log-sum-exp it returns: ``out * sigmoid(lse - sink)``, which flex's
+    backward differentiates (its gradient of the log-sum-exp)."""
+    y, aux = flex(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)  # lse (B, H, T) fp32
+    weight = torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1))  # (B, H, T)
+    return y * weight.unsqueeze(-1).to(y.dtype)
 
 
 # Compiled once per process, on first use. Eager flex_attention materializes the whole
@@ -263,6 +340,7 @@ class FlexAttention(AttentionBackend):
         dtypes=_ALL_FLOAT_DTYPES,
         devices=("cpu", "cuda"),
         context_parallel=True,
+        sinks=True,
     )
 
     def __init__(self) -> None:
@@ -311,7 +389,13 @@ class FlexAttention(AttentionBackend):
         return tables + ([doc_ids] if doc_ids is not None else [])
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: object | None,
+        scale: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         if not isinstance(mask, BlockMask):
             raise TypeError(
@@ -325,6 +409,8 @@ class FlexAttention(AttentionBackend):
             # is several times slower than SDPA with a dense mask: evaluate the same
             # mask_mod densely and let SDPA apply it (same result, with autograd).
             dense = create_mask(mask.mask_mod, mask.shape[0], 1, T, T, q.device)  # (B|1, 1, T, T)
+            if sinks is not None:
+                return sdpa_with_sinks(q, k, v, dense, sinks, scale)
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=dense, enable_gqa=gqa, scale=scale
             )
@@ -332,5 +418,9 @@ class FlexAttention(AttentionBackend):
         if padded_len != T:
             q, k, v = (F.pad(x, (0, 0, 0, padded_len - T)) for x in (q, k, v))
         # q (B, H, T', D); k, v (B, Hkv, T', D) -> (B, H, T', D)
-        y = compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
+        if sinks is None:
+            y = compiled_flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
+        else:
+            kwargs = {"block_mask": mask, "enable_gqa": gqa, "scale": scale}
+            y = flex_with_sinks(compiled_flex(), q, k, v, sinks, **kwargs)
         return y[:, :, :T]

@@ -91,8 +91,18 @@ class FlashAttention(AttentionBackend):
         return VarlenMask(cu_seqlens=cu_seqlens, max_seqlen=seq_len, window=window)
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: object | None,
+        scale: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
+        if sinks is not None:  # refused when the model is built; here for any other caller
+            raise UnsupportedKernelError(
+                f"kernels.attention={self.name} cannot add attention sinks"
+            )
         flash_attn = _flash_attn_module or _load_flash_attn()[0]
         if flash_attn is None:
             raise UnsupportedKernelError(

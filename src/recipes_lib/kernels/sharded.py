@@ -220,8 +220,16 @@ class ShardedAttention(AttentionBackend):
         return build(sharded_causal, rows, None, len(shard.positions), shard.seq_len, device)
 
     def __call__(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: object | None, scale: float | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: object | None,
+        scale: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
+        if sinks is not None:  # refused when the model is built; here for any other caller
+            raise UnsupportedKernelError("context parallelism cannot add attention sinks")
         # q (B, H, T / N, D); k, v (B, Hkv, T / N, D) -> (B, H, T / N, D)
         if not isinstance(mask, Tensor | BlockMask):
             raise TypeError(f"sharded attention needs its own mask, got {type(mask).__name__}")

@@ -1,13 +1,15 @@
 """The decoder's block: grouped-query attention with RoPE and a gated MLP, each wrapped
 in its norms, and the options the model families turn on inside it.
 
-- Attention: q/k/v biases (Qwen2), a norm on the queries and keys (``model.qk_norm``:
-  Qwen3, OLMo 2, Gemma 3), layers without RoPE (``model.nope_layers``: SmolLM3), a local
-  window (``model.window_layers`` attend to the last ``model.sliding_window`` keys:
-  Gemma 3) and the softmax scale ``1 / sqrt(model.query_pre_attn_scalar)`` (Gemma).
+- Attention: q/k/v biases (Qwen2) and one on the output (gpt-oss), a learned sink
+  logit per head in each softmax (``model.attention_sinks``: gpt-oss), a norm on the
+  queries and keys (``model.qk_norm``: Qwen3, OLMo 2, Gemma 3), layers without RoPE
+  (``model.nope_layers``: SmolLM3), a local window (``model.window_layers`` attend to
+  the last ``model.sliding_window`` keys: Gemma 3) and the softmax scale
+  ``1 / sqrt(model.query_pre_attn_scalar)`` (Gemma).
 - MLP: ``w2(act(w1 x) * w3 x)`` with ``act`` SiLU (SwiGLU) or the tanh-approximated GELU
   (GeGLU: ``model.activation=gelu_tanh``, Gemma); or, in a mixture of experts, routed
-  experts of that form (:mod:`recipes_lib.models.moe`).
+  experts of that form (:mod:`recipes_lib.models.moe`); gpt-oss's clamped SwiGLU.
 - Norms (``model.norm_placement``): ``pre`` on each sublayer's input (Llama), ``post``
   on its output before the residual add (OLMo 2), ``both`` (Gemma 3).
 
@@ -29,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from recipes_lib.kernels import AttentionBackend
 from recipes_lib.models.kv_cache import LayerCache
-from recipes_lib.models.moe import MoEFeedForward, gated_mlp, is_moe_layer
+from recipes_lib.models.moe import GatedActivation, MoEFeedForward, gated_mlp, is_moe_layer
 from recipes_lib.models.norms import make_norm, qk_norm_sizes
 from recipes_lib.models.rope import apply_rope
 from recipes_lib.models.windows import layer_window
@@ -52,7 +54,9 @@ class Attention(nn.Module):
         self.wq = nn.Linear(config.dim, self.n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
-        self.wo = nn.Linear(self.n_heads * head_dim, config.dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * head_dim, config.dim, bias=config.attention_out_bias)
+        # a logit per query head in the softmax's denominator, with no value (gpt-oss)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads)) if config.attention_sinks else None
         self.qk_norm = config.qk_norm
         if self.qk_norm != "none":
             sizes = qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, head_dim)
@@ -89,19 +93,22 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if self.use_rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # a backend without sinks is refused when the model is built (Transformer)
+        sinks = {} if self.sinks is None else {"sinks": self.sinks}
         if cache is None:
-            y = self.backend(q, k, v, mask, scale=self.scale)  # (B, nh, T, hs)
+            y = self.backend(q, k, v, mask, scale=self.scale, **sinks)  # (B, nh, T, hs)
         else:  # over every cached position
             # a cache's mask is a boolean tensor or None (Transformer._mask)
-            y = cache.attend(q, k, v, cast("Tensor | None", mask), scale=self.scale)
+            y = cache.attend(q, k, v, cast("Tensor | None", mask), scale=self.scale, **sinks)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
         return self.wo(y)  # (B, T, C)
 
 
 class FeedForward(nn.Module):
-    """Gated MLP: ``w2(act(w1 x) * w3 x)``, ``act`` SiLU (SwiGLU) or the tanh GELU (GeGLU)."""
+    """Gated MLP: ``w2(act(w1 x) * w3 x)``, ``act`` SiLU (SwiGLU) or the tanh GELU (GeGLU)
+    (or gpt-oss's clamped SwiGLU: :class:`~recipes_lib.models.moe.GatedActivation`)."""
 
-    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu"):
+    def __init__(self, dim: int, hidden_dim: int, activation: str | GatedActivation = "silu"):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden_dim, bias=False)  # gate
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)  # up
@@ -130,7 +137,8 @@ class TransformerBlock(nn.Module):
         if self.routed:  # experts in place of the MLP
             self.feed_forward = MoEFeedForward(config, FeedForward)
         else:
-            self.feed_forward = FeedForward(config.dim, config.ffn_dim, config.activation)
+            activation = GatedActivation.of(config)
+            self.feed_forward = FeedForward(config.dim, config.ffn_dim, activation)
         if self.placement == "both":  # the output norms, beside the input ones
             self.post_attention_norm = make_norm(config, config.dim, follows_input=True)
             self.post_ffn_norm = make_norm(config, config.dim, follows_input=True)

@@ -56,6 +56,7 @@ def graphable(model: Transformer) -> bool:
         and plain
         and not any(isinstance(m, MoEFeedForward) for m in model.modules())
         and model.config.rope_scaling.type != "longrope"
+        and not model.config.attention_sinks  # its static cache attends without them
     )
 
 

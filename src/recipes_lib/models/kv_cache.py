@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recipes_lib.errors import ConfigError
+from recipes_lib.kernels.attention import sdpa_with_sinks
 
 
 def padded_offset_mask(mask: Tensor | None, key_mask: Tensor, n_new: int, start_pos: int) -> Tensor:
@@ -60,17 +61,26 @@ class LayerCache:
     start_pos: int
 
     def attend(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float | None = None
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: Tensor | None,
+        scale: float | None = None,
+        sinks: Tensor | None = None,
     ) -> Tensor:
         """Write ``k``/``v`` (``(B, nkv, T, hs)``) at ``start_pos`` and attend ``q``
         (``(B, nh, T, hs)``) over positions ``0 .. start_pos + T`` under ``mask`` (None for
         a single token, which sees every cached position), with softmax scale ``scale``
-        (None: ``1 / sqrt(hs)``). Returns ``(B, nh, T, hs)``."""
+        (None: ``1 / sqrt(hs)``) and ``sinks`` (``(nh,)``, a logit per head with no
+        value; None: none). Returns ``(B, nh, T, hs)``."""
         B, T = q.shape[0], q.shape[2]
         end = self.start_pos + T
         self.keys[:B, :, self.start_pos : end] = k
         self.values[:B, :, self.start_pos : end] = v
         keys, values = self.keys[:B, :, :end], self.values[:B, :, :end]  # (B, nkv, end, hs)
+        if sinks is not None:
+            return sdpa_with_sinks(q, keys, values, mask, sinks, scale)
         gqa = keys.shape[1] != q.shape[1]
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale

@@ -13,6 +13,8 @@ gated MLPs for each token; their outputs, weighted by the router, are summed.
   its contiguous rows: on CUDA in one grouped GEMM (``torch._grouped_mm``) per weight,
   elsewhere in a plain loop over the experts (exact, the reference).
 - Shared experts (``model.moe_shared_experts``): one dense MLP every token also goes through.
+- Biases (``model.moe_bias``, gpt-oss): on the router's logits and on each expert's
+  three projections (``experts.w1/w3`` ``(E, F)``, ``experts.w2`` ``(E, C)``).
 
 A training forward leaves on the module what the objective and the logs need:
 ``balance_loss`` (Switch Transformer's ``E * sum_e f_e * P_e`` with ``f_e`` the tokens
@@ -32,6 +34,7 @@ Shapes: N tokens (B * T), C model dim, E experts, k experts per token, F expert 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -90,15 +93,38 @@ def check_moe(config: ModelConfig) -> None:
             raise ConfigError(f"model.{key}={getattr(config, key)} must not be negative")
 
 
-def gated_mlp(gate: Tensor, up: Tensor, activation: str) -> Tensor:
-    """``act(gate) * up``, ``act`` SiLU or the tanh-approximated GELU."""
-    if activation == "gelu_tanh":
+@dataclass(frozen=True)
+class GatedActivation:
+    """The gate of a gated MLP (``model.activation``) with its settings: ``clamped_swiglu``
+    (gpt-oss) reads ``alpha`` and ``limit`` (``model.swiglu_alpha``, ``model.swiglu_limit``)."""
+
+    name: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> GatedActivation:
+        return cls(config.activation, config.swiglu_alpha, config.swiglu_limit)
+
+
+def gated_mlp(gate: Tensor, up: Tensor, activation: str | GatedActivation) -> Tensor:
+    """``act(gate) * up``, ``act`` SiLU or the tanh-approximated GELU; gpt-oss's clamped
+    SwiGLU: ``(up + 1) * g * sigmoid(alpha * g)`` with ``g`` the gate clamped above at
+    ``limit`` and ``up`` clamped to ``[-limit, limit]``."""
+    if isinstance(activation, str):
+        activation = GatedActivation(activation)
+    if activation.name == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    if activation.name == "clamped_swiglu":
+        limit = activation.limit
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * gate * torch.sigmoid(activation.alpha * gate)
     return F.silu(gate) * up
 
 
 class GroupedLinear(nn.Module):
-    """``E`` linear maps without bias, stacked: ``weight`` is ``(E, out, in)``.
+    """``E`` linear maps, stacked: ``weight`` is ``(E, out, in)``, ``bias`` ``(E, out)``
+    or None.
 
     Calling it with the rows it is about to multiply gives the weight to multiply them
     with: an adapter on the experts (PEFT's ``target_parameters``, whose wrapper of this
@@ -107,9 +133,10 @@ class GroupedLinear(nn.Module):
     ``is_transposed`` marks ``(E, in, out)``).
     """
 
-    def __init__(self, n: int, in_features: int, out_features: int):
+    def __init__(self, n: int, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(n, out_features)) if bias else None
 
     def forward(self, rows: Tensor) -> Tensor:
         return self.weight
@@ -124,11 +151,18 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 class Experts(nn.Module):
     """``E`` gated MLPs over rows sorted by expert (``counts[e]`` rows for expert ``e``)."""
 
-    def __init__(self, n: int, dim: int, hidden: int, activation: str):
+    def __init__(
+        self,
+        n: int,
+        dim: int,
+        hidden: int,
+        activation: str | GatedActivation,
+        bias: bool = False,
+    ):
         super().__init__()
-        self.w1 = GroupedLinear(n, dim, hidden)  # gate
-        self.w3 = GroupedLinear(n, dim, hidden)  # up
-        self.w2 = GroupedLinear(n, hidden, dim)  # down
+        self.w1 = GroupedLinear(n, dim, hidden, bias)  # gate
+        self.w3 = GroupedLinear(n, dim, hidden, bias)  # up
+        self.w2 = GroupedLinear(n, hidden, dim, bias)  # down
         self.activation = activation
         # grouped: one grouped GEMM per weight; loop: one matmul per expert; auto:
         # grouped on CUDA in bf16, the loop elsewhere (kernels.experts)
@@ -162,16 +196,31 @@ class Experts(nn.Module):
             found.append(w.to(dtype))
         return found[0], found[1], found[2]
 
+    def biases(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor] | None:
+        """``w1``'s, ``w3``'s and ``w2``'s biases in ``dtype`` (this rank's experts under
+        expert parallelism), or None without biases."""
+        found = []
+        for linear in (self.w1, self.w3, self.w2):
+            if linear.bias is None:
+                return None
+            b: Tensor = linear.bias
+            if self.parallel is not None:
+                b = self.parallel.local(b)
+            found.append(b.to(dtype))
+        return found[0], found[1], found[2]
+
     def _loop(self, x: Tensor, counts: Tensor) -> Tensor:
         w1, w3, w2 = self.weights(x, x.dtype)
+        b = self.biases(x.dtype)
         outs, start = [], 0
         for e, n in enumerate(counts.tolist()):
             # an idle expert's empty rows are multiplied too: the output then depends on
             # ``x`` and every weight even when no row came, so every rank's backward runs
             # the same collectives (the expert-parallel exchange's all-to-alls)
             rows = x[start : start + n]
-            h = gated_mlp(F.linear(rows, w1[e]), F.linear(rows, w3[e]), self.activation)
-            outs.append(F.linear(h, w2[e]))
+            b1, b3, b2 = (None, None, None) if b is None else (b[0][e], b[1][e], b[2][e])
+            gate, up = F.linear(rows, w1[e], b1), F.linear(rows, w3[e], b3)
+            outs.append(F.linear(gated_mlp(gate, up, self.activation), w2[e], b2))
             start += n
         return torch.cat(outs)
 
@@ -179,12 +228,18 @@ class Experts(nn.Module):
         dtype = _compute_dtype(x)  # autocast does not reach _grouped_mm: cast as it would
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         w1, w3, w2 = self.weights(x, dtype)
+        b = self.biases(dtype)
         x = x.to(dtype)
+        if b is not None:  # each row's expert, to add its biases
+            experts = torch.arange(len(counts), device=x.device)
+            row_expert = torch.repeat_interleave(experts, counts, output_size=x.shape[0])
 
-        def mm(a: Tensor, w: Tensor) -> Tensor:
-            return torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+        def mm(a: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+            out = torch._grouped_mm(a, w.transpose(-2, -1), offs=offsets)
+            return out if bias is None else out + bias[row_expert]
 
-        return mm(gated_mlp(mm(x, w1), mm(x, w3), self.activation), w2)
+        b1, b3, b2 = (None, None, None) if b is None else b
+        return mm(gated_mlp(mm(x, w1, b1), mm(x, w3, b3), self.activation), w2, b2)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -251,16 +306,19 @@ class MoEFeedForward(nn.Module):
 
     # dense: the dense feed-forward class (blocks.FeedForward), passed in because blocks
     # imports this module: (dim, hidden, activation) -> the module
-    def __init__(self, config: ModelConfig, dense: Callable[[int, int, str], nn.Module]):
+    def __init__(
+        self, config: ModelConfig, dense: Callable[[int, int, GatedActivation], nn.Module]
+    ):
         super().__init__()
         self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
         self.router_kind, self.renormalize = config.moe_router, config.moe_renormalize
         hidden = config.moe_ffn_dim or config.ffn_dim
-        self.router = nn.Linear(config.dim, self.n_experts, bias=False)
-        self.experts = Experts(self.n_experts, config.dim, hidden, config.activation)
+        activation = GatedActivation.of(config)
+        self.router = nn.Linear(config.dim, self.n_experts, bias=config.moe_bias)
+        self.experts = Experts(self.n_experts, config.dim, hidden, activation, config.moe_bias)
         self.shared: nn.Module | None = None
         if config.moe_shared_experts:
-            self.shared = dense(config.dim, config.moe_shared_experts * hidden, config.activation)
+            self.shared = dense(config.dim, config.moe_shared_experts * hidden, activation)
         if self.router_kind == "sigmoid":  # moved by update_bias, never by the gradient
             self.register_buffer("expert_bias", torch.zeros(self.n_experts))
         self.z_loss: Tensor | None = None

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 QK_NORMS = ("none", "head", "full")
 NORM_PLACEMENTS = ("pre", "post", "both")
-ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU, GeGLU (tanh GELU)
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")  # SwiGLU, GeGLU, gpt-oss's
 
 
 def check_norm_options(config: ModelConfig) -> None:

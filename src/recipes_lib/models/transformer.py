@@ -6,7 +6,8 @@ the Llama layout, Qwen2's q/k/v biases, tied embeddings, Qwen3's and OLMo 2's no
 the queries and keys and OLMo 2's post-norm blocks (:mod:`recipes_lib.models.norms`),
 SmolLM3's layers without RoPE (``model.nope_layers``), Phi-3's partial rotation and
 LongRoPE (:mod:`recipes_lib.models.rope`), Gemma 3's local layers with their own RoPE
-base, scaled embeddings, GeGLU and norms on both sides of each sublayer.
+base, scaled embeddings, GeGLU and norms on both sides of each sublayer, gpt-oss's
+attention sinks and biases and its experts' clamped SwiGLU.
 Parameter names follow Meta's Llama code (``tok_embeddings``,
 ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...), so a family's Hugging Face
 adapter is a rename table. RoPE uses the rotate-half convention of Hugging Face /
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from recipes_lib.config.model import HEADS, head_tied
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
-from recipes_lib.kernels import AttentionBackend, get_attention_backend
+from recipes_lib.kernels import ATTENTION_BACKENDS, AttentionBackend, get_attention_backend
 from recipes_lib.kernels.compiled import call_block, mark_varying, varying
 from recipes_lib.kernels.offload import ActivationOffload, offloaded
 from recipes_lib.kernels.sharded import ContextShard, ShardedAttention
@@ -96,6 +97,17 @@ class Transformer(nn.Module):
                 f"kernels.attention={backend.name} does not support grouped-query attention "
                 f"(model.n_kv_heads={n_kv_heads} < model.n_heads={config.n_heads})"
             )
+        if config.attention_sinks and not backend.capabilities.sinks:
+            takes = [
+                name
+                for name in ATTENTION_BACKENDS
+                if get_attention_backend(name).capabilities.sinks
+            ]
+            raise UnsupportedKernelError(
+                f"kernels.attention={backend.name} cannot add attention sinks "
+                f"(model.attention_sinks=true, model.family={config.family}); use "
+                f"kernels.attention={' | '.join(takes)}"
+            )
         self.attention_backend = backend
         self.sharded_attention: ShardedAttention | None = None  # set_context_shard
         # checkpointed blocks' inputs kept in host memory (kernels.activation_offload)
@@ -139,6 +151,11 @@ class Transformer(nn.Module):
         :meth:`forward_hidden` are then ``shard``'s positions of every row, attention
         gathers the others' keys and values, and RoPE and the masks use the global
         positions (:mod:`recipes_lib.kernels.sharded`). None: whole rows again."""
+        if shard is not None and self.config.attention_sinks:
+            raise UnsupportedKernelError(
+                "context parallelism cannot add attention sinks (model.attention_sinks=true, "
+                f"model.family={self.config.family}): its attention takes none"
+            )
         sharded = None if shard is None else ShardedAttention(self.attention_backend, shard)
         self.sharded_attention = sharded
         for layer in self.blocks:
@@ -183,8 +200,15 @@ class Transformer(nn.Module):
                     nn.init.zeros_(bias)
             for linear in [attention.wo] + [m.w2 for m in mlps]:
                 nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
+                bias = getattr(linear, "bias", None)
+                if bias is not None:
+                    nn.init.zeros_(bias)
+            if attention.sinks is not None:  # a sink logit of zero in every head
+                nn.init.zeros_(attention.sinks)
             if isinstance(layer.feed_forward, MoEFeedForward):
                 nn.init.normal_(layer.feed_forward.router.weight, mean=0.0, std=std)
+                if layer.feed_forward.router.bias is not None:
+                    nn.init.zeros_(layer.feed_forward.router.bias)
                 if layer.feed_forward.router_kind == "sigmoid":
                     nn.init.zeros_(layer.feed_forward.expert_bias)
             for norm in layer.norms():  # a gain of one: 1 - offset stored

@@ -14,6 +14,7 @@ from recipes_lib.config.model import BLOCK_OPTIONS, block_option_defaults
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.base import Family, TensorNames, refuse
 from recipes_lib.models.families.gemma3 import GEMMA3
+from recipes_lib.models.families.gpt_oss import GPT_OSS
 from recipes_lib.models.families.llama import LLAMA
 from recipes_lib.models.families.mixtral import MIXTRAL
 from recipes_lib.models.families.olmo2 import OLMO2
@@ -42,6 +43,7 @@ FAMILIES: dict[str, Family] = {
         QWEN3_MOE,
         OLMOE,
         MIXTRAL,
+        GPT_OSS,
     )
 }
 GUIDE = "docs/models.md, 'Adding a model family'"

@@ -13,13 +13,36 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from torch import Tensor
+
 from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.image_text import ImageText
 
-# the decoder's own names inside a block, and outside the blocks
-_NATIVE_LAYER = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+# the decoder's own names inside a block, and outside the blocks: the layer, the name in
+# it and its suffix (".weight", ".bias", or none: a parameter of its own, gpt-oss's sinks)
+_NATIVE_LAYER = re.compile(r"layers\.(\d+)\.(.+?)(\.weight|\.bias|)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+?)(\.weight|\.bias|)")
+# the layer and the whole name inside it
+_NATIVE_PREFIX = re.compile(r"layers\.(\d+)\.(.+)")
+_LAYER_PREFIX = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class Rearranged:
+    """A Hugging Face tensor inside a block that holds native ones in another layout
+    (gpt-oss's experts: gate and up interleaved in one ``(E, in, 2 * out)`` tensor).
+
+    Attributes:
+        parts: the native names inside the block, with their suffix
+            (``feed_forward.experts.w1.weight``), in the order ``split`` returns them.
+        split: the Hugging Face tensor -> the native ones (views are fine).
+        join: the native tensors -> the Hugging Face one; ``join(split(t))`` is ``t``.
+    """
+
+    parts: tuple[str, ...]
+    split: Callable[[Tensor], list[Tensor]]
+    join: Callable[[list[Tensor]], Tensor]
 
 
 @dataclass(frozen=True)
@@ -42,6 +65,9 @@ class TensorNames:
             Expert ``e``'s slice is named ``<native name>[e]`` (:func:`expert_slice`).
         experts_module: inside block ``N``: transformers' (5+) module of the stacked
             experts, ``gate_up_proj`` and ``down_proj``, which PEFT adapters target.
+        rearranged: inside block ``N``: the whole Hugging Face name (suffix included,
+            if it has one) of a tensor holding native ones in another layout
+            (:class:`Rearranged`), converted both ways.
     """
 
     layer: Mapping[str, str]
@@ -50,11 +76,13 @@ class TensorNames:
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     experts: Mapping[str, str] = field(default_factory=dict)
     experts_module: str = ""
+    rearranged: Mapping[str, Rearranged] = field(default_factory=dict)
     _native_layer: dict[str, str] = field(init=False, repr=False)
     _native_top: dict[str, str] = field(init=False, repr=False)
     _native_fused: dict[str, tuple[str, int, int]] = field(init=False, repr=False)
     _hf_experts: dict[re.Pattern, str] = field(init=False, repr=False)
     _native_experts: dict[str, str] = field(init=False, repr=False)
+    _native_rearranged: dict[str, tuple[str, int]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_native_layer", {v: k for k, v in self.layer.items()})
@@ -71,6 +99,12 @@ class TensorNames:
         }
         object.__setattr__(self, "_hf_experts", hf_experts)
         object.__setattr__(self, "_native_experts", {v: k for k, v in self.experts.items()})
+        rearranged_parts = {
+            part: (hf, i)
+            for hf, rearranged in self.rearranged.items()
+            for i, part in enumerate(rearranged.parts)
+        }
+        object.__setattr__(self, "_native_rearranged", rearranged_parts)
 
     def for_head(self, head: str) -> TensorNames:
         """These names for a model with ``head`` (``model.head``): a score head is
@@ -91,7 +125,7 @@ class TensorNames:
         match = _HF_LAYER.fullmatch(name)
         if not (match and match[2] in self.fused):
             return None
-        return [f"layers.{match[1]}.{part}.{match[3]}" for part in self.fused[match[2]]]
+        return [f"layers.{match[1]}.{part}{match[3]}" for part in self.fused[match[2]]]
 
     def fused_of(self, name: str) -> tuple[str, int, int] | None:
         """The fused Hugging Face tensor a native one goes into, its place in it and the
@@ -100,7 +134,25 @@ class TensorNames:
         if not (match and match[2] in self._native_fused):
             return None
         hf, index, count = self._native_fused[match[2]]
-        return f"model.layers.{match[1]}.{hf}.{match[3]}", index, count
+        return f"model.layers.{match[1]}.{hf}{match[3]}", index, count
+
+    def rearranged_parts(self, name: str) -> tuple[Rearranged, list[str]] | None:
+        """The rearrangement of a Hugging Face tensor and the native names it holds, in
+        its order, or None."""
+        match = _LAYER_PREFIX.fullmatch(name)
+        if not (match and match[2] in self.rearranged):
+            return None
+        rearranged = self.rearranged[match[2]]
+        return rearranged, [f"layers.{match[1]}.{part}" for part in rearranged.parts]
+
+    def rearranged_of(self, name: str) -> tuple[str, int, Rearranged] | None:
+        """The Hugging Face tensor a native one is rearranged into, its place among the
+        parts and the rearrangement, or None."""
+        match = _NATIVE_PREFIX.fullmatch(name)
+        if not (match and match[2] in self._native_rearranged):
+            return None
+        hf, index = self._native_rearranged[match[2]]
+        return f"model.layers.{match[1]}.{hf}", index, self.rearranged[hf]
 
     def to_native(self, name: str) -> str | None:
         """The native name of a Hugging Face tensor name, or None if it has none."""
@@ -108,12 +160,12 @@ class TensorNames:
             return self.top[name]
         match = _HF_LAYER.fullmatch(name)
         if match and match[2] in self.layer:
-            return f"layers.{match[1]}.{self.layer[match[2]]}.{match[3]}"
+            return f"layers.{match[1]}.{self.layer[match[2]]}{match[3]}"
         if match:
             for pattern, native in self._hf_experts.items():
                 expert = pattern.fullmatch(match[2])
                 if expert:
-                    return expert_slice(f"layers.{match[1]}.{native}.{match[3]}", int(expert[1]))
+                    return expert_slice(f"layers.{match[1]}.{native}{match[3]}", int(expert[1]))
         return None
 
     def to_hf(self, name: str) -> str | None:
@@ -126,9 +178,9 @@ class TensorNames:
             if not (match and match[2] in self._native_experts):
                 return None
             hf = self._native_experts[match[2]].replace("{}", str(expert))
-            return f"model.layers.{match[1]}.{hf}.{match[3]}"
+            return f"model.layers.{match[1]}.{hf}{match[3]}"
         if match and match[2] in self._native_layer:
-            return f"model.layers.{match[1]}.{self._native_layer[match[2]]}.{match[3]}"
+            return f"model.layers.{match[1]}.{self._native_layer[match[2]]}{match[3]}"
         return None
 
 
