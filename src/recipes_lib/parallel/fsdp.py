@@ -114,10 +114,13 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh) -> set[nn.Parameter]:
             )
         experts = layer.experts
         for linear in (experts.w1, experts.w3, experts.w2):
-            weight = linear.weight
-            shard = distribute_tensor(weight.detach(), mesh, [Shard(0)])
-            linear.weight = nn.Parameter(shard, requires_grad=weight.requires_grad)
-            moved.add(linear.weight)
+            for name in ("weight", "bias"):  # a bias (model.moe_bias) is one row per expert
+                param = getattr(linear, name)
+                if param is None:
+                    continue
+                shard = distribute_tensor(param.detach(), mesh, [Shard(0)])
+                setattr(linear, name, nn.Parameter(shard, requires_grad=param.requires_grad))
+                moved.add(getattr(linear, name))
         experts.parallel = ExpertParallel(group, size)
     if moved:
         experts_per_rank = moe_layers(model)[0].n_experts // size
