@@ -30,7 +30,7 @@ from recipes_lib.checkpoint.layout import (
     MANIFEST_NAME,
     RunDir,
 )
-from recipes_lib.checkpoint.source import read_init_source
+from recipes_lib.checkpoint.source import InitSource, read_init_source
 from recipes_lib.checkpoint.weights import (
     load_state_into,
     load_weights,
@@ -40,9 +40,10 @@ from recipes_lib.config.schema import ModelConfig, TokenizerConfig
 from recipes_lib.config.store import as_config
 from recipes_lib.data.tokenizer import TOKENIZER_FILE
 from recipes_lib.errors import CheckpointError, ConfigError, DataError
-from recipes_lib.models import KVCache, Transformer
+from recipes_lib.models import Transformer
+from recipes_lib.models.hf_fallback import HFCausalLM, build_hf_model, is_fallback
 from recipes_lib.models.rope import longrope_restarts
-from recipes_lib.models.sampling import check_sampling, sample_next
+from recipes_lib.models.sampling import check_sampling, decoding_cache, sample_next
 
 
 # -------------------------------------------------------------------- sampling
@@ -57,7 +58,7 @@ def sample_token(
 
 @torch.no_grad()
 def generate(
-    model: Transformer,
+    model: Transformer | HFCausalLM,
     prompt_ids: Sequence[int],
     max_new_tokens: int,
     temperature: float = 0.0,
@@ -108,12 +109,13 @@ def generate(
     device = model.tok_embeddings.weight.device
     was_training = model.training
     model.eval()
-    cache = KVCache.for_model(model, batch_size=1, max_len=positions) if use_cache else None
+    cache = decoding_cache(model, 1, positions) if use_cache else None
 
     def next_logits(tokens: list[int], start_pos: int | None = None) -> Tensor:
         ids = torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
-        hidden = model.forward_hidden(ids, cache=cache, start_pos=start_pos)  # (1, T, C)
-        return model.output(hidden[0, -1])  # (V,)
+        # the model's own forward: the transformers fallback's head may do more than
+        # the product with the hidden states
+        return model(ids, cache=cache, start_pos=start_pos, last_only=True)[0, -1]  # (V,)
 
     new: list[int] = []
     try:
@@ -148,7 +150,7 @@ class GenerationModel:
         kind: ``lightning`` | ``native`` | ``hf``.
     """
 
-    model: Transformer
+    model: Transformer | HFCausalLM
     config: ModelConfig
     tokenizer: Tokenizer
     eos_ids: list[int]
@@ -222,6 +224,21 @@ def _build(config: ModelConfig, state: dict[str, Tensor], label: str, device, dt
     return model.eval()
 
 
+def _fallback(found: InitSource, path: Path, device, dtype) -> tuple[HFCausalLM, ModelConfig]:
+    """transformers' own model of a checkpoint of the transformers fallback, with its
+    weights (a Hugging Face folder's, or the run's under transformers' names)."""
+    where = f"checkpoint='{path}'"
+    config = as_config(ModelConfig, found.model, f"{where} model")
+    folder = found.path if found.kind == "hf" else None
+    with torch.device(device):
+        model = build_hf_model(config, folder=folder, where=where)
+    if folder is None:
+        load_state_into(model, load_weights(path), where)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval(), config
+
+
 def load_for_generation(
     source: str | Path,
     tokenizer: str | Path | None = None,
@@ -250,13 +267,19 @@ def load_for_generation(
     path = Path(source).expanduser()
     if not path.exists():
         raise CheckpointError(f"checkpoint={str(source)!r}: no such file or folder")
-    if path.is_dir() and (path / HF_CONFIG_NAME).is_file():
-        model, config = load_hf_checkpoint(path, attention, dtype=dtype, device=device)
+    found = read_init_source(path, "checkpoint")
+    fallback = found.model is not None and is_fallback(found.model)
+    model: Transformer | HFCausalLM
+    hf_folder = path.is_dir() and (path / HF_CONFIG_NAME).is_file()
+    if hf_folder:
+        if fallback:  # no native family reads it: transformers' own model
+            model, config = _fallback(found, path, device, dtype)
+        else:
+            model, config = load_hf_checkpoint(path, attention, dtype=dtype, device=device)
         hf_tokenizer, template = load_hf_tokenizer(tokenizer if tokenizer is not None else path)
         eos_ids = hf_eos_token_ids(path, hf_tokenizer)
         return GenerationModel(model, config, hf_tokenizer, eos_ids, template, path, "hf")
 
-    found = read_init_source(path, "checkpoint")
     if found.model is None:
         raise CheckpointError(
             f"'{path}': no {MANIFEST_NAME} or {CONFIG_NAME} beside the weights says the "
@@ -268,9 +291,12 @@ def load_for_generation(
     if folder.name == CHECKPOINTS_DIR:
         folders.append(folder.parent)  # the run folder
     kind = "lightning" if found.kind in ("checkpoint", "sharded") else "native"
-    state = load_weights(path)
-    model = _build(config, state, f"checkpoint='{path}'", device, dtype, attention)
-    del state
+    if fallback:
+        model, config = _fallback(found, path, device, dtype)
+    else:
+        state = load_weights(path)
+        model = _build(config, state, f"checkpoint='{path}'", device, dtype, attention)
+        del state
     native_tokenizer, template, eos_ids = _native_tokenizer(path, folders, tokenizer)
     return GenerationModel(model, config, native_tokenizer, eos_ids, template, path, kind)
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from rich.console import Console
@@ -132,7 +132,7 @@ def evaluate_checkpoint(
     refs = resolve_tasks(settings.tasks, settings.task_dirs)
     loaded = load_for_generation(checkpoint, tokenizer, device=device, dtype=dtype)
     return evaluate_model(
-        loaded.model,
+        cast("Transformer", loaded.model),  # the transformers fallback answers the same calls
         loaded.tokenizer,
         loaded.eos_ids,
         refs,

@@ -18,18 +18,21 @@ checkpointing), ``attention_backend.check`` and ``flops_per_token``.
   head applied in chunks) where the model's logits are exactly ``lm_head(hidden)``;
   a model that does more to its logits (soft-capping, a scale, a bias) computes them
   whole, as transformers does (probed once, at build).
+- Decoding (``forward(cache=...)``) keeps transformers' own cache in a
+  :class:`FallbackCache`, which answers the generation code as a ``KVCache`` does.
 
 :func:`fallback_model_config` reads the shape fields the rest of the library estimates
 with from any ``config.json``; :func:`check_fallback_folder` refuses, in one line, a
 folder this path cannot train.
 
 One concept: transformers' model as the library's decoder; the config it is read from,
-the folders it refuses and the probes that decide how it is called all answer to the
-one wrapper and change with it.
+the folders it refuses, the probes that decide how it is called and its decoding state
+all answer to the one wrapper and change with it.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -212,6 +215,47 @@ class FallbackAttention:
             )
 
 
+class FallbackCache:
+    """Decoding state of the transformers fallback: transformers' own cache object
+    (made by the model's first cached call, so a hybrid or state-space model makes its
+    own kind) behind the interface of :class:`~recipes_lib.models.KVCache`: ``length``
+    positions held, ``key_mask`` (``(B, S)`` bool or None) marking each row's real
+    tokens, ``batch_size``, ``max_len`` and :meth:`reset`."""
+
+    def __init__(self, batch_size: int, max_len: int):
+        self.state: Any = None  # transformers' Cache
+        self.length = 0
+        self.key_mask: Tensor | None = None  # (B, S): positions holding real tokens
+        self._batch_size, self._max_len = batch_size, max_len
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    def rewind(self, start: int) -> None:
+        """Keep the first ``start`` positions only: all (``start == length``) or none.
+
+        Raises:
+            ConfigError: a rewind to a position in between (transformers' caches of
+                different kinds drop positions in different ways, some not at all).
+        """
+        if start == 0:
+            self.reset()
+        elif start != self.length:
+            raise ConfigError(
+                f"start_pos={start}: the transformers fallback's cache holds {self.length} "
+                "positions and restarts at 0 or continues at the end, nowhere between"
+            )
+
+    def reset(self) -> None:
+        """Forget every cached position."""
+        self.state, self.length = None, 0
+
+
 def document_positions(doc_ids: Tensor) -> Tensor:
     """Position ids ``(B, T)`` that restart at 0 where each document of a packed row
     starts (where ``doc_ids`` changes)."""
@@ -291,6 +335,12 @@ class HFCausalLM(nn.Module):
         self.fused_head = False
         self.attention_backend = FallbackAttention(attention, packs_documents=True)
         self._packing = "positions"  # | "mask": a 4-D block mask
+        # what its forward takes when decoding: the cache under transformers' name for
+        # it (``cache``; ``past_key_values`` in older code), position ids, a logits cut
+        takes = set(inspect.signature(hf_model.forward).parameters)
+        self._cache_key = "cache" if "cache" in takes else "past_key_values"
+        self._takes_positions = "position_ids" in takes
+        self._takes_logits_to_keep = "logits_to_keep" in takes
         # the first training batch's loss, the library's and transformers' own
         self.load_check: dict[str, float] | None = None
         self.train(hf_model.training)
@@ -307,6 +357,28 @@ class HFCausalLM(nn.Module):
         """How packed rows keep their documents apart: ``positions`` (position ids that
         restart per document) or ``mask`` (a 4-D block mask)."""
         return self._packing
+
+    @property
+    def tok_embeddings(self) -> nn.Embedding:
+        """The input embeddings, under the native decoder's name (where decoding finds
+        the model's device and dtype)."""
+        return self.hf.get_input_embeddings()
+
+    def new_cache(self, batch_size: int = 1, max_len: int | None = None) -> FallbackCache:
+        """An empty decoding cache for ``batch_size`` rows of up to ``max_len`` positions
+        (default ``model.max_seq_len``), as :meth:`KVCache.for_model
+        <recipes_lib.models.KVCache.for_model>` makes one for the native decoder.
+
+        Raises:
+            ConfigError: ``max_len`` exceeds ``model.max_seq_len``.
+        """
+        limit = self.config.max_seq_len
+        max_len = limit if max_len is None else max_len
+        if not 0 < max_len <= limit:
+            raise ConfigError(
+                f"a KV cache of {max_len} positions does not fit model.max_seq_len={limit}"
+            )
+        return FallbackCache(batch_size, max_len)
 
     @property
     def head_weight(self) -> Tensor:
@@ -354,11 +426,28 @@ class HFCausalLM(nn.Module):
         token_mask: Tensor | None = None,
     ) -> Tensor:
         """Hidden states after the model's final norm, ``(B, T, C)``."""
-        del token_mask  # a mixture's balance loss is transformers' own business
+        del token_mask  # a mixture's balance loss is added to the loss (forward)
         if cache is not None or start_pos:
-            raise ConfigError("the transformers fallback (model.family=hf) has no KV cache here")
+            raise ValueError(
+                "the transformers fallback decodes through forward(cache=...), which gives "
+                "its logits: its hidden states may not be all its head sees"
+            )
         self._check_length(input_ids)
         return self._base(**self._inputs(input_ids, doc_ids)).last_hidden_state
+
+    def output(self, hidden: Tensor) -> Tensor:
+        """The logits of hidden states ``(..., C)`` from :meth:`forward_hidden`: the
+        model's head, where its logits are the head's product with them.
+
+        Raises:
+            ConfigError: a model that does more to its logits (soft-capping, a scale).
+        """
+        if not self.fused_head:
+            raise ConfigError(
+                "this transformers model's logits are not its head's product with the hidden "
+                "states (soft-capping, a scale or a bias): take them from forward()"
+            )
+        return self.hf.get_output_embeddings()(hidden)
 
     def _check_length(self, input_ids: Tensor) -> None:
         if input_ids.shape[1] > self.config.max_seq_len:
@@ -390,8 +479,13 @@ class HFCausalLM(nn.Module):
         """As :meth:`recipes_lib.models.Transformer.forward`: logits, or with ``labels``
         the mean cross-entropy (``per_token``: each label's log-prob), the head fused
         with the loss in chunks of ``loss_chunk_size`` rows where the model allows it."""
-        if cache is not None or start_pos:
-            raise ConfigError("the transformers fallback (model.family=hf) has no KV cache here")
+        if cache is not None:
+            if labels is not None or doc_ids is not None:
+                raise ValueError("a KV cache decodes: it takes neither labels nor doc_ids")
+            logits = self.decode(input_ids, cache, start_pos, last_only)
+            return logits if temperature == 1.0 else logits / temperature
+        if start_pos:
+            raise ValueError(f"start_pos={start_pos} needs a KV cache holding the earlier tokens")
         if labels is not None and labels.shape != input_ids.shape:
             raise ValueError(
                 f"labels {tuple(labels.shape)} must have the shape of input_ids "
@@ -402,6 +496,61 @@ class HFCausalLM(nn.Module):
         return self._forward(
             input_ids, doc_ids, labels, per_token, loss_chunk_size, last_only, temperature, fused
         )
+
+    def decode(
+        self, input_ids: Tensor, cache: FallbackCache, start_pos: int | None, last_only: bool
+    ) -> Tensor:
+        """The logits of ``input_ids`` ``(B, T)`` continuing the ``cache.length`` positions
+        ``cache`` holds (``start_pos`` 0: starting again), which then holds them too.
+
+        A row's position ids count its real tokens (``cache.key_mask``), as transformers'
+        ``generate`` counts them under its attention mask, so a left-padded row decodes
+        as it would alone, with absolute position embeddings too.
+
+        Raises:
+            ConfigError: the positions run past the cache or ``model.max_seq_len``.
+        """
+        B, T = input_ids.shape
+        start = cache.length if start_pos is None else start_pos
+        if T < 1 or not 0 <= start <= cache.length:
+            raise ValueError(
+                f"start_pos={start} with {T} tokens: the cache holds {cache.length} positions"
+            )
+        if B > cache.batch_size:
+            raise ValueError(f"a batch of {B} rows does not fit a cache of {cache.batch_size}")
+        end = start + T
+        if end > min(cache.max_len, self.config.max_seq_len):
+            raise ConfigError(
+                f"positions up to {end} do not fit the KV cache of {cache.max_len} "
+                f"positions and model.max_seq_len={self.config.max_seq_len}"
+            )
+        cache.rewind(start)
+        kwargs: dict[str, Any] = {
+            "input_ids": input_ids,
+            "use_cache": True,
+            self._cache_key: cache.state,
+        }
+        device = input_ids.device
+        if cache.key_mask is not None:
+            real = cache.key_mask[:B, :end].to(device)  # (B, end)
+            kwargs["attention_mask"] = real.long()
+            positions = (real.long().cumsum(-1) - 1).clamp(min=0)[:, start:end]  # (B, T)
+        else:
+            positions = torch.arange(start, end, device=device).expand(B, T)
+        if self._takes_positions:
+            kwargs["position_ids"] = positions
+        if last_only and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.hf(**kwargs)
+        state = getattr(out, "cache", None)
+        state = state if state is not None else getattr(out, "past_key_values", None)
+        if state is None:
+            raise ConfigError(
+                f"{type(self.hf).__name__} returns no cache to decode with (use_cache=True); "
+                "generate from it without one (use_cache=false)"
+            )
+        cache.state, cache.length = state, end
+        return out.logits[:, -1:] if last_only else out.logits
 
     def _forward(
         self,
@@ -694,6 +843,7 @@ def fallback_line(where: str, model_type: object) -> str:
 __all__ = [
     "FALLBACK_FAMILY",
     "FallbackAttention",
+    "FallbackCache",
     "HFCausalLM",
     "build_hf_model",
     "check_fallback_config",

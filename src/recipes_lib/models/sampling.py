@@ -21,6 +21,7 @@ from torch import Tensor
 
 from recipes_lib.errors import ConfigError
 from recipes_lib.models.graphed_decode import GraphedDecoder, graphable
+from recipes_lib.models.hf_fallback import FallbackCache, HFCausalLM
 from recipes_lib.models.kv_cache import KVCache
 from recipes_lib.models.rope import longrope_restarts
 from recipes_lib.models.transformer import Transformer
@@ -67,6 +68,17 @@ def sample_next(
         choice = torch.multinomial(sorted_probs, 1, generator=generator)  # (B, 1)
         return order.gather(-1, choice)[:, 0]
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def decoding_cache(
+    model: Transformer | HFCausalLM, batch_size: int, max_len: int
+) -> KVCache | FallbackCache:
+    """An empty cache for ``model`` to decode ``batch_size`` rows of up to ``max_len``
+    positions: a :class:`KVCache`, or transformers' own cache for the transformers
+    fallback."""
+    if isinstance(model, HFCausalLM):
+        return model.new_cache(batch_size, max_len)
+    return KVCache.for_model(model, batch_size=batch_size, max_len=max_len)
 
 
 def _all_rows(done: Tensor) -> bool:
@@ -134,7 +146,7 @@ def sample_completions(
         return Completions([[] for _ in rows], [False] * B)
     device = model.tok_embeddings.weight.device
     ids = torch.zeros(B, P, dtype=torch.long)
-    cache = KVCache.for_model(model, batch_size=B, max_len=positions)
+    cache = decoding_cache(model, B, positions)
     key_mask = torch.zeros(B, positions, dtype=torch.bool)
     for r, row in enumerate(rows):
         ids[r, P - len(row) :] = torch.tensor(row)
@@ -150,7 +162,8 @@ def sample_completions(
         # the model's own forward: a sharded model gathers its weights for it
         logits = model(ids.to(device), cache=cache, last_only=True)[:, -1]  # (B, V)
         static = graphable(model) if graphed is None else graphed
-        decoder = GraphedDecoder(model, cache) if static else None
+        # transformers' model (the fallback's cache) decodes step by step, never graphed
+        decoder = GraphedDecoder(model, cache) if static and isinstance(cache, KVCache) else None
         for step in range(max_new_tokens):
             token = sample_next(logits, temperature, top_p, generator)  # (B,)
             going = ~done
