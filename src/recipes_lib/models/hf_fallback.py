@@ -18,6 +18,8 @@ checkpointing), ``attention_backend.check`` and ``flops_per_token``.
   head applied in chunks) where the model's logits are exactly ``lm_head(hidden)``;
   a model that does more to its logits (soft-capping, a scale, a bias) computes them
   whole, as transformers does (probed once, at build).
+- A mixture of experts adds its router's balance loss (:class:`RouterLoss`) to a mean
+  cross-entropy in training, as transformers' causal LM adds it to its own loss.
 - Decoding (``forward(cache=...)``) keeps transformers' own cache in a
   :class:`FallbackCache`, which answers the generation code as a ``KVCache`` does.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -215,6 +218,51 @@ class FallbackAttention:
             )
 
 
+@dataclass
+class RouterLoss:
+    """A transformers mixture of experts' load-balancing loss, as its causal LM adds
+    it to the loss: ``coef`` times its modeling module's ``load_balancing_loss_func``
+    of the router logits, over ``experts`` experts of which each token takes ``top_k``.
+    """
+
+    balance: Callable[..., Tensor]
+    experts: int
+    top_k: int
+    coef: float
+    warned: bool = False  # the per-token line (:meth:`warn_once`) was said
+
+    @classmethod
+    def of(cls, hf_model: nn.Module) -> RouterLoss | None:
+        """The balance loss ``hf_model`` adds to its loss, or None: a dense model, one
+        whose coefficient is 0 (``router_aux_loss_coef``), or one whose modeling code
+        names no ``load_balancing_loss_func``."""
+        module = sys.modules.get(type(hf_model).__module__)
+        balance = getattr(module, "load_balancing_loss_func", None)
+        coef = getattr(hf_model, "router_aux_loss_coef", None)
+        experts = getattr(hf_model, "num_experts", None)
+        top_k = getattr(hf_model, "num_experts_per_tok", None)
+        if not callable(balance) or not coef or not experts or not top_k:
+            return None
+        return cls(balance, int(experts), int(top_k), float(coef))
+
+    def loss(self, router_logits: Any, token_mask: Tensor | None) -> Tensor:
+        """``coef`` times the balance loss of ``router_logits`` (one tensor per mixture
+        layer), over the tokens ``token_mask`` ``(B, T)`` marks (None: every token)."""
+        mask = None if token_mask is None else token_mask.long()
+        return self.coef * self.balance(router_logits, self.experts, self.top_k, mask)
+
+    def warn_once(self) -> None:
+        """Say once that a per-token objective trains without the balance loss."""
+        if not self.warned:
+            self.warned = True
+            log.warning(
+                "the transformers fallback adds a mixture of experts' balance loss "
+                "(router_aux_loss_coef=%s) to mean cross-entropy losses (SFT, pretraining); "
+                "this objective's per-token losses train without it",
+                self.coef,
+            )
+
+
 class FallbackCache:
     """Decoding state of the transformers fallback: transformers' own cache object
     (made by the model's first cached call, so a hybrid or state-space model makes its
@@ -338,6 +386,8 @@ class HFCausalLM(nn.Module):
         # what its forward takes when decoding: the cache under transformers' name for
         # it (``cache``; ``past_key_values`` in older code), position ids, a logits cut
         takes = set(inspect.signature(hf_model.forward).parameters)
+        # a mixture of experts' balance loss, added to the training loss
+        self.router = RouterLoss.of(hf_model) if "output_router_logits" in takes else None
         self._cache_key = "cache" if "cache" in takes else "past_key_values"
         self._takes_positions = "position_ids" in takes
         self._takes_logits_to_keep = "logits_to_keep" in takes
@@ -494,7 +544,16 @@ class HFCausalLM(nn.Module):
         if labels is not None and self.training and self.load_check is None:
             self.first_batch_check(input_ids, doc_ids, labels, loss_chunk_size)
         return self._forward(
-            input_ids, doc_ids, labels, per_token, loss_chunk_size, last_only, temperature, fused
+            input_ids,
+            doc_ids,
+            labels,
+            per_token,
+            loss_chunk_size,
+            last_only,
+            temperature,
+            fused,
+            token_mask=token_mask,
+            router=self.training,
         )
 
     def decode(
@@ -562,6 +621,9 @@ class HFCausalLM(nn.Module):
         last_only: bool = False,
         temperature: float = 1.0,
         fused: Callable[[Tensor, Tensor], Tensor] | None = None,
+        *,
+        token_mask: Tensor | None = None,
+        router: bool = False,
     ) -> Tensor:
         # the body of forward, also called from inside it (a sharded model's weights are
         # gathered around the outer call only)
@@ -572,16 +634,21 @@ class HFCausalLM(nn.Module):
                 "states (soft-capping, a scale or a bias), so a loss fused with the head "
                 "cannot be computed on it"
             )
+        # a mixture's balance loss joins a mean cross-entropy, as transformers adds it
+        mean_loss = labels is not None and not per_token and fused is None
+        route = router and self.router is not None and mean_loss
+        if router and self.router is not None and not mean_loss and labels is not None:
+            self.router.warn_once()
         if not fuse or labels is None:
-            logits = self.logits(input_ids, doc_ids)
+            logits, routed = self._outputs(input_ids, doc_ids, head=True, router=route)
             if last_only:
                 logits = logits[:, -1:]
             if labels is None:
                 return logits
             if temperature != 1.0:
                 logits = logits / temperature
-            return head_loss(logits, labels, per_token)
-        hidden = self.forward_hidden(input_ids, doc_ids)
+            return self._with_router(head_loss(logits, labels, per_token), routed, token_mask)
+        hidden, routed = self._outputs(input_ids, doc_ids, head=False, router=route)
         weight = self.head_weight
         if fused is not None:
             return fused(hidden, weight)
@@ -592,7 +659,31 @@ class HFCausalLM(nn.Module):
         if per_token:
             out = linear_token_logprobs(flat_hidden, weight, flat_labels, loss_chunk_size)
             return out.view(labels.shape)
-        return chunked_cross_entropy(flat_hidden, weight, flat_labels, loss_chunk_size)
+        loss = chunked_cross_entropy(flat_hidden, weight, flat_labels, loss_chunk_size)
+        return self._with_router(loss, routed, token_mask)
+
+    def _outputs(
+        self, input_ids: Tensor, doc_ids: Tensor | None, *, head: bool, router: bool
+    ) -> tuple[Tensor, Any]:
+        """The logits (``head``) or the hidden states after the final norm, and with
+        ``router`` the router logits of every mixture layer (else None)."""
+        if not router:
+            if head:
+                return self.logits(input_ids, doc_ids), None
+            return self.forward_hidden(input_ids, doc_ids), None
+        self._check_length(input_ids)
+        inputs = self._inputs(input_ids, doc_ids)
+        if head:
+            out = self.hf(**inputs, output_router_logits=True)
+            return out.logits, out.router_logits
+        out = self._base(**inputs, output_router_logits=True)
+        return out.last_hidden_state, out.router_logits
+
+    def _with_router(self, loss: Tensor, routed: Any, token_mask: Tensor | None) -> Tensor:
+        """``loss`` plus the router's balance loss times its coefficient, where routed."""
+        if routed is None or self.router is None:
+            return loss
+        return loss + self.router.loss(routed, token_mask).to(loss.dtype)
 
     @torch.no_grad()
     def first_batch_check(
@@ -610,10 +701,17 @@ class HFCausalLM(nn.Module):
         try:
             ours_labels = labels.clone()
             ours_labels[:, -1] = -100
-            ours = self._forward(input_ids, doc_ids, ours_labels, loss_chunk_size=chunk)
+            kwargs = self._inputs(input_ids, doc_ids)
+            # transformers takes a padding mask for the balance loss: with a 4-D one, the
+            # two losses are compared without it
+            router = self.router is not None and "attention_mask" not in kwargs
+            if router:
+                kwargs["output_router_logits"] = True
+            ours = self._forward(
+                input_ids, doc_ids, ours_labels, loss_chunk_size=chunk, router=router
+            )
             theirs_labels = torch.full_like(labels, -100)
             theirs_labels[:, 1:] = labels[:, :-1]
-            kwargs = self._inputs(input_ids, doc_ids)
             theirs = self.hf(**kwargs, labels=theirs_labels).loss
         finally:
             self.train(was_training)
@@ -845,6 +943,7 @@ __all__ = [
     "FallbackAttention",
     "FallbackCache",
     "HFCausalLM",
+    "RouterLoss",
     "build_hf_model",
     "check_fallback_config",
     "check_fallback_folder",
