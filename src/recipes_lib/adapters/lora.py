@@ -33,6 +33,7 @@ from recipes_lib.adapters.frozen_base import (
 )
 from recipes_lib.config.schema import AdapterConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.models.families import get_family
 from recipes_lib.models.moe import moe_layers
 
 if TYPE_CHECKING:
@@ -221,6 +222,13 @@ def apply_adapter(model: ModelT, config: AdapterConfig, precision: str | None = 
         )
     check_expert_target(config, has_experts=bool(layers))
     experts = _expert_weights(model) if EXPERTS_TARGET in targets else []
+    family = getattr(getattr(model, "config", None), "family", None)
+    if experts and family is not None and not get_family(family).names.experts_module:
+        raise ConfigError(
+            f"adapter.target_modules: {EXPERTS_TARGET} on model.family={family}: its Hugging "
+            "Face experts have no layout here that a PEFT adapter could be saved in; target "
+            "the attention: [wq, wk, wv, wo]"
+        )
     if not linears and not experts:
         raise ConfigError(
             f"adapter.target_modules={list(config.target_modules)} match no linear layer of "
@@ -371,6 +379,8 @@ def _merged(
                 delta = torch.einsum("ore,eri->eoi", b, a) * scale  # (E, out, in)
             else:
                 delta = (b @ a) * scale  # (out, in)
+                if getattr(layer, "fan_in_fan_out", False):  # a Conv1D's (in, out) weight
+                    delta = delta.T
             weight = weight.float() + delta.to(weight.device)
         out[f"{layer_name}.weight"] = weight.to(dtype).cpu()  # one layer at a time on the device
         bias = getattr(layer.get_base_layer(), "bias", None)

@@ -240,3 +240,18 @@ def test_kernels_without_sinks_are_refused_naming_the_key():
     model = Transformer(config)
     with pytest.raises(UnsupportedKernelError, match="context parallelism"):
         model.set_context_shard(ContextShard(seq_len=16, degree=2, rank=0))
+
+
+def test_lora_on_the_experts_is_refused_naming_the_key():
+    """Its experts' Hugging Face layout (transposed, gate and up interleaved, with biases)
+    has no PEFT adapter form here: refused before anything trains, the model untouched."""
+    from recipes_lib.adapters.lora import apply_adapter
+    from recipes_lib.config.schema import AdapterConfig
+
+    model = Transformer(model_config_from_hf(hf_model().config.to_dict()))
+    adapter = AdapterConfig(kind="lora", dropout=0.0, target_modules=["wq", "experts"])
+    with pytest.raises(
+        ConfigError, match="adapter.target_modules: experts on model.family=gpt_oss"
+    ):
+        apply_adapter(model, adapter)
+    assert not any("lora_" in name for name, _ in model.named_parameters())
