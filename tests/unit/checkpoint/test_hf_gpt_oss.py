@@ -255,3 +255,29 @@ def test_lora_on_the_experts_is_refused_naming_the_key():
     ):
         apply_adapter(model, adapter)
     assert not any("lora_" in name for name, _ in model.named_parameters())
+
+
+def test_left_padded_rows_decode_as_each_row_alone(tmp_path):
+    """Rows of different lengths in one KV cache, left-padded: each row's logits, on the
+    prompt and on the next tokens past the window, are its own alone (the sinks as well
+    as the padding mask in the cache's attention)."""
+    from recipes_lib.models.kv_cache import KVCache
+
+    hf_model(rope_parameters=YARN).save_pretrained(tmp_path)
+    model, _ = load_hf_checkpoint(tmp_path)
+    short, long = PROMPT[:3], PROMPT
+    pad = len(long) - len(short)
+    steps = tokens(VOCAB, 2, 10, seed=7)  # the next tokens of each row
+    cache = KVCache.for_model(model, batch_size=2, max_len=len(long) + 10)
+    cache.key_mask = torch.ones(2, cache.max_len, dtype=torch.bool)
+    cache.key_mask[0, :pad] = False
+    rows = torch.tensor([[0] * pad + short, long])
+    with torch.no_grad():
+        got = [model(rows, cache=cache, last_only=True)]
+        for i in range(steps.shape[1]):
+            got.append(model(steps[:, i : i + 1], cache=cache))
+    got = torch.cat(got, dim=1)  # (2, 11, V)
+    for row, prompt in enumerate((short, long)):
+        alone = logits_of(model, torch.cat([torch.tensor([prompt]), steps[row : row + 1]], 1))
+        want = alone[0, len(prompt) - 1 :]
+        torch.testing.assert_close(got[row], want, atol=1e-4, rtol=1e-4)
