@@ -281,3 +281,75 @@ def test_left_padded_rows_decode_as_each_row_alone(tmp_path):
         alone = logits_of(model, torch.cat([torch.tensor([prompt]), steps[row : row + 1]], 1))
         want = alone[0, len(prompt) - 1 :]
         torch.testing.assert_close(got[row], want, atol=1e-4, rtol=1e-4)
+
+
+# openai/gpt-oss-20b's config.json (the fields the decoder reads; transformers 4's
+# rope_theta and rope_scaling), its quantization_config left out; the 120b differs in
+# its layers and experts
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+GPT_OSS_120B = {
+    **GPT_OSS_20B,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "num_hidden_layers": 36,
+    "num_local_experts": 128,
+}
+
+
+@pytest.mark.parametrize(
+    ("preset", "published"), [("gpt_oss_20b", GPT_OSS_20B), ("gpt_oss_120b", GPT_OSS_120B)]
+)
+def test_the_presets_are_their_published_configs(preset, published):
+    from recipes_lib.config import compose_config, to_run_config
+
+    ours = to_run_config(compose_config([f"model={preset}"])).model
+    assert model_config_from_hf(published, name=preset) == ours
+
+
+@pytest.mark.parametrize("preset", ["gpt_oss_20b", "gpt_oss_120b"])
+def test_transformers_builds_the_preset_with_its_parameter_count(preset):
+    from recipes_lib.checkpoint.hf_export import hf_config_from_model
+    from recipes_lib.config import compose_config, to_run_config
+
+    ours = to_run_config(compose_config([f"model={preset}"])).model
+    fields = hf_config_from_model(ours)
+    for key in ("architectures", "torch_dtype", "dtype"):
+        fields.pop(key)
+    config = transformers.AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        theirs = transformers.AutoModelForCausalLM.from_config(config)
+        native = Transformer(ours)
+    assert type(theirs).__name__ == "GptOssForCausalLM"
+    assert native.num_params() == sum(p.numel() for p in theirs.parameters())
+    assert theirs.config.rope_parameters["rope_type"] == "yarn"
+    assert not theirs.config.rope_parameters["truncate"]
