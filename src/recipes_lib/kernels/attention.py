@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import (
-    AuxRequest,
     BlockMask,
     create_block_mask,
     create_mask,
@@ -276,8 +275,14 @@ def flex_with_sinks(flex, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, **kwar
     """``flex(q, k, v, **kwargs)`` (flex_attention, compiled or not) with a sink per query
     head, through the log-sum-exp it returns: ``out * sigmoid(lse - sink)``, which flex's
     backward differentiates (its gradient of the log-sum-exp)."""
-    y, aux = flex(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)  # lse (B, H, T) fp32
-    weight = torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1))  # (B, H, T)
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+    except ImportError:  # torch before 2.9 asks for it with a flag
+        y, lse = flex(q, k, v, return_lse=True, **kwargs)
+    else:
+        y, aux = flex(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+        lse = aux.lse  # (B, H, T), float32
+    weight = torch.sigmoid(lse - sinks.float().view(1, -1, 1))  # (B, H, T)
     return y * weight.unsqueeze(-1).to(y.dtype)
 
 
