@@ -3,12 +3,13 @@ PEFT's format.
 
 The fallback's modules carry transformers' own names, so ``adapter.target_modules``
 are taken as transformers names (the native names ``wq``, ``w1``, ... are read as
-``q_proj``, ``gate_proj``, ...): every ``nn.Linear`` inside a decoder layer whose last
-name is a target gets a PEFT LoRA layer. A model none of whose linears has those names
-(each architecture names its own) gets one on every ``nn.Linear`` of its decoder
-layers, said in one line. Merging for export is the library's own
-(:func:`recipes_lib.adapters.merge_adapter`), and the adapter folder is PEFT's, over
-the folder the run started from.
+``q_proj``, ``gate_proj``, ...): every linear inside a decoder layer whose last name is
+a target gets a PEFT LoRA layer. A linear is an ``nn.Linear`` or transformers'
+``Conv1D`` (GPT-2 and its kin, whose weights are stored transposed: PEFT's
+``fan_in_fan_out``). A model none of whose linears has those names (each architecture
+names its own) gets one on every linear of its decoder layers, said in one line.
+Merging for export is the library's own (:func:`recipes_lib.adapters.merge_adapter`),
+and the adapter folder is PEFT's, over the folder the run started from.
 """
 
 from __future__ import annotations
@@ -40,11 +41,27 @@ _NATIVE_TO_HF = {native: hf for hf, native in HF_TO_NATIVE_TARGET.items()}
 PEFT_PREFIX = "base_model.model."
 
 
+def is_projection(module: nn.Module) -> bool:
+    """Whether LoRA adapts ``module``: an ``nn.Linear``, or transformers' ``Conv1D``
+    (GPT-2's projections: a linear whose weight is stored ``(in, out)``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, nn.Linear | Conv1D)
+
+
+def stores_transposed(model: nn.Module, targets: list[str]) -> bool:
+    """Whether every target is a ``Conv1D`` (PEFT's ``fan_in_fan_out``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    modules = dict(model.named_modules())
+    return all(isinstance(modules[name], Conv1D) for name in targets)
+
+
 def fallback_targets(model: HFCausalLM, config: AdapterConfig) -> list[str]:
     """The full names of the linears LoRA adapts (see the module docstring).
 
     Raises:
-        ConfigError: the decoder layers hold no ``nn.Linear`` (GPT-2's ``Conv1D``).
+        ConfigError: the decoder layers hold no linear (``nn.Linear`` or ``Conv1D``).
     """
     wanted = {_NATIVE_TO_HF.get(name, name) for name in config.target_modules}
     layers = {id(layer) for layer in model.blocks}
@@ -55,7 +72,7 @@ def fallback_targets(model: HFCausalLM, config: AdapterConfig) -> list[str]:
             inside += [
                 f"{prefix}{child}"
                 for child, sub in module.named_modules()
-                if child and isinstance(sub, nn.Linear)
+                if child and is_projection(sub)
             ]
     named = [name for name in inside if name.rsplit(".", 1)[-1] in wanted]
     if named:
@@ -63,8 +80,8 @@ def fallback_targets(model: HFCausalLM, config: AdapterConfig) -> list[str]:
     if not inside:
         raise ConfigError(
             f"adapter.kind={config.kind}: {type(model.hf).__name__}'s decoder layers hold no "
-            "nn.Linear for LoRA to adapt (its projections are another kind of layer); "
-            "train it in full (adapter.kind=none)"
+            "nn.Linear or Conv1D for LoRA to adapt (its projections are another kind of "
+            "layer); train it in full (adapter.kind=none)"
         )
     kinds = sorted({name.rsplit(".", 1)[-1] for name in inside})
     log.warning(
@@ -95,7 +112,9 @@ def apply_fallback_adapter(model: HFCausalLM, config: AdapterConfig) -> HFCausal
     from peft import inject_adapter_in_model
 
     targets = fallback_targets(model, config)
-    inject_adapter_in_model(lora_config(config, targets), model, adapter_name=ADAPTER_NAME)
+    peft_config = lora_config(config, targets)
+    peft_config.fan_in_fan_out = stores_transposed(model, targets)
+    inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(_LORA_MARK in name)
     return model
@@ -128,6 +147,9 @@ def save_fallback_adapter(
     folder = Path(out_dir).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     peft_config = lora_config(config, sorted({name.rsplit(".", 1)[-1] for name in layers}))
+    peft_config.fan_in_fan_out = all(
+        getattr(layer, "fan_in_fan_out", False) for layer in layers.values()
+    )
     peft_config.task_type = "CAUSAL_LM"
     peft_config.inference_mode = True
     weights = folder / "adapter_model.safetensors"
