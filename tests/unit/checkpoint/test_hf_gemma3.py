@@ -209,7 +209,7 @@ def test_what_the_decoder_cannot_compute_is_refused(overrides, message):
             "llama",
             {"window_layers": [0], "sliding_window": 4},
             "model.family=llama with model.sliding_window=4: llama has None; "
-            "model.family=olmo3 \\| gemma3 can have it",
+            "model.family=olmo3 \\| gemma3 \\| gpt_oss can have it",
         ),
         (
             "qwen3",
