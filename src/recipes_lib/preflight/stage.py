@@ -101,6 +101,12 @@ def check_data_and_kernels(cfg: RunConfig) -> None:
             f"data.document_mask=true needs an attention backend with document masking; "
             f"kernels.attention={cfg.kernels.attention} has none (use kernels.attention=flex)"
         )
+    if cfg.model.attention_sinks and not backend.capabilities.sinks:
+        raise ConfigError(
+            f"kernels.attention={cfg.kernels.attention} takes no attention sinks, which "
+            f"model.family={cfg.model.family} has (model.attention_sinks=true); use "
+            "kernels.attention=sdpa or flex"
+        )
 
 
 def check_adapter(cfg: RunConfig) -> None:
@@ -193,6 +199,11 @@ def check_objective(cfg: RunConfig) -> None:
     spec = objective_of(cfg)
     spec.check(cfg, spec.settings_of(cfg))
     degree = cfg.strategy.context_parallel
+    if degree != 1 and cfg.model.attention_sinks:
+        raise ConfigError(
+            f"strategy.context_parallel={degree}: its sharded attention takes no attention "
+            f"sinks, which model.family={cfg.model.family} has (model.attention_sinks=true)"
+        )
     if degree != 1:
         check_context_parallel(
             degree,

@@ -353,3 +353,51 @@ def test_transformers_builds_the_preset_with_its_parameter_count(preset):
     assert native.num_params() == sum(p.numel() for p in theirs.parameters())
     assert theirs.config.rope_parameters["rope_type"] == "yarn"
     assert not theirs.config.rope_parameters["truncate"]
+
+
+GPT_OSS_TINY = [
+    "recipe=pretrain/tiny",
+    "model.family=gpt_oss",
+    "model.attention_sinks=true",
+    "model.qkv_bias=true",
+    "model.attention_out_bias=true",
+    "model.activation=clamped_swiglu",
+    "model.moe_bias=true",
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["kernels.attention=flash_attn"], "kernels.attention=flash_attn takes no attention sinks"),
+        (
+            [
+                "strategy=ddp",
+                "trainer.devices=4",
+                "data.seq_len=64",
+                "kernels.attention=flex",
+                "strategy.context_parallel=2",
+            ],
+            "strategy.context_parallel=2: its sharded attention takes no attention sinks",
+        ),
+    ],
+)
+def test_what_cannot_take_sinks_is_refused_before_the_run(overrides, match):
+    from recipes_lib.config import compose_config, to_run_config
+    from recipes_lib.preflight import check_run
+
+    cfg = to_run_config(compose_config([*GPT_OSS_TINY, *overrides]))
+    with pytest.raises(ConfigError, match=match) as refused:
+        check_run(cfg, ("pretrain",))
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_the_kernels_with_sinks_pass_the_checks(attention):
+    from recipes_lib.config import compose_config, to_run_config
+    from recipes_lib.preflight import check_run
+
+    cfg = to_run_config(compose_config([*GPT_OSS_TINY, f"kernels.attention={attention}"]))
+    check_run(cfg, ("pretrain",))
