@@ -30,6 +30,7 @@ from recipes_lib.adapters.lora import (
     lora_config,
     lora_factors,
     lora_layers,
+    quantized_linear,
 )
 from recipes_lib.config.schema import AdapterConfig
 from recipes_lib.errors import CheckpointError, ConfigError
@@ -95,29 +96,57 @@ def fallback_targets(model: HFCausalLM, config: AdapterConfig) -> list[str]:
 
 
 def apply_fallback_adapter(model: HFCausalLM, config: AdapterConfig) -> HFCausalLM:
-    """Put LoRA adapters on ``model`` in place and freeze everything else.
+    """Put LoRA adapters on ``model`` in place and freeze everything else; with QLoRA,
+    over its targets quantized to NF4 first (:func:`quantize_targets`).
 
     Raises:
-        ConfigError: a bad adapter config, QLoRA (4-bit bases need a native family), or
-            no linear to adapt.
+        ConfigError: a bad adapter config, no linear to adapt, or QLoRA that cannot
+            quantize them (off CUDA, or a ``Conv1D``).
     """
     if config.kind == "none":
         return model
     check_adapter_config(config)
-    if config.kind == "qlora":
-        raise ConfigError(
-            "adapter.kind=qlora needs a native model family; the transformers fallback "
-            "(model.family=hf) trains adapter.kind=lora or the whole model"
-        )
     from peft import inject_adapter_in_model
 
     targets = fallback_targets(model, config)
+    if config.kind == "qlora":
+        quantize_targets(model, targets, config)
     peft_config = lora_config(config, targets)
     peft_config.fan_in_fan_out = stores_transposed(model, targets)
     inject_adapter_in_model(peft_config, model, adapter_name=ADAPTER_NAME)
     for name, param in model.named_parameters():
         param.requires_grad_(_LORA_MARK in name)
     return model
+
+
+def quantize_targets(model: HFCausalLM, targets: list[str], config: AdapterConfig) -> None:
+    """Replace each target (a full module name) by a frozen NF4 ``Linear4bit``, the
+    bases QLoRA trains its adapters over; nothing changes unless every one can be.
+
+    Raises:
+        ConfigError: a target is transformers' ``Conv1D`` (bitsandbytes quantizes
+            ``nn.Linear`` only), or the model is not on a CUDA device.
+    """
+    modules = dict(model.named_modules())
+    for name in targets:
+        module = modules[name]
+        if not isinstance(module, nn.Linear):
+            raise ConfigError(
+                f"adapter.kind=qlora: {name} is a {type(module).__name__}, not an nn.Linear "
+                "bitsandbytes can quantize; use adapter.kind=lora"
+            )
+        if module.weight.device.type != "cuda":
+            raise ConfigError(
+                f"adapter.kind=qlora quantizes on a CUDA device, but the model was built on "
+                f"{module.weight.device}; run with trainer.accelerator=gpu"
+            )
+    for name in targets:
+        parent, _, child = name.rpartition(".")
+        linear = modules[name]
+        assert isinstance(linear, nn.Linear)
+        setattr(modules[parent], child, quantized_linear(linear, config))
+    # peft wraps Linear4bit bases in its 4-bit LoRA layer
+    model.is_loaded_in_4bit = True  # type: ignore[assignment]
 
 
 def save_fallback_adapter(

@@ -136,39 +136,48 @@ def lora_config(
 
 def _quantize_base_linears(model: nn.Module, targets: list[str], config: AdapterConfig) -> None:
     """Replace each targeted ``nn.Linear`` by a frozen NF4 ``bitsandbytes.nn.Linear4bit``."""
-    import bitsandbytes as bnb
-
-    compute_dtype = COMPUTE_DTYPES[config.compute_dtype]
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if child_name not in targets or not isinstance(child, nn.Linear):
                 continue
-            device = child.weight.device
-            if device.type != "cuda":
-                raise ConfigError(
-                    f"adapter.kind=qlora quantizes on a CUDA device, but the model was built on "
-                    f"{device}; run with trainer.accelerator=gpu"
-                )
-            quantized = bnb.nn.Linear4bit(
-                child.in_features,
-                child.out_features,
-                bias=child.bias is not None,
-                compute_dtype=compute_dtype,
-                compress_statistics=config.double_quant,
-                quant_type="nf4",
-            )
-            quantized.weight = bnb.nn.Params4bit(
-                child.weight.data,
-                requires_grad=False,
-                compress_statistics=config.double_quant,
-                quant_type="nf4",
-            )
-            if child.bias is not None:
-                quantized.bias = nn.Parameter(child.bias.data, requires_grad=False)
-            setattr(parent, child_name, quantized.to(device))  # .to(cuda) quantizes
+            setattr(parent, child_name, quantized_linear(child, config))
     # peft wraps Linear4bit bases in its 4-bit LoRA layer (torch types a module's
     # attributes as tensors or modules: a flag is neither)
     model.is_loaded_in_4bit = True  # type: ignore[assignment]
+
+
+def quantized_linear(linear: nn.Linear, config: AdapterConfig) -> nn.Module:
+    """A frozen NF4 ``bitsandbytes.nn.Linear4bit`` holding ``linear``'s weights, on its
+    CUDA device (moving it there quantizes it).
+
+    Raises:
+        ConfigError: ``linear`` is not on a CUDA device.
+    """
+    import bitsandbytes as bnb
+
+    device = linear.weight.device
+    if device.type != "cuda":
+        raise ConfigError(
+            f"adapter.kind=qlora quantizes on a CUDA device, but the model was built on "
+            f"{device}; run with trainer.accelerator=gpu"
+        )
+    quantized = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=COMPUTE_DTYPES[config.compute_dtype],
+        compress_statistics=config.double_quant,
+        quant_type="nf4",
+    )
+    quantized.weight = bnb.nn.Params4bit(
+        linear.weight.data,
+        requires_grad=False,
+        compress_statistics=config.double_quant,
+        quant_type="nf4",
+    )
+    if linear.bias is not None:
+        quantized.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+    return quantized.to(device)
 
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
