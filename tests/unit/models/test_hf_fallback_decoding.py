@@ -152,3 +152,21 @@ def test_grpo_trains_a_model_of_the_fallback(tmp_path):
     assert len(shared) >= len(start) - 1
     changed = [k for k in shared if not torch.equal(start[k], trained[k])]
     assert changed and all(torch.isfinite(trained[k]).all() for k in changed)
+
+
+def test_evaluation_scores_a_model_of_the_fallback(tmp_path):
+    """recipes-eval's log-likelihoods read the hidden states through the model's head."""
+    from recipes_lib.evaluation.scoring import Request, score_requests
+
+    model = built(tiny_folder(tmp_path, "gpt_neox"))
+    requests = [Request((5, 17, 33), (9, 100)), Request((7,), (8, 9, 10))]
+    got = score_requests(model, requests, batch_size=2)
+    for request, (logprob, greedy) in zip(requests, got, strict=True):
+        tokens = [*request.context, *request.continuation]
+        with torch.no_grad():
+            logits = model.hf(input_ids=torch.tensor([tokens[:-1]])).logits[0]
+        logprobs = torch.log_softmax(logits.float(), -1)
+        rows = range(len(request.context) - 1, len(tokens) - 1)
+        pairs = list(zip(rows, request.continuation, strict=True))
+        assert logprob == pytest.approx(sum(logprobs[r, t].item() for r, t in pairs), abs=1e-4)
+        assert greedy == all(logprobs[r].argmax().item() == t for r, t in pairs)
