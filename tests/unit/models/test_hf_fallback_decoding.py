@@ -152,6 +152,11 @@ def test_grpo_trains_a_model_of_the_fallback(tmp_path):
     assert len(shared) >= len(start) - 1
     changed = [k for k in shared if not torch.equal(start[k], trained[k])]
     assert changed and all(torch.isfinite(trained[k]).all() for k in changed)
+    # recipes-generate reads the run's weights under transformers' names
+    loaded = load_for_generation(result.output_dir)
+    assert isinstance(loaded.model, HFCausalLM) and loaded.kind == "native"
+    prompt = loaded.tokenizer.encode("def ").ids
+    assert generate(loaded.model, prompt, 8) == generate(loaded.model, prompt, 8, use_cache=False)
 
 
 def test_evaluation_scores_a_model_of_the_fallback(tmp_path):
