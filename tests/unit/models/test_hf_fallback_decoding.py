@@ -42,8 +42,10 @@ PROMPT = [5, 17, 33, 9, 100]
 MATCH = "recipes_lib.rewards.format_match"
 
 
-def tiny_folder(path, model_type, vocab_size=256):
-    cfg = transformers.AutoConfig.for_model(model_type, **{**TINY, "vocab_size": vocab_size})
+def tiny_folder(path, model_type, vocab_size=256, **config):
+    cfg = transformers.AutoConfig.for_model(
+        model_type, **{**TINY, "vocab_size": vocab_size, **config}
+    )
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
     return path
@@ -53,9 +55,19 @@ def built(folder) -> HFCausalLM:
     return build_hf_model(fallback_model_config(hf_folder_config(folder)), folder=folder).eval()
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neox", "falcon"])
-def test_greedy_generation_gives_transformers_tokens(tmp_path, model_type):
-    model = built(tiny_folder(tmp_path, model_type))
+@pytest.mark.parametrize(
+    ("model_type", "config"),
+    [
+        ("gpt2", {}),  # absolute position embeddings
+        ("gpt_neox", {}),
+        ("falcon", {}),
+        ("mamba", {}),  # a state-space model's own cache
+        # soft-capped logits (not the head's product) and a sliding window's cache
+        ("gemma2", dict(head_dim=8, final_logit_softcapping=2.0, sliding_window=4)),
+    ],
+)
+def test_greedy_generation_gives_transformers_tokens(tmp_path, model_type, config):
+    model = built(tiny_folder(tmp_path, model_type, **config))
     prompt = torch.tensor([PROMPT])
     theirs = model.hf.generate(
         prompt,
@@ -68,10 +80,12 @@ def test_greedy_generation_gives_transformers_tokens(tmp_path, model_type):
     assert generate(model, PROMPT, 24, use_cache=False) == theirs
 
 
-def test_left_padded_rows_decode_as_each_alone(tmp_path):
+@pytest.mark.parametrize("model_type", ["gpt2", "mamba"])
+def test_left_padded_rows_decode_as_each_alone(tmp_path, model_type):
     """GPT-2's absolute positions count each row's real tokens, as transformers'
-    generate counts them under its attention mask."""
-    model = built(tiny_folder(tmp_path, "gpt2"))
+    generate counts them under its attention mask; a state-space model's state skips
+    the padding."""
+    model = built(tiny_folder(tmp_path, model_type))
     prompts = [PROMPT, [7, 8], [40, 41, 42]]
     together = sample_completions(model, prompts, 12, temperature=0.0)
     alone = [sample_completions(model, [p], 12, temperature=0.0).tokens[0] for p in prompts]
