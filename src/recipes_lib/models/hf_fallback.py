@@ -532,8 +532,7 @@ class HFCausalLM(nn.Module):
         if cache is not None:
             if labels is not None or doc_ids is not None:
                 raise ValueError("a KV cache decodes: it takes neither labels nor doc_ids")
-            logits = self.decode(input_ids, cache, start_pos, last_only)
-            return logits if temperature == 1.0 else logits / temperature
+            return self.decode(input_ids, cache, start_pos, last_only)
         if start_pos:
             raise ValueError(f"start_pos={start_pos} needs a KV cache holding the earlier tokens")
         if labels is not None and labels.shape != input_ids.shape:
