@@ -401,3 +401,28 @@ def test_the_kernels_with_sinks_pass_the_checks(attention):
 
     cfg = to_run_config(compose_config([*GPT_OSS_TINY, f"kernels.attention={attention}"]))
     check_run(cfg, ("pretrain",))
+
+
+def test_a_reward_model_reads_and_exports_with_transformers_scores(tmp_path):
+    """``GptOssForSequenceClassification`` (``model.head=score``): the same scores at
+    each row's last token on import, and again after export."""
+    pad = 0
+    settings = {**SHAPE, "rope_parameters": YARN, "num_labels": 1, "pad_token_id": pad}
+    hf = nudged_hf_model(
+        transformers.GptOssConfig, transformers.GptOssForSequenceClassification, 0.2, **settings
+    )
+    hf.save_pretrained(tmp_path / "hf")
+    model, config = load_hf_checkpoint(tmp_path / "hf")
+    assert (config.family, config.head) == ("gpt_oss", "score")
+    ids = tokens(VOCAB - 1, 3, 20) + 1  # no padding token inside the rows
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits[:, 0]
+        torch.testing.assert_close(model(ids)[:, -1, 0], want, atol=1e-4, rtol=1e-4)
+        out = export_hf_checkpoint(model, config, tmp_path / "ours")
+        again = transformers.AutoModelForSequenceClassification.from_pretrained(
+            out, attn_implementation="eager"
+        ).eval()
+        assert type(again).__name__ == "GptOssForSequenceClassification"
+        # one row at a time: the export names no padding token (a folder without EOS)
+        scores = torch.cat([again(input_ids=row[None]).logits[:, 0] for row in ids])
+        torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-4)
