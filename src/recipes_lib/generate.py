@@ -7,7 +7,8 @@
 a stage output folder (``model.safetensors`` with the run's ``config.yaml`` or a
 ``manifest.json``), or a Hugging Face folder (``config.json``). The tokenizer is found
 beside it (for a ``.ckpt``: in its folder or the run folder above) unless
-``tokenizer=PATH`` names one.
+``tokenizer=PATH`` names one. A run of the transformers fallback (``model.family=hf``),
+or a folder no native family reads, generates as transformers' own model.
 """
 
 from __future__ import annotations
