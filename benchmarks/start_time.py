@@ -128,6 +128,7 @@ def main() -> int:
         "cases": cases,
     }
     out = Path(args.out or Path(args.out_dir) / f"start_time_{card}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
