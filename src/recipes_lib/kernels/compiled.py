@@ -194,7 +194,17 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     errors: those an eager rerun raises again)."""
     from torch._dynamo import exc
 
-    return (exc.Unsupported, exc.BackendCompilerFailed, exc.TorchRuntimeError, exc.UserError)
+    errors: tuple[type[BaseException], ...] = (
+        exc.Unsupported,
+        exc.BackendCompilerFailed,
+        exc.TorchRuntimeError,
+        exc.UserError,
+    )
+    try:  # inductor's own (a kernel it cannot lower, such as flex on heads under 16 wide)
+        from torch._inductor.exc import InductorError
+    except ImportError:  # older torch wraps it in BackendCompilerFailed
+        return errors
+    return (*errors, InductorError)
 
 
 @dataclass
