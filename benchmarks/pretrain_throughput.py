@@ -104,6 +104,7 @@ def recipes_lib_overrides(
     return [
         f"guard.policy={guard}",
         f"model={name}",
+        *args.model_override,
         f"kernels.attention={args.attention}",
         f"kernels.compile={flag(args.compile)}",
         f"kernels.loss_chunk_size={'null' if chunk is None else chunk}",
@@ -391,6 +392,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--guard-off",
         action="store_true",
         help="recipes_lib also with guard.policy=off: what the training guard costs",
+    )
+    p.add_argument(
+        "--model-override",
+        action="append",
+        default=[],
+        help="a model.* override of the preset for every trainer, e.g. model.n_layers=4 "
+        "(a shorter stack of a model too large to train on one card)",
     )
     p.add_argument("--peak-tflops", type=float, default=None, help="override the lookup")
     p.add_argument(
