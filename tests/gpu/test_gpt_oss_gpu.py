@@ -76,4 +76,7 @@ def test_a_bf16_gpt_oss_model_follows_its_fp32_self():
         full = model(x).float()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             half = model(x).float()
-    assert (half - full).abs().max() < 0.05
+    error = (half - full).abs().flatten()
+    # a token whose top-k experts flip in bf16 may move further: the bulk stays close
+    assert error.mean() < 5e-3
+    assert error.quantile(0.999) < 0.02
