@@ -198,9 +198,16 @@ def run_hf_transformers(
     # a mixture of experts: transformers' fastest experts kernel (--hf-experts)
     experts = {"experts_implementation": args.hf_experts} if cfg.moe_experts else {}
     with device:
-        model = AutoModelForCausalLM.from_config(
-            hf_model_config(cfg), attn_implementation="sdpa", **experts
-        )
+        try:
+            model = AutoModelForCausalLM.from_config(
+                hf_model_config(cfg), attn_implementation="sdpa", **experts
+            )
+        except ValueError as err:  # a model without SDPA (gpt-oss): its flex attention
+            if "scaled_dot_product_attention" not in str(err):
+                raise
+            model = AutoModelForCausalLM.from_config(
+                hf_model_config(cfg), attn_implementation="flex_attention", **experts
+            )
         model = model.to(dtype=torch.float32)
     expected = meta_transformer(cfg).num_params()
     if model.num_parameters() != expected:
@@ -457,7 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
             "precision": "bf16 autocast, fp32 weights" if args.bf16 else "fp32",
             "compile": "each transformer block / decoder layer" if args.compile else "off",
             "attention": args.attention,
-            "hf_transformers_attention": "sdpa",
+            "hf_transformers_attention": "sdpa (flex_attention where the model has no SDPA)",
             "loss_chunk_size": args.loss_chunk_size,
             "recipes_lib": {
                 "built_by": "compose_config -> build_trainer / build_stage",
