@@ -34,10 +34,13 @@ def _reset_torch_state():
 
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked ``gpu`` (or ``multigpu``) cleanly where CUDA is missing, and run
-    the longest first (the README's demo pipeline, then the ``slow`` ones, each in their
-    order), so that two workers (``-n 2 --dist worksteal``) do not end with one of them
-    still in a long test."""
-    items.sort(key=lambda item: ("demo_pipeline" not in item.name, "slow" not in item.keywords))
+    the longest first (the README's demo pipeline, then the files with a ``slow`` test,
+    each in their order), so that two workers (``-n 2 --dist worksteal``) do not end with
+    one of them still in a long test. A file's tests stay together: pytest ends a
+    module's fixtures when the next test is another file's, so a file split in two would
+    build its module fixtures (a pipeline run, a pretrained model) twice."""
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: ("demo_pipeline" not in item.name, item.path not in slow_files))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for item in items:
         if "multigpu" in item.keywords and gpus < 2:
