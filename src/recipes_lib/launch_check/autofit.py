@@ -20,7 +20,9 @@ first whose estimate (:func:`~recipes_lib.launch_check.estimate_memory`) is at m
    only these are tried.
 
 With no card and no budget (a CPU run), ``auto`` is off. A budget that no candidate
-fits is a :class:`~recipes_lib.errors.ConfigError` naming the smallest estimate.
+fits is a :class:`~recipes_lib.errors.ConfigError` naming the smallest estimate, and the
+choices auto-fit does not make itself (8-bit AdamW moments, bf16 weights without an fp32
+master copy) that would fit, with their estimates.
 """
 
 from __future__ import annotations
@@ -213,11 +215,38 @@ def choose(
         what = f"run.memory_budget_gib={cfg.run.memory_budget_gib:g}"
     else:
         what = f"kernels.activation_checkpointing=auto on the {budget / GIB:.1f} GiB {budget_from}"
+    others = _other_numerics(smallest.apply(cfg), estimate)
+    fits = [
+        f"{override} (est. {needed / GIB:.1f} GiB)"
+        for override, needed in others
+        if needed <= FIT_SHARE * budget
+        and (" " not in override or all(n > FIT_SHARE * budget for _, n in others[:2]))
+    ]
+    other = f", or train with {' or '.join(fits)}" if fits else ""
     raise ConfigError(
         f"{what}: the smallest configuration ({smallest.settings()}) needs an estimated "
         f"{(smallest.estimate or 0) / GIB:.1f} GiB, more than {FIT_SHARE:.0%} of "
-        f"{budget / GIB:.1f} GiB; give more memory, a shorter data.seq_len or a smaller model"
+        f"{budget / GIB:.1f} GiB; give more memory, a shorter data.seq_len or a smaller "
+        f"model{other}"
     )
+
+
+def _other_numerics(cfg: RunConfig, estimate: Callable[[RunConfig], int]) -> list[tuple[str, int]]:
+    """Choices auto-fit never makes itself, since they change what is computed and not
+    only where it is kept, that apply to ``cfg`` (the smallest candidate), each with its
+    estimate: 8-bit moments for AdamW, and bf16 weights with no fp32 master copy for a
+    mixed-precision run that trains its whole model (what TRL does with a bf16 folder)."""
+    found = []
+    if cfg.optim.name == "adamw":
+        optim = dataclasses.replace(cfg.optim, name="adamw_8bit")
+        found.append(("optim.name=adamw_8bit", estimate(dataclasses.replace(cfg, optim=optim))))
+    if cfg.precision.name == "bf16-mixed" and cfg.adapter.kind == "none":
+        bf16 = dataclasses.replace(cfg.precision, name="bf16-true")
+        found.append(("precision=bf16-true", estimate(dataclasses.replace(cfg, precision=bf16))))
+        if len(found) == 2:  # both at once, when neither alone is enough
+            both = dataclasses.replace(cfg, optim=optim, precision=bf16)
+            found.append(("optim.name=adamw_8bit precision=bf16-true", estimate(both)))
+    return [(override, int(needed)) for override, needed in found]
 
 
 def fit_memory(cfg: RunConfig, world_size: int = 1) -> tuple[RunConfig, FitChoice | None]:

@@ -4,6 +4,7 @@ and the one line when none fits (no data, no weights, no GPU)."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 
@@ -99,6 +100,29 @@ def test_a_budget_nothing_fits_is_one_line_naming_the_smallest():
         "block, loss chunk 256, 1 x 256 rows with 8 accumulation steps) needs an estimated "
         "1.2 GiB"
     )
+
+
+def test_the_refusal_names_other_numerics_that_would_fit():
+    """A budget only bf16 weights fit: the line says so, with their estimate; one that
+    8-bit moments fit too names both; one that nothing fits names neither."""
+    cfg = cfg_of("precision=bf16-mixed", "run.memory_budget_gib=100")
+    smallest = list(candidates(cfg))[-1].apply(cfg)
+    fp32 = estimate_memory(smallest).total
+    bf16 = estimate_memory(replace(smallest, precision=replace(cfg.precision, name="bf16-true")))
+    adam8 = estimate_memory(replace(smallest, optim=replace(cfg.optim, name="adamw_8bit")))
+    assert bf16.total < adam8.total < fp32
+    between = (bf16.total + adam8.total) / 2 / FIT_SHARE / GIB
+    with pytest.raises(ConfigError) as err:
+        fit_memory(cfg_of("precision=bf16-mixed", f"run.memory_budget_gib={between}"))
+    assert str(err.value).endswith(
+        f"or train with precision=bf16-true (est. {bf16.total / GIB:.1f} GiB)"
+    )
+    roomy = (adam8.total + fp32) / 2 / FIT_SHARE / GIB
+    with pytest.raises(ConfigError, match=r"adamw_8bit \(est\. .*\) or precision=bf16-true"):
+        fit_memory(cfg_of("precision=bf16-mixed", f"run.memory_budget_gib={roomy}"))
+    with pytest.raises(ConfigError) as err:
+        fit_memory(cfg_of("precision=bf16-mixed", "run.memory_budget_gib=0.0001"))
+    assert "train with" not in str(err.value)
 
 
 def test_on_a_cpu_without_a_budget_auto_is_off():
