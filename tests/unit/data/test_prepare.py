@@ -126,8 +126,11 @@ def test_summary_is_printed(tmp_path, sources, small_tokenizer_path, capsys):
     assert "cached" in capsys.readouterr().out
 
 
-def test_truncated_shard_is_moved_aside_and_rebuilt(tmp_path, sources, caplog):
-    config = data_config(tmp_path / "cache", sources)
+def test_truncated_shard_is_moved_aside_and_rebuilt(
+    tmp_path, sources, small_tokenizer_path, caplog
+):
+    # a given tokenizer: the shards are what is damaged and rebuilt here
+    config = data_config(tmp_path / "cache", sources, small_tokenizer_path)
     first = prepare(config, progress=False, quiet=True)
     pair = first.train_shards["chat"].parent
     tokens = first.train_shards["chat"] / "tokens.bin"
@@ -151,10 +154,10 @@ def test_truncated_shard_is_moved_aside_and_rebuilt(tmp_path, sources, caplog):
     assert "source chat" in warning and str(aside) in warning
 
 
-def test_deleting_one_split_folder_still_rebuilds(tmp_path, sources):
+def test_deleting_one_split_folder_still_rebuilds(tmp_path, sources, small_tokenizer_path):
     # what earlier messages advised: an incomplete pair used to block its own rebuild
     # (OSError: Directory not empty) when the new pair was renamed onto it
-    config = data_config(tmp_path / "cache", sources)
+    config = data_config(tmp_path / "cache", sources, small_tokenizer_path)
     first = prepare(config, progress=False, quiet=True)
     shutil.rmtree(first.train_shards["code"])
     assert prepare(config, progress=False, quiet=True) == first
