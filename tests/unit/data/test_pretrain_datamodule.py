@@ -15,11 +15,18 @@ from recipes_lib.errors import ConfigError
 SEQ_LEN, BATCH = 32, 4
 
 
+@pytest.fixture(scope="module")
+def shard_cache(tmp_path_factory):
+    """One data cache for the module: the stdlib sample is tokenized into shards once,
+    and each test's data module reads them (a source a test adds gets its own)."""
+    return tmp_path_factory.mktemp("cache")
+
+
 @pytest.fixture()
-def config(tmp_path, stdlib_jsonl, small_tokenizer_path):
+def config(shard_cache, stdlib_jsonl, small_tokenizer_path):
     sources = {"code": SourceConfig(path=str(stdlib_jsonl))}
     return data_config(
-        tmp_path / "cache", sources, small_tokenizer_path, seq_len=SEQ_LEN, batch_size=BATCH
+        shard_cache, sources, small_tokenizer_path, seq_len=SEQ_LEN, batch_size=BATCH
     )
 
 
