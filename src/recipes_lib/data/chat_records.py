@@ -96,10 +96,12 @@ def chat_data_fingerprint(
     config: DataConfig, sources: str, tokenizer: Tokenizer, template: str
 ) -> str:
     """The identity of a chat run's examples: its sources (:func:`sources_fingerprint`),
-    tokenizer, chat settings and template, sequence length, split and seed."""
+    tokenizer and its end token (templates write ``eos_token`` after turns), chat
+    settings and template, sequence length, split and seed."""
     identity = {
         "sources": sources,
         "tokenizer": tokenizer_sha256(tokenizer),
+        "eos_token": config.tokenizer.eos_token,
         "chat": asdict(config.chat),
         "template": template,
         "seq_len": config.seq_len,

@@ -186,3 +186,25 @@ def _examples_of(module: ChatDataModule) -> list[tuple]:
         for dataset in (module.train_dataset, *held_out)
         for e in dataset.examples
     ]
+
+
+def test_another_eos_token_is_encoded_again(tmp_path, small_tokenizer_path):
+    """The templates write ``data.tokenizer.eos_token`` after every turn: the same
+    tokenizer, template and records with another end token are other examples."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(small_tokenizer_path))
+    tokenizer.add_special_tokens(["<|end|>"])
+    two_ends = tmp_path / "tokenizer.json"
+    tokenizer.save(str(two_ends))
+    rows = [{"prompt": f"What is {i}?", "response": f"It is {i}."} for i in range(6)]
+    path = _write(tmp_path / "chat.jsonl", rows)
+    first = ChatDataModule(_config(tmp_path, two_ends, path), 520, 1024)
+    first.setup()
+    config = _config(tmp_path, two_ends, path)
+    config.tokenizer.eos_token = "<|end|>"
+    second = ChatDataModule(config, 520, 1024)
+    second.setup()
+    end = tokenizer.token_to_id("<|end|>")
+    assert all(end in ids for ids, _ in _examples_of(second))
+    assert _examples_of(second) != _examples_of(first)
