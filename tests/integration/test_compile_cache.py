@@ -42,6 +42,18 @@ def test_a_users_own_cache_folders_win(monkeypatch, tmp_path):
     assert keep_compile_caches(None) == {}
 
 
+def test_a_later_run_in_the_process_moves_the_folders_an_earlier_one_set(monkeypatch, tmp_path):
+    for name in CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    keep_compile_caches(str(tmp_path / "first"))
+    chosen = keep_compile_caches(str(tmp_path / "second"))  # a pipeline's next stage
+    assert chosen == {
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "second" / "inductor"),
+        "TRITON_CACHE_DIR": str(tmp_path / "second" / "triton"),
+    }
+    assert all(os.environ[name] == folder for name, folder in chosen.items())
+
+
 def _compiled_run(tmp_path: Path, cache: Path, name: str) -> dict:
     overrides = [
         "model=tiny",

@@ -100,6 +100,9 @@ def compile_blocks(blocks: Iterable[nn.Module], *, varying_shapes: bool) -> None
 # under kernels.compile_cache: inductor's FX graphs and AOTAutograd entries, Triton's
 # compiled kernels
 CACHE_VARIABLES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+# the folders keep_compile_caches set, by variable: a later run in this process (a
+# pipeline's next stage) may move them, as it may not move the user's own
+_KEPT: dict[str, str] = {}
 
 
 def keep_compile_caches(directory: str | None) -> dict[str, str]:
@@ -108,7 +111,8 @@ def keep_compile_caches(directory: str | None) -> dict[str, str]:
     come from the caches instead of inductor (`result.compiled["cache_hits"]`).
 
     A variable the user set already is left as it is (inductor writes its own default
-    into ``TORCHINDUCTOR_CACHE_DIR`` once it has read it: that one is not the user's);
+    into ``TORCHINDUCTOR_CACHE_DIR`` once it has read it, and an earlier run in this
+    process may have set either: those are not the user's);
     ``None`` leaves torch's default (``/tmp/torchinductor_<user>``, which a job's private
     ``/tmp`` does not keep). Both caches read their variable whenever they look up or
     write an entry.
@@ -125,9 +129,11 @@ def keep_compile_caches(directory: str | None) -> dict[str, str]:
     chosen = {
         name: str(root / folder)
         for name, folder in CACHE_VARIABLES.items()
-        if os.environ.get(name, torch_defaults.get(name)) == torch_defaults.get(name)
+        if os.environ.get(name, torch_defaults.get(name))
+        in (torch_defaults.get(name), _KEPT.get(name))
     }
     os.environ.update(chosen)
+    _KEPT.update(chosen)
     return chosen
 
 
