@@ -98,3 +98,28 @@ def test_no_balance_loss_without_a_coefficient_and_a_line_for_per_token_losses(t
         model(ids, labels=labels, per_token=True, loss_chunk_size=8)
     lines = [r.getMessage() for r in caplog.records if "balance loss" in r.getMessage()]
     assert len(lines) == 1 and "router_aux_loss_coef=0.5" in lines[0]
+
+
+def test_a_training_step_without_a_fused_head_adds_the_balance_loss(tmp_path):
+    """kernels.loss_chunk_size=null (the default): the training module still takes the
+    loss from the fallback's forward, balance term included, not from its logits."""
+    from recipes_lib.config.schema import KernelsConfig, OptimConfig, SchedulerConfig
+    from recipes_lib.training import CausalLMModule
+
+    model = built(tmp_path, "qwen2_moe")
+    module = CausalLMModule(
+        model.config,
+        KernelsConfig(loss_chunk_size=None),
+        OptimConfig(lr=1e-3),
+        SchedulerConfig(name="constant", warmup=0),
+        total_steps=1,
+        tokens_per_step=32,
+    )
+    module.model = model
+    module.train()
+    ids, labels, theirs_labels = batch()
+    with torch.no_grad():
+        loss, _ = module.compute_loss({"input_ids": ids, "labels": labels})
+        theirs = model.hf(input_ids=ids, labels=theirs_labels, output_router_logits=True)
+    torch.testing.assert_close(loss, theirs.loss, atol=1e-5, rtol=1e-5)
+    assert model.load_check is not None and model.load_check["difference"] < 1e-5
