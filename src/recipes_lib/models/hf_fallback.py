@@ -218,6 +218,13 @@ class FallbackAttention:
             )
 
 
+PER_TOKEN_WITHOUT_BALANCE = "this objective's per-token losses train without it"
+MASKED_WITHOUT_BALANCE = (
+    "this model's packed rows (a 4-D document mask) and its logits (more than its head's "
+    "product) train without it"
+)
+
+
 @dataclass
 class RouterLoss:
     """A transformers mixture of experts' load-balancing loss, as its causal LM adds
@@ -229,7 +236,7 @@ class RouterLoss:
     experts: int
     top_k: int
     coef: float
-    warned: bool = False  # the per-token line (:meth:`warn_once`) was said
+    warned: bool = False  # the line of :meth:`warn_once` was said
 
     @classmethod
     def of(cls, hf_model: nn.Module) -> RouterLoss | None:
@@ -251,15 +258,16 @@ class RouterLoss:
         mask = None if token_mask is None else token_mask.long()
         return self.coef * self.balance(router_logits, self.experts, self.top_k, mask)
 
-    def warn_once(self) -> None:
-        """Say once that a per-token objective trains without the balance loss."""
+    def warn_once(self, why: str = PER_TOKEN_WITHOUT_BALANCE) -> None:
+        """Say once that the run trains without the balance loss, and ``why``."""
         if not self.warned:
             self.warned = True
             log.warning(
                 "the transformers fallback adds a mixture of experts' balance loss "
                 "(router_aux_loss_coef=%s) to mean cross-entropy losses (SFT, pretraining); "
-                "this objective's per-token losses train without it",
+                "%s",
                 self.coef,
+                why,
             )
 
 
@@ -672,10 +680,18 @@ class HFCausalLM(nn.Module):
             return self.forward_hidden(input_ids, doc_ids), None
         self._check_length(input_ids)
         inputs = self._inputs(input_ids, doc_ids)
-        if head:
+        if head and "attention_mask" not in inputs:
             out = self.hf(**inputs, output_router_logits=True)
             return out.logits, out.router_logits
+        # the causal LM would read a 4-D document mask as its own balance loss's (B, T)
+        # padding mask: the head goes on the base's hidden states instead, where it may
+        if head and not self.fused_head:
+            assert self.router is not None  # router is asked only of a mixture
+            self.router.warn_once(MASKED_WITHOUT_BALANCE)
+            return self.logits(input_ids, doc_ids), None
         out = self._base(**inputs, output_router_logits=True)
+        if head:
+            return self.hf.get_output_embeddings()(out.last_hidden_state), out.router_logits
         return out.last_hidden_state, out.router_logits
 
     def _with_router(self, loss: Tensor, routed: Any, token_mask: Tensor | None) -> Tensor:

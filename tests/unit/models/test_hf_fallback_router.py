@@ -123,3 +123,22 @@ def test_a_training_step_without_a_fused_head_adds_the_balance_loss(tmp_path):
         theirs = model.hf(input_ids=ids, labels=theirs_labels, output_router_logits=True)
     torch.testing.assert_close(loss, theirs.loss, atol=1e-5, rtol=1e-5)
     assert model.load_check is not None and model.load_check["difference"] < 1e-5
+
+
+@pytest.mark.parametrize("chunk", [None, 8])
+def test_packed_rows_under_a_4d_mask_train_with_the_balance_loss(tmp_path, chunk):
+    """A model packed through a 4-D document mask: the balance loss is added to the
+    cross-entropy of each document alone (the causal LM's own forward would take the
+    4-D mask for its balance loss's padding mask)."""
+    model = built(tmp_path, "qwen2_moe").train()
+    model._packing = "mask"
+    ids, labels, _ = batch()
+    doc_ids = torch.zeros_like(ids)
+    doc_ids[:, 8:] = 1
+    with torch.no_grad():
+        ours = model(ids, doc_ids, labels=labels, loss_chunk_size=chunk)
+        cross_entropy = model.eval()(ids, doc_ids, labels=labels, loss_chunk_size=chunk)
+        hidden = model._base(**model._inputs(ids, doc_ids), output_router_logits=True)
+    balance = model.router.loss(hidden.router_logits, None)
+    torch.testing.assert_close(ours, cross_entropy + balance, atol=1e-5, rtol=1e-5)
+    assert float(balance) > 0.1
