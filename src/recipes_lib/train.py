@@ -168,7 +168,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     cfg = resolve_device_choices(to_run_config(cfg))
     check_run_config(cfg)
     cfg, fit = _fit_memory(cfg)  # kernels.activation_checkpointing=auto, before the build
-    if cfg.kernels.compile and cfg.kernels.compile_cache is not None:  # before any compile
+    if cfg.kernels.compile_cache is not None:  # before any compile (flex compiles anyway)
         cache = resolve_cache_dir(cfg.kernels.compile_cache, "kernels.compile_cache")
         keep_compile_caches(str(cache))
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:

@@ -4,11 +4,14 @@ and settings reads them instead of rendering and tokenizing every record again.
 Rendering conversations through a chat template and tokenizing them is most of an SFT
 or preference run's data time (2,000 pairs: about 3 s of a 3.3 s setup on two CPU
 cores). Pretraining keeps its token shards (:mod:`recipes_lib.data.text.prepare`);
-this keeps the examples of the chat and preference data modules: one file per
-source and split under ``<data.cache_dir>/encoded/``, named by a fingerprint of
-everything that decides them (the records' files, by name, size and modification
-time; the tokenizer; the chat template and settings; the sequence length, split and
-seed; the data module's kind).
+this keeps the examples of the chat and preference data modules: one file per source
+(SFT) or per source and split (pairs) under ``<data.cache_dir>/encoded/``, named by a
+fingerprint of everything that decides them (the records' files, by name, size and
+modification time; the tokenizer; the chat template and settings; the sequence length,
+split and seed; the data module's kind; the library's version). A hub source is known
+by its name, subset and split alone, as for the pretraining shards: a dataset changed
+upstream under the same name is read from the cache until ``data.cache_dir`` is
+cleared.
 
 A cache is only ever a shortcut: a file that cannot be read is named in one warning
 line and the examples are encoded again, and a write that fails (a read-only or full
@@ -23,6 +26,7 @@ import json
 import logging
 import zipfile
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +41,19 @@ FORMAT = 1  # bumped when what a file holds changes: older files are not read
 _META = "meta"
 
 
+def _library_version() -> str:
+    """The installed recipes-lib's version: a release may render or cut differently."""
+    try:
+        return metadata.version("recipes-lib")
+    except metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
 def encoded_fingerprint(*parts: Any) -> str:
-    """A file name's fingerprint of ``parts`` (JSON-serialisable identities)."""
-    blob = json.dumps([FORMAT, *parts], sort_keys=True, default=str).encode()
+    """A file name's fingerprint of ``parts`` (JSON-serialisable identities), the file
+    layout and the library's version."""
+    text = json.dumps([FORMAT, _library_version(), *parts], sort_keys=True, default=str)
+    blob = text.encode()
     return hashlib.sha256(blob).hexdigest()
 
 
@@ -72,9 +86,9 @@ class EncodedCache:
 
     def load(self) -> tuple[dict[str, np.ndarray], Any] | None:
         """The arrays and meta saved, or None when there is no readable file."""
-        if not self.path.is_file():
-            return None
         try:
+            if not self.path.is_file():
+                return None
             with np.load(self.path, allow_pickle=False) as saved:
                 arrays = {name: saved[name] for name in saved.files}
             meta = json.loads(arrays.pop(_META).tobytes().decode("utf-8"))
