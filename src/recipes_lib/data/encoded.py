@@ -25,10 +25,10 @@ import io
 import json
 import logging
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,7 @@ from recipes_lib.files import write_atomic
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 FORMAT = 1  # bumped when what a file holds changes: older files are not read
 _META = "meta"
 
@@ -103,6 +104,21 @@ class EncodedCache:
             )
             return None
         return arrays, meta
+
+    def kept(
+        self,
+        make: Callable[[], T],
+        write: Callable[[T], tuple[dict[str, np.ndarray], Any]],
+        read: Callable[[dict[str, np.ndarray], Any], T],
+    ) -> T:
+        """What ``make`` computes: read back (``read(arrays, meta)``) when an earlier run
+        left it here, else made and left here (``write(made)``) for the next run."""
+        found = self.load()
+        if found is not None:
+            return read(*found)
+        made = make()
+        self.save(*write(made))
+        return made
 
     def save(self, arrays: dict[str, np.ndarray], meta: Any) -> None:
         """Write the arrays and meta (whole or not at all: the file appears by rename, so

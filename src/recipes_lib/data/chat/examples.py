@@ -52,11 +52,12 @@ class ChatSourceStats:
 
 
 def examples_to_arrays(
-    train: Sequence[ChatExample], held_out: Sequence[ChatExample], stats: ChatSourceStats
+    source: tuple[Sequence[ChatExample], Sequence[ChatExample], ChatSourceStats],
 ) -> tuple[dict[str, np.ndarray], dict]:
-    """A source's examples as flat arrays and its stats as a JSON-able rest, for
-    :class:`~recipes_lib.data.encoded.EncodedCache` (:func:`examples_from_arrays` reads
-    them back)."""
+    """A source's training and held-out examples as flat arrays and its stats as a
+    JSON-able rest, for :class:`~recipes_lib.data.encoded.EncodedCache`
+    (:func:`examples_from_arrays` reads them back)."""
+    train, held_out, stats = source
     arrays: dict[str, np.ndarray] = {}
     for split, examples in (("train", train), ("val", held_out)):
         for column in ("input_ids", "labels"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import replace
+from functools import partial
 
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import ConcatDataset, Dataset
@@ -109,7 +110,9 @@ class ChatDataModule(ChatRecordsDataModule):
                 encoded_fingerprint(type(self).__qualname__, fingerprint, name),
                 key,
             )
-            train_examples, val_examples, stats = self._examples(cache, name, records)
+            train_examples, val_examples, stats = cache.kept(
+                partial(self._examples, name, records), examples_to_arrays, examples_from_arrays
+            )
             self.stats[name] = stats
             self._report(key, stats, train_examples + val_examples)
             if not train_examples:
@@ -129,14 +132,10 @@ class ChatDataModule(ChatRecordsDataModule):
         self.prepared = PreparedChat(tokenizer_path, fingerprint, self.renderer.template_text)
 
     def _examples(
-        self, cache: EncodedCache, name: str, records: Records
+        self, name: str, records: Records
     ) -> tuple[list[ChatExample], list[ChatExample], ChatSourceStats]:
-        """A source's training and held-out examples and what became of its records:
-        read from ``cache`` when an earlier run left them there, else tokenized and left
-        there for the next run."""
-        found = cache.load()
-        if found is not None:
-            return examples_from_arrays(*found)
+        """A source's training and held-out examples, tokenized, and what became of its
+        records."""
         assert self.renderer is not None  # set by setup before any source is read
         stats = ChatSourceStats(records=len(records))
         train_idx, val_idx = self._split(name)
@@ -144,7 +143,6 @@ class ChatDataModule(ChatRecordsDataModule):
         train = tokenize_records(records, train_idx, self.renderer, self.config, where, stats)
         held_out = tokenize_records(records, val_idx, self.renderer, self.config, where, stats)
         stats.train, stats.val = len(train), len(held_out)
-        cache.save(*examples_to_arrays(train, held_out, stats))
         return train, held_out, stats
 
     def _dataset(self, examples: list[ChatExample], seed: int) -> Dataset:

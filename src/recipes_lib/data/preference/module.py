@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from torch import Tensor
@@ -35,7 +36,7 @@ from recipes_lib.data.preference.pairs import (
     pairs_to_arrays,
 )
 from recipes_lib.data.preference.stdlib_pairs import stdlib_preference_records
-from recipes_lib.data.records import RecordBuiltin, Records, RecordSource
+from recipes_lib.data.records import RecordBuiltin, RecordSource
 from recipes_lib.data.sources import check_val_fraction, resolve_cache_dir, source_key
 from recipes_lib.data.tokenizer import check_vocab_fits, eos_token_id, init_tokenizer_path
 from recipes_lib.errors import ConfigError, DataError
@@ -141,6 +142,7 @@ class PreferenceDataModule(ChatRecordsDataModule):
         renderer = ChatRenderer.from_config(tokenizer, config, template, self.tokenizer_path)
         encoder = PairEncoder(renderer, config.seq_len, config.chat, shifted=self.shifted)
         fingerprint = self._data_fingerprint(tokenizer, renderer.template_text)
+        cache_dir = resolve_cache_dir(config.cache_dir)
         splits: dict[str, list[EncodedPair]] = {"train": [], "val": []}
         for name in self.sources:
             key = source_key(name)
@@ -149,13 +151,18 @@ class PreferenceDataModule(ChatRecordsDataModule):
             records = self._source_records(name)
             for split, indices in zip(("train", "val"), self._split(name), strict=True):
                 cache = EncodedCache(
-                    resolve_cache_dir(config.cache_dir),
+                    cache_dir,
                     encoded_fingerprint(
                         type(self).__qualname__, self.shifted, fingerprint, name, split
                     ),
                     f"{key}, {split}",
                 )
-                encoded = self._encoded(cache, records, indices, encoder, name)
+                where = self._record_source(name)
+                encoded = cache.kept(
+                    partial(self.encode, [records[i] for i in indices], encoder, where, indices),
+                    pairs_to_arrays,
+                    pairs_from_arrays,
+                )
                 splits[split].extend(encoded.pairs)
                 skipped.update(encoded.skipped)
                 total += encoded.total
@@ -182,24 +189,6 @@ class PreferenceDataModule(ChatRecordsDataModule):
             skipped=dict(self.skipped),
             chat_template=template,
         )
-
-    def _encoded(
-        self,
-        cache: EncodedCache,
-        records: Records,
-        indices: list[int],
-        encoder: PairEncoder,
-        name: str,
-    ) -> EncodedPairs:
-        """One split of a source encoded: read from ``cache`` when an earlier run left it
-        there, else encoded (:meth:`encode`) and left there for the next run."""
-        found = cache.load()
-        if found is not None:
-            return pairs_from_arrays(*found)
-        where = self._record_source(name)
-        encoded = self.encode([records[i] for i in indices], encoder, where, indices)
-        cache.save(*pairs_to_arrays(encoded))
-        return encoded
 
     def encode(
         self, records: list, encoder: PairEncoder, where: RecordSource, indices: list[int]
