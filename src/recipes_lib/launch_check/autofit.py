@@ -215,12 +215,9 @@ def choose(
         what = f"run.memory_budget_gib={cfg.run.memory_budget_gib:g}"
     else:
         what = f"kernels.activation_checkpointing=auto on the {budget / GIB:.1f} GiB {budget_from}"
-    others = _other_numerics(smallest.apply(cfg), estimate)
     fits = [
         f"{override} (est. {needed / GIB:.1f} GiB)"
-        for override, needed in others
-        if needed <= FIT_SHARE * budget
-        and (" " not in override or all(n > FIT_SHARE * budget for _, n in others[:2]))
+        for override, needed in _other_numerics(smallest.apply(cfg), estimate, budget)
     ]
     other = f", or train with {' or '.join(fits)}" if fits else ""
     raise ConfigError(
@@ -231,22 +228,29 @@ def choose(
     )
 
 
-def _other_numerics(cfg: RunConfig, estimate: Callable[[RunConfig], int]) -> list[tuple[str, int]]:
+def _other_numerics(
+    cfg: RunConfig, estimate: Callable[[RunConfig], int], budget: int
+) -> list[tuple[str, int]]:
     """Choices auto-fit never makes itself, since they change what is computed and not
-    only where it is kept, that apply to ``cfg`` (the smallest candidate), each with its
-    estimate: 8-bit moments for AdamW, and bf16 weights with no fp32 master copy for a
-    mixed-precision run that trains its whole model (what TRL does with a bf16 folder)."""
+    only where it is kept, that would fit ``budget`` from ``cfg`` (the smallest
+    candidate), each with its estimate: 8-bit moments for AdamW, bf16 weights with no
+    fp32 master copy for a mixed-precision run that trains its whole model (what TRL does
+    with a bf16 folder), and both at once when neither alone fits."""
     found = []
-    if cfg.optim.name == "adamw":
-        optim = dataclasses.replace(cfg.optim, name="adamw_8bit")
+    optim = dataclasses.replace(cfg.optim, name="adamw_8bit")
+    bf16 = dataclasses.replace(cfg.precision, name="bf16-true")
+    eight_bit = cfg.optim.name == "adamw"
+    narrow = cfg.precision.name == "bf16-mixed" and cfg.adapter.kind == "none"
+    if eight_bit:
         found.append(("optim.name=adamw_8bit", estimate(dataclasses.replace(cfg, optim=optim))))
-    if cfg.precision.name == "bf16-mixed" and cfg.adapter.kind == "none":
-        bf16 = dataclasses.replace(cfg.precision, name="bf16-true")
+    if narrow:
         found.append(("precision=bf16-true", estimate(dataclasses.replace(cfg, precision=bf16))))
-        if len(found) == 2:  # both at once, when neither alone is enough
-            both = dataclasses.replace(cfg, optim=optim, precision=bf16)
-            found.append(("optim.name=adamw_8bit precision=bf16-true", estimate(both)))
-    return [(override, int(needed)) for override, needed in found]
+    fits = [(override, int(needed)) for override, needed in found if needed <= FIT_SHARE * budget]
+    if not fits and eight_bit and narrow:
+        needed = estimate(dataclasses.replace(cfg, optim=optim, precision=bf16))
+        if needed <= FIT_SHARE * budget:
+            fits.append(("optim.name=adamw_8bit precision=bf16-true", int(needed)))
+    return fits
 
 
 def fit_memory(cfg: RunConfig, world_size: int = 1) -> tuple[RunConfig, FitChoice | None]:
