@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
@@ -231,6 +232,15 @@ def _mismatches(
     return mismatch_lines(shapes, missing, unexpected)
 
 
+def _past_layer(n_layers: int, name: str) -> bool:
+    """Whether a Hugging Face tensor is inside a layer past the model's last one."""
+    match = _HF_LAYER_INDEX.match(name)
+    return match is not None and int(match[1]) >= n_layers
+
+
+_HF_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
 def checked_tensors(
     folder: Path, model: nn.Module, names: TensorNames, tied: bool, what: str
 ) -> Located:
@@ -244,6 +254,10 @@ def checked_tensors(
     """
     layout = image_text_of(read_folder_config(folder))
     located, fused, unexpected = _locate_tensors(hf_weight_files(folder), names, tied, layout)
+    if names.prediction_layers:  # multi-token prediction past the last layer: skipped
+        past = partial(_past_layer, len(getattr(model, "layers", ())))
+        located = {name: found for name, found in located.items() if not past(found[1])}
+        unexpected = [name for name in unexpected if not past(name)]
     if layout is not None and not (located or fused or unexpected):
         raise ConfigError(
             f"'{folder}' ({layout.architecture}) holds no text tower's tensors (none named "

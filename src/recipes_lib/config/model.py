@@ -108,6 +108,18 @@ class ModelConfig:
     scale_embeddings: bool = field(default=False, metadata=COMPUTE)
     # the softmax scale is 1 / sqrt(this) (Gemma's query_pre_attn_scalar); None: head_dim
     query_pre_attn_scalar: float | None = field(default=None, metadata=COMPUTE)
+    # multi-head latent attention (DeepSeek-V2/V3, recipes_lib.models.latent_attention)
+    # when set: each token's keys and values come from one latent of this width (normed),
+    # plus one rotated key of mla_rope_dim that every head shares; queries from a latent
+    # of mla_q_rank (None: one projection). head_dim is the query/key width, its last
+    # mla_rope_dim dims rotated; v_head_dim the value width (None: head_dim)
+    mla_kv_rank: int | None = field(default=None, metadata=SHAPE)
+    mla_q_rank: int | None = field(default=None, metadata=SHAPE)
+    mla_rope_dim: int = field(default=64, metadata=SHAPE)
+    v_head_dim: int | None = field(default=None, metadata=SHAPE)
+    # RoPE on adjacent pairs of dims (x0, x1), (x2, x3), ... instead of the two halves
+    # (DeepSeek-V3's rope_interleave)
+    rope_interleave: bool = field(default=False, metadata=COMPUTE)
     # local attention: the layers in window_layers attend to at most sliding_window keys
     # (their own and the sliding_window - 1 before it); Gemma 3's five of every six layers
     sliding_window: int | None = field(default=None, metadata=CONTEXT)
@@ -143,6 +155,13 @@ class ModelConfig:
     moe_router: str = field(default="softmax", metadata=SHAPE)  # sigmoid has a bias buffer
     # divide the chosen experts' weights by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     moe_renormalize: bool = field(default=True, metadata=COMPUTE)
+    # group-limited routing (DeepSeek-V3's n_group, topk_group; the sigmoid router): the
+    # experts split into moe_groups groups, each scored by its two best experts, and a
+    # token's experts are chosen within its moe_top_groups best groups
+    moe_groups: int = field(default=1, metadata=COMPUTE)
+    moe_top_groups: int = field(default=1, metadata=COMPUTE)
+    # the routed experts' weights times this (DeepSeek-V3's routed_scaling_factor)
+    moe_routed_scale: float = field(default=1.0, metadata=COMPUTE)
     # biases on the router and on each expert's three projections (gpt-oss)
     moe_bias: bool = field(default=False, metadata=SHAPE)
     # training only, free to change between stages: the load-balancing loss's and the
@@ -173,6 +192,11 @@ BLOCK_OPTIONS = (
     "swiglu_limit",
     "scale_embeddings",
     "query_pre_attn_scalar",
+    "mla_kv_rank",
+    "mla_q_rank",
+    "mla_rope_dim",
+    "v_head_dim",
+    "rope_interleave",
     "sliding_window",
     "window_layers",
     "local_rope_theta",
@@ -184,6 +208,9 @@ BLOCK_OPTIONS = (
     "moe_router",
     "moe_renormalize",
     "moe_bias",
+    "moe_groups",
+    "moe_top_groups",
+    "moe_routed_scale",
 )
 
 

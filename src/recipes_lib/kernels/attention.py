@@ -54,6 +54,8 @@ class AttentionCapabilities:
             context-parallel group (:mod:`recipes_lib.kernels.sharded`).
         sinks: it takes a learned logit per query head in each softmax's
             denominator (``model.attention_sinks``).
+        value_width: it takes values of another width than the queries and keys
+            (multi-head latent attention's); without it they are padded to one width.
     """
 
     document_mask: bool
@@ -63,6 +65,7 @@ class AttentionCapabilities:
     min_cuda_capability: tuple[int, int] | None = None
     context_parallel: bool = False
     sinks: bool = False
+    value_width: bool = False
 
 
 def _dtype_names(dtypes: tuple[torch.dtype, ...]) -> str:
@@ -175,6 +178,7 @@ class SDPAAttention(AttentionBackend):
         devices=("cpu", "cuda"),
         context_parallel=True,
         sinks=True,
+        value_width=True,
     )
 
     def __init__(self) -> None:
@@ -346,6 +350,7 @@ class FlexAttention(AttentionBackend):
         devices=("cpu", "cuda"),
         context_parallel=True,
         sinks=True,
+        value_width=True,
     )
 
     def __init__(self) -> None:

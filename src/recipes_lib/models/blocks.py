@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from recipes_lib.kernels import AttentionBackend
 from recipes_lib.models.kv_cache import LayerCache
+from recipes_lib.models.latent_attention import LatentAttention
 from recipes_lib.models.moe import GatedActivation, MoEFeedForward, gated_mlp, is_moe_layer
 from recipes_lib.models.norms import make_norm, qk_norm_sizes
 from recipes_lib.models.rope import apply_rope
@@ -70,6 +71,14 @@ class Attention(nn.Module):
         scalar = config.query_pre_attn_scalar
         self.scale = None if scalar is None else 1.0 / math.sqrt(scalar)  # None: 1/sqrt(hs)
         self.backend = backend  # a plain object, not a submodule: it holds no weights
+
+    def input_projections(self) -> list[nn.Linear]:
+        """The projections reading the block's input (initialised alike)."""
+        return [self.wq, self.wk, self.wv]
+
+    def norms(self) -> list[nn.RMSNorm]:
+        """The query and key norms, if any."""
+        return [self.q_norm, self.k_norm] if self.qk_norm != "none" else []
 
     def forward(
         self,
@@ -130,7 +139,9 @@ class TransformerBlock(nn.Module):
         # a sublayer's output is bfloat16 under autocast: a norm there follows its dtype
         post = self.placement == "post"
         self.attention_norm = make_norm(config, config.dim, follows_input=post)
-        self.attention = Attention(config, head_dim, backend, layer)
+        # multi-head latent attention with model.mla_kv_rank (DeepSeek-V3), else attention
+        mixer = LatentAttention if config.mla_kv_rank is not None else Attention
+        self.attention: Attention | LatentAttention = mixer(config, head_dim, backend, layer)
         self.ffn_norm = make_norm(config, config.dim, follows_input=post)
         self.routed = is_moe_layer(config, layer)
         self.feed_forward: MoEFeedForward | FeedForward
@@ -150,9 +161,7 @@ class TransformerBlock(nn.Module):
         found = [self.attention_norm, self.ffn_norm]
         if self.placement == "both":
             found += [self.post_attention_norm, self.post_ffn_norm]
-        if self.attention.qk_norm != "none":
-            found += [self.attention.q_norm, self.attention.k_norm]
-        return found
+        return found + self.attention.norms()
 
     def forward(
         self,

@@ -6,6 +6,10 @@ positions and attends over every cached position with SDPA (whatever the trainin
 kernel: decoding needs no document mask). New tokens take RoPE positions after the
 cached ones, so each generated token costs one position's forward pass.
 
+A layer of multi-head latent attention (``model.mla_kv_rank``) holds, in the same two
+buffers, its tokens' latents (``(B, 1, S, r)``) and rotated shared keys (``(B, 1, S, rd)``)
+instead of every head's keys and values (:mod:`recipes_lib.models.latent_attention`).
+
 Shapes: B batch, nh query heads, nkv key/value heads, T new tokens, S positions held,
 hs head dim.
 """
@@ -60,6 +64,15 @@ class LayerCache:
     values: Tensor  # (B, nkv, S, hs)
     start_pos: int
 
+    def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write ``k``/``v`` (``(B, nkv, T, hs)``) at ``start_pos``; return the keys and
+        values of positions ``0 .. start_pos + T`` (``(B, nkv, start_pos + T, hs)``)."""
+        B, T = k.shape[0], k.shape[2]
+        end = self.start_pos + T
+        self.keys[:B, :, self.start_pos : end] = k
+        self.values[:B, :, self.start_pos : end] = v
+        return self.keys[:B, :, :end], self.values[:B, :, :end]
+
     def attend(
         self,
         q: Tensor,
@@ -74,17 +87,26 @@ class LayerCache:
         a single token, which sees every cached position), with softmax scale ``scale``
         (None: ``1 / sqrt(hs)``) and ``sinks`` (``(nh,)``, a logit per head with no
         value; None: none). Returns ``(B, nh, T, hs)``."""
-        B, T = q.shape[0], q.shape[2]
-        end = self.start_pos + T
-        self.keys[:B, :, self.start_pos : end] = k
-        self.values[:B, :, self.start_pos : end] = v
-        keys, values = self.keys[:B, :, :end], self.values[:B, :, :end]  # (B, nkv, end, hs)
-        if sinks is not None:
-            return sdpa_with_sinks(q, keys, values, mask, sinks, scale)
-        gqa = keys.shape[1] != q.shape[1]
-        return F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale
-        )
+        keys, values = self.write(k, v)  # (B, nkv, end, hs)
+        return cached_attention(q, keys, values, mask, scale, sinks)
+
+
+def cached_attention(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    mask: Tensor | None,
+    scale: float | None = None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """SDPA of new queries ``(B, nh, T, hs)`` over every cached position's keys and
+    values (``(B, nkv, S, hs)``; values may be narrower), as :meth:`LayerCache.attend`."""
+    if sinks is not None:
+        return sdpa_with_sinks(q, keys, values, mask, sinks, scale)
+    gqa = keys.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, enable_gqa=gqa, scale=scale
+    )
 
 
 class KVCache:
@@ -111,10 +133,14 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        value_dim: int | None = None,
     ):
         shape = (batch_size, n_kv_heads, max_len, head_dim)  # (B, nkv, S, hs)
+        value_shape = (*shape[:-1], head_dim if value_dim is None else value_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.values = [
+            torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(n_layers)
+        ]
         self.length = 0
         self.key_mask: Tensor | None = None  # (B, S): positions holding real tokens
 
@@ -139,14 +165,18 @@ class KVCache:
                 f"a KV cache of {max_len} positions does not fit model.max_seq_len={c.max_seq_len}"
             )
         weight = model.tok_embeddings.weight
+        heads, key_dim, value_dim = c.n_kv_heads or c.n_heads, model.head_dim, model.head_dim
+        if c.mla_kv_rank is not None:  # a latent and a rotated key per token, for all heads
+            heads, key_dim, value_dim = 1, c.mla_kv_rank, c.mla_rope_dim
         return cls(
             c.n_layers,
             batch_size,
-            c.n_kv_heads or c.n_heads,
+            heads,
             max_len,
-            model.head_dim,
+            key_dim,
             dtype=weight.dtype,
             device=weight.device,
+            value_dim=value_dim,
         )
 
     @property

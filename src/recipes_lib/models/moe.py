@@ -6,7 +6,11 @@ gated MLPs for each token; their outputs, weighted by the router, are summed.
   Qwen3-MoE's ``norm_topk_prob``, OLMoE without it); or ``sigmoid``: each expert's score
   on its own, the top k chosen by score plus a per-expert bias that is not trained by
   the gradient but moved after each optimizer step towards balance
-  (``model.moe_bias_update_rate``; DeepSeek-V3's auxiliary-loss-free balancing).
+  (``model.moe_bias_update_rate``; DeepSeek-V3's auxiliary-loss-free balancing), with
+  DeepSeek-V3's group limit: the experts split into ``model.moe_groups`` groups, each
+  scored by the sum of its two best biased scores, and a token's k experts chosen
+  within its ``model.moe_top_groups`` best groups. Either router's chosen weights are
+  then multiplied by ``model.moe_routed_scale`` (DeepSeek-V3's routed scaling factor).
 - Experts: ``w2(act(w1 x) * w3 x)`` per expert, their weights stacked in
   ``experts.w1/w3`` ``(E, F, C)`` and ``experts.w2`` ``(E, C, F)``. Dropless: every
   token reaches its k experts. Tokens are sorted by expert and each expert multiplies
@@ -88,9 +92,39 @@ def check_moe(config: ModelConfig) -> None:
             f"router's choice; model.moe_router={config.moe_router} has no bias "
             "(use model.moe_aux_loss_coef)"
         )
+    _check_groups(config)
     for key in ("moe_aux_loss_coef", "moe_z_loss_coef", "moe_bias_update_rate"):
         if getattr(config, key) < 0:
             raise ConfigError(f"model.{key}={getattr(config, key)} must not be negative")
+
+
+def _check_groups(config: ModelConfig) -> None:
+    """Refuse a group limit the sigmoid router cannot apply, naming the keys."""
+    groups, top = config.moe_groups, config.moe_top_groups
+    if not (isinstance(groups, int) and groups >= 1 and isinstance(top, int) and top >= 1):
+        raise ConfigError(
+            f"model.moe_groups={groups!r} and model.moe_top_groups={top!r} must be positive"
+        )
+    if config.moe_routed_scale <= 0:
+        raise ConfigError(f"model.moe_routed_scale={config.moe_routed_scale} must be positive")
+    if groups == 1:
+        return
+    experts = config.moe_experts
+    if config.moe_router != "sigmoid":
+        raise ConfigError(
+            f"model.moe_groups={groups} limits the sigmoid router's choice; "
+            f"model.moe_router={config.moe_router} has no group limit"
+        )
+    if experts % groups or experts // groups < 2:
+        raise ConfigError(
+            f"model.moe_groups={groups} must split model.moe_experts={experts} into equal "
+            "groups of at least two (each group is scored by its two best experts)"
+        )
+    if top > groups or config.moe_top_k > top * (experts // groups):
+        raise ConfigError(
+            f"model.moe_top_groups={top} must be at most model.moe_groups={groups} and hold "
+            f"model.moe_top_k={config.moe_top_k} experts"
+        )
 
 
 @dataclass(frozen=True)
@@ -312,6 +346,8 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.n_experts, self.top_k = config.moe_experts, config.moe_top_k
         self.router_kind, self.renormalize = config.moe_router, config.moe_renormalize
+        self.groups, self.top_groups = config.moe_groups, config.moe_top_groups
+        self.routed_scale = config.moe_routed_scale
         hidden = config.moe_ffn_dim or config.ffn_dim
         activation = GatedActivation.of(config)
         self.router = nn.Linear(config.dim, self.n_experts, bias=config.moe_bias)
@@ -335,12 +371,28 @@ class MoEFeedForward(nn.Module):
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
         else:
             scores = torch.sigmoid(logits.float())  # (N, E)
-            chosen = torch.topk(scores + self.expert_bias, self.top_k, dim=-1).indices
+            choice = scores + self.expert_bias
+            if self.groups > 1:
+                choice = self._within_best_groups(choice)
+            chosen = torch.topk(choice, self.top_k, dim=-1).indices
             weights = scores.gather(-1, chosen)  # (N, k): the bias only chooses
             probs = scores / scores.sum(-1, keepdim=True)
         if self.renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.routed_scale != 1:
+            weights = weights * self.routed_scale
         return logits, chosen, weights, probs
+
+    def _within_best_groups(self, choice: Tensor) -> Tensor:
+        """``choice`` ``(N, E)`` with every expert outside the token's
+        ``top_groups`` best groups at ``-inf``; a group's score is the sum of its two best
+        experts' choice scores."""
+        N = choice.shape[0]
+        grouped = choice.view(N, self.groups, -1)  # (N, G, E / G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
+        best = group_scores.topk(self.top_groups, dim=-1).indices  # (N, top groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, -1)
 
     def forward(self, x: Tensor, token_mask: Tensor | None = None) -> Tensor:
         """``(B, T, C)`` -> ``(B, T, C)``; ``token_mask`` ``(B, T)``: the tokens the

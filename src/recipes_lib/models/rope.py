@@ -175,7 +175,10 @@ def rope_cos_sin(
 
 
 def rotary_dim(config: ModelConfig, head_dim: int) -> int:
-    """How many of each head's dims RoPE rotates (``model.partial_rotary_factor``)."""
+    """How many of each head's dims RoPE rotates (``model.partial_rotary_factor``; a
+    latent attention's ``model.mla_rope_dim``)."""
+    if config.mla_kv_rank is not None:
+        return config.mla_rope_dim
     if config.partial_rotary_factor == 1:
         return head_dim
     return int(head_dim * config.partial_rotary_factor)

@@ -41,6 +41,7 @@ from recipes_lib.models.blocks import FeedForward, TransformerBlock
 from recipes_lib.models.families import check_family
 from recipes_lib.models.head import OutputHead, head_loss
 from recipes_lib.models.kv_cache import KVCache, causal_offset_mask, padded_offset_mask
+from recipes_lib.models.latent_attention import check_latent
 from recipes_lib.models.moe import Experts, MoEFeedForward, check_moe
 from recipes_lib.models.norms import check_norm_options, make_norm
 from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
@@ -75,6 +76,7 @@ def _validate(config: ModelConfig) -> int:
     if config.max_seq_len < 1:
         raise ConfigError(f"model.max_seq_len must be positive, got {config.max_seq_len}")
     check_rope(config, head_dim, family.name, family.extended_rope)
+    check_latent(config, head_dim)
     return head_dim
 
 
@@ -156,6 +158,12 @@ class Transformer(nn.Module):
                 "context parallelism cannot add attention sinks (model.attention_sinks=true, "
                 f"model.family={self.config.family}): its attention takes none"
             )
+        if shard is not None and self.config.mla_kv_rank is not None:
+            raise UnsupportedKernelError(
+                "context parallelism does not shard multi-head latent attention "
+                f"(model.mla_kv_rank={self.config.mla_kv_rank}, model.family="
+                f"{self.config.family})"
+            )
         sharded = None if shard is None else ShardedAttention(self.attention_backend, shard)
         self.sharded_attention = sharded
         for layer in self.blocks:
@@ -192,7 +200,7 @@ class Transformer(nn.Module):
             else:
                 mlps = [feed_forward]
             # the order of the draws is the dense models' since their first release
-            inputs = [attention.wq, attention.wk, attention.wv]
+            inputs = attention.input_projections()
             for linear in inputs + [m.w1 for m in mlps] + [m.w3 for m in mlps]:
                 nn.init.normal_(linear.weight, mean=0.0, std=std)
                 bias = getattr(linear, "bias", None)  # grouped experts have none
@@ -426,4 +434,6 @@ class Transformer(nn.Module):
         n = self.num_params(exclude_embeddings=True) - self.inactive_params()
         if head_tied(c):
             n += self.output.weight.numel()  # the head is a matmul all the same
-        return 6.0 * n + 12.0 * c.n_layers * c.n_heads * self.head_dim * seq_len
+        # scores over the query/key width, the weighted sum over the value width
+        width = (self.head_dim + (c.v_head_dim or self.head_dim)) / 2
+        return 6.0 * n + 12.0 * c.n_layers * c.n_heads * width * seq_len

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from recipes_lib.config.model import BLOCK_OPTIONS, block_option_defaults
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.base import Family, TensorNames, refuse
+from recipes_lib.models.families.deepseek_v3 import DEEPSEEK_V3
 from recipes_lib.models.families.gemma3 import GEMMA3
 from recipes_lib.models.families.gpt_oss import GPT_OSS
 from recipes_lib.models.families.llama import LLAMA
@@ -44,6 +45,7 @@ FAMILIES: dict[str, Family] = {
         OLMOE,
         MIXTRAL,
         GPT_OSS,
+        DEEPSEEK_V3,
     )
 }
 GUIDE = "docs/models.md, 'Adding a model family'"

@@ -8,6 +8,7 @@ folder I/O (safetensors files, shards, tokenizer) is ``recipes_lib.checkpoint.hf
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,8 @@ from torch import Tensor
 from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.image_text import ImageText
+
+log = logging.getLogger(__name__)
 
 # the decoder's own names inside a block, and outside the blocks: the layer, the name in
 # it and its suffix (".weight", ".bias", or none: a parameter of its own, gpt-oss's sinks)
@@ -68,6 +71,9 @@ class TensorNames:
         rearranged: inside block ``N``: the whole Hugging Face name (suffix included,
             if it has one) of a tensor holding native ones in another layout
             (:class:`Rearranged`), converted both ways.
+        prediction_layers: the layers a folder stores past the model's last one are
+            multi-token-prediction modules (DeepSeek-V3's, GLM-4.5's), which the decoder
+            does not compute: they are skipped on import.
     """
 
     layer: Mapping[str, str]
@@ -77,6 +83,7 @@ class TensorNames:
     experts: Mapping[str, str] = field(default_factory=dict)
     experts_module: str = ""
     rearranged: Mapping[str, Rearranged] = field(default_factory=dict)
+    prediction_layers: bool = False
     _native_layer: dict[str, str] = field(init=False, repr=False)
     _native_top: dict[str, str] = field(init=False, repr=False)
     _native_fused: dict[str, tuple[str, int, int]] = field(init=False, repr=False)
@@ -459,3 +466,34 @@ def common_hf_fields(config: ModelConfig) -> dict[str, Any]:
 def refuse(family: str, key: str, value: Any, why: str) -> ConfigError:
     """The one-line error of a model option a family cannot have."""
     return ConfigError(f"model.family={family} with model.{key}={value!r}: {why}")
+
+
+def without_quantization(family: str, config: Mapping[str, Any]) -> None:
+    """Refuse a ``config.json`` whose weights are quantized (``quantization_config``:
+    DeepSeek-V3's published FP8 blocks), naming the family and the method.
+
+    Raises:
+        CheckpointError: the folder's weights are quantized.
+    """
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
+        raise CheckpointError(
+            f"{family}: quantization_config.quant_method={method!r} (quantized weights) is not "
+            "supported; dequantize the folder to bfloat16 first (transformers' from_pretrained "
+            "with its dequantize option, then save_pretrained)"
+        )
+
+
+def skip_prediction_layers(family: str, config: Mapping[str, Any]) -> None:
+    """Say, in one line, that a folder's multi-token-prediction layers
+    (``num_nextn_predict_layers``, stored past the last layer) are not read."""
+    extra = int(config.get("num_nextn_predict_layers") or config.get("num_mtp_layers") or 0)
+    if extra:
+        log.warning(
+            "%s: num_nextn_predict_layers=%d: its multi-token-prediction layers (stored from "
+            "model.layers.%s on) are not read; the model predicts the next token only",
+            family,
+            extra,
+            config.get("num_hidden_layers"),
+        )

@@ -1,10 +1,13 @@
 """What every family of routed experts shares (Qwen3-MoE, OLMoE, Mixtral): the tensor
 names of a layer whose MLP is routed, the mixture's ``config.json`` fields both ways,
-and the check that every layer has experts."""
+and the check that every layer has experts; and DeepSeek-V3's mixture, which GLM-4.5
+shares: the sigmoid router with its choice bias and group limit, the routed scale,
+shared experts and the first layers dense."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from recipes_lib.config.schema import ModelConfig
@@ -95,3 +98,79 @@ def needs_experts(family: str) -> Callable[[ModelConfig], None]:
             )
 
     return check
+
+
+# DeepSeek-V3's mixture (GLM-4.5's too): the options its config.json sets, beside the
+# router, which is the sigmoid one (Family.fixed)
+DEEPSEEK_MOE_READS = (
+    *MOE_READS,
+    "moe_dense_layers",
+    "moe_shared_experts",
+    "moe_groups",
+    "moe_top_groups",
+    "moe_routed_scale",
+)
+# in a layer with experts, beside with_experts' names
+_DEEPSEEK_MOE_NAMES = {
+    "mlp.gate.e_score_correction_bias": "feed_forward.expert_bias",
+    "mlp.shared_experts.gate_proj": "feed_forward.shared.w1",
+    "mlp.shared_experts.up_proj": "feed_forward.shared.w3",
+    "mlp.shared_experts.down_proj": "feed_forward.shared.w2",
+}
+
+
+def with_deepseek_experts(base: TensorNames) -> TensorNames:
+    """``base``'s names (its dense MLP kept for the first layers) with DeepSeek-V3's
+    experts: one tensor per routed expert, the shared experts, the router and its choice
+    bias (``e_score_correction_bias``, the sigmoid router's ``expert_bias``); a folder's
+    multi-token-prediction layers are skipped."""
+    names = with_experts(base, "mlp", "gate_proj", "up_proj", "down_proj", dense_layers=True)
+    return replace(names, layer={**names.layer, **_DEEPSEEK_MOE_NAMES}, prediction_layers=True)
+
+
+def deepseek_moe_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3's mixture of a ``config.json``: ``n_routed_experts`` of
+    ``moe_intermediate_size``, ``n_shared_experts``, the first
+    ``first_k_dense_replace`` layers dense, the group limit (``n_group``,
+    ``topk_group``), ``norm_topk_prob`` and ``routed_scaling_factor``."""
+    n_layers = int(required(config, "num_hidden_layers"))
+    dense = int(config.get("first_k_dense_replace") or 0)
+    return {
+        **moe_from_hf(config, "n_routed_experts", config.get("norm_topk_prob", True)),
+        "moe_shared_experts": int(config.get("n_shared_experts") or 0),
+        "moe_dense_layers": list(range(min(dense, n_layers))),
+        "moe_groups": int(config.get("n_group") or 1),
+        "moe_top_groups": int(config.get("topk_group") or 1),
+        "moe_routed_scale": float(config.get("routed_scaling_factor", 1.0)),
+    }
+
+
+def deepseek_moe_hf_fields(config: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` fields of DeepSeek-V3's mixture (no multi-token prediction)."""
+    return {
+        "n_routed_experts": config.moe_experts,
+        "num_experts_per_tok": config.moe_top_k,
+        "norm_topk_prob": config.moe_renormalize,
+        "moe_intermediate_size": config.moe_ffn_dim or config.ffn_dim,
+        "n_shared_experts": config.moe_shared_experts,
+        "first_k_dense_replace": len(config.moe_dense_layers),
+        "n_group": config.moe_groups,
+        "topk_group": config.moe_top_groups,
+        "routed_scaling_factor": config.moe_routed_scale,
+        "num_nextn_predict_layers": 0,
+        "output_router_logits": False,
+    }
+
+
+def check_deepseek_moe(family: str, config: ModelConfig) -> None:
+    """Refuse a mixture DeepSeek-V3's layout cannot hold, naming the key: it has experts,
+    its dense layers are the first ones, and its shared experts are at least one (the
+    Hugging Face class always builds them)."""
+    needs_experts(family)(config)
+    dense = list(config.moe_dense_layers)
+    if dense != list(range(len(dense))):
+        why = f"{family}'s dense layers are its first ones (first_k_dense_replace)"
+        raise refuse(family, "moe_dense_layers", dense, why)
+    if config.moe_shared_experts < 1:
+        why = f"every {family} mixture layer has shared experts (n_shared_experts >= 1)"
+        raise refuse(family, "moe_shared_experts", config.moe_shared_experts, why)
