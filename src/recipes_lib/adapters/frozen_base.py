@@ -26,7 +26,8 @@ from recipes_lib.errors import ConfigError
 BASE_DTYPES = {"auto": None, "float32": None, "bfloat16": torch.bfloat16}
 NARROWED_UNDER = ("bf16-mixed",)  # precisions where ``auto`` narrows
 REFUSED_UNDER = ("fp8",)
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # the blocks' linears
+# the blocks' linears (wq_a .. wkv_b: multi-head latent attention's)
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "wq_a", "wq_b", "wkv_a", "wkv_b")
 
 
 class NarrowedLinear(nn.Linear):

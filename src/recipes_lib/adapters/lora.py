@@ -41,12 +41,21 @@ if TYPE_CHECKING:
 
 ADAPTER_KINDS = ("none", "lora", "qlora")
 EXPERTS_TARGET = "experts"  # a mixture's stacked experts: their w1, w3 and w2
-NATIVE_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", EXPERTS_TARGET)
+# the blocks' linears (wq_a .. wkv_b: multi-head latent attention's)
+NATIVE_TARGETS = (
+    *("wq", "wk", "wv", "wo", "w1", "w2", "w3"),
+    *("wq_a", "wq_b", "wkv_a", "wkv_b"),
+    EXPERTS_TARGET,
+)
 HF_TO_NATIVE_TARGET = {
     "q_proj": "wq",
     "k_proj": "wk",
     "v_proj": "wv",
     "o_proj": "wo",
+    "q_a_proj": "wq_a",
+    "q_b_proj": "wq_b",
+    "kv_a_proj_with_mqa": "wkv_a",
+    "kv_b_proj": "wkv_b",
     "gate_proj": "w1",
     "down_proj": "w2",
     "up_proj": "w3",
