@@ -133,6 +133,20 @@ class ModelConfig:
     # the fraction of each head's dims that RoPE rotates (the first int(hs * it); Phi-3's
     # partial rotation); 1: the whole head
     partial_rotary_factor: float = field(default=1.0, metadata=COMPUTE)
+    # the attention's query projection also makes a gate per head: its output is
+    # multiplied by sigmoid(gate) before wo (Qwen3.5's gated attention; wq is twice as wide)
+    attention_output_gate: bool = field(default=False, metadata=SHAPE)
+    # linear attention (recipes_lib.models.linear_attention): the layers in linear_layers
+    # mix tokens with a Gated DeltaNet (a short causal convolution over q, k and v, then the
+    # gated delta rule's recurrent state) instead of softmax attention (Qwen3.5); it has
+    # linear_heads value heads of linear_value_dim and linear_key_heads query/key heads of
+    # linear_key_dim, and a depthwise convolution over linear_conv_kernel positions
+    linear_layers: list[int] = field(default_factory=list, metadata=SHAPE)
+    linear_heads: int = field(default=0, metadata=SHAPE)
+    linear_key_heads: int = field(default=0, metadata=SHAPE)
+    linear_key_dim: int = field(default=128, metadata=SHAPE)
+    linear_value_dim: int = field(default=128, metadata=SHAPE)
+    linear_conv_kernel: int = field(default=4, metadata=SHAPE)
     tie_embeddings: bool = field(default=False, metadata=SHAPE)  # an LM head only
     # the output head: lm (next-token logits over the vocabulary) | score (one scalar per
     # position, read at a sequence's last token: a reward model, Hugging Face's
@@ -150,6 +164,9 @@ class ModelConfig:
     moe_dense_layers: list[int] = field(default_factory=list, metadata=SHAPE)
     # experts every token goes through (one MLP of moe_shared_experts * moe_ffn_dim units)
     moe_shared_experts: int = field(default=0, metadata=SHAPE)
+    # the shared experts' output multiplied by sigmoid(a learned C -> 1 projection of the
+    # token) (Qwen3.5-MoE's shared_expert_gate)
+    moe_shared_gate: bool = field(default=False, metadata=SHAPE)
     # the router's scores: softmax (over every expert) | sigmoid (each expert on its own,
     # chosen with a per-expert bias that moe_bias_update_rate moves: DeepSeek-V3)
     moe_router: str = field(default="softmax", metadata=SHAPE)  # sigmoid has a bias buffer
@@ -200,11 +217,19 @@ BLOCK_OPTIONS = (
     "sliding_window",
     "window_layers",
     "local_rope_theta",
+    "attention_output_gate",
+    "linear_layers",
+    "linear_heads",
+    "linear_key_heads",
+    "linear_key_dim",
+    "linear_value_dim",
+    "linear_conv_kernel",
     "moe_experts",
     "moe_top_k",
     "moe_ffn_dim",
     "moe_dense_layers",
     "moe_shared_experts",
+    "moe_shared_gate",
     "moe_router",
     "moe_renormalize",
     "moe_bias",
@@ -289,7 +314,8 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
     if "moe_ffn_dim" in out:  # the experts' width, or none in a dense model
         dense = not values.get("moe_experts")
         out["moe_ffn_dim"] = None if dense else out["moe_ffn_dim"] or values.get("ffn_dim")
-    for name in ("nope_layers", "window_layers", "moe_dense_layers"):  # null and [] alike
+    # null and [] alike
+    for name in ("nope_layers", "window_layers", "moe_dense_layers", "linear_layers"):
         if name in out:
             out[name] = list(out[name] or [])
     scaling = out.get("rope_scaling")

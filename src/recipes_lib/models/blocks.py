@@ -10,6 +10,10 @@ in its norms, and the options the model families turn on inside it.
 - MLP: ``w2(act(w1 x) * w3 x)`` with ``act`` SiLU (SwiGLU) or the tanh-approximated GELU
   (GeGLU: ``model.activation=gelu_tanh``, Gemma); or, in a mixture of experts, routed
   experts of that form (:mod:`recipes_lib.models.moe`); gpt-oss's clamped SwiGLU.
+- Linear attention in place of attention in the layers of ``model.linear_layers``
+  (Qwen3.5's Gated DeltaNet: :mod:`recipes_lib.models.linear_attention`), and an output
+  gate on attention (``model.attention_output_gate``: ``wq`` also makes, per head, a gate
+  whose sigmoid scales the head's output before ``wo``; Qwen3.5).
 - Norms (``model.norm_placement``): ``pre`` on each sublayer's input (Llama), ``post``
   on its output before the residual add (OLMo 2), ``both`` (Gemma 3).
 
@@ -30,8 +34,9 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from recipes_lib.kernels import AttentionBackend
-from recipes_lib.models.kv_cache import LayerCache
+from recipes_lib.models.kv_cache import LayerCache, RecurrentCache
 from recipes_lib.models.latent_attention import LatentAttention
+from recipes_lib.models.linear_attention import GatedDeltaNet, is_linear_layer
 from recipes_lib.models.moe import GatedActivation, MoEFeedForward, gated_mlp, is_moe_layer
 from recipes_lib.models.norms import make_norm, qk_norm_sizes
 from recipes_lib.models.rope import apply_rope
@@ -52,7 +57,10 @@ class Attention(nn.Module):
         self.n_kv_heads = config.n_kv_heads or config.n_heads
         self.head_dim = head_dim
         bias = config.qkv_bias
-        self.wq = nn.Linear(config.dim, self.n_heads * head_dim, bias=bias)
+        # with an output gate, each head's query is followed by its gate in wq's output
+        self.output_gate = config.attention_output_gate
+        q_width = self.n_heads * head_dim * (2 if self.output_gate else 1)
+        self.wq = nn.Linear(config.dim, q_width, bias=bias)
         self.wk = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
         self.wv = nn.Linear(config.dim, self.n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(self.n_heads * head_dim, config.dim, bias=config.attention_out_bias)
@@ -92,6 +100,10 @@ class Attention(nn.Module):
         cached ones and attend over them (see :mod:`recipes_lib.models.kv_cache`)."""
         B, T, _ = x.shape
         q, k = self.wq(x), self.wk(x)  # (B, T, nh * hs), (B, T, nkv * hs)
+        gate = None
+        if self.output_gate:  # (B, T, nh, 2 * hs): each head's query, then its gate
+            q, gate = q.view(B, T, self.n_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(B, T, -1), gate.reshape(B, T, -1)  # (B, T, nh * hs) each
         if self.qk_norm == "full":  # over every head at once
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hs)
@@ -110,6 +122,8 @@ class Attention(nn.Module):
             # a cache's mask is a boolean tensor or None (Transformer._mask)
             y = cache.attend(q, k, v, cast("Tensor | None", mask), scale=self.scale, **sinks)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, nh * hs)
+        if gate is not None:
+            y = y * torch.sigmoid(gate)
         return self.wo(y)  # (B, T, C)
 
 
@@ -139,9 +153,16 @@ class TransformerBlock(nn.Module):
         # a sublayer's output is bfloat16 under autocast: a norm there follows its dtype
         post = self.placement == "post"
         self.attention_norm = make_norm(config, config.dim, follows_input=post)
-        # multi-head latent attention with model.mla_kv_rank (DeepSeek-V3), else attention
-        mixer = LatentAttention if config.mla_kv_rank is not None else Attention
-        self.attention: Attention | LatentAttention = mixer(config, head_dim, backend, layer)
+        # the token mixer: linear attention in model.linear_layers (Qwen3.5), multi-head
+        # latent attention with model.mla_kv_rank (DeepSeek-V3), else attention
+        self.linear = is_linear_layer(config, layer)
+        latent = config.mla_kv_rank is not None
+        self.attention: Attention | LatentAttention | GatedDeltaNet
+        if self.linear:
+            self.attention = GatedDeltaNet(config)
+        else:
+            mixer = LatentAttention if latent else Attention
+            self.attention = mixer(config, head_dim, backend, layer)
         self.ffn_norm = make_norm(config, config.dim, follows_input=post)
         self.routed = is_moe_layer(config, layer)
         self.feed_forward: MoEFeedForward | FeedForward
@@ -187,7 +208,7 @@ class TransformerBlock(nn.Module):
         cos: Tensor,
         sin: Tensor,
         mask: object | None,
-        cache: LayerCache | None,
+        cache: LayerCache | RecurrentCache | None,
         token_mask: Tensor | None,
     ) -> Tensor:
         if self.placement == "post":

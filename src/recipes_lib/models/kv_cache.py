@@ -10,8 +10,14 @@ A layer of multi-head latent attention (``model.mla_kv_rank``) holds, in the sam
 buffers, its tokens' latents (``(B, 1, S, r)``) and rotated shared keys (``(B, 1, S, rd)``)
 instead of every head's keys and values (:mod:`recipes_lib.models.latent_attention`).
 
+A linear-attention layer (``model.linear_layers``, :mod:`recipes_lib.models.
+linear_attention`) keeps no keys: its decoding state is the last ``K - 1`` inputs of its
+convolution and its recurrent ``(H, dk, dv)`` state (:class:`RecurrentCache`), which only
+move forward: a forward pass continues them from the cache's length, or starts them
+afresh from position 0.
+
 Shapes: B batch, nh query heads, nkv key/value heads, T new tokens, S positions held,
-hs head dim.
+hs head dim; D convolution channels, K its width, H value heads, dk/dv their key/value dims.
 """
 
 from __future__ import annotations
@@ -109,6 +115,25 @@ def cached_attention(
     )
 
 
+@dataclass
+class RecurrentCache:
+    """One linear-attention layer's decoding state, and where the new tokens go."""
+
+    conv: Tensor  # (B, D, K - 1): the convolution's last inputs
+    state: Tensor  # (B, H, dk, dv) float32: the gated delta rule's state
+    start_pos: int
+    key_mask: Tensor | None  # (B, S): the cache's real positions, or None: all
+
+    def masked(self, x: Tensor) -> Tensor:
+        """``x`` ``(B, T, C)`` with the padding positions zeroed: a left-padded row's
+        state stays empty until its first token, as if it had no padding."""
+        if self.key_mask is None:
+            return x
+        B, T = x.shape[:2]
+        keep = self.key_mask[:B, self.start_pos : self.start_pos + T]  # (B, T)
+        return x * keep[..., None].to(x.dtype)
+
+
 class KVCache:
     """Keys and values of past positions for every layer, preallocated for decoding.
 
@@ -143,6 +168,8 @@ class KVCache:
         ]
         self.length = 0
         self.key_mask: Tensor | None = None  # (B, S): positions holding real tokens
+        self.conv: dict[int, Tensor] = {}  # (B, D, K - 1) per linear-attention layer
+        self.states: dict[int, Tensor] = {}  # (B, H, dk, dv) float32 per such layer
 
     @classmethod
     def for_model(cls, model, batch_size: int = 1, max_len: int | None = None) -> KVCache:
@@ -168,7 +195,7 @@ class KVCache:
         heads, key_dim, value_dim = c.n_kv_heads or c.n_heads, model.head_dim, model.head_dim
         if c.mla_kv_rank is not None:  # a latent and a rotated key per token, for all heads
             heads, key_dim, value_dim = 1, c.mla_kv_rank, c.mla_rope_dim
-        return cls(
+        cache = cls(
             c.n_layers,
             batch_size,
             heads,
@@ -178,6 +205,13 @@ class KVCache:
             device=weight.device,
             value_dim=value_dim,
         )
+        if c.linear_layers:  # their state in place of keys and values
+            channels = 2 * c.linear_key_heads * c.linear_key_dim
+            channels += c.linear_heads * c.linear_value_dim
+            conv = (channels, c.linear_conv_kernel - 1)
+            state = (c.linear_heads, c.linear_key_dim, c.linear_value_dim)
+            cache.add_recurrent(list(c.linear_layers), conv, state)
+        return cache
 
     @property
     def batch_size(self) -> int:
@@ -187,10 +221,41 @@ class KVCache:
     def max_len(self) -> int:
         return self.keys[0].shape[2]
 
-    def layer(self, index: int, start_pos: int) -> LayerCache:
-        """Layer ``index``'s cache, writing new tokens from ``start_pos``."""
-        return LayerCache(self.keys[index], self.values[index], start_pos)
+    def add_recurrent(
+        self, layers: list[int], conv: tuple[int, int], state: tuple[int, int, int]
+    ) -> None:
+        """Hold the decoding state of linear-attention ``layers`` (``conv``: ``(D, K - 1)``,
+        ``state``: ``(H, dk, dv)``) in place of their keys and values, which become
+        empty ``(B, nkv, S, 0)`` tensors: no memory, the same batch and length."""
+        for layer in layers:
+            keys = self.keys[layer]
+            B, heads, S = keys.shape[:3]
+            self.keys[layer] = keys.new_zeros(B, heads, S, 0)
+            self.values[layer] = keys.new_zeros(B, heads, S, 0)
+            self.conv[layer] = keys.new_zeros(B, *conv)
+            self.states[layer] = keys.new_zeros(B, *state, dtype=torch.float32)
+
+    def layer(self, index: int, start_pos: int) -> LayerCache | RecurrentCache:
+        """Layer ``index``'s cache, writing new tokens from ``start_pos``.
+
+        Raises:
+            ValueError: a linear-attention layer asked to rewind (``0 < start_pos <
+                length``): its state cannot forget the later positions.
+        """
+        if index not in self.states:
+            return LayerCache(self.keys[index], self.values[index], start_pos)
+        if start_pos == 0:  # afresh
+            self.conv[index].zero_()
+            self.states[index].zero_()
+        elif start_pos != self.length:
+            raise ValueError(
+                f"start_pos={start_pos}: a linear-attention layer's state continues from "
+                f"the cache's length ({self.length}) or starts afresh at 0, never rewinds"
+            )
+        return RecurrentCache(self.conv[index], self.states[index], start_pos, self.key_mask)
 
     def reset(self) -> None:
         """Forget every cached position (the buffers are reused)."""
         self.length = 0
+        for tensor in (*self.conv.values(), *self.states.values()):
+            tensor.zero_()

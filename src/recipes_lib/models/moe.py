@@ -16,7 +16,8 @@ gated MLPs for each token; their outputs, weighted by the router, are summed.
   token reaches its k experts. Tokens are sorted by expert and each expert multiplies
   its contiguous rows: on CUDA in one grouped GEMM (``torch._grouped_mm``) per weight,
   elsewhere in a plain loop over the experts (exact, the reference).
-- Shared experts (``model.moe_shared_experts``): one dense MLP every token also goes through.
+- Shared experts (``model.moe_shared_experts``): one dense MLP every token also goes through,
+  its output scaled by ``sigmoid(shared_gate x)`` with ``model.moe_shared_gate`` (Qwen3.5-MoE).
 - Biases (``model.moe_bias``, gpt-oss): on the router's logits and on each expert's
   three projections (``experts.w1/w3`` ``(E, F)``, ``experts.w2`` ``(E, C)``).
 
@@ -86,6 +87,10 @@ def check_moe(config: ModelConfig) -> None:
         )
     if config.moe_shared_experts < 0:
         raise ConfigError(f"model.moe_shared_experts={config.moe_shared_experts} is negative")
+    if config.moe_shared_gate and not config.moe_shared_experts:
+        raise ConfigError(
+            "model.moe_shared_gate=true gates the shared experts; model.moe_shared_experts=0"
+        )
     if config.moe_bias_update_rate and config.moe_router != "sigmoid":
         raise ConfigError(
             f"model.moe_bias_update_rate={config.moe_bias_update_rate} balances the sigmoid "
@@ -355,6 +360,8 @@ class MoEFeedForward(nn.Module):
         self.shared: nn.Module | None = None
         if config.moe_shared_experts:
             self.shared = dense(config.dim, config.moe_shared_experts * hidden, activation)
+        # a token's weight on the shared experts, sigmoid(shared_gate x) (Qwen3.5-MoE)
+        self.shared_gate = nn.Linear(config.dim, 1, bias=False) if config.moe_shared_gate else None
         if self.router_kind == "sigmoid":  # moved by update_bias, never by the gradient
             self.register_buffer("expert_bias", torch.zeros(self.n_experts))
         self.z_loss: Tensor | None = None
@@ -415,7 +422,10 @@ class MoEFeedForward(nn.Module):
         y = y[back].view(-1, self.top_k, C)  # (N, k, C): each token's experts, in its order
         out = (y * weights.unsqueeze(-1).to(y.dtype)).sum(1)  # (N, C), no atomic adds
         if self.shared is not None:
-            out = out + self.shared(flat)
+            shared = self.shared(flat)  # (N, C)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
         if self.training and torch.is_grad_enabled():
             self._keep_losses(logits, probs, assignments, counts, token_mask)
         return out.view(B, T, C)

@@ -35,6 +35,7 @@ from recipes_lib.config.model import HEADS, head_tied
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import ATTENTION_BACKENDS, AttentionBackend, get_attention_backend
 from recipes_lib.kernels.compiled import call_block, mark_varying, varying
+from recipes_lib.kernels.linear_attention import Segments
 from recipes_lib.kernels.offload import ActivationOffload, offloaded
 from recipes_lib.kernels.sharded import ContextShard, ShardedAttention
 from recipes_lib.models.blocks import FeedForward, TransformerBlock
@@ -42,6 +43,7 @@ from recipes_lib.models.families import check_family
 from recipes_lib.models.head import OutputHead, head_loss
 from recipes_lib.models.kv_cache import KVCache, causal_offset_mask, padded_offset_mask
 from recipes_lib.models.latent_attention import check_latent
+from recipes_lib.models.linear_attention import GatedDeltaNet, check_linear_attention
 from recipes_lib.models.moe import Experts, MoEFeedForward, check_moe
 from recipes_lib.models.norms import check_norm_options, make_norm
 from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
@@ -57,6 +59,7 @@ def _validate(config: ModelConfig) -> int:
     check_nope_layers(config)
     check_windows(config)
     check_moe(config)
+    check_linear_attention(config)
     family = check_family(config)
     if config.head not in HEADS:
         raise ConfigError(f"model.head={config.head!r}: choose one of {list(HEADS)}")
@@ -164,6 +167,12 @@ class Transformer(nn.Module):
                 f"(model.mla_kv_rank={self.config.mla_kv_rank}, model.family="
                 f"{self.config.family})"
             )
+        if shard is not None and self.config.linear_layers:
+            raise UnsupportedKernelError(
+                "context parallelism does not shard linear attention (model.linear_layers="
+                f"{list(self.config.linear_layers)}, model.family={self.config.family}): "
+                "its state runs through every position of a document"
+            )
         sharded = None if shard is None else ShardedAttention(self.attention_backend, shard)
         self.sharded_attention = sharded
         for layer in self.blocks:
@@ -200,13 +209,17 @@ class Transformer(nn.Module):
             else:
                 mlps = [feed_forward]
             # the order of the draws is the dense models' since their first release
-            inputs = attention.input_projections()
+            if isinstance(attention, GatedDeltaNet):  # its own draws, then the MLP's
+                attention.init_weights(std, residual_std)
+                inputs, outputs = [], []
+            else:
+                inputs, outputs = attention.input_projections(), [attention.wo]
             for linear in inputs + [m.w1 for m in mlps] + [m.w3 for m in mlps]:
                 nn.init.normal_(linear.weight, mean=0.0, std=std)
                 bias = getattr(linear, "bias", None)  # grouped experts have none
                 if bias is not None:
                     nn.init.zeros_(bias)
-            for linear in [attention.wo] + [m.w2 for m in mlps]:
+            for linear in outputs + [m.w2 for m in mlps]:
                 nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
                 bias = getattr(linear, "bias", None)
                 if bias is not None:
@@ -215,6 +228,8 @@ class Transformer(nn.Module):
                 nn.init.zeros_(attention.sinks)
             if isinstance(layer.feed_forward, MoEFeedForward):
                 nn.init.normal_(layer.feed_forward.router.weight, mean=0.0, std=std)
+                if layer.feed_forward.shared_gate is not None:
+                    nn.init.normal_(layer.feed_forward.shared_gate.weight, mean=0.0, std=std)
                 if layer.feed_forward.router.bias is not None:
                     nn.init.zeros_(layer.feed_forward.router.bias)
                 if layer.feed_forward.router_kind == "sigmoid":
@@ -280,6 +295,10 @@ class Transformer(nn.Module):
             # one mask per batch and window, shared by the layers with that window
             masks = {w: self._mask(input_ids, doc_ids, start, cache, w) for w in self._windows}
             tables = {local: rope_window(self, start, end, local) for local in self._ropes}
+        # where packed rows' documents start: the linear-attention layers start afresh there
+        segments = None
+        if doc_ids is not None and self.config.linear_layers:
+            segments = Segments.of(doc_ids)
         h = self.tok_embeddings(input_ids)  # (B, T, C)
         if self.config.scale_embeddings:  # by sqrt(C) rounded to their dtype, as Gemma's
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
@@ -290,7 +309,7 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layer(index, start)
             cos, sin = tables[layer.attention.local_rope]  # (T, rotated dims)
-            mask = masks[layer.attention.window]
+            mask = segments if layer.linear else masks[layer.attention.window]
             if rows_vary:
                 mark_varying(h)  # each layer's input is a new tensor
             with offloaded(self.activation_offload, h, layer.checkpoint_activations):
@@ -436,4 +455,11 @@ class Transformer(nn.Module):
             n += self.output.weight.numel()  # the head is a matmul all the same
         # scores over the query/key width, the weighted sum over the value width
         width = (self.head_dim + (c.v_head_dim or self.head_dim)) / 2
-        return 6.0 * n + 12.0 * c.n_layers * c.n_heads * width * seq_len
+        attention = 12.0 * (c.n_layers - len(c.linear_layers)) * c.n_heads * width * seq_len
+        return 6.0 * n + attention + self._linear_flops()
+
+    def _linear_flops(self) -> float:
+        """The linear-attention layers' state FLOPs per token (their projections are
+        counted with the parameters)."""
+        mixers = [layer.attention for layer in self.blocks]
+        return sum(m.flops_per_token() for m in mixers if isinstance(m, GatedDeltaNet))

@@ -24,6 +24,7 @@ from recipes_lib.models.families.olmoe import OLMOE
 from recipes_lib.models.families.phi3 import PHI3
 from recipes_lib.models.families.qwen2 import QWEN2
 from recipes_lib.models.families.qwen3 import QWEN3
+from recipes_lib.models.families.qwen3_5 import QWEN3_5, QWEN3_5_MOE
 from recipes_lib.models.families.qwen3_moe import QWEN3_MOE
 from recipes_lib.models.families.smollm3 import SMOLLM3
 
@@ -42,6 +43,8 @@ FAMILIES: dict[str, Family] = {
         PHI3,
         GEMMA3,
         QWEN3_MOE,
+        QWEN3_5,
+        QWEN3_5_MOE,
         OLMOE,
         MIXTRAL,
         GPT_OSS,

@@ -1,0 +1,225 @@
+"""Gated DeltaNet's two token mixers on packed rows: a short causal depthwise convolution
+and the gated delta rule.
+
+The gated delta rule keeps, per value head, a ``(dk, dv)`` state ``S``. For each token,
+with its L2-normalised query ``q`` and key ``k``, value ``v``, log-decay ``g <= 0`` and
+write strength ``beta`` in ``(0, 1)``::
+
+    S = exp(g) * S                      # forget
+    S = S + k (beta * (v - S^T k))^T    # replace what S recalled for k by v
+    o = S^T q / sqrt(dk)
+
+A document of a packed row starts from an empty state and an empty convolution window,
+as if it were a row of its own (:class:`Segments` marks where each one starts).
+
+Two paths compute the same thing:
+
+- ``fla``: flash-linear-attention's Triton kernels (``fla-core``, the ``linear`` extra):
+  the chunked rule and the convolution over the packed documents flattened into one
+  sequence (``cu_seqlens``), the fused recurrent rule for decoding. CUDA only.
+- ``torch``: a plain loop over the positions (the reference; CPU, or wherever fla does
+  not import). Exact, and slow on long rows: a GPU run wants fla.
+
+Shapes: B batch, T positions, D convolution channels, K kernel width, H value heads,
+Hk query/key heads (each serving ``H // Hk`` value heads), dk key dim, dv value dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recipes_lib.errors import ConfigError
+
+LINEAR_PATHS = ("auto", "fla", "torch")
+
+
+@functools.cache
+def fla_available() -> bool:
+    """Whether flash-linear-attention's gated delta rule imports (it needs Triton)."""
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception:  # ImportError, or Triton failing to find a GPU backend
+        return False
+    return True
+
+
+def pick_path(path: str, x: Tensor) -> str:
+    """``fla`` or ``torch`` for ``x`` under the choice ``path`` (``auto``: fla on CUDA
+    when it imports).
+
+    Raises:
+        ConfigError: ``path`` is unknown, or ``fla`` where it cannot run.
+    """
+    if path not in LINEAR_PATHS:
+        raise ConfigError(
+            f"linear attention path {path!r} is not one of {' | '.join(LINEAR_PATHS)}"
+        )
+    if path == "auto":
+        return "fla" if x.is_cuda and fla_available() else "torch"
+    if path == "fla" and not (x.is_cuda and fla_available()):
+        raise ConfigError(
+            "the fla linear attention path needs CUDA and flash-linear-attention "
+            "(pip install 'recipes-lib[linear]')"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where the documents of packed rows start.
+
+    Attributes:
+        starts: ``(B, T)`` bool, True at each document's first token (every row's first
+            position included).
+        doc: ``(B, T)`` the document index within the row (a running count of starts).
+    """
+
+    starts: Tensor
+    doc: Tensor
+
+    @classmethod
+    def of(cls, doc_ids: Tensor) -> Segments:
+        """The segments of rows whose tokens carry ``doc_ids`` ``(B, T)``: a document
+        starts wherever the id changes."""
+        starts = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        return cls(starts, torch.cumsum(starts, dim=1))
+
+    def cu_seqlens(self) -> Tensor:
+        """The documents' boundaries in the ``(B * T)`` flattened rows, ``(N + 1,)``
+        int64, as flash-linear-attention's variable-length kernels take them."""
+        flat = self.starts.flatten()
+        ends = torch.tensor([flat.numel()], device=flat.device)
+        return torch.cat([torch.nonzero(flat).flatten(), ends])
+
+
+def causal_conv(
+    x: Tensor,
+    weight: Tensor,
+    segments: Segments | None = None,
+    state: Tensor | None = None,
+    path: str = "torch",
+) -> tuple[Tensor, Tensor]:
+    """SiLU of the causal depthwise convolution of ``x`` ``(B, T, D)`` with ``weight``
+    ``(D, K)`` (tap ``K - 1`` on the current position), each document of ``segments``
+    convolved on its own; ``state`` ``(B, D, K - 1)``: the inputs before ``x`` (decoding;
+    None: zeros). Returns ``(B, T, D)`` and the last ``K - 1`` inputs ``(B, D, K - 1)``.
+    """
+    B, T, D = x.shape
+    K = weight.shape[1]
+    if path == "fla" and state is None:
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        cu = None if segments is None else segments.cu_seqlens()
+        flat = x.reshape(1, B * T, D) if cu is not None else x
+        y, _ = causal_conv1d(flat, weight.to(x.dtype), activation="silu", cu_seqlens=cu)
+        return y.reshape(B, T, D), _last_inputs(x, K)
+    before = x.new_zeros(B, K - 1, D) if state is None else state.transpose(1, 2).to(x.dtype)
+    full = torch.cat([before, x], dim=1)  # (B, K - 1 + T, D)
+    w = weight.to(x.dtype)
+    y = full[:, K - 1 :] * w[:, K - 1]
+    for j in range(1, K):  # tap K - 1 - j reads the input j positions back
+        back = full[:, K - 1 - j : K - 1 - j + T]
+        if segments is not None:  # only within the token's own document
+            same = torch.zeros_like(segments.starts)
+            same[:, j:] = segments.doc[:, j:] == segments.doc[:, :-j]
+            back = back * same[..., None].to(x.dtype)
+        y = y + back * w[:, K - 1 - j]
+    return F.silu(y), full[:, T:].transpose(1, 2)
+
+
+def _last_inputs(x: Tensor, K: int) -> Tensor:
+    """The last ``K - 1`` positions of ``x`` ``(B, T, D)`` as ``(B, D, K - 1)``, zeros
+    before the first."""
+    padded = F.pad(x, (0, 0, max(K - 1 - x.shape[1], 0), 0))
+    return padded[:, -(K - 1) :].transpose(1, 2)
+
+
+def l2_normalize(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (the kernels' own, eps inside)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Segments | None = None,
+    state: Tensor | None = None,
+    path: str = "torch",
+) -> tuple[Tensor, Tensor | None]:
+    """The gated delta rule over ``q``, ``k`` ``(B, T, Hk, dk)`` (normalised here),
+    ``v`` ``(B, T, H, dv)``, ``g`` and ``beta`` ``(B, T, H)``; each document of
+    ``segments`` from an empty state, or the whole row from ``state`` ``(B, H, dk, dv)``
+    (decoding). Returns the outputs ``(B, T, H, dv)`` in ``v``'s dtype and, given
+    ``state``, the state after the last position (float32; else None).
+    """
+    if path == "fla":
+        return _fla_rule(q, k, v, g, beta, segments, state)
+    return _torch_rule(q, k, v, g, beta, segments, state)
+
+
+def _torch_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Segments | None,
+    state: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    B, T, Hk, dk = k.shape
+    H, dv = v.shape[2:]
+    groups = H // Hk  # value heads per query/key head, consecutive
+    q = l2_normalize(q.float()).repeat_interleave(groups, dim=2) * dk**-0.5  # (B, T, H, dk)
+    k = l2_normalize(k.float()).repeat_interleave(groups, dim=2)  # (B, T, H, dk)
+    values, decay, beta_ = v.float(), g.float().exp(), beta.float()
+    if segments is not None:  # a document starts from nothing
+        decay = decay * ~segments.starts[..., None]
+    S = q.new_zeros(B, H, dk, dv) if state is None else state.float()  # (B, H, dk, dv)
+    outs = []
+    for t in range(T):
+        S = S * decay[:, t, :, None, None]
+        recalled = torch.einsum("bhkv,bhk->bhv", S, k[:, t])  # (B, H, dv)
+        delta = (values[:, t] - recalled) * beta_[:, t, :, None]
+        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
+    out = torch.stack(outs, dim=1).to(v.dtype)  # (B, T, H, dv)
+    return out, (S if state is not None else None)
+
+
+def _fla_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Segments | None,
+    state: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    B, T = q.shape[:2]
+    dtype = v.dtype
+    q, k, beta = q.to(dtype), k.to(dtype), beta.to(dtype)
+    g = g.float()
+    kwargs = dict(use_qk_l2norm_in_kernel=True, scale=q.shape[-1] ** -0.5)
+    if state is not None:  # decoding: from the cached state, keeping the new one
+        rule = fused_recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
+        out, final = rule(
+            q, k, v, g, beta, initial_state=state.float(), output_final_state=True, **kwargs
+        )
+        return out, final
+    if segments is None:
+        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+        return out, None
+    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+    out, _ = chunk_gated_delta_rule(*flat, cu_seqlens=segments.cu_seqlens(), **kwargs)
+    return out.reshape(B, T, *out.shape[2:]), None
