@@ -260,6 +260,63 @@ PUBLISHED.update(
     }
 )
 
+# the text_config of the published Qwen3.5 image-text folders (Qwen3_5ForConditionalGeneration,
+# Qwen3_5MoeForConditionalGeneration), as the library reads it
+QWEN3_5 = {
+    "attention_bias": False,
+    "attn_output_gate": True,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mtp_num_hidden_layers": 1,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [11, 11, 10],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000,
+        "rope_type": "default",
+    },
+    "vocab_size": 248320,
+}
+PUBLISHED.update(
+    {
+        "qwen3_5_0_8b": {
+            **QWEN3_5,
+            "model_type": "qwen3_5_text",
+            "hidden_size": 1024,
+            "intermediate_size": 3584,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 6,
+            "linear_num_value_heads": 16,
+            "num_attention_heads": 8,
+            "num_hidden_layers": 24,
+            "num_key_value_heads": 2,
+            "tie_word_embeddings": True,
+        },
+        "qwen3_5_35b_a3b": {
+            **QWEN3_5,
+            "model_type": "qwen3_5_moe_text",
+            "hidden_size": 2048,
+            "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 10,
+            "linear_num_value_heads": 32,
+            "moe_intermediate_size": 512,
+            "num_attention_heads": 16,
+            "num_experts": 256,
+            "num_experts_per_tok": 8,
+            "num_hidden_layers": 40,
+            "num_key_value_heads": 2,
+            "router_aux_loss_coef": 0.001,
+            "shared_expert_intermediate_size": 512,
+            "tie_word_embeddings": False,
+        },
+    }
+)
+
 
 @pytest.mark.parametrize("preset", PUBLISHED)
 def test_the_preset_is_its_published_config(preset):

@@ -229,7 +229,8 @@ def _moe_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
         "moe_top_k": int(config.get("num_experts_per_tok") or 8),
         "moe_ffn_dim": width,
         "moe_shared_experts": shared // width,
-        "moe_aux_loss_coef": float(config.get("router_aux_loss_coef") or 0.0),
+        # transformers' default when the file says none
+        "moe_aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001) or 0.0),
     }
 
 
