@@ -15,6 +15,7 @@ from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.base import Family, TensorNames, refuse
 from recipes_lib.models.families.deepseek_v3 import DEEPSEEK_V3
 from recipes_lib.models.families.gemma3 import GEMMA3
+from recipes_lib.models.families.glm4_moe import GLM4_MOE
 from recipes_lib.models.families.gpt_oss import GPT_OSS
 from recipes_lib.models.families.llama import LLAMA
 from recipes_lib.models.families.mixtral import MIXTRAL
@@ -49,6 +50,7 @@ FAMILIES: dict[str, Family] = {
         MIXTRAL,
         GPT_OSS,
         DEEPSEEK_V3,
+        GLM4_MOE,
     )
 }
 GUIDE = "docs/models.md, 'Adding a model family'"
