@@ -213,13 +213,22 @@ def _fla_rule(
     kwargs = dict(use_qk_l2norm_in_kernel=True, scale=q.shape[-1] ** -0.5)
     if state is not None:  # decoding: from the cached state, keeping the new one
         rule = fused_recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
+        # by keyword: the two kernels take their gates in different orders
         out, final = rule(
-            q, k, v, g, beta, initial_state=state.float(), output_final_state=True, **kwargs
+            q,
+            k,
+            v,
+            g=g,
+            beta=beta,
+            initial_state=state.float(),
+            output_final_state=True,
+            **kwargs,
         )
         return out, final
     if segments is None:
-        out, _ = chunk_gated_delta_rule(q, k, v, g, beta, **kwargs)
+        out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **kwargs)
         return out, None
-    flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-    out, _ = chunk_gated_delta_rule(*flat, cu_seqlens=segments.cu_seqlens(), **kwargs)
+    q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
+    cu_seqlens = segments.cu_seqlens()
+    out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
     return out.reshape(B, T, *out.shape[2:]), None
