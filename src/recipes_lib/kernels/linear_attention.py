@@ -113,12 +113,7 @@ def causal_conv(
     B, T, D = x.shape
     K = weight.shape[1]
     if path == "fla" and state is None:
-        from fla.modules.causal_conv1d import causal_conv1d
-
-        cu = None if segments is None else segments.cu_seqlens()
-        flat = x.reshape(1, B * T, D) if cu is not None else x
-        y, _ = causal_conv1d(flat, weight.to(x.dtype), activation="silu", cu_seqlens=cu)
-        return y.reshape(B, T, D), _last_inputs(x, K)
+        return _fla_conv(x, weight, segments), _last_inputs(x, K)
     before = x.new_zeros(B, K - 1, D) if state is None else state.transpose(1, 2).to(x.dtype)
     full = torch.cat([before, x], dim=1)  # (B, K - 1 + T, D)
     w = weight.to(x.dtype)
@@ -131,6 +126,19 @@ def causal_conv(
             back = back * same[..., None].to(x.dtype)
         y = y + back * w[:, K - 1 - j]
     return F.silu(y), full[:, T:].transpose(1, 2)
+
+
+@torch.compiler.disable  # a Triton kernel of its own, launched as it is
+def _fla_conv(x: Tensor, weight: Tensor, segments: Segments | None) -> Tensor:
+    """flash-linear-attention's convolution (SiLU after), over the packed documents
+    flattened into one sequence."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    B, T, D = x.shape
+    cu = None if segments is None else segments.cu_seqlens()
+    flat = x.reshape(1, B * T, D) if cu is not None else x
+    y, _ = causal_conv1d(flat, weight.to(x.dtype), activation="silu", cu_seqlens=cu)
+    return y.reshape(B, T, D)
 
 
 def _last_inputs(x: Tensor, K: int) -> Tensor:
@@ -166,6 +174,8 @@ def gated_delta_rule(
     return _torch_rule(q, k, v, g, beta, segments, state)
 
 
+# a compiled block leaves the rule eager: traced, the loop over positions would unroll
+@torch.compiler.disable
 def _torch_rule(
     q: Tensor,
     k: Tensor,
@@ -195,6 +205,7 @@ def _torch_rule(
     return out, (S if state is not None else None)
 
 
+@torch.compiler.disable  # Triton kernels of their own, launched as they are
 def _fla_rule(
     q: Tensor,
     k: Tensor,
