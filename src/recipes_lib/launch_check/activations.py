@@ -47,6 +47,13 @@ class DecoderShape:
     moe_layers: int = 0
     experts: int = 0
     expert_width: int = 0
+    # Qwen3.5: wq also makes an output gate per head (twice as wide); the layers whose
+    # mixer is linear attention and one such mixer's parameters (in place of the
+    # attention's); the layers whose shared experts have a C -> 1 gate
+    attention_gate: bool = False
+    linear_layers: int = 0
+    linear_mixer: int = 0
+    shared_gate_layers: int = 0
 
     @classmethod
     def of(cls, cfg: RunConfig) -> DecoderShape:
@@ -55,7 +62,7 @@ class DecoderShape:
     @classmethod
     def of_model(cls, m) -> DecoderShape:
         """The shape of a model config (another model's: a teacher's)."""
-        fields: dict[str, Any] = {**_moe_widths(m), **cls._attention(m)}
+        fields: dict[str, Any] = {**_moe_widths(m), **cls._attention(m), **_hybrid(m)}
         return cls(**fields)
 
     @staticmethod
@@ -86,7 +93,7 @@ class DecoderShape:
         """Each block linear's ``(in_features, out_features)``, by native name."""
         c, f, q, kv = self.dim, self.ffn_dim, self.q_width, self.kv_width
         return {
-            "wq": (c, q),
+            "wq": (c, 2 * q if self.attention_gate else q),
             "wk": (c, kv),
             "wv": (c, kv),
             "wo": (q, c),
@@ -126,9 +133,43 @@ class DecoderShape:
         head = 0 if self.tie_embeddings else self.head_params
         return self.head_params + self.dim + head
 
+    def attention_params(self) -> int:
+        """The attention's parameters in one block: its projections, q/k/v biases and
+        query and key norms (what a linear-attention layer has in their place)."""
+        linears = self.linears()
+        weights = sum(i * o for i, o in (linears[n] for n in ("wq", "wk", "wv", "wo")))
+        qk = 0
+        if self.qk_norm != "none":
+            qk = sum(qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, self.head_dim))
+        return weights + self.qkv_bias_params + qk
+
     def num_params(self) -> int:
         """Every parameter (a tied head counted once), as ``Transformer.num_params``."""
-        return self.n_layers * self.block_params() + self.outer_params()
+        mixers = self.linear_layers * (self.linear_mixer - self.attention_params())
+        gates = self.shared_gate_layers * self.dim
+        return self.n_layers * self.block_params() + mixers + gates + self.outer_params()
+
+
+def _hybrid(m) -> dict[str, Any]:
+    """Qwen3.5's fields of :class:`DecoderShape`: the attention's output gate, the
+    linear-attention layers and one mixer's parameters (its four input projections,
+    convolution, decay and step parameters, output norm and projection), the layers with
+    a gated shared expert."""
+    linear = len(m.linear_layers)
+    mixer = 0
+    if linear:
+        keys, values = m.linear_key_heads * m.linear_key_dim, m.linear_heads * m.linear_value_dim
+        channels = 2 * keys + values  # the convolution's
+        mixer = m.dim * (channels + values + 2 * m.linear_heads)  # in_qkv, in_z, in_b, in_a
+        mixer += channels * m.linear_conv_kernel + 2 * m.linear_heads + m.linear_value_dim
+        mixer += values * m.dim  # out_proj
+    gated = m.n_layers - len(m.moe_dense_layers) if m.moe_experts and m.moe_shared_gate else 0
+    return {
+        "attention_gate": m.attention_output_gate,
+        "linear_layers": linear,
+        "linear_mixer": mixer,
+        "shared_gate_layers": gated,
+    }
 
 
 def _moe_widths(m) -> dict[str, int]:

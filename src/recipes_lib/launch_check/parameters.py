@@ -70,7 +70,10 @@ def projection_params(model: ModelConfig) -> int:
     dense = len(m.moe_dense_layers) if m.moe_experts else m.n_layers
     shared = m.moe_shared_experts * (m.moe_ffn_dim or m.ffn_dim) if m.moe_experts else 0
     mlp = 3 * m.dim * (dense * m.ffn_dim + (m.n_layers - dense) * shared)
-    return m.n_layers * attention + mlp
+    # a linear-attention layer's mixer in place of the attention (its few non-linear
+    # parameters, the convolution's and the decay's, counted with them)
+    mixers = shape.linear_layers * (shape.linear_mixer - attention)
+    return m.n_layers * attention + mixers + mlp
 
 
 def frozen_model_bytes(model: ModelConfig, precision: str) -> tuple[int, float]:

@@ -63,6 +63,8 @@ def meta_tensors(cfg) -> int:
         "olmoe_1b_7b",
         "qwen3_30b_a3b",
         "mixtral_8x7b",
+        "qwen3_5_0_8b",
+        "qwen3_5_35b_a3b",
     ],
 )
 def test_shapes_count_the_parameters_the_model_has(model):
