@@ -216,7 +216,7 @@ class Transformer(nn.Module):
                 inputs, outputs = attention.input_projections(), [attention.wo]
             for linear in inputs + [m.w1 for m in mlps] + [m.w3 for m in mlps]:
                 nn.init.normal_(linear.weight, mean=0.0, std=std)
-                bias = getattr(linear, "bias", None)  # grouped experts have none
+                bias = getattr(linear, "bias", None)  # experts have one with model.moe_bias
                 if bias is not None:
                     nn.init.zeros_(bias)
             for linear in outputs + [m.w2 for m in mlps]:
