@@ -306,6 +306,8 @@ class Transformer(nn.Module):
         if rows_vary:  # compiled blocks trace the rows dynamic from the first call
             backend = self.attention_backend
             mark_varying(token_mask, *(t for m in masks.values() for t in backend.row_tensors(m)))
+            if segments is not None:  # the linear layers' documents
+                mark_varying(segments.starts, segments.doc)
         for index, layer in enumerate(self.blocks):
             layer_cache = None if cache is None else cache.layer(index, start)
             cos, sin = tables[layer.attention.local_rope]  # (T, rotated dims)
