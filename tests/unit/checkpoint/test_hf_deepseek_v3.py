@@ -361,3 +361,93 @@ def test_transformers_builds_the_preset_with_its_parameter_count(preset):
     assert type(theirs).__name__ == "DeepseekV3ForCausalLM"
     assert native.num_params() == sum(p.numel() for p in theirs.parameters())
     assert model_config_from_hf(theirs.config.to_dict(), name=preset) == ours
+
+
+def test_another_router_of_the_remote_code_is_refused_in_one_line():
+    config = {**hf_model().config.to_dict(), "scoring_func": "softmax", "topk_method": "greedy"}
+    with pytest.raises(CheckpointError, match="scoring_func='softmax'") as err:
+        model_config_from_hf(config)
+    assert "\n" not in str(err.value)
+
+
+# deepseek-ai/DeepSeek-V3's config.json (the fields the decoder reads, as on the Hub:
+# transformers 4's rope_scaling), its quantization_config left out
+DEEPSEEK_V3_671B = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+# moonshotai/Kimi-K2-Instruct's, alike
+KIMI_K2 = {
+    **DEEPSEEK_V3_671B,
+    "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072,
+    "model_type": "kimi_k2",
+    "n_group": 1,
+    "n_routed_experts": 384,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 0,
+    "rope_scaling": {
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827,
+    "topk_group": 1,
+    "vocab_size": 163840,
+}
+
+
+@pytest.mark.parametrize(
+    ("preset", "published"), [("deepseek_v3_671b", DEEPSEEK_V3_671B), ("kimi_k2", KIMI_K2)]
+)
+def test_the_presets_are_their_published_configs(preset, published):
+    from recipes_lib.config import compose_config, to_run_config
+
+    ours = to_run_config(compose_config([f"model={preset}"])).model
+    assert model_config_from_hf(published, name=preset) == ours

@@ -132,7 +132,18 @@ def deepseek_moe_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's mixture of a ``config.json``: ``n_routed_experts`` of
     ``moe_intermediate_size``, ``n_shared_experts``, the first
     ``first_k_dense_replace`` layers dense, the group limit (``n_group``,
-    ``topk_group``), ``norm_topk_prob`` and ``routed_scaling_factor``."""
+    ``topk_group``), ``norm_topk_prob`` and ``routed_scaling_factor``.
+
+    Raises:
+        CheckpointError: the remote code's ``scoring_func`` or ``topk_method`` name
+            another router (DeepSeek-V2's softmax or greedy choice).
+    """
+    scoring, method = config.get("scoring_func", "sigmoid"), config.get("topk_method", "noaux_tc")
+    if (scoring, method) != ("sigmoid", "noaux_tc"):
+        raise CheckpointError(
+            f"{config.get('model_type')}: scoring_func={scoring!r} with topk_method={method!r} "
+            "is not supported; DeepSeek-V3's router is read (sigmoid, noaux_tc)"
+        )
     n_layers = int(required(config, "num_hidden_layers"))
     dense = int(config.get("first_k_dense_replace") or 0)
     return {
