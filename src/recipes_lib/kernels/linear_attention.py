@@ -27,6 +27,7 @@ Hk query/key heads (each serving ``H // Hk`` value heads), dk key dim, dv value 
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,17 @@ from torch import Tensor
 
 from recipes_lib.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 LINEAR_PATHS = ("auto", "fla", "torch")
+
+
+@functools.cache
+def _warn_slow_path() -> None:
+    log.warning(
+        "linear attention on CUDA without flash-linear-attention: the torch path loops "
+        "over the positions, much slower (pip install 'recipes-lib[linear]')"
+    )
 
 
 @functools.cache
@@ -60,6 +71,8 @@ def pick_path(path: str, x: Tensor) -> str:
             f"linear attention path {path!r} is not one of {' | '.join(LINEAR_PATHS)}"
         )
     if path == "auto":
+        if x.is_cuda and not fla_available():
+            _warn_slow_path()  # once
         return "fla" if x.is_cuda and fla_available() else "torch"
     if path == "fla" and not (x.is_cuda and fla_available()):
         raise ConfigError(

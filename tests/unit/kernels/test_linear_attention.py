@@ -1,0 +1,84 @@
+"""Linear attention's torch path against transformers' own reference implementations of
+the gated delta rule and the causal convolution (grouped value heads, a state carried in
+and out), documents of packed rows on their own, and the fla path refused where it
+cannot run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recipes_lib.errors import ConfigError
+from recipes_lib.kernels.linear_attention import (
+    Segments,
+    causal_conv,
+    gated_delta_rule,
+    pick_path,
+)
+
+qwen3_5 = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
+
+B, T, HK, H, DK, DV = 2, 37, 2, 4, 8, 12
+
+
+def _inputs(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(B, T, HK, DK, generator=gen) for _ in range(2))
+    v = torch.randn(B, T, H, DV, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def test_the_rule_is_transformers_chunked_reference_with_a_state_in_and_out():
+    q, k, v, g, beta = _inputs()
+    state = torch.randn(B, H, DK, DV, generator=torch.Generator().manual_seed(1)) * 0.1
+    ours, ours_after = gated_delta_rule(q, k, v, g, beta, state=state.clone())
+    theirs, after = qwen3_5.torch_chunk_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=state.clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours_after, after, atol=1e-5, rtol=1e-4)
+
+
+def test_the_convolution_is_a_causal_depthwise_conv1d_with_silu():
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(B, T, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    ours, last = causal_conv(x, weight)
+    conv = F.conv1d(x.transpose(1, 2), weight[:, None], padding=3, groups=6)[..., :T]
+    torch.testing.assert_close(ours, F.silu(conv).transpose(1, 2), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(last, x[:, -3:].transpose(1, 2))
+    # continued from its last inputs, the rest of a sequence is the whole's
+    head, _ = causal_conv(x[:, :20], weight)
+    _, state = causal_conv(x[:, :20], weight)
+    tail, _ = causal_conv(x[:, 20:], weight, state=state)
+    torch.testing.assert_close(torch.cat([head, tail], 1), ours, atol=1e-6, rtol=1e-5)
+
+
+def test_each_document_of_a_packed_row_is_its_own_sequence():
+    q, k, v, g, beta = _inputs(3)
+    doc_ids = torch.tensor([[0] * 10 + [1] * 2 + [2] * 25, [0] * 37])
+    segments = Segments.of(doc_ids)
+    packed, _ = gated_delta_rule(q, k, v, g, beta, segments)
+    x, weight = v.flatten(2), torch.randn(H * DV, 3, generator=torch.Generator().manual_seed(4))
+    conv_packed, _ = causal_conv(x, weight, segments)
+    for start, end in ((0, 10), (10, 12), (12, 37)):
+        alone, _ = gated_delta_rule(*(t[:1, start:end] for t in (q, k, v, g, beta)))
+        torch.testing.assert_close(packed[:1, start:end], alone, atol=1e-6, rtol=1e-5)
+        conv_alone, _ = causal_conv(x[:1, start:end], weight)
+        torch.testing.assert_close(conv_packed[:1, start:end], conv_alone, atol=1e-6, rtol=1e-5)
+    assert segments.cu_seqlens().tolist() == [0, 10, 12, 37, 74]
+
+
+def test_the_fla_path_is_refused_where_it_cannot_run():
+    with pytest.raises(ConfigError, match="needs CUDA and flash-linear-attention"):
+        pick_path("fla", torch.zeros(1))
+    with pytest.raises(ConfigError, match="is not one of auto | fla | torch"):
+        pick_path("triton", torch.zeros(1))
+    assert pick_path("auto", torch.zeros(1)) == "torch"
