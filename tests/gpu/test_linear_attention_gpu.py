@@ -2,8 +2,8 @@
 ``linear`` extra): fla's gated delta rule and convolution against the torch path, values
 and gradients, over packed documents (``cu_seqlens``) with grouped value heads; a
 Qwen3.5-shaped model through fla against itself through torch (training forward and
-backward, and greedy decoding through the recurrent cache); the model in bf16 against
-its fp32 self."""
+backward, and decoding through the recurrent cache); the model in bf16 against its fp32
+self."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 from tiny import tiny_model_config
 
-from recipes_lib.generate import generate
 from recipes_lib.kernels.linear_attention import (
     Segments,
     causal_conv,
@@ -20,6 +19,7 @@ from recipes_lib.kernels.linear_attention import (
 )
 from recipes_lib.models import Transformer
 from recipes_lib.models.families import FAMILIES
+from recipes_lib.models.kv_cache import KVCache
 from recipes_lib.models.linear_attention import GatedDeltaNet
 
 pytestmark = [
@@ -64,7 +64,7 @@ def test_fla_gated_delta_rule_matches_the_torch_path_over_packed_documents(dtype
     inputs = _inputs(dtype)
     ours, _ = gated_delta_rule(*inputs, segments=segments, path="fla")
     reference, _ = gated_delta_rule(*inputs, segments=segments, path="torch")
-    bound = 2e-3 if dtype == torch.float32 else 2e-2
+    bound = 5e-3 if dtype == torch.float32 else 2e-2  # fla's fp32 products may be tf32
     assert _relative(ours, reference) < bound
     upstream = torch.randn_like(reference)
     got = torch.autograd.grad(ours, inputs, upstream)
@@ -82,7 +82,7 @@ def test_fla_decoding_state_is_the_torch_paths():
         pieces = [t[:, :n] for t in (q, k, v, g, beta)]
         ours, ours_after = gated_delta_rule(*pieces, state=state.clone(), path="fla")
         reference, after = gated_delta_rule(*pieces, state=state.clone(), path="torch")
-        assert _relative(ours, reference) < 2e-3 and _relative(ours_after, after) < 2e-3
+        assert _relative(ours, reference) < 5e-3 and _relative(ours_after, after) < 5e-3
 
 
 def test_fla_convolution_matches_the_torch_path_over_packed_documents():
@@ -144,16 +144,20 @@ def test_the_model_through_fla_is_the_model_through_torch():
         with torch.no_grad():
             results[path] = (model(x, doc_ids), loss.detach(), grads)
     (logits, loss, grads), (ref_logits, ref_loss, ref_grads) = results["fla"], results["torch"]
-    assert _relative(logits, ref_logits) < 2e-3
-    torch.testing.assert_close(loss, ref_loss, atol=1e-3, rtol=1e-3)
+    assert _relative(logits, ref_logits) < 5e-3
+    torch.testing.assert_close(loss, ref_loss, atol=2e-3, rtol=2e-3)
     for name, grad in grads.items():
-        assert _relative(grad, ref_grads[name]) < 1e-2, name
-    # greedy decoding through the recurrent cache, on either path
-    prompt = x[0, :11].tolist()
-    _set_path(model, "fla")
-    through_fla = generate(model, prompt, 16)
-    _set_path(model, "torch")
-    assert through_fla == generate(model, prompt, 16)
+        assert _relative(grad, ref_grads[name]) < 3e-2, name
+    # decoding through the recurrent cache: a prompt, then one token at a time
+    decoded = {}
+    for path in ("fla", "torch"):
+        _set_path(model, path)
+        cache = KVCache.for_model(model, batch_size=B, max_len=64)
+        with torch.no_grad():
+            steps = [model(x[:, :11], cache=cache, last_only=True)]
+            steps += [model(x[:, i : i + 1], cache=cache) for i in range(11, 19)]
+        decoded[path] = torch.cat(steps, dim=1)
+    assert _relative(decoded["fla"], decoded["torch"]) < 5e-3
 
 
 def test_a_bf16_qwen3_5_model_follows_its_fp32_self():
