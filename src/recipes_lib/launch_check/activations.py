@@ -54,6 +54,10 @@ class DecoderShape:
     linear_layers: int = 0
     linear_mixer: int = 0
     shared_gate_layers: int = 0
+    # multi-head latent attention's parameters in one block (DeepSeek-V3), in place of
+    # the attention's; 0: plain attention (its activations are still estimated as plain
+    # attention's of head_dim-wide heads)
+    latent_attention: int = 0
 
     @classmethod
     def of(cls, cfg: RunConfig) -> DecoderShape:
@@ -63,6 +67,7 @@ class DecoderShape:
     def of_model(cls, m) -> DecoderShape:
         """The shape of a model config (another model's: a teacher's)."""
         fields: dict[str, Any] = {**_moe_widths(m), **cls._attention(m), **_hybrid(m)}
+        fields["latent_attention"] = _latent_attention(m)
         return cls(**fields)
 
     @staticmethod
@@ -116,12 +121,10 @@ class DecoderShape:
     def block_params(self) -> int:
         """Parameters of one block: its linears, q/k/v biases, the norm gains around the
         sublayers and the query and key norms' gains."""
-        weights = sum(i * o for i, o in self.linears().values())
-        bias = self.qkv_bias_params
-        qk = 0
-        if self.qk_norm != "none":
-            qk = sum(qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, self.head_dim))
-        return weights + bias + self.block_norms * self.dim + qk
+        linears = self.linears()
+        weights = sum(i * o for i, o in linears.values())
+        plain = sum(i * o for i, o in (linears[n] for n in ("wq", "wk", "wv", "wo")))
+        return weights - plain + self.attention_params() + self.block_norms * self.dim
 
     @property
     def head_params(self) -> int:
@@ -135,7 +138,10 @@ class DecoderShape:
 
     def attention_params(self) -> int:
         """The attention's parameters in one block: its projections, q/k/v biases and
-        query and key norms (what a linear-attention layer has in their place)."""
+        query and key norms (what a linear-attention layer has in their place); a latent
+        attention's own."""
+        if self.latent_attention:
+            return self.latent_attention
         linears = self.linears()
         weights = sum(i * o for i, o in (linears[n] for n in ("wq", "wk", "wv", "wo")))
         qk = 0
@@ -148,6 +154,21 @@ class DecoderShape:
         mixers = self.linear_layers * (self.linear_mixer - self.attention_params())
         gates = self.shared_gate_layers * self.dim
         return self.n_layers * self.block_params() + mixers + gates + self.outer_params()
+
+
+def _latent_attention(m) -> int:
+    """Multi-head latent attention's parameters in one block (0 without it): the query
+    projection or latent (with its norm), the key/value latent with the shared rotated
+    key, its norm and expansion, the output, and the biases ``qkv_bias`` and
+    ``attention_out_bias`` put on ``wq_a``, ``wkv_a`` and ``wo``."""
+    if m.mla_kv_rank is None:
+        return 0
+    c, heads, hs, rank = m.dim, m.n_heads, m.head_dim, m.mla_kv_rank
+    vd, rope, q_rank = m.v_head_dim or hs, m.mla_rope_dim, m.mla_q_rank
+    query = c * heads * hs if q_rank is None else q_rank * (c + 1 + heads * hs)
+    kv = c * (rank + rope) + rank + rank * heads * (hs - rope + vd)
+    bias = ((q_rank or 0) + rank + rope) if m.qkv_bias else 0
+    return query + kv + heads * vd * c + bias + (c if m.attention_out_bias else 0)
 
 
 def _hybrid(m) -> dict[str, Any]:

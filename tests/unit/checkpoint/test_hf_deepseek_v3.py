@@ -21,6 +21,7 @@ from recipes_lib.errors import CheckpointError, ConfigError, UnsupportedKernelEr
 from recipes_lib.generate import generate
 from recipes_lib.kernels.attention import AttentionCapabilities, SDPAAttention
 from recipes_lib.kernels.sharded import ContextShard
+from recipes_lib.launch_check.activations import DecoderShape
 from recipes_lib.models import Transformer
 from recipes_lib.models.families import FAMILIES
 from recipes_lib.models.kv_cache import KVCache
@@ -339,6 +340,8 @@ def test_the_presets_have_the_published_parameter_counts(
     assert model.num_params() == total
     assert model.num_params(exclude_embeddings=True) - model.inactive_params() == active
     assert abs(total - published) / published < 0.03
+    # the launch check's count (its routers averaged over the layers: within 1e-6)
+    assert abs(DecoderShape.of_model(config).num_params() - total) < 1e-6 * total
     with_embeddings = active + config.vocab_size * config.dim
     assert active < published_active + 1e9 and with_embeddings > published_active - 1e9
     moe = [isinstance(layer.feed_forward, MoEFeedForward) for layer in model.layers]
