@@ -248,6 +248,10 @@ class Experts(nn.Module):
             found.append(b.to(dtype))
         return found[0], found[1], found[2]
 
+    # Eager under torch.compile: the loop reads every expert's row count on the host,
+    # and a compiled loop would be specialized on them (a count of 0 or 1 is a graph of
+    # its own), so a run with many experts hit dynamo's recompile limit within steps.
+    @torch.compiler.disable
     def _loop(self, x: Tensor, counts: Tensor) -> Tensor:
         w1, w3, w2 = self.weights(x, x.dtype)
         b = self.biases(x.dtype)

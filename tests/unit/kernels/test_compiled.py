@@ -76,6 +76,25 @@ def test_without_varying_shapes_a_changed_row_count_recompiles(eager_compile):
     assert stats.graphs == 2, stats  # static, then dynamic: what the marking saves
 
 
+def test_a_mixture_on_its_per_expert_loop_compiles_a_few_graphs_whatever_the_routing(
+    eager_compile,
+):
+    # 32 experts over 2 x 16 tokens: many experts take 0 or 1 rows, counts a compiled
+    # loop was specialized on (the recompile limit within a few steps)
+    config = tiny_model_config(
+        family="mixtral", n_layers=2, moe_experts=32, moe_top_k=4, moe_ffn_dim=32
+    )
+    torch.manual_seed(0)
+    model = Transformer(config, attention="sdpa")
+    compile_blocks(model.layers, varying_shapes=False)
+    with watch_compiles() as stats:
+        for _ in range(12):
+            ids = torch.randint(0, config.vocab_size, (2, 16))
+            model(ids, labels=ids).backward()
+    assert stats.recompile_limit_hits == 0, stats
+    assert stats.graphs <= 6, stats
+
+
 def test_a_shape_the_compiled_path_cannot_take_runs_eagerly_with_one_warning(monkeypatch, caplog):
     calls = []
 
