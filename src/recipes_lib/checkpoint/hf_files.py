@@ -196,6 +196,21 @@ def _nth_part(split: Callable[[Tensor], list[Tensor]], index: int, tensor: Tenso
     return split(tensor)[index]
 
 
+def _nth_expert(
+    split: Callable[[Tensor], list[Tensor]], index: int, expert: int, tensor: Tensor
+) -> Tensor:
+    return split(tensor)[index][expert]
+
+
+def _stacked_shape(expected: Mapping[str, tuple[int, ...]], part: str) -> tuple[int, ...] | None:
+    """The whole shape of a stacked native tensor whose experts ``expected`` holds one by
+    one (``(E, ...)``), or None when it holds none of them."""
+    count = 0
+    while expert_slice(part, count) in expected:
+        count += 1
+    return (count, *expected[expert_slice(part, 0)]) if count else None
+
+
 def _locate_rearranged(
     located: Located,
     rearranged: tuple[Rearranged, list[str]],
@@ -203,16 +218,23 @@ def _locate_rearranged(
     expected: Mapping[str, tuple[int, ...]],
 ) -> list[str]:
     """Locate the native tensors a rearranged one holds (their shapes from its split of
-    an empty tensor of its shape); a line if they do not fit the model's."""
+    an empty tensor of its shape); a line if they do not fit the model's. A part the
+    model expects expert by expert (a family that also reads one tensor per expert:
+    Qwen3.5-MoE) is located as its experts' slices."""
     layout, parts = rearranged
     file, stored, shape, dtype, _ = found
     shapes = [tuple(t.shape) for t in layout.split(torch.empty(shape, device="meta"))]
-    wanted = [expected.get(part) for part in parts]
+    wanted = [expected.get(part) or _stacked_shape(expected, part) for part in parts]
     if shapes != wanted:
         return [f"{stored}: checkpoint {shape} holds {shapes} vs model {wanted}"]
     for index, (part, part_shape) in enumerate(zip(parts, shapes, strict=True)):
-        take = partial(_nth_part, layout.split, index)
-        located[part] = (file, stored, part_shape, dtype, take)
+        if part in expected:
+            take = partial(_nth_part, layout.split, index)
+            located[part] = (file, stored, part_shape, dtype, take)
+            continue
+        for expert in range(part_shape[0]):
+            take = partial(_nth_expert, layout.split, index, expert)
+            located[expert_slice(part, expert)] = (file, stored, part_shape[1:], dtype, take)
     return []
 
 
@@ -289,12 +311,15 @@ def copy_tensors(params: Mapping[str, Tensor], located: Located) -> None:
     with torch.no_grad():
         for file, in_file in by_file.items():
             with safe_open(str(file), framework="pt", device="cpu") as f:
+                whole: tuple[str, Tensor] | None = None  # the rearranged tensor last read
                 for name in in_file:
                     _, hf_name, _, _, rows = located[name]
                     if rows is None:
                         tensor = f.get_tensor(hf_name)
-                    elif callable(rows):  # its part of a rearranged tensor
-                        tensor = rows(f.get_tensor(hf_name))
+                    elif callable(rows):  # its part of a rearranged tensor, read once
+                        if whole is None or whole[0] != hf_name:
+                            whole = (hf_name, f.get_tensor(hf_name))
+                        tensor = rows(whole[1])
                     else:  # its rows of a fused tensor
                         tensor = f.get_slice(hf_name)[rows[0] : rows[1]]
                     stacked, expert = split_expert_slice(name)

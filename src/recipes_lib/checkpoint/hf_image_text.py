@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import safe_open
@@ -40,6 +41,7 @@ from recipes_lib.config.schema import ModelConfig
 from recipes_lib.errors import CheckpointError
 from recipes_lib.files import copy_atomic
 from recipes_lib.models.families import get_family
+from recipes_lib.models.families.base import expert_slice
 from recipes_lib.models.families.image_text import ImageText
 
 _EMBEDDINGS, _HEAD = "model.embed_tokens.weight", "lm_head.weight"  # text model names
@@ -83,6 +85,27 @@ def _is_weights(file: Path) -> bool:
     )
 
 
+def _stacked_experts(
+    config: ModelConfig, name: str, text: Mapping[str, Tensor]
+) -> tuple[Tensor, list[str]] | None:
+    """A base tensor holding every expert at once (Qwen3.5-MoE's published
+    ``mlp.experts.gate_up_proj``), made from ``text``'s one tensor per expert, and the
+    names it used; None when ``name`` is no such tensor of the family."""
+    names = get_family(config.family).names
+    found = names.rearranged_parts(name)
+    if found is None:
+        return None
+    layout, parts = found
+    stacked, used = [], []
+    for part in parts:
+        experts = [names.to_hf(expert_slice(part, e)) for e in range(config.moe_experts)]
+        if not experts or not all(hf is not None and hf in text for hf in experts):
+            return None
+        stacked.append(torch.stack([text[cast(str, hf)].detach() for hf in experts]))
+        used += [cast(str, hf) for hf in experts]
+    return layout.join(stacked), used
+
+
 def _merged(
     text: Mapping[str, Tensor], base: Path, layout: ImageText, config: ModelConfig
 ) -> dict[str, Tensor]:
@@ -107,7 +130,14 @@ def _merged(
                 tied = name == _HEAD and name not in text and config.tie_embeddings
                 name = _EMBEDDINGS if tied else name  # a tied head the base stores anyway
                 if name not in text:
-                    left.append(stored)
+                    stacked = _stacked_experts(config, name, text)
+                    if stacked is None:
+                        left.append(stored)
+                        continue
+                    tensor, used = stacked
+                    dtype = DTYPES.get(f.get_slice(stored).get_dtype(), tensor.dtype)
+                    out[stored] = tensor.to("cpu", dtype).contiguous()
+                    placed.update(used)
                     continue
                 dtype = DTYPES.get(f.get_slice(stored).get_dtype(), text[name].dtype)
                 tensor = text[name].detach().to("cpu", dtype).contiguous()

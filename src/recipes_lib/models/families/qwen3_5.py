@@ -37,6 +37,10 @@ Tensor names, besides Qwen3's (:data:`~recipes_lib.models.families.qwen3.QWEN3_N
     model.layers.N.linear_attn.out_proj    <-> layers.N.attention.out_proj
     model.layers.N.mlp.shared_expert.*     <-> layers.N.feed_forward.shared.w1/w3/w2
     model.layers.N.mlp.shared_expert_gate  <-> layers.N.feed_forward.shared_gate
+    model.layers.N.mlp.experts.E.gate_proj <-> layers.N.feed_forward.experts.w1[E]
+        (up_proj w3, down_proj w2), or all experts in one tensor, as the published
+        folders store them: mlp.experts.gate_up_proj (E, 2F, C: the gates' rows, then
+        the ups') <-> w1, w3 and mlp.experts.down_proj (E, C, F) <-> w2
 
 The published folders are image-text (``Qwen3_5ForConditionalGeneration``,
 ``model_type`` ``qwen3_5``; ``qwen3_5_moe`` for the MoE): a ``text_config`` of this
@@ -53,10 +57,14 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+from torch import Tensor
+
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.errors import CheckpointError
 from recipes_lib.models.families.base import (
     Family,
+    Rearranged,
     TensorNames,
     common_from_hf,
     refuse,
@@ -86,6 +94,27 @@ QWEN3_5_NAMES = TensorNames(
     layer={**QWEN3_NAMES.layer, **LINEAR_NAMES}, top=QWEN3_NAMES.top, ignored=_IGNORED
 )
 _ROUTED = with_experts(QWEN3_5_NAMES, "mlp", "gate_proj", "up_proj", "down_proj")
+
+
+def _halves(gate_up: Tensor) -> list[Tensor]:
+    """``(E, 2F, C)`` -> the gates' and the ups' ``(E, F, C)``."""
+    return list(gate_up.chunk(2, dim=1))
+
+
+# the published folders stack every expert in one tensor (transformers' own layout);
+# transformers' save_pretrained writes one per expert: both are read
+FUSED_EXPERTS = {
+    "mlp.experts.gate_up_proj": Rearranged(
+        parts=("feed_forward.experts.w1.weight", "feed_forward.experts.w3.weight"),
+        split=_halves,
+        join=lambda parts: torch.cat(parts, dim=1),
+    ),
+    "mlp.experts.down_proj": Rearranged(
+        parts=("feed_forward.experts.w2.weight",),
+        split=lambda down: [down],
+        join=lambda parts: parts[0],
+    ),
+}
 QWEN3_5_MOE_NAMES = TensorNames(
     layer={
         **_ROUTED.layer,
@@ -98,6 +127,7 @@ QWEN3_5_MOE_NAMES = TensorNames(
     ignored=_IGNORED,
     experts=_ROUTED.experts,
     experts_module=_ROUTED.experts_module,
+    rearranged=FUSED_EXPERTS,
 )
 LINEAR_READS = (
     "linear_layers",
