@@ -472,6 +472,18 @@ class MoEFeedForward(nn.Module):
         counts = self.expert_counts.float()
         return balance_loss(counts, self.routed_tokens, self.mean_probs, self.n_experts)
 
+    def _apply(self, fn, recurse=True):
+        # the sigmoid router's choice bias stays float32 whatever dtype the model is cast
+        # to (as transformers keeps DeepSeek-V3's e_score_correction_bias): in bfloat16 a
+        # bias of a few units moves in steps of 1/64, which reorders close experts, and
+        # update_bias's small steps would round away
+        bias = self.expert_bias if self.router_kind == "sigmoid" else None
+        super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            kept = torch.empty_like(bias, dtype=torch.float32, device=self.expert_bias.device)
+            self.expert_bias = kept if bias.is_meta or kept.is_meta else kept.copy_(bias)
+        return self
+
     @torch.no_grad()
     def update_bias(self, counts: Tensor, rate: float) -> None:
         """Move the sigmoid router's bias by ``rate`` towards balance: up for the experts

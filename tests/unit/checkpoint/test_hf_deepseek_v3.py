@@ -454,3 +454,15 @@ def test_the_presets_are_their_published_configs(preset, published):
 
     ours = to_run_config(compose_config([f"model={preset}"])).model
     assert model_config_from_hf(published, name=preset) == ours
+
+
+def test_a_bf16_model_keeps_the_choice_bias_in_float32(tmp_path):
+    """As transformers keeps e_score_correction_bias: bf16 would round a bias of a few
+    units to steps of 1/64 and reorder close experts."""
+    hf = hf_model()
+    hf.save_pretrained(tmp_path)
+    model, _ = load_hf_checkpoint(tmp_path, dtype=torch.bfloat16)
+    layer = model.layers[1].feed_forward
+    assert layer.router.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.expert_bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
+    assert model.half().layers[1].feed_forward.expert_bias.dtype == torch.float32
