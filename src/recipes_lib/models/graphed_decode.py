@@ -57,6 +57,7 @@ def graphable(model: Transformer) -> bool:
         and not any(isinstance(m, MoEFeedForward) for m in model.modules())
         and model.config.rope_scaling.type != "longrope"
         and not model.config.attention_sinks  # its static cache attends without them
+        and model.config.mla_kv_rank is None  # its static cache holds keys, not latents
         and not model.config.linear_layers  # their recurrent state decodes step by step
     )
 
