@@ -103,9 +103,11 @@ class Segments:
         starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
         return cls(starts, torch.cumsum(starts, dim=1))
 
+    @functools.cached_property
     def cu_seqlens(self) -> Tensor:
         """The documents' boundaries in the ``(B * T)`` flattened rows, ``(N + 1,)``
-        int64, as flash-linear-attention's variable-length kernels take them."""
+        int64, as flash-linear-attention's variable-length kernels take them (found
+        once: finding them waits for the device)."""
         flat = self.starts.flatten()
         ends = torch.tensor([flat.numel()], device=flat.device)
         return torch.cat([torch.nonzero(flat).flatten(), ends])
@@ -148,7 +150,7 @@ def _fla_conv(x: Tensor, weight: Tensor, segments: Segments | None) -> Tensor:
     from fla.modules.causal_conv1d import causal_conv1d
 
     B, T, D = x.shape
-    cu = None if segments is None else segments.cu_seqlens()
+    cu = None if segments is None else segments.cu_seqlens
     flat = x.reshape(1, B * T, D) if cu is not None else x
     y, _ = causal_conv1d(flat, weight.to(x.dtype), activation="silu", cu_seqlens=cu)
     return y.reshape(B, T, D)
@@ -253,6 +255,6 @@ def _fla_rule(
         out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, **kwargs)
         return out, None
     q, k, v, g, beta = (t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta))
-    cu_seqlens = segments.cu_seqlens()
+    cu_seqlens = segments.cu_seqlens
     out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens, **kwargs)
     return out.reshape(B, T, *out.shape[2:]), None

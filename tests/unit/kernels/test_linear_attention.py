@@ -73,7 +73,7 @@ def test_each_document_of_a_packed_row_is_its_own_sequence():
         torch.testing.assert_close(packed[:1, start:end], alone, atol=1e-6, rtol=1e-5)
         conv_alone, _ = causal_conv(x[:1, start:end], weight)
         torch.testing.assert_close(conv_packed[:1, start:end], conv_alone, atol=1e-6, rtol=1e-5)
-    assert segments.cu_seqlens().tolist() == [0, 10, 12, 37, 74]
+    assert segments.cu_seqlens.tolist() == [0, 10, 12, 37, 74]
 
 
 def test_the_fla_path_is_refused_where_it_cannot_run():
