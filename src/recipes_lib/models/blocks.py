@@ -14,6 +14,9 @@ in its norms, and the options the model families turn on inside it.
   (Qwen3.5's Gated DeltaNet: :mod:`recipes_lib.models.linear_attention`), and an output
   gate on attention (``model.attention_output_gate``: ``wq`` also makes, per head, a gate
   whose sigmoid scales the head's output before ``wo``; Qwen3.5).
+- Multi-head latent attention in place of attention with ``model.mla_kv_rank``
+  (DeepSeek-V3: keys and values from a per-token latent,
+  :mod:`recipes_lib.models.latent_attention`).
 - Norms (``model.norm_placement``): ``pre`` on each sublayer's input (Llama), ``post``
   on its output before the residual add (OLMo 2), ``both`` (Gemma 3).
 

@@ -7,7 +7,8 @@ the queries and keys and OLMo 2's post-norm blocks (:mod:`recipes_lib.models.nor
 SmolLM3's layers without RoPE (``model.nope_layers``), Phi-3's partial rotation and
 LongRoPE (:mod:`recipes_lib.models.rope`), Gemma 3's local layers with their own RoPE
 base, scaled embeddings, GeGLU and norms on both sides of each sublayer, gpt-oss's
-attention sinks and biases and its experts' clamped SwiGLU.
+attention sinks and biases and its experts' clamped SwiGLU, DeepSeek-V3's multi-head
+latent attention (:mod:`recipes_lib.models.latent_attention`).
 Parameter names follow Meta's Llama code (``tok_embeddings``,
 ``layers.{i}.attention.wq``, ``feed_forward.w1``, ...), so a family's Hugging Face
 adapter is a rename table. RoPE uses the rotate-half convention of Hugging Face /
