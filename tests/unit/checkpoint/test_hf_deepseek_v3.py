@@ -466,3 +466,29 @@ def test_a_bf16_model_keeps_the_choice_bias_in_float32(tmp_path):
     assert layer.router.weight.dtype == torch.bfloat16
     assert torch.equal(layer.expert_bias, hf.model.layers[1].mlp.gate.e_score_correction_bias)
     assert model.half().layers[1].feed_forward.expert_bias.dtype == torch.float32
+
+
+def test_a_reward_model_reads_and_exports_with_transformers_scores(tmp_path):
+    """``DeepseekV3ForSequenceClassification`` (``model.head=score``): the same scores at
+    each row's last token on import, and again after export."""
+    settings = {**SHAPE, "rope_parameters": YARN, "num_labels": 1, "pad_token_id": 0}
+    hf = nudged_hf_model(
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForSequenceClassification,
+        0.2,
+        **settings,
+    )
+    hf.save_pretrained(tmp_path / "hf")
+    model, config = load_hf_checkpoint(tmp_path / "hf")
+    assert (config.family, config.head) == ("deepseek_v3", "score")
+    ids = tokens(VOCAB - 1, 3, 20) + 1  # no padding token inside the rows
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits[:, 0]
+        torch.testing.assert_close(model(ids)[:, -1, 0], want, atol=1e-4, rtol=1e-4)
+        out = export_hf_checkpoint(model, config, tmp_path / "ours")
+        again = transformers.AutoModelForSequenceClassification.from_pretrained(
+            out, attn_implementation="eager"
+        ).eval()
+        assert type(again).__name__ == "DeepseekV3ForSequenceClassification"
+        scores = torch.cat([again(input_ids=row[None]).logits[:, 0] for row in ids])
+        torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-4)
