@@ -149,6 +149,26 @@ def test_left_padded_batched_decoding_is_each_prompt_alone(dense):
         assert tokens_ == generate(model, prompt, 6)
 
 
+def test_recipes_generate_decodes_an_exported_folder(tmp_path, dense, capsys):
+    """``recipes-generate`` on an exported folder: the greedy tokens ``generate`` gives."""
+    from recipes_lib.cli import generate_command
+    from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
+    from recipes_lib.generate import load_for_generation
+
+    _, model = dense
+    texts = ["def add(a, b):\n    return a + b\n", "class Point:\n    x: int = 0\n"] * 30
+    tokenizer_file = save_tokenizer(
+        train_bpe_tokenizer(texts, vocab_size=VOCAB), tmp_path / "tokenizer.json"
+    )
+    export_hf_checkpoint(model, model.config, tmp_path / "hf", tokenizer_file)
+    args = [f"checkpoint={tmp_path / 'hf'}", "prompt=def add", "max_new_tokens=8", "device=cpu"]
+    assert generate_command(args) == 0
+    tokenizer = load_for_generation(tmp_path / "hf").tokenizer
+    ids = tokenizer.encode("def add").ids
+    expected = tokenizer.decode(ids + generate(model, ids, 8, eos_id=0))
+    assert capsys.readouterr().out == expected + "\n"
+
+
 def test_the_recurrent_cache_holds_no_keys_and_never_rewinds(dense):
     _, model = dense
     cache = KVCache.for_model(model, batch_size=1, max_len=16)
