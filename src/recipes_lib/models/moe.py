@@ -1,5 +1,7 @@
 """Mixture-of-experts MLP: a router picks ``model.moe_top_k`` of ``model.moe_experts``
 gated MLPs for each token; their outputs, weighted by the router, are summed.
+One concept: the mixture layer, its router, experts and shared experts with what its
+losses are taken from, and the exchange of expert parallelism, which only it calls.
 
 - Router (``model.moe_router``): ``softmax`` over every expert's logit, the top k taken
   and, with ``model.moe_renormalize``, their weights divided by their sum (Mixtral,
