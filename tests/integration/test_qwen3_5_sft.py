@@ -1,7 +1,7 @@
 """Qwen3.5 takes the on-ramp: ``recipe=sft/lora stage.init_from=DIR`` from a folder
-transformers saved (a linear-attention and a gated attention layer) lowers the held-out
-loss over packed rows; the merged output, exported, and the adapter in PEFT's format over
-the starting folder, are what transformers computes."""
+transformers saved (a linear-attention and a gated attention layer, LoRA on both) lowers
+the held-out loss over packed rows; the merged output, exported, and the adapter in PEFT's
+format over the starting folder, are what transformers computes."""
 
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def test_lora_sft_from_a_qwen3_5_folder_lowers_the_loss_and_exports(tmp_path):
         f"data.path={write_chat_records(tmp_path / 'chat.jsonl', 80)}",
         "data.seq_len=256",
         "kernels.attention=flex",  # packed rows: each document attends to itself
+        # the linear-attention layers' projections too, by their Hugging Face names
+        "adapter.target_modules=[wq,wk,wv,wo,w1,w2,w3,in_proj_qkv,in_proj_z,out_proj]",
         "optim.lr=2e-2",
         "trainer=cpu",
         "trainer.max_steps=16",

@@ -41,10 +41,12 @@ if TYPE_CHECKING:
 
 ADAPTER_KINDS = ("none", "lora", "qlora")
 EXPERTS_TARGET = "experts"  # a mixture's stacked experts: their w1, w3 and w2
-# the blocks' linears (wq_a .. wkv_b: multi-head latent attention's)
+# the blocks' linears (wq_a .. wkv_b: multi-head latent attention's; in_qkv .. out_proj:
+# linear attention's)
 NATIVE_TARGETS = (
     *("wq", "wk", "wv", "wo", "w1", "w2", "w3"),
     *("wq_a", "wq_b", "wkv_a", "wkv_b"),
+    *("in_qkv", "in_z", "in_b", "in_a", "out_proj"),
     EXPERTS_TARGET,
 )
 HF_TO_NATIVE_TARGET = {
@@ -56,6 +58,10 @@ HF_TO_NATIVE_TARGET = {
     "q_b_proj": "wq_b",
     "kv_a_proj_with_mqa": "wkv_a",
     "kv_b_proj": "wkv_b",
+    "in_proj_qkv": "in_qkv",
+    "in_proj_z": "in_z",
+    "in_proj_b": "in_b",
+    "in_proj_a": "in_a",
     "gate_proj": "w1",
     "down_proj": "w2",
     "up_proj": "w3",

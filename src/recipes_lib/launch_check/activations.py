@@ -54,6 +54,8 @@ class DecoderShape:
     linear_layers: int = 0
     linear_mixer: int = 0
     shared_gate_layers: int = 0
+    # the linear-attention mixer's projections: (name, in_features, out_features)
+    linear_projections: tuple[tuple[str, int, int], ...] = ()
     # multi-head latent attention's parameters in one block (DeepSeek-V3), in place of
     # the attention's; 0: plain attention (its activations are still estimated as plain
     # attention's of head_dim-wide heads)
@@ -149,6 +151,23 @@ class DecoderShape:
             qk = sum(qk_norm_sizes(self.qk_norm, self.n_heads, self.n_kv_heads, self.head_dim))
         return weights + self.qkv_bias_params + qk
 
+    def adapted(self, lora: dict[str, int]) -> list[tuple[int, int, int]]:
+        """``(in_features, out_features, rank)`` of every linear LoRA adapts, one entry
+        per layer that has it (the attention's in the attention layers, the linear
+        attention's in the linear ones, the MLP's in every layer; not the experts)."""
+        linears = self.linears()
+        mixer = {name: (i, o) for name, i, o in self.linear_projections}
+        attention_layers = self.n_layers - self.linear_layers
+        found: list[tuple[int, int, int]] = []
+        for name, r in lora.items():
+            if name in ("wq", "wk", "wv", "wo"):
+                found += [(*linears[name], r)] * attention_layers
+            elif name in linears:
+                found += [(*linears[name], r)] * self.n_layers
+            elif name in mixer:
+                found += [(*mixer[name], r)] * self.linear_layers
+        return found
+
     def num_params(self) -> int:
         """Every parameter (a tied head counted once), as ``Transformer.num_params``."""
         mixers = self.linear_layers * (self.linear_mixer - self.attention_params())
@@ -185,11 +204,23 @@ def _hybrid(m) -> dict[str, Any]:
         mixer += channels * m.linear_conv_kernel + 2 * m.linear_heads + m.linear_value_dim
         mixer += values * m.dim  # out_proj
     gated = m.n_layers - len(m.moe_dense_layers) if m.moe_experts and m.moe_shared_gate else 0
+    projections: tuple[tuple[str, int, int], ...] = ()
+    if linear:
+        c, values, heads = m.dim, m.linear_heads * m.linear_value_dim, m.linear_heads
+        channels = 2 * m.linear_key_heads * m.linear_key_dim + values
+        projections = (
+            ("in_qkv", c, channels),
+            ("in_z", c, values),
+            ("in_b", c, heads),
+            ("in_a", c, heads),
+            ("out_proj", values, c),
+        )
     return {
         "attention_gate": m.attention_output_gate,
         "linear_layers": linear,
         "linear_mixer": mixer,
         "shared_gate_layers": gated,
+        "linear_projections": projections,
     }
 
 

@@ -32,9 +32,7 @@ def trainable_parameters(cfg: RunConfig) -> list[ParameterInfo]:
     from recipes_lib.adapters.lora import EXPERTS_TARGET
 
     shape = DecoderShape.of(cfg)
-    linears = shape.linears()
-    pairs = [linears[name] + (r,) for name, r in lora.items() if name != EXPERTS_TARGET]
-    pairs = pairs * shape.n_layers
+    pairs = shape.adapted({name: r for name, r in lora.items() if name != EXPERTS_TARGET})
     if EXPERTS_TARGET in lora:
         r = lora[EXPERTS_TARGET] * shape.experts
         c, f = shape.dim, shape.expert_width

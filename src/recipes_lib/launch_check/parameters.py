@@ -39,7 +39,7 @@ class ParameterCounts:
 
     @classmethod
     def of(cls, shape: DecoderShape, cfg: RunConfig) -> ParameterCounts:
-        total, linears, lora = shape.num_params(), shape.linears(), adapted_linears(cfg)
+        total, lora = shape.num_params(), adapted_linears(cfg)
         if lora is None:
             return cls(total=total, trainable=total, quantized=0, adapters=0)
         from recipes_lib.adapters.frozen_base import base_storage_dtype
@@ -49,9 +49,10 @@ class ParameterCounts:
         r = lora.pop(EXPERTS_TARGET, 0)
         per_layer = r * shape.experts * 3 * (shape.dim + shape.expert_width)
         adapters = shape.moe_layers * per_layer
-        adapters += shape.n_layers * sum(r * sum(linears[n]) for n, r in lora.items())
+        adapted = shape.adapted(lora)
+        adapters += sum(r * (i + o) for i, o, r in adapted)
         if cfg.adapter.kind == "qlora":
-            quantized = shape.n_layers * sum(i * o for n, (i, o) in linears.items() if n in lora)
+            quantized = sum(i * o for i, o, _ in adapted)
             return cls(total=total, trainable=adapters, quantized=quantized, adapters=adapters)
         narrowed = 0
         if base_storage_dtype(cfg.adapter.base_dtype, cfg.precision.name) == torch.bfloat16:

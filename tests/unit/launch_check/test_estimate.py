@@ -224,6 +224,36 @@ def test_adapters_on_the_experts_are_counted_as_the_model_makes_them():
     assert estimate_memory(cfg).optimizer == made * 8 + 4 * len(adapters)
 
 
+def test_adapters_on_a_hybrid_stack_are_counted_as_the_model_makes_them():
+    """LoRA on Qwen3.5's attention, linear-attention and MLP projections: the attention's
+    only in its attention layers, the linear attention's only in its linear ones."""
+    from recipes_lib.adapters import apply_adapter
+
+    cfg = cfg_of(
+        "model=qwen3_5_0_8b",
+        "model.vocab_size=512",
+        "model.dim=64",
+        "model.n_layers=4",
+        "model.linear_layers=[0,1,2]",
+        "model.head_dim=16",
+        "model.n_heads=4",
+        "model.ffn_dim=96",
+        "model.linear_heads=4",
+        "model.linear_key_heads=2",
+        "model.linear_key_dim=8",
+        "model.linear_value_dim=8",
+        "adapter=lora",
+        "adapter.r=4",
+        "adapter.target_modules=[wq,wo,w2,in_proj_qkv,in_z,out_proj]",
+    )
+    counted = ParameterCounts.of(DecoderShape.of(cfg), cfg)
+    model = apply_adapter(Transformer(cfg.model), cfg.adapter)
+    adapters = [p for n, p in model.named_parameters() if ".lora_" in n]
+    assert counted.adapters == sum(p.numel() for p in adapters)
+    counted_shapes = sorted(p.shape for p in trainable_parameters(cfg))
+    assert counted_shapes == sorted(tuple(p.shape) for p in adapters)
+
+
 def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(tmp_path):
     """A separate DPO reference and a distillation's teacher are counted in the run's
     storage dtype, their blocks' projections in bf16 under bf16-mixed; a teacher whole
