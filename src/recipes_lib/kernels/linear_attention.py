@@ -17,8 +17,8 @@ Two paths compute the same thing:
 - ``fla``: flash-linear-attention's Triton kernels (``fla-core``, the ``linear`` extra):
   the chunked rule and the convolution over the packed documents flattened into one
   sequence (``cu_seqlens``), the fused recurrent rule for decoding. CUDA only.
-- ``torch``: a plain loop over the positions (the reference; CPU, or wherever fla does
-  not import). Exact, and slow on long rows: a GPU run wants fla.
+- ``torch``: plain torch, a chunk of 64 positions at a time (CPU, or wherever fla does
+  not import): exact, and much slower than fla on a GPU.
 
 Shapes: B batch, T positions, D convolution channels, K kernel width, H value heads,
 Hk query/key heads (each serving ``H // Hk`` value heads), dk key dim, dv value dim.
@@ -44,8 +44,8 @@ LINEAR_PATHS = ("auto", "fla", "torch")
 @functools.cache
 def _warn_slow_path() -> None:
     log.warning(
-        "linear attention on CUDA without flash-linear-attention: the torch path loops "
-        "over the positions, much slower (pip install 'recipes-lib[linear]')"
+        "linear attention on CUDA without flash-linear-attention: the torch path is "
+        "much slower (pip install 'recipes-lib[linear]')"
     )
 
 
@@ -189,7 +189,10 @@ def gated_delta_rule(
     return _torch_rule(q, k, v, g, beta, segments, state)
 
 
-# a compiled block leaves the rule eager: traced, the loop over positions would unroll
+CHUNK = 64  # positions the torch path takes at once
+
+
+# a compiled block leaves the rule eager: traced, the loop over chunks would unroll
 @torch.compiler.disable
 def _torch_rule(
     q: Tensor,
@@ -200,23 +203,52 @@ def _torch_rule(
     segments: Segments | None,
     state: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
+    """The rule a chunk of ``L`` positions at a time, in float32.
+
+    Within a chunk, with ``G`` the running sum of ``g`` and ``S0`` the state before it,
+    the state a position ``t`` sees is ``exp(G_t) S0`` plus the writes ``k_s u_s^T``
+    of the positions ``s < t`` decayed by ``exp(G_t - G_s)``. So the writes
+    ``u_t = beta_t (v_t - (that state)^T k_t)`` solve one unit lower-triangular
+    ``L x L`` system per head, and the outputs and the next chunk's state are products
+    with them. A document starting inside the chunk cuts every term that reaches
+    across its start: the state reaches only the positions before the chunk's first
+    start, a write only the positions of its own document.
+    """
     B, T, Hk, dk = k.shape
-    H, dv = v.shape[2:]
+    H = v.shape[2]
     groups = H // Hk  # value heads per query/key head, consecutive
-    q = l2_normalize(q.float()).repeat_interleave(groups, dim=2) * dk**-0.5  # (B, T, H, dk)
-    k = l2_normalize(k.float()).repeat_interleave(groups, dim=2)  # (B, T, H, dk)
-    values, decay, beta_ = v.float(), g.float().exp(), beta.float()
-    if segments is not None:  # a document starts from nothing
-        decay = decay * ~segments.starts[..., None]
-    S = q.new_zeros(B, H, dk, dv) if state is None else state.float()  # (B, H, dk, dv)
+    q = l2_normalize(q.float()).repeat_interleave(groups, dim=2) * dk**-0.5
+    k = l2_normalize(k.float()).repeat_interleave(groups, dim=2)
+    q, k, values = (t.transpose(1, 2) for t in (q, k, v.float()))  # (B, H, T, dk / dv)
+    g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, H, T)
+    starts = doc = None
+    if segments is not None:
+        starts, doc = segments.starts[:, None], segments.doc[:, None]  # (B, 1, T)
+        g = g.masked_fill(starts, 0.0)  # what a start would decay is cut anyway
+    S = q.new_zeros(B, H, dk, v.shape[3]) if state is None else state.float()
     outs = []
-    for t in range(T):
-        S = S * decay[:, t, :, None, None]
-        recalled = torch.einsum("bhkv,bhk->bhv", S, k[:, t])  # (B, H, dv)
-        delta = (values[:, t] - recalled) * beta_[:, t, :, None]
-        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t]))
-    out = torch.stack(outs, dim=1).to(v.dtype)  # (B, T, H, dv)
+    for lo in range(0, T, CHUNK):
+        hi = min(lo + CHUNK, T)
+        qc, kc, vc, gc, bc = (t[:, :, lo:hi] for t in (q, k, values, g, beta))
+        L = hi - lo
+        G = gc.cumsum(-1)  # (B, H, L)
+        keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # s <= t
+        carried = torch.ones_like(G, dtype=torch.bool)  # the state reaches t
+        if starts is not None and doc is not None:
+            dc = doc[..., lo:hi]
+            keep = keep & (dc[..., :, None] == dc[..., None, :])  # (B, 1, L, L)
+            carried = (starts[..., lo:hi].cumsum(-1) == 0).expand_as(G)
+        decay = (G[..., :, None] - G[..., None, :]).masked_fill(~keep, float("-inf")).exp()
+        from_state = G.exp() * carried  # (B, H, L): the state's weight at each t
+        A = (bc[..., :, None] * decay * (kc @ kc.transpose(-1, -2))).tril(-1)  # (B, H, L, L)
+        rhs = bc[..., None] * (vc - from_state[..., None] * (kc @ S))  # (B, H, L, dv)
+        eye = torch.eye(L, device=q.device)
+        u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        reads = (qc @ kc.transpose(-1, -2)) * decay  # (B, H, L, L)
+        outs.append(from_state[..., None] * (qc @ S) + reads @ u)  # (B, H, L, dv)
+        last = decay[..., -1, :]  # (B, H, L): each write's weight at the chunk's end
+        S = from_state[..., -1, None, None] * S + (kc * last[..., None]).transpose(-1, -2) @ u
+    out = torch.cat(outs, dim=2).transpose(1, 2).to(v.dtype)  # (B, T, H, dv)
     return out, (S if state is not None else None)
 
 

@@ -119,7 +119,7 @@ def test_packed_documents_are_the_documents_one_by_one(dense):
     """The linear layers' convolution and state start afresh at each document, as the
     attention layers' mask does: a packed row is its documents run alone."""
     _, model = dense
-    lengths = [7, 1, 12, 20]  # one document shorter than the convolution
+    lengths = [7, 1, 70, 40]  # one shorter than the convolution, two across chunks of 64
     x = tokens(VOCAB, 1, sum(lengths), seed=3)
     doc_ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None]
     with torch.no_grad():

@@ -47,6 +47,28 @@ def test_the_rule_is_transformers_chunked_reference_with_a_state_in_and_out():
     torch.testing.assert_close(ours_after, after, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("length", [1, 37, 150])  # one token (decoding), chunks and a part
+def test_the_rule_is_transformers_token_by_token_reference(length):
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(B, length, HK, DK, generator=gen) for _ in range(2))
+    v = torch.randn(B, length, H, DV, generator=gen)
+    g, beta = -torch.rand(B, length, H, generator=gen) * 2, torch.rand(B, length, H, generator=gen)
+    state = torch.randn(B, H, DK, DV, generator=gen) * 0.1
+    ours, ours_after = gated_delta_rule(q, k, v, g, beta, state=state.clone())
+    theirs, after = qwen3_5.torch_recurrent_gated_delta_rule(
+        q,
+        k,
+        v,
+        g=g,
+        beta=beta,
+        initial_state=state.clone(),
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(ours_after, after, atol=1e-5, rtol=1e-4)
+
+
 def test_the_convolution_is_a_causal_depthwise_conv1d_with_silu():
     gen = torch.Generator().manual_seed(2)
     x, weight = torch.randn(B, T, 6, generator=gen), torch.randn(6, 4, generator=gen)
@@ -62,18 +84,29 @@ def test_the_convolution_is_a_causal_depthwise_conv1d_with_silu():
 
 
 def test_each_document_of_a_packed_row_is_its_own_sequence():
-    q, k, v, g, beta = _inputs(3)
-    doc_ids = torch.tensor([[0] * 10 + [1] * 2 + [2] * 25, [0] * 37])
-    segments = Segments.of(doc_ids)
+    """Documents that start and end inside chunks and across their edges (64 positions),
+    one shorter than the convolution."""
+    lengths = [70, 2, 100, 28]
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 200, HK, DK, generator=gen) for _ in range(2))
+    v = torch.randn(2, 200, H, DV, generator=gen)
+    g, beta = -torch.rand(2, 200, H, generator=gen), torch.rand(2, 200, H, generator=gen)
+    row = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
+    segments = Segments.of(torch.stack([row, torch.zeros_like(row)]))
     packed, _ = gated_delta_rule(q, k, v, g, beta, segments)
-    x, weight = v.flatten(2), torch.randn(H * DV, 3, generator=torch.Generator().manual_seed(4))
+    x, weight = v.flatten(2), torch.randn(H * DV, 3, generator=gen)
     conv_packed, _ = causal_conv(x, weight, segments)
-    for start, end in ((0, 10), (10, 12), (12, 37)):
+    start = 0
+    for n in lengths:
+        end = start + n
         alone, _ = gated_delta_rule(*(t[:1, start:end] for t in (q, k, v, g, beta)))
-        torch.testing.assert_close(packed[:1, start:end], alone, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(packed[:1, start:end], alone, atol=1e-5, rtol=1e-4)
         conv_alone, _ = causal_conv(x[:1, start:end], weight)
         torch.testing.assert_close(conv_packed[:1, start:end], conv_alone, atol=1e-6, rtol=1e-5)
-    assert segments.cu_seqlens.tolist() == [0, 10, 12, 37, 74]
+        start = end
+    whole, _ = gated_delta_rule(*(t[1:] for t in (q, k, v, g, beta)))  # one document
+    torch.testing.assert_close(packed[1:], whole, atol=1e-6, rtol=1e-5)
+    assert segments.cu_seqlens.tolist() == [0, 70, 72, 172, 200, 400]
 
 
 def test_the_fla_path_is_refused_where_it_cannot_run():
