@@ -16,7 +16,9 @@ Two paths compute the same thing:
 
 - ``fla``: flash-linear-attention's Triton kernels (``fla-core``, the ``linear`` extra):
   the chunked rule and the convolution over the packed documents flattened into one
-  sequence (``cu_seqlens``), the fused recurrent rule for decoding. CUDA only.
+  sequence (``cu_seqlens``), the fused recurrent rule for decoding. CUDA only. Where
+  fla's backward refuses to run (:func:`fla_training_error`), a pass that needs
+  gradients takes the torch rule instead, with one warning naming fla's reason.
 - ``torch``: plain torch, a chunk of 64 positions at a time (CPU, or wherever fla does
   not import): exact, and much slower than fla on a GPU.
 
@@ -57,6 +59,37 @@ def fla_available() -> bool:
     except Exception:  # ImportError, or Triton failing to find a GPU backend
         return False
     return True
+
+
+@functools.cache
+def fla_training_error(device: int) -> str | None:
+    """Why flash-linear-attention's gated delta rule cannot take a backward pass on CUDA
+    device ``device``, or None when it can: found once by running its forward and
+    backward on a few tokens. Some releases refuse a backward that a GPU and Triton
+    version would compute wrongly (fla-core 0.6 on Hopper under Triton 3.4-3.7.0, unless
+    tilelang is installed); the refusal comes only in the backward, after the forward
+    has run."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    try:
+        with torch.device(f"cuda:{device}"), torch.enable_grad():
+            q, k = (torch.randn(1, 64, 1, 16, dtype=torch.bfloat16) for _ in range(2))
+            v = torch.randn(1, 64, 1, 16, dtype=torch.bfloat16, requires_grad=True)
+            g, beta = -torch.rand(1, 64, 1), torch.rand(1, 64, 1, dtype=torch.bfloat16)
+            out, _ = chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+            out.float().sum().backward()
+    except RuntimeError as error:
+        return str(error).splitlines()[0] if str(error) else type(error).__name__
+    return None
+
+
+@functools.cache
+def _warn_fla_cannot_train(reason: str) -> None:
+    log.warning(
+        "flash-linear-attention cannot train on this GPU (%s): the linear layers take "
+        "the torch path, much slower",
+        reason,
+    )
 
 
 def pick_path(path: str, x: Tensor) -> str:
@@ -262,6 +295,11 @@ def _fla_rule(
     segments: Segments | None,
     state: Tensor | None,
 ) -> tuple[Tensor, Tensor | None]:
+    needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta))
+    reason = fla_training_error(q.device.index or 0) if needs_backward else None
+    if reason is not None:  # fla's backward would refuse: the exact torch path instead
+        _warn_fla_cannot_train(reason)
+        return _torch_rule(q, k, v, g, beta, segments, state)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     B, T = q.shape[:2]

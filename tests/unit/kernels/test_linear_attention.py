@@ -115,3 +115,22 @@ def test_the_fla_path_is_refused_where_it_cannot_run():
     with pytest.raises(ConfigError, match="is not one of auto | fla | torch"):
         pick_path("triton", torch.zeros(1))
     assert pick_path("auto", torch.zeros(1)) == "torch"
+
+
+def test_a_pass_whose_backward_fla_refuses_takes_the_torch_rule_with_one_warning(
+    monkeypatch, caplog
+):
+    import recipes_lib.kernels.linear_attention as linear
+
+    reason = "Triton 3.5 on Hopper computes this backward wrongly"
+    monkeypatch.setattr(linear, "fla_training_error", lambda device: reason)
+    inputs = tuple(t.requires_grad_() for t in _inputs())
+    with caplog.at_level("WARNING", logger=linear.__name__):
+        ours, _ = linear._fla_rule(*inputs, None, None)  # no fla kernel is reached
+        linear._fla_rule(*inputs, None, None)
+    reference, _ = gated_delta_rule(*inputs)
+    torch.testing.assert_close(ours, reference)
+    grads = torch.autograd.grad(ours.sum(), inputs)
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+    warned = [r for r in caplog.records if reason in r.getMessage()]
+    assert len(warned) == 1 and "torch path" in warned[0].getMessage()
