@@ -20,6 +20,7 @@ from hf_folders import VOCAB, write_chat_records, write_preference_records, writ
 from tiny import QUIET_OVERRIDES
 
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
+from recipes_lib.models.families import FAMILIES
 
 # small dims under every name configs use for them; only names a config has are set
 TINY_DIMS: dict[str, Any] = {
@@ -65,19 +66,10 @@ MAX_TINY_PARAMS = 5_000_000  # a type whose default config does not shrink is sk
 SECONDS_PER_TYPE = 240
 UNPACKED = ["data.document_mask=false", "data.chat.packing=false"]  # a row each
 SHORT = ["trainer=cpu", "trainer.max_steps=5", "scheduler.warmup=1", "trainer.val_check_interval=5"]
-NATIVE = {
-    "llama",
-    "qwen2",
-    "mistral",
-    "qwen3",
-    "gemma3_text",
-    "olmo2",
-    "olmo3",
-    "phi3",
-    "smollm3",
-    "qwen3_moe",
-    "olmoe",
-    "mixtral",
+# the model types a native family reads, image-text folders included (the families'
+# own declaration)
+NATIVE = {t for family in FAMILIES.values() for t in family.hf_model_types} | {
+    family.image_text.model_type for family in FAMILIES.values() if family.image_text
 }
 
 
