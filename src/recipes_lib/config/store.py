@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import MISSING, asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any, cast, get_type_hints
 
@@ -74,6 +74,14 @@ _NONE_MEANS_DEFAULT = {f.name for f in fields(ModelConfig) if f.default is None}
 # a source that records no rope_scaling key (one written before the key existed) holds
 # its default, so does one whose key is None (yarn's derived attention_factor)
 _ROPE_DEFAULTS = {f"rope_scaling.{k}": v for k, v in asdict(RopeScalingConfig()).items()}
+# a source that leaves a field out was written before the field existed: it held the
+# field's default, which keeps what the models of that time computed. Its family is
+# never guessed: a record without one is refused
+_ADDED_FIELD_DEFAULTS = {
+    f.name: f.default if f.default_factory is MISSING else f.default_factory()
+    for f in fields(ModelConfig)
+    if f.name != "family"
+}
 
 
 def fill_from_init(node: DictConfig, source: Mapping[str, Any] | None, label: str) -> None:
@@ -95,6 +103,8 @@ def fill_from_init(node: DictConfig, source: Mapping[str, Any] | None, label: st
             value = value.get(part) if isinstance(value, Mapping) else None
         if value is None and field in _ROPE_DEFAULTS:
             value = _ROPE_DEFAULTS[field]
+        elif field in _ADDED_FIELD_DEFAULTS and source is not None and field not in source:
+            value = _ADDED_FIELD_DEFAULTS[field]  # OmegaConf copies it into the node
         elif value is None and field not in _NONE_MEANS_DEFAULT:
             raise ConfigError(f"model=from_init: {label} does not record model.{field}; set it")
         OmegaConf.update(node, key, value, merge=False)

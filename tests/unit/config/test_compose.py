@@ -161,6 +161,47 @@ def test_from_init_refuses_a_run_record_without_model_family(tmp_path):
     )
 
 
+# the model fields the schema gained after runs were first recorded with the native
+# families (DeepSeek-V3's latent attention and router groups, Qwen3.5's linear attention)
+ADDED_MODEL_FIELDS = (
+    "mla_kv_rank",
+    "mla_q_rank",
+    "mla_rope_dim",
+    "v_head_dim",
+    "rope_interleave",
+    "attention_output_gate",
+    "linear_layers",
+    "linear_heads",
+    "linear_key_heads",
+    "linear_key_dim",
+    "linear_value_dim",
+    "linear_conv_kernel",
+    "moe_shared_gate",
+    "moe_groups",
+    "moe_top_groups",
+    "moe_routed_scale",
+)
+
+
+def test_from_init_reads_a_run_recorded_before_fields_were_added(tmp_path):
+    # a run folder written before the schema gained a field records no key for it: the
+    # model it trained had the field's default, and it starts the next run unchanged
+    from recipes_lib.checkpoint.source import load_model_weights
+    from recipes_lib.checkpoint.weights import save_weights
+    from recipes_lib.models import Transformer
+
+    cfg = to_run_config(compose_config(["recipe=pretrain/tiny"]))
+    model = dataclasses.asdict(cfg.model)
+    for name in ADDED_MODEL_FIELDS:
+        model.pop(name)
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml({"model": model}))
+    save_weights(Transformer(cfg.model).state_dict(), tmp_path / "model.safetensors")
+    composed = compose_config(["recipe=sft/full", f"stage.init_from={tmp_path}"])
+    filled = to_run_config(fill_model_from_init(composed)).model
+    assert dataclasses.asdict(filled) == dataclasses.asdict(cfg.model)
+    load_model_weights(Transformer(filled), tmp_path)
+
+
 def test_model_from_init_fills_every_field_of_the_model():
     """A field missing from conf/model/from_init.yaml would keep its default, not the
     folder's value (a Gemma 3 window, a SmolLM3 NoPE layer)."""
