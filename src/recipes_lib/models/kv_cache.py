@@ -22,6 +22,7 @@ hs head dim; D convolution channels, K its width, H value heads, dk/dv their key
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -159,13 +160,22 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         value_dim: int | None = None,
+        keyless: Collection[int] = (),
     ):
-        shape = (batch_size, n_kv_heads, max_len, head_dim)  # (B, nkv, S, hs)
-        value_shape = (*shape[:-1], head_dim if value_dim is None else value_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.values = [
-            torch.zeros(value_shape, dtype=dtype, device=device) for _ in range(n_layers)
-        ]
+        # the layers in keyless (linear attention's) hold empty (B, nkv, S, 0) buffers
+        # from the start: allocating theirs first would hold a whole model's cache at once
+        def buffers(width: int) -> list[Tensor]:
+            return [
+                torch.zeros(
+                    (batch_size, n_kv_heads, max_len, 0 if i in keyless else width),
+                    dtype=dtype,
+                    device=device,
+                )
+                for i in range(n_layers)
+            ]
+
+        self.keys = buffers(head_dim)  # (B, nkv, S, hs)
+        self.values = buffers(head_dim if value_dim is None else value_dim)
         self.length = 0
         self.key_mask: Tensor | None = None  # (B, S): positions holding real tokens
         self.conv: dict[int, Tensor] = {}  # (B, D, K - 1) per linear-attention layer
@@ -204,6 +214,7 @@ class KVCache:
             dtype=weight.dtype,
             device=weight.device,
             value_dim=value_dim,
+            keyless=c.linear_layers,
         )
         if c.linear_layers:  # their state in place of keys and values
             channels = 2 * c.linear_key_heads * c.linear_key_dim

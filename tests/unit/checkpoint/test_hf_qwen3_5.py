@@ -184,6 +184,26 @@ def test_the_recurrent_cache_holds_no_keys_and_never_rewinds(dense):
     torch.testing.assert_close(again, logits_of(model, x), atol=1e-5, rtol=1e-5)
 
 
+def test_the_cache_never_allocates_keys_for_the_linear_layers(dense, monkeypatch):
+    # a cache sized for batched sampling holds only the attention layers' keys and
+    # values: allocating every layer's first would need the dense cache's memory at once
+    _, model = dense
+    allocated = []
+    zeros = torch.zeros
+
+    def counted(*args, **kwargs):
+        tensor = zeros(*args, **kwargs)
+        allocated.append(tensor.numel())
+        return tensor
+
+    monkeypatch.setattr(torch, "zeros", counted)
+    cache = KVCache.for_model(model, batch_size=2, max_len=16)
+    monkeypatch.undo()
+    attention = [i for i in range(model.config.n_layers) if i not in model.config.linear_layers]
+    held = sum(cache.keys[i].numel() + cache.values[i].numel() for i in attention)
+    assert held > 0 and sum(allocated) == held
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_an_image_text_folder_trains_its_text_tower_and_keeps_the_rest(tmp_path, moe):
     """A published folder's layout (``Qwen3_5ForConditionalGeneration``,
