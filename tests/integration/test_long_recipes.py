@@ -32,7 +32,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    ("recipe", "extra", "degree"), [("cpt/long", DATA, 4), ("sft/long", (), 2)]
+    ("recipe", "extra", "degree"),
+    [("cpt/long", DATA, 4), ("cpt/long_8b", DATA, 4), ("sft/long", (), 2)],
 )
 def test_a_long_recipe_passes_the_preflight_and_fits_an_h100(recipe, extra, degree):
     cfg = to_run_config(compose_config([f"recipe={recipe}", *extra]))

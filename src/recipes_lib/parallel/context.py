@@ -9,13 +9,18 @@ and masks with global positions, so packed documents are respected across shards
 The loss of a rank is its tokens' summed loss over the group's token count, so the
 group's shares add up to the mean over the whole rows; its value is replaced by that
 mean (the same on every rank of the group, for the log and the guard) while the
-gradient stays the rank's share. Gradients are all-reduced (averaged) over the whole
-world by DDP, the group's ranks included, so the share is scaled by ``N``: the
-average over the world is then the average of the groups' whole-row gradients, and
+gradient stays the rank's share. Gradients are averaged over the whole world, the
+group's ranks included: by DDP's all-reduce, or by FSDP2's reduce-scatter (and HSDP's
+all-reduce across copies), whose mesh spans every rank so that the ranks of a group
+also share the sharding of the parameters (torchtitan's ``dp_shard_cp``). The share is
+therefore scaled by ``N``: the world's average is then the sum over each group's ranks
+(the whole rows' gradient) averaged over the ``world / N`` data-parallel replicas, and
 parameters stay equal on every rank.
 
-:class:`ContextParallelDDP` is DDP with those groups; the checks of
-:func:`check_context_parallel` run in the pre-flight, before anything trains.
+:class:`ContextParallelDDP` is DDP with those groups; FSDP2's strategy
+(:class:`recipes_lib.parallel.engines.FSDP2Strategy`) makes the same groups with
+:func:`new_context_group`. The checks of :func:`check_context_parallel` run in the
+pre-flight, before anything trains.
 """
 
 from __future__ import annotations
@@ -47,11 +52,20 @@ class ContextParallelDDP(DDPStrategy):
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        world, rank, n = dist.get_world_size(), dist.get_rank(), self.context_parallel
-        for first in range(0, world, n):  # every rank creates every group, in one order
-            group = dist.new_group(list(range(first, first + n)))
-            if first <= rank < first + n:
-                self.context_group = group
+        self.context_group = new_context_group(self.context_parallel)
+
+
+def new_context_group(degree: int) -> dist.ProcessGroup:
+    """This rank's group of ``degree`` consecutive ranks that share each row; a
+    collective call: every rank creates every group, in one order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = None
+    for first in range(0, world, degree):
+        group = dist.new_group(list(range(first, first + degree)))
+        if first <= rank < first + degree:
+            mine = group
+    assert mine is not None  # the degree divides the world (check_context_parallel)
+    return mine
 
 
 def data_parallel_size(world_size: int, degree: int) -> int:
@@ -112,7 +126,8 @@ def split_rows(
 
 def sharded_loss(token_loss_sum: Tensor, tokens: Tensor, shard: ContextShard) -> Tensor:
     """The loss a rank backpropagates: its ``token_loss_sum`` over the group's token count
-    times the degree (DDP averages over the whole world), valued as the group's mean."""
+    times the degree (DDP and FSDP2 average over the whole world, where the group's
+    shares must add up), valued as the group's mean."""
     total = tokens.detach().float().clone()
     summed = token_loss_sum.detach().clone()
     if shard.degree > 1:
@@ -133,13 +148,21 @@ def check_context_parallel(
     backend: AttentionBackend,
     objective: str,
     objective_supports: bool,
+    supporting: tuple[str, ...] = ("ddp",),
+    shard_group_size: int | None = None,
+    expert_parallel: bool = False,
 ) -> None:
     """Refuse, in one line naming the key, a context-parallel degree the run cannot use.
 
+    ``supporting`` names the strategies that can split rows (for the message);
+    ``shard_group_size`` is the ranks one HSDP copy shards over (None: not HSDP), which
+    must hold whole groups so that a row's ranks share one copy's sharding.
+
     Raises:
-        ConfigError: the degree is below 1, does not divide the world, does not split
-            ``data.seq_len`` into ``2 x degree`` chunks, or the strategy, attention
-            backend or objective cannot run with split rows.
+        ConfigError: the degree is below 1, does not divide the world (or HSDP's shard
+            group), does not split ``data.seq_len`` into ``2 x degree`` chunks, comes
+            with expert parallelism, or the strategy, attention backend or objective
+            cannot run with split rows.
     """
     if degree < 1:
         raise ConfigError(f"strategy.context_parallel={degree} must be 1 or more")
@@ -147,13 +170,24 @@ def check_context_parallel(
         return
     if not strategy_supports:
         raise ConfigError(
-            f"strategy.context_parallel={degree} needs strategy=ddp; strategy={strategy} "
-            "cannot split rows over ranks"
+            f"strategy.context_parallel={degree} needs strategy={' or '.join(supporting)}; "
+            f"strategy={strategy} cannot split rows over ranks"
         )
     if world_size % degree != 0:
         raise ConfigError(
             f"strategy.context_parallel={degree} does not divide the {world_size} processes "
             "of the run (trainer.devices x trainer.num_nodes)"
+        )
+    if shard_group_size is not None and shard_group_size % degree != 0:
+        raise ConfigError(
+            f"strategy.context_parallel={degree} does not divide the {shard_group_size} ranks "
+            "each strategy=hsdp copy shards over (world / strategy.replicas): a row's ranks "
+            "must share one copy"
+        )
+    if expert_parallel:
+        raise ConfigError(
+            f"strategy.expert_parallel=true is not supported with strategy.context_parallel="
+            f"{degree} yet: the experts' token exchange has not been checked on split rows"
         )
     if seq_len % (2 * degree) != 0:
         raise ConfigError(
@@ -178,6 +212,7 @@ __all__ = [
     "check_context_parallel",
     "context_shard",
     "data_parallel_size",
+    "new_context_group",
     "sharded_loss",
     "split_rows",
 ]

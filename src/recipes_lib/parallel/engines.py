@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -29,6 +30,7 @@ from recipes_lib.checkpoint.resume import check_checkpoint
 from recipes_lib.checkpoint.sharded_save import ShardedSaver
 from recipes_lib.config.schema import StrategyConfig
 from recipes_lib.errors import CheckpointError, ConfigError
+from recipes_lib.parallel.context import new_context_group
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +61,18 @@ class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` as pure data-parallel FSDP2.
 
     All processes form one data-parallel mesh dimension (``data_parallel``; tensor
-    parallel size 1). Sharded checkpoints are folders written with
-    ``torch.distributed.checkpoint``, one shard per rank, by a
-    :class:`~recipes_lib.checkpoint.sharded_save.ShardedSaver`: under a hidden name,
-    renamed once every rank is done, with every file's SHA-256 inside; in the
-    background with ``strategy.async_checkpoint``. A folder is verified before it loads.
+    parallel size 1). With ``strategy.context_parallel=N`` the parameters are still
+    sharded over every rank, while groups of ``N`` consecutive ranks share each row
+    (``context_group``, :mod:`recipes_lib.parallel.context`): the split attention
+    gathers keys and values within the group, the data module gives the group one
+    replica's rows, and the reduce-scatter's average over the world, of losses scaled
+    by ``N``, sums a group's partial gradients and averages over the replicas.
+
+    Sharded checkpoints are folders written with ``torch.distributed.checkpoint``, one
+    shard per rank, by a :class:`~recipes_lib.checkpoint.sharded_save.ShardedSaver`:
+    under a hidden name, renamed once every rank is done, with every file's SHA-256
+    inside; in the background with ``strategy.async_checkpoint``. A folder is verified
+    before it loads.
 
     Args:
         config: the ``strategy`` group (offload and resharding are read when the model
@@ -78,6 +87,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timedelta(minutes=config.timeout_minutes),
         )
         self.config = config
+        self.context_parallel = config.context_parallel  # ranks sharing each row
+        self.context_group: ProcessGroup | None = None
         self.checkpoint_writer = ShardedSaver(strategy_timeout(config), on_landed=self._retain)
 
     def _retain(self, path: Path) -> None:
@@ -89,6 +100,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         # parallelism inside it); here every process is a data-parallel rank.
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+        if self.context_parallel > 1:  # the processes are connected now
+            self.context_group = new_context_group(self.context_parallel)
         if self.config.name == "hsdp":  # the mesh the model shards over: 2-D
             assert self.lightning_module is not None  # connected before the environment
             # torch types a module's attributes as tensors or modules: a mesh is neither

@@ -5,7 +5,8 @@
 ``ddp``            weights replicated, gradients all-reduced (``DDPStrategy``)
 ``fsdp``           FSDP2 through :class:`~.engines.FSDP2Strategy`; the module shards each
                    block with ``fully_shard`` when it is built
-                   (:func:`recipes_lib.parallel.fsdp.shard_model`)
+                   (:func:`recipes_lib.parallel.fsdp.shard_model`) over every rank, the
+                   ranks that share a row under context parallelism included
 ``deepspeed_*``    ZeRO stage 2 or 3 through :class:`~.engines.ZeroStrategy`
 =================  ==========================================================
 
@@ -216,6 +217,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             sharded_state=_ALL_STATE,
             async_checkpoint=True,
             expert_parallel=True,
+            context_parallel=True,  # sharded over every rank, a row's group included
         ),
         StrategySpec(  # fsdp's sharding over a 2-D mesh; its checkpoints are fsdp's
             name="hsdp",
@@ -229,6 +231,7 @@ STRATEGIES: dict[str, StrategySpec] = {
             shard=shard_model,
             sharded_state=_ALL_STATE,
             async_checkpoint=True,
+            context_parallel=True,  # a row's group inside one copy's shard group
         ),
         StrategySpec(
             name="deepspeed_zero2",
@@ -292,3 +295,13 @@ def planned_world_size(cfg: RunConfig) -> int:
     else:  # auto, -1
         count = torch.cuda.device_count() if on_cuda else 1
     return max(1, count) * cfg.trainer.num_nodes
+
+
+def hsdp_shard_group_size(cfg: RunConfig) -> int | None:
+    """The ranks each copy of the model shards over under ``strategy=hsdp`` (the world
+    over ``strategy.replicas``, one copy per node by default); None under any other
+    strategy, whose sharding (if any) spans the whole world."""
+    if cfg.strategy.name != "hsdp":
+        return None
+    replicas = cfg.strategy.replicas or cfg.trainer.num_nodes
+    return max(1, planned_world_size(cfg) // max(1, replicas))

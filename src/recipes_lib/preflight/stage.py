@@ -20,7 +20,12 @@ from recipes_lib.models.moe import check_expert_path
 from recipes_lib.objectives import objective_of
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.context import check_context_parallel
-from recipes_lib.parallel.strategy import get_strategy, planned_world_size
+from recipes_lib.parallel.strategy import (
+    STRATEGIES,
+    get_strategy,
+    hsdp_shard_group_size,
+    planned_world_size,
+)
 from recipes_lib.training.guard import check_guard_config
 
 
@@ -214,4 +219,7 @@ def check_objective(cfg: RunConfig) -> None:
             backend=get_attention_backend(cfg.kernels.attention),
             objective=spec.name,
             objective_supports=spec.context_parallel,
+            supporting=tuple(name for name, s in STRATEGIES.items() if s.context_parallel),
+            shard_group_size=hsdp_shard_group_size(cfg),
+            expert_parallel=cfg.strategy.expert_parallel,
         )

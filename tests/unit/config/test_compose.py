@@ -42,6 +42,7 @@ NEEDS_A_VALUE = {
 # recipes whose data the user must name
 RECIPE_NEEDS = {
     "cpt/long": ["data.sources.main.path=/tmp", "data.sources.short.path=/tmp"],
+    "cpt/long_8b": ["data.sources.main.path=/tmp", "data.sources.short.path=/tmp"],
 }
 
 

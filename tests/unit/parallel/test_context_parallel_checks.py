@@ -29,8 +29,25 @@ def _cfg(*overrides: str):
             r"kernels.attention=flash_attn cannot run with rows split",
         ),
         (
-            ["strategy.context_parallel=2", "strategy=fsdp"],
-            r"strategy.context_parallel=2 needs strategy=ddp",
+            ["strategy.context_parallel=2", "strategy=single", "trainer.devices=1"],
+            r"strategy.context_parallel=2 needs strategy=ddp or fsdp or hsdp; strategy=single",
+        ),
+        (  # a row's ranks must share one hsdp copy's sharding
+            ["strategy.context_parallel=4", "strategy=hsdp", "strategy.replicas=2"],
+            r"strategy.context_parallel=4 does not divide the 2 ranks each strategy=hsdp copy",
+        ),
+        (
+            [
+                "strategy.context_parallel=2",
+                "strategy=fsdp",
+                "strategy.expert_parallel=true",
+                "model.family=qwen3_moe",
+                "model.qk_norm=head",
+                "model.moe_experts=4",
+                "model.moe_top_k=2",
+                "model.moe_ffn_dim=64",
+            ],
+            r"strategy.expert_parallel=true is not supported with strategy.context_parallel=2",
         ),
         (["strategy.context_parallel=0"], r"strategy.context_parallel=0 must be 1 or more"),
     ],
@@ -56,3 +73,15 @@ def test_sft_and_lora_split_their_rows(recipe):
 def test_a_degree_that_fits_passes():
     check_run(_cfg("strategy.context_parallel=4"), ("pretrain",))
     check_run(_cfg("strategy.context_parallel=2"), ("pretrain",))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["strategy=fsdp", "strategy.context_parallel=4"],
+        ["strategy=fsdp", "strategy.context_parallel=2"],  # two replicas of a row's pair
+        ["strategy=hsdp", "strategy.replicas=2", "strategy.context_parallel=2"],
+    ],
+)
+def test_fsdp_and_hsdp_split_rows(overrides):
+    check_run(_cfg(*overrides), ("pretrain",))

@@ -1,0 +1,119 @@
+"""Run by ``torchrun`` from ``test_fsdp_context_parallel.py``: FSDP2 sharding over every
+process composed with context parallelism gives the one-process loss and gradients of a
+tiny decoder.
+
+The parameters are sharded with :func:`recipes_lib.parallel.fsdp.shard_model` over a
+one-dimensional mesh of the whole world (a row's ranks share the sharding, as
+torchtitan's ``dp_shard_cp``); groups of ``degree`` consecutive ranks
+(:func:`recipes_lib.parallel.context.new_context_group`) split each row, and the
+``world / degree`` replicas read rows of their own. Each rank backpropagates the loss
+the module does (:func:`recipes_lib.parallel.context.sharded_loss`) and FSDP2's
+reduce-scatter averages the gradients over the world. The reference, computed on every
+rank from an unsharded copy: each replica's rows' mean token loss, averaged over the
+replicas (what DDP with whole rows gives).
+
+``sum`` is the module's scaling: the loss and the gathered gradients must match within
+1e-5 (fp32). ``average`` divides each rank's loss by ``degree``, as if a group's partial
+gradients were averaged instead of summed: the worker then checks that the gradients
+come out ``degree`` times too small and that the comparison above would have failed.
+
+Usage: ``torchrun --nproc_per_node=W fsdp_context_parallel_worker.py <degree>
+<plain|docs> <sum|average>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from recipes_lib.config.schema import ModelConfig, PrecisionConfig, StrategyConfig
+from recipes_lib.kernels.sharded import ContextShard
+from recipes_lib.models.transformer import Transformer
+from recipes_lib.parallel.context import new_context_group, sharded_loss
+from recipes_lib.parallel.fsdp import shard_model
+
+TOLERANCE = 1e-5  # fp32: the same sums in a different order
+T, ROWS = 32, 2  # tokens a row, rows a step over all replicas
+
+
+def token_losses(model, input_ids, labels, doc_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(input_ids, doc_ids)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+    return loss, (labels != -100).sum()
+
+
+def main() -> None:
+    degree, documents, mode = int(sys.argv[1]), sys.argv[2] == "docs", sys.argv[3]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replicas = world // degree
+    config = ModelConfig(
+        vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=T
+    )
+    torch.manual_seed(0)
+    model = Transformer(config, "flex" if documents else "sdpa")
+    whole = copy.deepcopy(model)  # the one-process reference
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 64, (ROWS, T), generator=generator)
+    labels = torch.randint(0, 64, (ROWS, T), generator=generator)
+    labels[0, :3] = -100  # rows of different token counts: the normalization shows
+    labels[1, 20:] = -100
+    doc_ids = None
+    if documents:  # documents that cross the shards' boundaries
+        doc_ids = torch.tensor([[0] * 7 + [1] * 13 + [2] * 12, [0] * 20 + [1] * 3 + [2] * 9])
+
+    per_replica = ROWS // replicas
+    reference_loss = 0.0
+    for replica in range(replicas):  # each replica's mean, averaged over the replicas
+        rows = slice(replica * per_replica, (replica + 1) * per_replica)
+        docs = None if doc_ids is None else doc_ids[rows]
+        loss, count = token_losses(whole, input_ids[rows], labels[rows], docs)
+        (loss / count / replicas).backward()
+        reference_loss += (loss / count).item() / replicas
+    reference = {n: p.grad for n, p in whole.named_parameters()}
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("data_parallel",))
+    shard_model(model, mesh, StrategyConfig(name="fsdp"), PrecisionConfig(name="32-true"))
+    group = new_context_group(degree)
+    shard = ContextShard(seq_len=T, degree=degree, rank=dist.get_rank(group), group=group)
+    model.set_context_shard(shard)
+    rows = slice(rank // degree * per_replica, (rank // degree + 1) * per_replica)
+    local_docs = None if doc_ids is None else shard.shard(doc_ids[rows])
+    local_loss, local_count = token_losses(
+        model, shard.shard(input_ids[rows]), shard.shard(labels[rows]), local_docs
+    )
+    loss = sharded_loss(local_loss, local_count, shard)
+    if mode == "average":  # the group's partial gradients averaged, not summed
+        loss = loss / degree
+    loss.backward()
+    # the group's mean; replicas are averaged as the logged loss is
+    value = torch.tensor((loss * (degree if mode == "average" else 1)).item())
+    dist.all_reduce(value)
+    cp_loss = value.item() / world
+    worst, ratios = 0.0, []
+    for name, p in model.named_parameters():
+        assert isinstance(p.grad, DTensor)  # sharded by FSDP2 over the world
+        grad = p.grad.full_tensor()
+        worst = max(worst, (grad - reference[name]).abs().max().item())
+        ratios.append((grad.norm() / reference[name].norm()).item())
+    print(
+        f"rank {rank}: loss {cp_loss:.8f} vs {reference_loss:.8f}, worst grad diff {worst:.2e}, "
+        f"gradient norm ratio {min(ratios):.6f}..{max(ratios):.6f}"
+    )
+    same_loss = abs(cp_loss - reference_loss) < TOLERANCE
+    if mode == "sum":
+        ok = same_loss and worst < TOLERANCE
+    else:  # the comparison must catch it: gradients 1 / degree of the reference's
+        ok = worst > 100 * TOLERANCE and all(abs(r - 1 / degree) < 1e-4 for r in ratios)
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
