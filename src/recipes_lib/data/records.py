@@ -7,6 +7,8 @@ A record source is a local ``.jsonl``/``.json``/``.parquet`` file or folder, a
 reported as a person finds it: ``data.path: /data/chat.jsonl:17`` for JSON lines,
 ``... row 17`` for other files, ``record 17`` for the rest. A file that is not valid
 JSON is reported at its first bad line, and an empty file by name, each in one line.
+``datasets`` is imported when a file or hub source is read, not with this module (see
+:mod:`recipes_lib.data.text.raw`).
 """
 
 from __future__ import annotations
@@ -16,11 +18,9 @@ import logging
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import datasets
 import numpy as np
-import pyarrow.parquet as pq
 
 from recipes_lib.config.schema import DataConfig, SourceConfig
 from recipes_lib.data.sources import (
@@ -32,6 +32,9 @@ from recipes_lib.data.sources import (
     source_kind,
 )
 from recipes_lib.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import datasets
 
 # name -> (max_records, seed) -> records
 RecordBuiltin = Callable[[int | None, int], list[dict[str, Any]]]
@@ -143,6 +146,8 @@ def _quiet_datasets_errors():
 
 def _file_counts(files: list[Path], dataset: datasets.Dataset) -> list[tuple[Path, int]] | None:
     """Records per file, in reading order, when ``datasets`` kept them in file order."""
+    import pyarrow.parquet as pq
+
     counts = []
     for file in files:
         if file.suffix.lower() == ".parquet":
@@ -206,6 +211,8 @@ def load_records(
     else:
         args = {"path": source.hub, "name": source.subset, "split": source.split}
         description = f"hub: {source.hub} split={source.split}"
+    import datasets
+
     try:
         with _quiet_datasets_errors():
             dataset = datasets.load_dataset(**args, streaming=source.streaming)

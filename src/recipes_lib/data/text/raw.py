@@ -5,6 +5,10 @@ A source is a local file or directory (``.txt``/``.text`` read one document per 
 or the built-in standard-library corpus. Whatever the origin, :func:`load_source`
 returns a ``datasets`` dataset and :func:`iter_texts` the validated text of each
 document, so everything downstream sees one shape of input.
+
+``datasets`` (with pyarrow and pandas, over half a second) is imported when a source is
+loaded, not with this module: every console script imports it through the objectives,
+and a refused command line or a run on prepared shards never loads a source.
 """
 
 from __future__ import annotations
@@ -12,15 +16,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-import datasets
-import pyarrow as pa
-import pyarrow.compute as pc
+from typing import TYPE_CHECKING
 
 from recipes_lib.config.schema import SourceConfig
 from recipes_lib.data.corpus import builtin_documents
 from recipes_lib.data.sources import local_files, source_key, source_kind
 from recipes_lib.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import datasets
 
 _TEXT_BATCH = 256
 
@@ -47,6 +51,8 @@ class RawSource:
     @property
     def num_documents(self) -> int | None:
         """The number of records, or ``None`` for a streaming source."""
+        import datasets
+
         if isinstance(self.documents, datasets.Dataset):
             return len(self.documents)
         return None
@@ -66,6 +72,8 @@ def load_source(name: str, source: SourceConfig, cache_dir: Path | None = None) 
         DataError: a missing path, an unreadable or empty dataset, or records without
             the text field.
     """
+    import datasets
+
     key = source_key(name)
     kind = source_kind(name, source)
     if kind == "builtin":
@@ -116,6 +124,8 @@ def load_source(name: str, source: SourceConfig, cache_dir: Path | None = None) 
 
 
 def _load(key: str, description: str, path: str | None, **kwargs):
+    import datasets
+
     try:
         return datasets.load_dataset(path, **kwargs)
     except (DataError, ConfigError):
@@ -127,6 +137,9 @@ def _load(key: str, description: str, path: str | None, **kwargs):
 
 def _check_text_column(raw: RawSource) -> None:
     """Fail on an empty dataset, a missing text column, or a record whose text is missing."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     documents: datasets.Dataset = raw.documents
     field = raw.text_field
     if len(documents) == 0:
@@ -150,6 +163,8 @@ def iter_texts(raw: RawSource, indices: list[int] | None = None) -> Iterator[str
     Raises:
         DataError: a streamed record lacks the text field or holds something else.
     """
+    import datasets
+
     documents = raw.documents
     if indices is not None:
         if not isinstance(documents, datasets.Dataset):
