@@ -60,6 +60,8 @@ class DecoderShape:
     # the attention's; 0: plain attention (its activations are still estimated as plain
     # attention's of head_dim-wide heads)
     latent_attention: int = 0
+    # its projections, (name, in_features, out_features), in place of wq, wk, wv and wo
+    latent_projections: tuple[tuple[str, int, int], ...] = ()
 
     @classmethod
     def of(cls, cfg: RunConfig) -> DecoderShape:
@@ -70,6 +72,7 @@ class DecoderShape:
         """The shape of a model config (another model's: a teacher's)."""
         fields: dict[str, Any] = {**_moe_widths(m), **cls._attention(m), **_hybrid(m)}
         fields["latent_attention"] = _latent_attention(m)
+        fields["latent_projections"] = _latent_projections(m)
         return cls(**fields)
 
     @staticmethod
@@ -157,11 +160,16 @@ class DecoderShape:
         attention's in the linear ones, the MLP's in every layer; not the experts)."""
         linears = self.linears()
         mixer = {name: (i, o) for name, i, o in self.linear_projections}
+        plain = {name: linears[name] for name in ("wq", "wk", "wv", "wo")}
+        # a latent attention's own projections (wq and wo among them, of its widths)
+        attention = {name: (i, o) for name, i, o in self.latent_projections} or plain
         attention_layers = self.n_layers - self.linear_layers
         found: list[tuple[int, int, int]] = []
         for name, r in lora.items():
-            if name in ("wq", "wk", "wv", "wo"):
-                found += [(*linears[name], r)] * attention_layers
+            if name in attention:
+                found += [(*attention[name], r)] * attention_layers
+            elif name in plain:  # a projection a latent attention does not have
+                continue
             elif name in linears:
                 found += [(*linears[name], r)] * self.n_layers
             elif name in mixer:
@@ -182,12 +190,32 @@ def _latent_attention(m) -> int:
     ``attention_out_bias`` put on ``wq_a``, ``wkv_a`` and ``wo``."""
     if m.mla_kv_rank is None:
         return 0
-    c, heads, hs, rank = m.dim, m.n_heads, m.head_dim, m.mla_kv_rank
+    c, heads, rank = m.dim, m.n_heads, m.mla_kv_rank
+    hs = m.head_dim or m.dim // m.n_heads
     vd, rope, q_rank = m.v_head_dim or hs, m.mla_rope_dim, m.mla_q_rank
     query = c * heads * hs if q_rank is None else q_rank * (c + 1 + heads * hs)
     kv = c * (rank + rope) + rank + rank * heads * (hs - rope + vd)
     bias = ((q_rank or 0) + rank + rope) if m.qkv_bias else 0
     return query + kv + heads * vd * c + bias + (c if m.attention_out_bias else 0)
+
+
+def _latent_projections(m) -> tuple[tuple[str, int, int], ...]:
+    """Multi-head latent attention's projections ``(name, in_features, out_features)``
+    in one block (none without it)."""
+    if m.mla_kv_rank is None:
+        return ()
+    c, heads, rank = m.dim, m.n_heads, m.mla_kv_rank
+    hs = m.head_dim or m.dim // m.n_heads
+    vd, rope, q_rank = m.v_head_dim or hs, m.mla_rope_dim, m.mla_q_rank
+    query = [("wq", c, heads * hs)] if q_rank is None else []
+    if q_rank is not None:
+        query = [("wq_a", c, q_rank), ("wq_b", q_rank, heads * hs)]
+    return (
+        *query,
+        ("wkv_a", c, rank + rope),
+        ("wkv_b", rank, heads * (hs - rope + vd)),
+        ("wo", heads * vd, c),
+    )
 
 
 def _hybrid(m) -> dict[str, Any]:

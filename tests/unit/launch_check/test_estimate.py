@@ -254,6 +254,45 @@ def test_adapters_on_a_hybrid_stack_are_counted_as_the_model_makes_them():
     assert counted_shapes == sorted(tuple(p.shape) for p in adapters)
 
 
+@pytest.mark.parametrize("q_rank", ["12", "null"])
+def test_adapters_on_latent_attention_are_counted_as_the_model_makes_them(q_rank):
+    """LoRA on DeepSeek-V3's latent attention: its own projections (the query latent or
+    one projection, the key/value latent and expansion) and its output, whose input is
+    the value heads' width, not the query heads'."""
+    from recipes_lib.adapters import apply_adapter
+
+    targets = "[wq_a,wq_b,wkv_a,wkv_b,wo]" if q_rank != "null" else "[wq,wkv_a,wkv_b,wo]"
+    cfg = cfg_of(
+        "model=deepseek_v3_671b",
+        "model.vocab_size=512",
+        "model.dim=64",
+        "model.n_layers=3",
+        "model.moe_dense_layers=[0]",
+        "model.n_heads=4",
+        "model.n_kv_heads=4",
+        "model.head_dim=24",
+        "model.mla_rope_dim=8",
+        "model.mla_kv_rank=16",
+        f"model.mla_q_rank={q_rank}",
+        "model.v_head_dim=12",
+        "model.ffn_dim=96",
+        "model.moe_experts=8",
+        "model.moe_groups=4",
+        "model.moe_top_groups=2",
+        "model.moe_top_k=2",
+        "model.moe_ffn_dim=16",
+        "adapter=lora",
+        "adapter.r=4",
+        f"adapter.target_modules={targets}",
+    )
+    counted = ParameterCounts.of(DecoderShape.of(cfg), cfg)
+    model = apply_adapter(Transformer(cfg.model), cfg.adapter)
+    adapters = [p for n, p in model.named_parameters() if ".lora_" in n]
+    assert counted.adapters == sum(p.numel() for p in adapters)
+    counted_shapes = sorted(p.shape for p in trainable_parameters(cfg))
+    assert counted_shapes == sorted(tuple(p.shape) for p in adapters)
+
+
 def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(tmp_path):
     """A separate DPO reference and a distillation's teacher are counted in the run's
     storage dtype, their blocks' projections in bf16 under bf16-mixed; a teacher whole
