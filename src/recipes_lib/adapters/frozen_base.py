@@ -26,8 +26,13 @@ from recipes_lib.errors import ConfigError
 BASE_DTYPES = {"auto": None, "float32": None, "bfloat16": torch.bfloat16}
 NARROWED_UNDER = ("bf16-mixed",)  # precisions where ``auto`` narrows
 REFUSED_UNDER = ("fp8",)
-# the blocks' linears (wq_a .. wkv_b: multi-head latent attention's)
-PROJECTIONS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "wq_a", "wq_b", "wkv_a", "wkv_b")
+# the blocks' linears (wq_a .. wkv_b: multi-head latent attention's; in_qkv .. out_proj:
+# linear attention's)
+PROJECTIONS = (
+    *("wq", "wk", "wv", "wo", "w1", "w2", "w3"),
+    *("wq_a", "wq_b", "wkv_a", "wkv_b"),
+    *("in_qkv", "in_z", "in_b", "in_a", "out_proj"),
+)
 
 
 class NarrowedLinear(nn.Linear):

@@ -61,20 +61,27 @@ class ParameterCounts:
 
 
 def projection_params(model: ModelConfig) -> int:
-    """The blocks' projections with their biases: ``wq`` .. ``wo`` of every layer,
-    ``w1`` .. ``w3`` of the dense layers' MLPs and of a mixture's shared experts (its
-    routers and stacked experts are not among them)."""
+    """The blocks' projections with their biases: the attention's (``wq`` .. ``wo``, or
+    a latent attention's) in the attention layers, a linear-attention mixer's in the
+    linear ones, ``w1`` .. ``w3`` of the dense layers' MLPs and of a mixture's shared
+    experts (its routers, stacked experts, norms and the mixers' convolution and decay
+    parameters are not among them)."""
     m, shape = model, DecoderShape.of_model(model)
     linears = shape.linears()
-    attention = sum(i * o for i, o in (linears[n] for n in ("wq", "wk", "wv", "wo")))
-    attention += shape.qkv_bias_params
+    if shape.latent_projections:  # biases on wq_a and wkv_a with qkv_bias
+        attention = sum(i * o for _, i, o in shape.latent_projections)
+        biased = [o for name, _, o in shape.latent_projections if name in ("wq_a", "wkv_a")]
+        attention += sum(biased) if m.qkv_bias else 0
+    else:
+        attention = sum(i * o for i, o in (linears[n] for n in ("wq", "wk", "wv", "wo")))
+        attention += shape.qkv_bias_params
+    attention += m.dim if m.attention_out_bias else 0
+    mixer = sum(i * o for _, i, o in shape.linear_projections)  # no biases
     dense = len(m.moe_dense_layers) if m.moe_experts else m.n_layers
     shared = m.moe_shared_experts * (m.moe_ffn_dim or m.ffn_dim) if m.moe_experts else 0
     mlp = 3 * m.dim * (dense * m.ffn_dim + (m.n_layers - dense) * shared)
-    # a linear-attention layer's mixer in place of the attention (its few non-linear
-    # parameters, the convolution's and the decay's, counted with them)
-    mixers = shape.linear_layers * (shape.linear_mixer - attention)
-    return m.n_layers * attention + mixers + mlp
+    mixers = shape.linear_layers * mixer
+    return (m.n_layers - shape.linear_layers) * attention + mixers + mlp
 
 
 def frozen_model_bytes(model: ModelConfig, precision: str) -> tuple[int, float]:

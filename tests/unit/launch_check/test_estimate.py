@@ -263,24 +263,8 @@ def test_adapters_on_latent_attention_are_counted_as_the_model_makes_them(q_rank
 
     targets = "[wq_a,wq_b,wkv_a,wkv_b,wo]" if q_rank != "null" else "[wq,wkv_a,wkv_b,wo]"
     cfg = cfg_of(
-        "model=deepseek_v3_671b",
-        "model.vocab_size=512",
-        "model.dim=64",
-        "model.n_layers=3",
-        "model.moe_dense_layers=[0]",
-        "model.n_heads=4",
-        "model.n_kv_heads=4",
-        "model.head_dim=24",
-        "model.mla_rope_dim=8",
-        "model.mla_kv_rank=16",
+        *DEEPSEEK_V3_TINY,
         f"model.mla_q_rank={q_rank}",
-        "model.v_head_dim=12",
-        "model.ffn_dim=96",
-        "model.moe_experts=8",
-        "model.moe_groups=4",
-        "model.moe_top_groups=2",
-        "model.moe_top_k=2",
-        "model.moe_ffn_dim=16",
         "adapter=lora",
         "adapter.r=4",
         f"adapter.target_modules={targets}",
@@ -326,6 +310,43 @@ def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(
     assert sharded.parameters - sharded_alone.parameters == taught.parameters - alone.parameters
 
 
+# a few-layer Qwen3.5 (three linear-attention layers, one attention layer) and
+# DeepSeek-V3 (latent attention, the first layer dense)
+QWEN3_5_TINY = (
+    "model=qwen3_5_0_8b",
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=4",
+    "model.linear_layers=[0,1,2]",
+    "model.head_dim=16",
+    "model.n_heads=4",
+    "model.ffn_dim=96",
+    "model.linear_heads=4",
+    "model.linear_key_heads=2",
+    "model.linear_key_dim=8",
+    "model.linear_value_dim=8",
+)
+DEEPSEEK_V3_TINY = (
+    "model=deepseek_v3_671b",
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=3",
+    "model.moe_dense_layers=[0]",
+    "model.n_heads=4",
+    "model.n_kv_heads=4",
+    "model.head_dim=24",
+    "model.mla_rope_dim=8",
+    "model.mla_kv_rank=16",
+    "model.v_head_dim=12",
+    "model.ffn_dim=96",
+    "model.moe_experts=8",
+    "model.moe_groups=4",
+    "model.moe_top_groups=2",
+    "model.moe_top_k=2",
+    "model.moe_ffn_dim=16",
+)
+
+
 @pytest.mark.parametrize(
     "moe",
     [
@@ -334,8 +355,16 @@ def test_frozen_models_count_their_bf16_projections_and_a_teacher_its_own_shape(
         ("model=moe_tiny", "model.moe_dense_layers=[0]"),
         ("model=moe_tiny", "model.moe_shared_experts=1"),
         ("model.family=qwen2", "model.qkv_bias=true"),
+        QWEN3_5_TINY,
+        (
+            *DEEPSEEK_V3_TINY,
+            "model.mla_q_rank=12",
+            "model.qkv_bias=true",
+            "model.attention_out_bias=true",
+        ),
+        (*DEEPSEEK_V3_TINY, "model.mla_q_rank=null"),
     ],
-    ids=["dense", "moe", "moe_dense_layer", "moe_shared", "qkv_bias"],
+    ids=["dense", "moe", "moe_dense_layer", "moe_shared", "qkv_bias", "linear", "mla", "mla_wq"],
 )
 def test_the_counted_projections_are_the_ones_a_frozen_model_narrows(moe):
     from recipes_lib.adapters.frozen_base import narrow_frozen_linears
