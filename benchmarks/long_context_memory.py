@@ -8,7 +8,8 @@ configuration and adds up the estimate, on any machine, in seconds::
     python benchmarks/long_context_memory.py --out $OUT/long_context_memory.json
 
 Each row is one data-parallel replica: ``strategy.context_parallel`` cards sharing
-every row, so the world size is the degree.
+every row, so the world size is the degree (under ``strategy=fsdp`` the parameters,
+gradients and optimizer state are sharded over those cards).
 """
 
 from __future__ import annotations
@@ -73,8 +74,17 @@ ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     (
-        "cpt/long, llama_8b",
+        "cpt/long, llama_8b (ddp: whole model a rank)",
         ("recipe=cpt/long", *DATA, "model=llama_8b"),
+    ),
+    (
+        "cpt/long, llama_8b under fsdp",
+        ("recipe=cpt/long", *DATA, "model=llama_8b", "strategy=fsdp"),
+    ),
+    ("cpt/long_8b (qwen3_8b, fsdp)", ("recipe=cpt/long_8b", *DATA)),
+    (
+        "cpt/long_8b without offload",
+        ("recipe=cpt/long_8b", *DATA, "kernels.activation_offload=false"),
     ),
     ("sft/long", ("recipe=sft/long",)),
     ("sft/long with LoRA", ("recipe=sft/long", "adapter=lora")),

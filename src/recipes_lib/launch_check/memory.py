@@ -38,8 +38,10 @@ gathers each block in the compute dtype and keeps the last one gathered for the
 backward. Activations per block and token: :mod:`recipes_lib.launch_check.activations`.
 
 Context parallelism (``strategy.context_parallel=N``): a rank holds ``T / N`` tokens of
-each row, so every per-token term is divided by ``N``; but each attention it keeps holds
-the group's gathered keys and values (the whole row's, ``N`` times its own). Where the
+each row, so every per-token term is divided by ``N``, while a sharding strategy still
+divides its states by the whole world (FSDP2 shards over every rank, a row's group
+included); but each attention it keeps holds the group's gathered keys and values
+(the whole row's, ``N`` times its own). Where the
 split attention uses a dense mask (:func:`recipes_lib.kernels.sharded.uses_block_mask`
 says where it does not: flex on CUDA in whole blocks), each attention kept also holds
 the additive ``(T / N, T)`` mask SDPA makes of the boolean one, and the boolean masks
