@@ -301,8 +301,8 @@ def field_differences(
 
 def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -> dict[str, Any]:
     """``model``'s fields of ``roles`` (a ModelConfig or its dict, e.g. from a manifest),
-    with the defaults spelled out (``n_kv_heads``, ``head_dim``, ``nope_layers``), so two
-    ways of writing one model compare equal."""
+    with the defaults spelled out (``n_kv_heads``, ``head_dim``, ``v_head_dim``,
+    ``nope_layers``), so two ways of writing one model compare equal."""
     values = asdict(model) if isinstance(model, ModelConfig) else dict(model)
     # a field the mapping leaves out holds its default
     out = {name: values.get(name, _DEFAULTS.get(name)) for name in model_fields(*roles)}
@@ -311,6 +311,11 @@ def resolved_model_fields(model: ModelConfig | Mapping[str, Any], *roles: str) -
         out["n_kv_heads"] = heads
     if "head_dim" in out and out["head_dim"] is None and values.get("dim") and heads:
         out["head_dim"] = values["dim"] // heads
+    if "v_head_dim" in out and out["v_head_dim"] is None:  # as wide as the query heads
+        width = values.get("head_dim")
+        if width is None and values.get("dim") and heads:
+            width = values["dim"] // heads
+        out["v_head_dim"] = width
     if "moe_ffn_dim" in out:  # the experts' width, or none in a dense model
         dense = not values.get("moe_experts")
         out["moe_ffn_dim"] = None if dense else out["moe_ffn_dim"] or values.get("ffn_dim")

@@ -299,6 +299,20 @@ def test_latent_attention_elsewhere_and_groups_on_softmax_are_refused():
         Transformer(tiny_model_config(**moe, moe_groups=2))
 
 
+def test_value_heads_left_as_wide_as_the_query_heads_are_the_same_model():
+    # v_head_dim null means head_dim: a stage recorded one way starts another written
+    # the other way (an exported folder always spells it out)
+    from recipes_lib.config.model import field_differences
+
+    spelled = replace(model_config_from_hf(hf_model().config.to_dict()), v_head_dim=24)
+    left_out = replace(spelled, v_head_dim=None)
+    shapes = {n: t.shape for n, t in Transformer(spelled).state_dict().items()}
+    assert shapes == {n: t.shape for n, t in Transformer(left_out).state_dict().items()}
+    assert field_differences(left_out, spelled, "shape") == []
+    narrower = replace(spelled, v_head_dim=12)
+    assert field_differences(left_out, narrower, "shape") == [("v_head_dim", 24, 12)]
+
+
 def test_context_parallelism_is_refused_in_one_line():
     model = Transformer(model_config_from_hf(hf_model().config.to_dict()))
     with pytest.raises(UnsupportedKernelError, match="multi-head latent attention") as err:
