@@ -94,7 +94,8 @@ def _trains_split_and_offloaded(run_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_cpt_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(tmp_path):
+@pytest.mark.parametrize("recipe", ["cpt/long", "cpt/long_8b"])  # ddp; fsdp
+def test_cpt_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(tmp_path, recipe):
     words = "the of and a to in is was for on that with as by at from it an".split()
     for name, docs, length in (("long", 3, 6000), ("short", 40, 300)):
         text = "\n\n".join(
@@ -104,7 +105,7 @@ def test_cpt_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(tmp_path)
         (tmp_path / f"{name}.txt").write_text(text)
     args = _tiny(
         tmp_path,
-        "cpt/long",
+        recipe,
         f"data.sources.main.path={tmp_path / 'long.txt'}",
         f"data.sources.short.path={tmp_path / 'short.txt'}",
         "data.val_fraction=0.3",
