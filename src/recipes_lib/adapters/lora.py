@@ -198,6 +198,17 @@ def quantized_linear(linear: nn.Linear, config: AdapterConfig) -> nn.Module:
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
 
+def _mixer_linears(model: nn.Module) -> list[str]:
+    """The native names of the token mixers' linears ``model`` has (a latent attention's
+    or a linear attention's where it has them), in :data:`NATIVE_TARGETS` order."""
+    found = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 2)[-2:-1] == ["attention"]
+    }
+    return [target for target in NATIVE_TARGETS if target in found]
+
+
 def apply_adapter(model: ModelT, config: AdapterConfig, precision: str | None = None) -> ModelT:
     """Put LoRA (or QLoRA) adapters on ``model`` in place and freeze everything else.
 
@@ -241,8 +252,8 @@ def apply_adapter(model: ModelT, config: AdapterConfig, precision: str | None = 
         raise ConfigError(
             f"adapter.target_modules: {mlp[0]} is a dense MLP of a mixture of experts, "
             "whose adapter PEFT would read as one on the experts (transformers fuses them "
-            f"under the MLP's names); target the attention: [wq, wk, wv, wo] (and "
-            f"{EXPERTS_TARGET} for the routed experts)"
+            f"under the MLP's names); target the attention: [{', '.join(_mixer_linears(model))}] "
+            f"(and {EXPERTS_TARGET} for the routed experts)"
         )
     check_expert_target(config, has_experts=bool(layers))
     experts = _expert_weights(model) if EXPERTS_TARGET in targets else []

@@ -313,6 +313,27 @@ def test_value_heads_left_as_wide_as_the_query_heads_are_the_same_model():
     assert field_differences(left_out, narrower, "shape") == [("v_head_dim", 24, 12)]
 
 
+def test_lora_on_the_dense_mlp_is_refused_naming_the_latent_attentions_targets():
+    from recipes_lib.adapters import apply_adapter
+    from recipes_lib.config.schema import AdapterConfig
+
+    model = Transformer(model_config_from_hf(hf_model().config.to_dict()))
+    with pytest.raises(ConfigError, match="dense MLP of a mixture") as err:
+        apply_adapter(model, AdapterConfig(kind="lora", target_modules=["wq_a", "w1"]))
+    named = "target the attention: [wo, wq_a, wq_b, wkv_a, wkv_b] (and experts"
+    assert named in str(err.value) and "\n" not in str(err.value)
+    # what it names is what the model takes
+    apply_adapter(
+        model, AdapterConfig(kind="lora", target_modules=["wq_a", "wq_b", "wkv_a", "wkv_b", "wo"])
+    )
+    trained = {
+        n.split(".attention.")[-1].split(".")[0]
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+    assert trained == {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo"}
+
+
 def test_context_parallelism_is_refused_in_one_line():
     model = Transformer(model_config_from_hf(hf_model().config.to_dict()))
     with pytest.raises(UnsupportedKernelError, match="multi-head latent attention") as err:
