@@ -5,7 +5,8 @@ group. Two and four processes give the one-process loss and gradients of a tiny 
 shards (``fsdp_context_parallel_worker.py``); losses scaled as if a group's partial
 gradients were averaged instead of summed are caught. A whole pretraining run under
 ``strategy=fsdp strategy.context_parallel=2`` follows the one-process run's loss curve
-and reaches its weights (the refusals are in
+and reaches its weights, and one resumed from its sharded checkpoint ends where the
+run that went through does (the refusals are in
 ``tests/unit/parallel/test_context_parallel_checks.py``)."""
 
 from __future__ import annotations
@@ -110,3 +111,23 @@ def test_two_replicas_of_split_rows_under_sharding_reach_the_one_process_weights
     x = load_weights(tmp_path / "single" / "model.safetensors")
     y = load_weights(tmp_path / "split" / "model.safetensors")
     assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-4
+
+
+@pytest.mark.slow
+def test_a_run_under_fsdp_with_split_rows_resumes_from_its_sharded_checkpoint(tmp_path):
+    """Resumed from its step-2 sharded checkpoint, a run under strategy=fsdp
+    strategy.context_parallel=2 reads on where it stopped and ends at the weights of
+    the run that went through."""
+    keep = ("strategy=fsdp", "strategy.context_parallel=2", "run.checkpoint_every_n_steps=2")
+    torchrun(2, RUNNER, *_overrides(tmp_path, "through", *keep), "trainer.devices=2", omp_threads=1)
+    middle = tmp_path / "through" / "checkpoints" / "step000002.ckpt"
+    assert middle.is_dir()  # a sharded folder
+    args = _overrides(tmp_path, "resumed", *keep, f"run.ckpt_path={middle}")
+    torchrun(2, RUNNER, *args, "trainer.devices=2", omp_threads=1)
+    through = metric_series(read_metrics(tmp_path / "through"), "train/loss")
+    resumed = metric_series(read_metrics(tmp_path / "resumed"), "train/loss")
+    assert [s for s, _ in resumed] == [2, 3]  # it went on from the checkpoint
+    assert [v for _, v in resumed] == pytest.approx([v for _, v in through[2:]], abs=1e-5)
+    x = load_weights(tmp_path / "through" / "model.safetensors")
+    y = load_weights(tmp_path / "resumed" / "model.safetensors")
+    assert max((x[k] - y[k]).abs().max().item() for k in x) < 2e-5
