@@ -5,10 +5,15 @@ samples at every step (the sampler interleaves ranks over one stream), and gradi
 are averaged over ranks, so DDP and FSDP must reach the single-process weights. A
 sharded FSDP checkpoint must resume to the same weights and read back as one state
 dict.
+
+The runs whose tests read only their weights and metrics run one after another in one
+``torchrun`` job (``distributed_batch.py``, the :func:`batch` fixture); those whose
+tests read what the console script logs (``cli.log``) are each a ``recipes-train`` job.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +37,8 @@ from recipes_lib.checkpoint.weights import (
 )
 from recipes_lib.config import compose_config
 from recipes_lib.train import run
+
+BATCH = str(Path(__file__).with_name("distributed_batch.py"))
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
@@ -86,6 +93,47 @@ def _reference_runs(root: Path) -> dict[str, Path]:
     return dirs
 
 
+@pytest.fixture(scope="module")
+def batch(runs, tmp_path_factory) -> dict[str, Path]:
+    """The two-process runs of the tests below, each in its own folder, run in one
+    ``torchrun`` job; each test runs its one-process reference itself."""
+    root = tmp_path_factory.mktemp("batch")
+    cache = runs["cache"]
+    on_two = ("data.batch_size=2", "strategy=fsdp")
+    middle = f"step{STEPS // 2:06d}.ckpt"
+    jobs: dict[str, list[str]] = {
+        "fsdp_resumed": _overrides(
+            root / "fsdp_resumed",
+            cache,
+            *on_two,
+            f"run.ckpt_path={runs['fsdp'] / 'checkpoints' / middle}",
+        ),
+        "muon": _overrides(root / "muon", cache, *on_two, "optim=muon"),
+        "muon_resumed": _overrides(
+            root / "muon_resumed",
+            cache,
+            *on_two,
+            "optim=muon",
+            f"run.ckpt_path={root / 'muon' / 'checkpoints' / middle}",
+        ),
+        "gemma3": _overrides(root / "gemma3", cache, *on_two, *GEMMA3),
+        "lora_experts": _overrides(root / "lora_experts", cache, *on_two, *LORA_EXPERTS),
+        "reward": ["recipe=reward/tiny", *_dpo_overrides(root / "reward", runs, *on_two)],
+        "grpo": _grpo_overrides(root / "grpo", runs),
+        "kto": _kto_overrides(root / "kto", runs, "data.batch_size=2", "strategy=ddp"),
+    }
+    for recipe in ("dpo/tiny", "dpo/lora_tiny"):
+        jobs[recipe] = [f"recipe={recipe}", *_dpo_overrides(root / recipe, runs, *on_two)]
+    for strategy in ("ddp", "fsdp"):
+        jobs[f"distill_{strategy}"] = _distill_overrides(
+            root / f"distill_{strategy}", runs, "data.batch_size=2", f"strategy={strategy}"
+        )
+    listed = root / "runs.json"
+    listed.write_text(json.dumps([[*o, "trainer.devices=2"] for o in jobs.values()]))
+    torchrun(2, BATCH, str(listed), timeout=900, omp_threads=1)
+    return {name: root / name for name in jobs}
+
+
 def _assert_same_weights(a: dict, b: dict, atol: float = 2e-5) -> None:
     assert a.keys() == b.keys()
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
@@ -126,21 +174,17 @@ def test_fsdp_writes_sharded_checkpoints_that_read_back_whole(runs, tmp_path):
     _assert_same_weights(load_weights(final), exported, atol=1e-12)
 
 
-def test_fsdp_resumes_from_a_sharded_checkpoint(runs, tmp_path):
-    middle = runs["fsdp"] / "checkpoints" / f"step{STEPS // 2:06d}.ckpt"
-    resumed = tmp_path / "resumed"
-    _torchrun(
-        resumed, runs["cache"], "strategy=fsdp", "data.batch_size=2", f"run.ckpt_path={middle}"
-    )
+def test_fsdp_resumes_from_a_sharded_checkpoint(runs, batch):
+    # batch["fsdp_resumed"]: the FSDP run resumed from its step-3 sharded checkpoint
     _assert_same_weights(
         load_weights(runs["fsdp"] / "model.safetensors"),
-        load_weights(resumed / "model.safetensors"),
+        load_weights(batch["fsdp_resumed"] / "model.safetensors"),
         atol=1e-6,
     )
 
 
 def test_muon_under_fsdp_follows_one_process_and_resumes_from_its_sharded_checkpoint(
-    runs, tmp_path
+    runs, batch, tmp_path
 ):
     """``optim=muon`` under FSDP: each rank holds a shard of every matrix, and Muon's
     Newton-Schulz iterations run on the sharded tensors as whole matrices (their
@@ -149,8 +193,7 @@ def test_muon_under_fsdp_follows_one_process_and_resumes_from_its_sharded_checkp
     3e-4, after these six steps at a learning rate of 3e-3). Its state is sharded like
     AdamW's and resumes."""
     one = run(compose_config(_overrides(tmp_path / "single", runs["cache"], "optim=muon")))
-    fsdp = tmp_path / "fsdp"
-    _torchrun(fsdp, runs["cache"], "strategy=fsdp", "data.batch_size=2", "optim=muon")
+    fsdp = batch["muon"]
     _assert_same_weights(
         load_weights(one.output_dir / "model.safetensors"),
         load_weights(fsdp / "model.safetensors"),
@@ -158,18 +201,10 @@ def test_muon_under_fsdp_follows_one_process_and_resumes_from_its_sharded_checkp
     )
     middle = fsdp / "checkpoints" / f"step{STEPS // 2:06d}.ckpt"
     assert is_sharded_checkpoint(middle)
-    resumed = tmp_path / "resumed"
-    _torchrun(
-        resumed,
-        runs["cache"],
-        "strategy=fsdp",
-        "data.batch_size=2",
-        "optim=muon",
-        f"run.ckpt_path={middle}",
-    )
+    # batch["muon_resumed"]: the same run resumed from ``middle``
     _assert_same_weights(
         load_weights(fsdp / "model.safetensors"),
-        load_weights(resumed / "model.safetensors"),
+        load_weights(batch["muon_resumed"] / "model.safetensors"),
         atol=1e-6,
     )
 
@@ -194,16 +229,12 @@ def _dpo_overrides(run_dir: Path, runs: dict, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize("recipe", ["dpo/tiny", "dpo/lora_tiny"])
-def test_dpo_under_fsdp_matches_one_process(runs, tmp_path, recipe):
+def test_dpo_under_fsdp_matches_one_process(runs, batch, tmp_path, recipe):
     """A separate reference model is sharded like the policy; with LoRA the reference is
     the sharded policy with its adapters bypassed."""
-    single_dir, fsdp_dir = tmp_path / "single", tmp_path / "fsdp"
+    single_dir, fsdp_dir = tmp_path / "single", batch[recipe]
     run(
         compose_config([f"recipe={recipe}", *_dpo_overrides(single_dir, runs, "data.batch_size=4")])
-    )
-    _launch(
-        f"recipe={recipe}",
-        *_dpo_overrides(fsdp_dir, runs, "data.batch_size=2", "strategy=fsdp"),
     )
     _assert_same_weights(
         load_weights(single_dir / "model.safetensors"), load_weights(fsdp_dir / "model.safetensors")
@@ -212,33 +243,34 @@ def test_dpo_under_fsdp_matches_one_process(runs, tmp_path, recipe):
         assert (fsdp_dir / "adapter" / "adapter_model.safetensors").is_file()
 
 
-def test_distillation_under_fsdp_trains_as_under_ddp(runs, tmp_path):
+def _distill_overrides(run_dir: Path, runs: dict, *extra: str) -> list[str]:
+    return [
+        "recipe=distill/tiny",
+        f"run.dir={run_dir}",
+        f"data.cache_dir={runs['cache']}",
+        f"stage.distill.teacher_from={runs['single']}",
+        f"data.tokenizer.path={runs['tokenizer']}",
+        *SMALL_VOCAB_OVERRIDES,
+        "data.seq_len=128",
+        "data.sources.stdlib_sft.max_documents=200",
+        "scheduler.warmup=1",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=2",
+        *QUIET_OVERRIDES,
+        "callbacks=minimal",
+        *extra,
+    ]
+
+
+def test_distillation_under_fsdp_trains_as_under_ddp(runs, batch):
     """The divergence is computed inside the sharded student's head (gathered there);
     the teacher, the pretrained run, is whole on each rank. It is a mean over each rank's
     assistant tokens (as SFT's loss is), so two ranks are compared with two ranks."""
-
-    def overrides(run_dir: Path, *extra: str) -> list[str]:
-        return [
-            "recipe=distill/tiny",
-            f"run.dir={run_dir}",
-            f"data.cache_dir={runs['cache']}",
-            f"stage.distill.teacher_from={runs['single']}",
-            f"data.tokenizer.path={runs['tokenizer']}",
-            *SMALL_VOCAB_OVERRIDES,
-            "data.seq_len=128",
-            "data.sources.stdlib_sft.max_documents=200",
-            "scheduler.warmup=1",
-            "trainer.max_steps=3",
-            "trainer.val_check_interval=3",
-            "trainer.limit_val_batches=2",
-            *QUIET_OVERRIDES,
-            "callbacks=minimal",
-            *extra,
-        ]
-
-    for strategy in ("ddp", "fsdp"):
-        _launch(*overrides(tmp_path / strategy, "data.batch_size=2", f"strategy={strategy}"))
-    ddp, fsdp = (load_weights(tmp_path / name / "model.safetensors") for name in ("ddp", "fsdp"))
+    ddp, fsdp = (
+        load_weights(batch[f"distill_{strategy}"] / "model.safetensors")
+        for strategy in ("ddp", "fsdp")
+    )
     _assert_same_weights(ddp, fsdp)
     start = load_weights(runs["single"] / "model.safetensors")  # the teacher: a bigger model
     assert start.keys() == ddp.keys() and any(start[k].shape != ddp[k].shape for k in ddp)
@@ -253,13 +285,12 @@ GEMMA3 = (
 )
 
 
-def test_a_gemma3_under_fsdp_reaches_the_single_process_weights(runs, tmp_path):
+def test_a_gemma3_under_fsdp_reaches_the_single_process_weights(runs, batch, tmp_path):
     """Gemma 3's local layers, four norms per block and scaled embeddings shard and
     train under FSDP as on one process (fp32)."""
     single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *GEMMA3)))
-    _torchrun(tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *GEMMA3)
     _assert_same_weights(
-        load_weights(single.weights_path), load_weights(tmp_path / "fsdp" / "model.safetensors")
+        load_weights(single.weights_path), load_weights(batch["gemma3"] / "model.safetensors")
     )
 
 
@@ -305,9 +336,19 @@ def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
     assert len(biases) == 2 and all(ours[b].abs().sum() > 0 for b in biases)
 
 
+LORA_EXPERTS = (
+    *MOE,
+    "adapter=lora",
+    "adapter.target_modules=[wq,experts]",
+    "adapter.dropout=0",
+    "optim.name=SGD",
+    "optim.lr=3.0",
+)
+
+
 @pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
 def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(
-    runs, tmp_path, strategy
+    runs, batch, tmp_path, strategy
 ):
     """Adapters on the routed experts (PEFT swaps each expert weight for a computed one at
     every call) with the experts sharded by FSDP like every weight (HSDP: two copies,
@@ -317,20 +358,19 @@ def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(
     under SGD every factor agrees within 1e-8; AdamW divides each update by its
     gradient's own running scale, which magnifies the rounding of a row whose gradient
     is small."""
-    lora = (*MOE, "adapter=lora", "adapter.target_modules=[wq,experts]", "adapter.dropout=0")
-    lora += ("optim.name=SGD", "optim.lr=3.0")
-    single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *lora)))
+    single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *LORA_EXPERTS)))
     if strategy == "fsdp":
-        _torchrun(tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *lora)
+        parallel = batch["lora_experts"]
     else:
+        parallel = tmp_path / "hsdp"
         hsdp = ("strategy=hsdp", "strategy.replicas=2", "data.batch_size=1")
-        _torchrun(tmp_path / "fsdp", runs["cache"], *hsdp, *lora, processes=4)
+        _torchrun(parallel, runs["cache"], *hsdp, *LORA_EXPERTS, processes=4)
     theirs = load_weights(single.weights_path)
-    ours = load_weights(tmp_path / "fsdp" / "model.safetensors")
+    ours = load_weights(parallel / "model.safetensors")
     _assert_same_weights(theirs, ours)
     adapters = [
-        load_weights(tmp_path / run_dir / "adapter" / "adapter_model.safetensors")
-        for run_dir in ("single", "fsdp")
+        load_weights(run_dir / "adapter" / "adapter_model.safetensors")
+        for run_dir in (tmp_path / "single", parallel)
     ]
     _assert_same_weights(*adapters)
     experts_b = [v for k, v in adapters[1].items() if "mlp.experts" in k and "lora_B" in k]
@@ -393,28 +433,21 @@ def test_a_local_submitit_sweep_runs_each_job_on_two_processes(runs, tmp_path):
     assert len(logs) == 4 and sum(name.endswith("_1_log.out") for name in logs) == 2, logs
 
 
-def test_a_reward_model_under_fsdp_matches_one_process(runs, tmp_path):
+def test_a_reward_model_under_fsdp_matches_one_process(runs, batch, tmp_path):
     """The score head, one row wide, shards with the body (FSDP pads the uneven shard)."""
-    single_dir, fsdp_dir = tmp_path / "single", tmp_path / "fsdp"
+    single_dir, fsdp_dir = tmp_path / "single", batch["reward"]
     run(
         compose_config(
             ["recipe=reward/tiny", *_dpo_overrides(single_dir, runs, "data.batch_size=4")]
         )
-    )
-    _launch(
-        "recipe=reward/tiny",
-        *_dpo_overrides(fsdp_dir, runs, "data.batch_size=2", "strategy=fsdp"),
     )
     _assert_same_weights(
         load_weights(single_dir / "model.safetensors"), load_weights(fsdp_dir / "model.safetensors")
     )
 
 
-def test_grpo_samples_through_the_sharded_model_on_two_processes(runs, tmp_path):
-    """Both ranks decode the same number of steps (each gathers the weights), whatever
-    their own completions; the KL reference is sharded like the policy."""
-    run_dir = tmp_path / "grpo"
-    _launch(
+def _grpo_overrides(run_dir: Path, runs: dict) -> list[str]:
+    return [
         "recipe=grpo/tiny",
         f"run.dir={run_dir}",
         f"data.cache_dir={runs['cache']}",
@@ -434,7 +467,13 @@ def test_grpo_samples_through_the_sharded_model_on_two_processes(runs, tmp_path)
         "strategy=fsdp",
         *QUIET_OVERRIDES,
         "callbacks=minimal",
-    )
+    ]
+
+
+def test_grpo_samples_through_the_sharded_model_on_two_processes(batch):
+    """Both ranks decode the same number of steps (each gathers the weights), whatever
+    their own completions; the KL reference is sharded like the policy."""
+    run_dir = batch["grpo"]
     weights = load_weights(run_dir / "model.safetensors")
     assert all(t.isfinite().all() for t in weights.values())
     rows = read_metrics(run_dir)
@@ -442,19 +481,18 @@ def test_grpo_samples_through_the_sharded_model_on_two_processes(runs, tmp_path)
     assert metric_series(rows, "val/reward")
 
 
-def test_kto_on_two_processes_matches_one_process(runs, tmp_path):
+def _kto_overrides(run_dir: Path, runs: dict, *extra: str) -> list[str]:
+    kto = [o.replace("stdlib_dpo", "stdlib_kto") for o in _dpo_overrides(run_dir, runs)]
+    return ["recipe=kto/tiny", *kto, "optim.lr=3e-3", "stage.kto.undesirable_weight=0", *extra]
+
+
+def test_kto_on_two_processes_matches_one_process(runs, batch, tmp_path):
     """KTO's reference point, the mismatched completions' mean log-ratio, is taken over
     every rank's twins: two processes with half the batch each reach the one process's
     weights (each rank's own estimate would not). Only desirable examples weigh, so the
     policy rises on code in general and the estimate, clamped at 0, stays above it."""
-
-    def overrides(run_dir: Path, *extra: str) -> list[str]:
-        kto = [o.replace("stdlib_dpo", "stdlib_kto") for o in _dpo_overrides(run_dir, runs)]
-        return ["recipe=kto/tiny", *kto, "optim.lr=3e-3", "stage.kto.undesirable_weight=0", *extra]
-
-    single = run(compose_config(overrides(tmp_path / "single", "data.batch_size=4")))
+    single = run(compose_config(_kto_overrides(tmp_path / "single", runs, "data.batch_size=4")))
     assert single.metrics["train/kl"] > 0  # the estimate took part in the last step
-    _launch(*overrides(tmp_path / "ddp", "data.batch_size=2", "strategy=ddp"))
     _assert_same_weights(
-        load_weights(single.weights_path), load_weights(tmp_path / "ddp" / "model.safetensors")
+        load_weights(single.weights_path), load_weights(batch["kto"] / "model.safetensors")
     )
