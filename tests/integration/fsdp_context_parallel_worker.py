@@ -21,8 +21,12 @@ With a fourth argument ``cuda`` each process takes its GPU over NCCL and the row
 1,024 tokens long, so that ``flex`` (with documents) runs its BlockMask path with the
 compiled kernel; the tolerance is then 1e-3 (the kernel's TF32 dots).
 
+Several cases, separated by ``+``, run one after another in the same processes (which
+start and join the group once); each line a case prints begins with the case in
+brackets, and the exit status is non-zero when any case fails.
+
 Usage: ``torchrun --nproc_per_node=W fsdp_context_parallel_worker.py <degree>
-<plain|docs> <sum|average> [cuda]``.
+<plain|docs> <sum|average> [cuda] [+ <degree> <plain|docs> <sum|average> ...]``.
 """
 
 from __future__ import annotations
@@ -52,9 +56,24 @@ def token_losses(model, input_ids, labels, doc_ids) -> tuple[torch.Tensor, torch
 
 
 def main() -> None:
-    degree, documents, mode = int(sys.argv[1]), sys.argv[2] == "docs", sys.argv[3]
-    cuda = sys.argv[4:] == ["cuda"]
-    dist.init_process_group("nccl" if cuda else "gloo")
+    cases, case = [], []
+    for arg in [*sys.argv[1:], "+"]:
+        if arg == "+":
+            cases.append(case)
+            case = []
+        else:
+            case.append(arg)
+    dist.init_process_group("nccl" if cases[0][3:] == ["cuda"] else "gloo")
+    ok = [check(case) for case in cases]
+    dist.destroy_process_group()
+    sys.exit(0 if all(ok) else 1)
+
+
+def check(case: list[str]) -> bool:
+    """One case (``<degree> <plain|docs> <sum|average> [cuda]``): its line, and whether
+    it came out as it must."""
+    degree, documents, mode = int(case[0]), case[1] == "docs", case[2]
+    cuda = case[3:] == ["cuda"]
     rank, world = dist.get_rank(), dist.get_world_size()
     replicas = world // degree
     scale = 32 if cuda else 1  # rows of 1,024 tokens on GPUs
@@ -124,17 +143,20 @@ def main() -> None:
         grad = p.grad.full_tensor()
         worst = max(worst, (grad - reference[name]).abs().max().item())
         ratios.append((grad.norm() / reference[name].norm()).item())
-    print(
-        f"rank {rank}: loss {cp_loss:.8f} vs {reference_loss:.8f}, worst grad diff {worst:.2e}, "
-        f"gradient norm ratio {min(ratios):.6f}..{max(ratios):.6f}"
+    # one write of the whole line: the ranks share the pipe, and print() writes its end
+    # of line apart, so two ranks' lines could run together
+    sys.stdout.write(
+        f"[{' '.join(case)}] rank {rank}: loss {cp_loss:.8f} vs {reference_loss:.8f}, "
+        f"worst grad diff {worst:.2e}, "
+        f"gradient norm ratio {min(ratios):.6f}..{max(ratios):.6f}\n"
     )
+    sys.stdout.flush()
     same_loss = abs(cp_loss - reference_loss) < tolerance
     if mode == "sum":
         ok = same_loss and worst < tolerance
     else:  # the comparison must catch it: gradients 1 / degree of the reference's
         ok = worst > 10 * tolerance and all(abs(r - 1 / degree) < tolerance for r in ratios)
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    return ok
 
 
 if __name__ == "__main__":

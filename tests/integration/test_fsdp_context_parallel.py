@@ -32,27 +32,48 @@ WORKER = str(Path(__file__).with_name("fsdp_context_parallel_worker.py"))
 RUNNER = str(Path(__file__).with_name("context_parallel_run.py"))
 
 
+def _case_lines(stdout: str, case: str) -> list[str]:
+    """The lines the worker printed for one of its cases."""
+    return [line for line in stdout.splitlines() if line.startswith(f"[{case}] ")]
+
+
+@pytest.fixture(scope="module")
+def two_processes() -> str:
+    """The worker's output for its three two-process cases, run in one ``torchrun`` job
+    (it exits non-zero, failing every test here, if any case fails)."""
+    cases = ("2 plain sum", "2 docs sum", "2 docs average")
+    args = " + ".join(cases).split()
+    return torchrun(2, WORKER, *args, timeout=240, omp_threads=1).stdout
+
+
 @pytest.mark.parametrize("documents", ["plain", "docs"])
-def test_fsdp_with_split_rows_gives_the_one_process_loss_and_gradients(documents):
-    result = torchrun(2, WORKER, "2", documents, "sum", timeout=120, omp_threads=1)
-    assert result.stdout.count("worst grad diff") == 2
+def test_fsdp_with_split_rows_gives_the_one_process_loss_and_gradients(two_processes, documents):
+    lines = _case_lines(two_processes, f"2 {documents} sum")
+    assert sum("worst grad diff" in line for line in lines) == 2
 
 
-def test_averaging_a_groups_partial_gradients_is_caught():
+def test_averaging_a_groups_partial_gradients_is_caught(two_processes):
     """The worker, with each rank's loss divided by the degree (a group's partial
     gradients averaged rather than summed), finds every gradient half the reference's
     and beyond the tolerance: the comparison above would fail on that mistake."""
-    result = torchrun(2, WORKER, "2", "docs", "average", timeout=120, omp_threads=1)
-    assert result.stdout.count("gradient norm ratio 0.500000..0.500000") == 2
+    lines = _case_lines(two_processes, "2 docs average")
+    assert sum("gradient norm ratio 0.500000..0.500000" in line for line in lines) == 2
+
+
+@pytest.fixture(scope="module")
+def four_processes() -> str:
+    """The worker's output for its two four-process cases, in one ``torchrun`` job."""
+    args = "2 docs sum + 4 docs sum".split()
+    return torchrun(4, WORKER, *args, timeout=360, omp_threads=1).stdout
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("degree", ["2", "4"])
-def test_four_processes_shard_over_all_and_split_rows_over_groups(degree):
+def test_four_processes_shard_over_all_and_split_rows_over_groups(four_processes, degree):
     """Four processes: two replicas of two ranks a row (each replica's own rows, of
     different token counts), and one group of four."""
-    result = torchrun(4, WORKER, degree, "docs", "sum", timeout=180, omp_threads=1)
-    assert result.stdout.count("worst grad diff") == 4
+    lines = _case_lines(four_processes, f"{degree} docs sum")
+    assert sum("worst grad diff" in line for line in lines) == 4
 
 
 COMMON = (
