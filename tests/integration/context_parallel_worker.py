@@ -11,8 +11,12 @@ With a fourth argument ``cuda`` each process takes its GPU over NCCL and the row
 1,024 tokens long, so that ``flex`` runs its BlockMask path (chunks of whole 128-token
 blocks) with the compiled kernel; the tolerance is then 1e-3 (the kernel's TF32 dots).
 
+Several cases, separated by ``+``, run one after another in the same processes (which
+start and join the group once); each line a case prints begins with the case in
+brackets, and the exit status is non-zero when any case fails.
+
 Usage: ``torchrun --nproc_per_node=N context_parallel_worker.py <attention> <documents>
-<window> [cuda]``.
+<window> [cuda] [+ <attention> <documents> <window> ...]``.
 """
 
 from __future__ import annotations
@@ -39,9 +43,24 @@ def token_losses(model: Transformer, input_ids, labels, doc_ids) -> tuple[torch.
 
 
 def main() -> None:
-    attention, documents, window = sys.argv[1], sys.argv[2] == "docs", sys.argv[3] == "window"
-    cuda = sys.argv[4:] == ["cuda"]
-    dist.init_process_group("nccl" if cuda else "gloo")
+    cases, case = [], []
+    for arg in [*sys.argv[1:], "+"]:
+        if arg == "+":
+            cases.append(case)
+            case = []
+        else:
+            case.append(arg)
+    dist.init_process_group("nccl" if cases[0][3:] == ["cuda"] else "gloo")
+    ok = [check(case) for case in cases]
+    dist.destroy_process_group()
+    sys.exit(0 if all(ok) else 1)
+
+
+def check(case: list[str]) -> bool:
+    """One case (``<attention> <documents> <window> [cuda]``): its line, and whether the
+    split rows gave the one-process loss and gradients."""
+    attention, documents, window = case[0], case[1] == "docs", case[2] == "window"
+    cuda = case[3:] == ["cuda"]
     rank, world = dist.get_rank(), dist.get_world_size()
     scale = 32 if cuda else 1  # rows of 1,024 tokens on GPUs
     T, B = 32 * scale, 2
@@ -105,10 +124,14 @@ def main() -> None:
         grad = p.grad.clone()
         dist.all_reduce(grad)
         worst = max(worst, (grad / world - reference[name]).abs().max().item())
-    print(f"rank {rank}: loss {cp_loss:.8f} vs {reference_loss:.8f}, worst grad diff {worst:.2e}")
-    ok = abs(cp_loss - reference_loss) < tolerance and worst < tolerance
-    dist.destroy_process_group()
-    sys.exit(0 if ok else 1)
+    # one write of the whole line: the ranks share the pipe, and print() writes its end
+    # of line apart, so two ranks' lines could run together
+    sys.stdout.write(
+        f"[{' '.join(case)}] rank {rank}: loss {cp_loss:.8f} vs {reference_loss:.8f}, "
+        f"worst grad diff {worst:.2e}\n"
+    )
+    sys.stdout.flush()
+    return abs(cp_loss - reference_loss) < tolerance and worst < tolerance
 
 
 if __name__ == "__main__":
