@@ -92,45 +92,49 @@ def _overrides(root: Path, name: str, *extra: str) -> list[str]:
     return [o if not o.startswith("run.dir=") else f"run.dir={root / name}" for o in items]
 
 
-def test_a_pretraining_run_under_fsdp_with_split_rows_follows_the_one_process_run(tmp_path):
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A folder holding the one-process run (``single``) that the split runs below
+    follow, and the data cache they share; each split run writes a folder of its own."""
+    folder = tmp_path_factory.mktemp("fsdp-cp")
+    run(compose_config(_overrides(folder, "single")))
+    return folder
+
+
+def test_a_pretraining_run_under_fsdp_with_split_rows_follows_the_one_process_run(root):
     """``recipes_lib.train.run`` with strategy=fsdp strategy.context_parallel=2 over two
     gloo processes: each rank's attention ran on half of every 64-token row, the loss
     curve is the one-process run's within 1e-4 and so are the weights it exports."""
-    run(compose_config(_overrides(tmp_path, "single")))
-    args = _overrides(tmp_path, "split", "strategy=fsdp", "strategy.context_parallel=2")
+    args = _overrides(root, "split", "strategy=fsdp", "strategy.context_parallel=2")
     torchrun(2, RUNNER, *args, "trainer.devices=2", omp_threads=1)
-    split = tmp_path / "split"
+    split = root / "split"
     for rank in range(2):
         spied = json.loads((split / f"sharded_rank{rank}.json").read_text())
         assert spied["calls"] > 0 and spied["lengths"] == [32]
-    ones = metric_series(read_metrics(tmp_path / "single"), "train/loss")
+    ones = metric_series(read_metrics(root / "single"), "train/loss")
     twos = metric_series(read_metrics(split), "train/loss")
     assert len(ones) == 4 and [s for s, _ in twos] == [s for s, _ in ones]
     assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4)
     assert ones[-1][1] < ones[0][1]  # it trained
-    x = load_weights(tmp_path / "single" / "model.safetensors")
+    x = load_weights(root / "single" / "model.safetensors")
     y = load_weights(split / "model.safetensors")
     assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-4
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", [("strategy=fsdp",), ("strategy=hsdp", "strategy.replicas=2")])
-def test_two_replicas_of_split_rows_under_sharding_reach_the_one_process_weights(
-    tmp_path, strategy
-):
+def test_two_replicas_of_split_rows_under_sharding_reach_the_one_process_weights(root, strategy):
     """Four processes, parameters sharded over all four (fsdp) or over each pair of one
     of two copies (hsdp): two data-parallel replicas, one row a step each, of two ranks
     sharing each row, reach the weights of one process reading both rows a step."""
-    run(compose_config(_overrides(tmp_path, "single")))
-    args = _overrides(
-        tmp_path, "split", *strategy, "strategy.context_parallel=2", "data.batch_size=1"
-    )
+    name = f"split_{strategy[0].removeprefix('strategy=')}"
+    args = _overrides(root, name, *strategy, "strategy.context_parallel=2", "data.batch_size=1")
     torchrun(4, RUNNER, *args, "trainer.devices=4", omp_threads=1)
     for rank in range(4):
-        spied = json.loads((tmp_path / "split" / f"sharded_rank{rank}.json").read_text())
+        spied = json.loads((root / name / f"sharded_rank{rank}.json").read_text())
         assert spied["calls"] > 0 and spied["lengths"] == [32]
-    x = load_weights(tmp_path / "single" / "model.safetensors")
-    y = load_weights(tmp_path / "split" / "model.safetensors")
+    x = load_weights(root / "single" / "model.safetensors")
+    y = load_weights(root / name / "model.safetensors")
     assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-4
 
 
@@ -140,11 +144,12 @@ def test_a_run_under_fsdp_with_split_rows_resumes_from_its_sharded_checkpoint(tm
     strategy.context_parallel=2 reads on where it stopped and ends at the weights of
     the run that went through."""
     keep = ("strategy=fsdp", "strategy.context_parallel=2", "run.checkpoint_every_n_steps=2")
-    torchrun(2, RUNNER, *_overrides(tmp_path, "through", *keep), "trainer.devices=2", omp_threads=1)
+    keep += ("trainer.devices=2",)
     middle = tmp_path / "through" / "checkpoints" / "step000002.ckpt"
+    go_through = _overrides(tmp_path, "through", *keep)
+    resume = _overrides(tmp_path, "resumed", *keep, f"run.ckpt_path={middle}")
+    torchrun(2, RUNNER, *go_through, "+", *resume, omp_threads=1)  # one job, one after the other
     assert middle.is_dir()  # a sharded folder
-    args = _overrides(tmp_path, "resumed", *keep, f"run.ckpt_path={middle}")
-    torchrun(2, RUNNER, *args, "trainer.devices=2", omp_threads=1)
     through = metric_series(read_metrics(tmp_path / "through"), "train/loss")
     resumed = metric_series(read_metrics(tmp_path / "resumed"), "train/loss")
     assert [s for s, _ in resumed] == [2, 3]  # it went on from the checkpoint
