@@ -72,21 +72,22 @@ def _overrides(root: Path, name: str, *extra: str) -> list[str]:
     return [o if not o.startswith("run.dir=") else f"run.dir={root / name}" for o in items]
 
 
-def _split_run(root: Path, processes: int, degree: int, batch_size: int) -> Path:
-    """The tiny pretraining run on ``processes`` gloo processes at ``degree``; asserts
-    each rank's attention ran on its share of every 64-token row."""
+def _split_run(root: Path, name: str, processes: int, degree: int, batch_size: int) -> Path:
+    """The tiny pretraining run on ``processes`` gloo processes at ``degree``, in
+    ``root / name``; asserts each rank's attention ran on its share of every 64-token
+    row."""
     args = _overrides(
         root,
-        "split",
+        name,
         "strategy=ddp",
         f"strategy.context_parallel={degree}",
         f"data.batch_size={batch_size}",
     )
     torchrun(processes, RUNNER, *args, f"trainer.devices={processes}", omp_threads=1)
     for rank in range(processes):
-        spied = json.loads((root / "split" / f"sharded_rank{rank}.json").read_text())
+        spied = json.loads((root / name / f"sharded_rank{rank}.json").read_text())
         assert spied["calls"] > 0 and spied["lengths"] == [64 // degree]
-    return root / "split"
+    return root / name
 
 
 def _largest_weight_difference(a: Path, b: Path) -> float:
@@ -94,31 +95,38 @@ def _largest_weight_difference(a: Path, b: Path) -> float:
     return max((x[k] - y[k]).abs().max().item() for k in x)
 
 
-def test_a_pretraining_run_with_split_rows_follows_the_one_process_run(tmp_path):
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A folder holding the one-process pretraining run (``single``, two rows a step)
+    that the split runs below follow, and the data cache they share."""
+    folder = tmp_path_factory.mktemp("cp")
+    run(compose_config(_overrides(folder, "single", "data.batch_size=2")))
+    return folder
+
+
+def test_a_pretraining_run_with_split_rows_follows_the_one_process_run(root):
     """``recipes_lib.train.run`` with strategy.context_parallel=2 over two gloo processes
     (one data-parallel replica) trains on the one-process run's rows, packed documents
     masked, and logs its loss curve within 1e-4."""
-    run(compose_config(_overrides(tmp_path, "single", "data.batch_size=2")))
-    split_dir = _split_run(tmp_path, processes=2, degree=2, batch_size=2)
-    single = metric_series(read_metrics(tmp_path / "single"), "train/loss")
+    split_dir = _split_run(root, "split", processes=2, degree=2, batch_size=2)
+    single = metric_series(read_metrics(root / "single"), "train/loss")
     split = metric_series(read_metrics(split_dir), "train/loss")
     assert len(single) == 4
     assert [s for s, _ in split] == [s for s, _ in single]
     assert [v for _, v in split] == pytest.approx([v for _, v in single], abs=1e-4)
     assert single[-1][1] < single[0][1]  # it trained
-    assert _largest_weight_difference(tmp_path / "single", split_dir) < 1e-4
+    assert _largest_weight_difference(root / "single", split_dir) < 1e-4
 
 
 @pytest.mark.slow
-def test_two_replicas_of_split_rows_reach_the_one_process_weights(tmp_path):
+def test_two_replicas_of_split_rows_reach_the_one_process_weights(root):
     """Four processes: two data-parallel replicas (one row a step each) of two ranks that
     share each row reach the weights and validation loss of one process reading both
     rows a step."""
-    run(compose_config(_overrides(tmp_path, "single", "data.batch_size=2")))
-    split_dir = _split_run(tmp_path, processes=4, degree=2, batch_size=1)
-    assert _largest_weight_difference(tmp_path / "single", split_dir) < 1e-4
+    split_dir = _split_run(root, "split_replicas", processes=4, degree=2, batch_size=1)
+    assert _largest_weight_difference(root / "single", split_dir) < 1e-4
     val = [v for _, v in metric_series(read_metrics(split_dir), "val/loss")]
-    ref = [v for _, v in metric_series(read_metrics(tmp_path / "single"), "val/loss")]
+    ref = [v for _, v in metric_series(read_metrics(root / "single"), "val/loss")]
     assert val == pytest.approx(ref, abs=1e-4)
 
 
