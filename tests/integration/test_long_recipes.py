@@ -93,25 +93,43 @@ def _trains_split_and_offloaded(run_dir: Path) -> None:
     assert len(losses) == 6 and losses[-1] < losses[0]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["cpt/long", "cpt/long_8b"])  # ddp; fsdp
-def test_cpt_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(tmp_path, recipe):
+CPT_RECIPES = ("cpt/long", "cpt/long_8b")  # ddp; fsdp
+
+
+@pytest.fixture(scope="module")
+def cpt_runs(tmp_path_factory) -> dict[str, Path]:
+    """Both shrunk continued-pretraining recipes on the same texts, one after the other
+    in one ``torchrun`` job; each recipe's run folder."""
+    root = tmp_path_factory.mktemp("cpt-long")
     words = "the of and a to in is was for on that with as by at from it an".split()
     for name, docs, length in (("long", 3, 6000), ("short", 40, 300)):
         text = "\n\n".join(
             " ".join(words[(d * 7 + i * i) % len(words)] for i in range(length))
             for d in range(docs)
         )
-        (tmp_path / f"{name}.txt").write_text(text)
-    args = _tiny(
-        tmp_path,
-        recipe,
-        f"data.sources.main.path={tmp_path / 'long.txt'}",
-        f"data.sources.short.path={tmp_path / 'short.txt'}",
-        "data.val_fraction=0.3",
-    )
-    torchrun(2, RUNNER, *args, timeout=300, omp_threads=1)
-    _trains_split_and_offloaded(tmp_path / "run")
+        (root / f"{name}.txt").write_text(text)
+    args: list[str] = []
+    for recipe in CPT_RECIPES:
+        folder = root / recipe.replace("/", "_")
+        folder.mkdir()
+        args += [
+            *(["+"] if args else []),
+            *_tiny(
+                folder,
+                recipe,
+                f"data.sources.main.path={root / 'long.txt'}",
+                f"data.sources.short.path={root / 'short.txt'}",
+                "data.val_fraction=0.3",
+            ),
+        ]
+    torchrun(2, RUNNER, *args, timeout=480, omp_threads=1)
+    return {recipe: root / recipe.replace("/", "_") / "run" for recipe in CPT_RECIPES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", CPT_RECIPES)
+def test_cpt_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(cpt_runs, recipe):
+    _trains_split_and_offloaded(cpt_runs[recipe])
 
 
 @pytest.mark.slow
