@@ -527,3 +527,20 @@ def test_a_reward_model_reads_and_exports_with_transformers_scores(tmp_path):
         assert type(again).__name__ == "DeepseekV3ForSequenceClassification"
         scores = torch.cat([again(input_ids=row[None]).logits[:, 0] for row in ids])
         torch.testing.assert_close(scores, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe"])
+def test_a_config_leaving_out_the_mixtures_keys_reads_transformers_defaults(model_type):
+    import transformers
+
+    keys = ["n_group", "topk_group", "routed_scaling_factor", "n_shared_experts"]
+    keys += ["first_k_dense_replace", "norm_topk_prob"]
+    full = transformers.AutoConfig.for_model(model_type, num_hidden_layers=6).to_dict()
+    written = {k: v for k, v in full.items() if k not in keys}  # a hand-written file
+    theirs = transformers.AutoConfig.for_model(**written)  # what transformers builds
+    ours = model_config_from_hf(written)
+    assert ours.moe_groups == theirs.n_group and ours.moe_top_groups == theirs.topk_group
+    assert ours.moe_routed_scale == theirs.routed_scaling_factor
+    assert ours.moe_shared_experts == theirs.n_shared_experts
+    assert ours.moe_dense_layers == list(range(theirs.first_k_dense_replace))
+    assert ours.moe_renormalize == theirs.norm_topk_prob

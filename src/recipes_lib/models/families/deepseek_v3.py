@@ -86,6 +86,17 @@ DEEPSEEK_V3_NAMES = with_deepseek_experts(
 )
 
 
+# transformers' own defaults for the mixture's keys a config.json leaves out
+MOE_DEFAULTS = {
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+}
+
+
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     without_quantization("deepseek_v3", config)
     skip_prediction_layers("deepseek_v3", config)
@@ -111,7 +122,7 @@ def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
         "rope_interleave": bool(config.get("rope_interleave", True)),
         "qkv_bias": bias,
         "attention_out_bias": bias,
-        **deepseek_moe_from_hf(config),
+        **deepseek_moe_from_hf(config, MOE_DEFAULTS),
     }
 
 

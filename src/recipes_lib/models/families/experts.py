@@ -128,11 +128,13 @@ def with_deepseek_experts(base: TensorNames) -> TensorNames:
     return replace(names, layer={**names.layer, **_DEEPSEEK_MOE_NAMES}, prediction_layers=True)
 
 
-def deepseek_moe_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
+def deepseek_moe_from_hf(config: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3's mixture of a ``config.json``: ``n_routed_experts`` of
     ``moe_intermediate_size``, ``n_shared_experts``, the first
     ``first_k_dense_replace`` layers dense, the group limit (``n_group``,
-    ``topk_group``), ``norm_topk_prob`` and ``routed_scaling_factor``.
+    ``topk_group``), ``norm_topk_prob`` and ``routed_scaling_factor``. A key the file
+    leaves out takes its value in ``defaults``: the family's transformers config's own
+    default, which is what transformers builds from that file.
 
     Raises:
         CheckpointError: the remote code's ``scoring_func`` or ``topk_method`` name
@@ -144,15 +146,20 @@ def deepseek_moe_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
             f"{config.get('model_type')}: scoring_func={scoring!r} with topk_method={method!r} "
             "is not supported; DeepSeek-V3's router is read (sigmoid, noaux_tc)"
         )
+
+    def value(key: str) -> Any:
+        found = config.get(key)
+        return defaults[key] if found is None else found
+
     n_layers = int(required(config, "num_hidden_layers"))
-    dense = int(config.get("first_k_dense_replace") or 0)
+    dense = int(value("first_k_dense_replace") or 0)
     return {
-        **moe_from_hf(config, "n_routed_experts", config.get("norm_topk_prob", True)),
-        "moe_shared_experts": int(config.get("n_shared_experts") or 0),
+        **moe_from_hf(config, "n_routed_experts", value("norm_topk_prob")),
+        "moe_shared_experts": int(value("n_shared_experts") or 0),
         "moe_dense_layers": list(range(min(dense, n_layers))),
-        "moe_groups": int(config.get("n_group") or 1),
-        "moe_top_groups": int(config.get("topk_group") or 1),
-        "moe_routed_scale": float(config.get("routed_scaling_factor", 1.0)),
+        "moe_groups": int(value("n_group") or 1),
+        "moe_top_groups": int(value("topk_group") or 1),
+        "moe_routed_scale": float(value("routed_scaling_factor")),
     }
 
 

@@ -46,6 +46,17 @@ from recipes_lib.models.families.qwen3 import QWEN3_NAMES
 PARTIAL_ROTARY = 0.5  # Glm4MoeConfig's default
 
 
+# transformers' own defaults for the mixture's keys a config.json leaves out
+MOE_DEFAULTS = {
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+}
+
+
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
     without_quantization("glm4_moe", config)
     skip_prediction_layers("glm4_moe", config)
@@ -64,7 +75,7 @@ def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
         "qkv_bias": bool(config.get("attention_bias", False)),
         "qk_norm": "head" if config.get("use_qk_norm") else "none",
         "partial_rotary_factor": float(partial),
-        **deepseek_moe_from_hf(config),
+        **deepseek_moe_from_hf(config, MOE_DEFAULTS),
     }
 
 
