@@ -375,6 +375,13 @@ class HFCausalLM(nn.Module):
     hf: Any  # transformers' model (a PreTrainedModel)
     _base: Any  # its base model: the decoder without the head
 
+    @property
+    def loss_beyond_logits(self) -> bool:
+        """Whether its training loss holds more than the cross-entropy of its logits (a
+        mixture's balance loss, which its forward adds given ``labels``); see
+        :attr:`recipes_lib.models.Transformer.loss_beyond_logits`."""
+        return self.router is not None
+
     def __init__(self, config: ModelConfig, hf_model: nn.Module, attention: str = "sdpa"):
         super().__init__()
         self.config = config

@@ -92,6 +92,11 @@ class Transformer(nn.Module):
         attention: an attention backend or its name (``sdpa`` | ``flex`` | ``flash_attn``).
     """
 
+    # Whether the training loss its forward computes from ``labels`` holds terms beyond
+    # the cross-entropy of its logits, so a caller may not compute the loss from the
+    # logits alone. A native mixture's balance loss is added by the objective instead.
+    loss_beyond_logits = False
+
     def __init__(self, config: ModelConfig, attention: str | AttentionBackend = "sdpa"):
         super().__init__()
         self.config = config

@@ -47,7 +47,7 @@ from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses import causal_lm_loss
 from recipes_lib.models import Transformer
-from recipes_lib.models.hf_fallback import HFCausalLM, model_shapes
+from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel.context import sharded_loss, split_rows
@@ -318,9 +318,8 @@ class CausalLMModule(L.LightningModule):
             if not torch.is_grad_enabled():
                 model.set_context_shard(None)
             return sharded_loss(-logp.sum(), (local != -100).sum(), shard), {}
-        # a transformers mixture adds its balance loss to the loss its forward computes
-        adds_to_loss = isinstance(model, HFCausalLM) and model.router is not None
-        if chunk is None and not adds_to_loss:
+        # a model whose loss holds more than its logits' cross-entropy computes it itself
+        if chunk is None and not model.loss_beyond_logits:
             return self._loss_fn(model(input_ids, doc_ids, token_mask=token_mask), labels), {}
         # the head fused with the loss, inside the model's forward (a sharded head too)
         loss = model(
