@@ -274,10 +274,10 @@ def _quiet_other_ranks() -> None:
 
 def _close_process_group() -> None:
     """Tear down the distributed process group before the interpreter exits: left to
-    interpreter shutdown, its communication threads can abort the process."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    interpreter shutdown, its communication threads can abort the process. A command that
+    never imported torch (a refusal, ``--cfg job``) has none, and does not import it now."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -170,10 +171,11 @@ def move_aside(path: str | os.PathLike, tag: str = "old") -> Path:
 def global_rank() -> int:
     """This process's global rank: the process group's when it exists, else the one a
     launcher exported (``RANK``, SLURM's ``SLURM_PROCID``; ``LOCAL_RANK`` on node 0); 0
-    for a process started alone, -1 on another node of a launcher that exports none."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    for a process started alone, -1 on another node of a launcher that exports none.
+    A process that never imported torch has no process group and does not import it
+    here (a refused command stays quick)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     for variable in ("RANK", "SLURM_PROCID"):
         value = os.environ.get(variable, "").strip()

@@ -75,7 +75,8 @@ TOY = ObjectiveSpec(
 def toy(tmp_path, monkeypatch):
     """The toy objective registered for one test (the registries restored after it), and
     a config folder holding its ``stage`` option."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    builtins = {name: registry.get_objective(name) for name in registry.objective_names()}
+    monkeypatch.setattr(registry, "_REGISTRY", builtins)
     monkeypatch.setattr(schema_settings, "_SETTINGS", dict(schema_settings.declared_settings()))
     register_objective(TOY)
     conf = tmp_path / "conf"

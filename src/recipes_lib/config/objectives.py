@@ -8,9 +8,10 @@ objective, so ``stage.dpo.beta`` is typed and a misspelt ``stage.dpo.betaa`` fai
 compose time, naming its full key, like any other key. The schema hard-codes no
 objective: a new one declares its settings and the stage node grows a field.
 
-The built-in objectives declare theirs when :mod:`recipes_lib.objectives` is imported;
-:func:`declared_settings` imports it by name on first use (as a ``_target_`` is
-imported), so composing a config does not depend on what its caller imported first.
+The built-in objectives' settings are declared by :mod:`recipes_lib.objectives.settings`,
+which imports neither torch nor Lightning; :func:`declared_settings` imports it by name
+on first use (as a ``_target_`` is imported), so composing a config does not depend on
+what its caller imported first, and reads no objective's module.
 
 The settings once held by root nodes (``preference``, ``distill``, ``reward``,
 ``grpo``), and keys renamed in place (:data:`MOVED_KEYS`), are refused with one line
@@ -28,7 +29,7 @@ from typing import Any
 from recipes_lib.config.schema import StageConfig
 from recipes_lib.errors import ConfigError
 
-BUILTIN_OBJECTIVES = "recipes_lib.objectives"
+BUILTIN_SETTINGS = "recipes_lib.objectives.settings"
 
 _SETTINGS: dict[str, type] = {}
 _SCHEMAS: dict[tuple[tuple[str, type], ...], type] = {}
@@ -38,19 +39,24 @@ def declare_settings(name: str, settings: type) -> None:
     """Make ``settings`` (a dataclass) the schema of ``stage.<name>``.
 
     Raises:
-        ConfigError: ``name`` is a key the stage node already has, or ``settings`` is
-            not a dataclass.
+        ConfigError: ``name`` is a key the stage node already has, ``settings`` is
+            not a dataclass, or it is already another objective's.
     """
     if name in {f.name for f in dataclasses.fields(StageConfig)}:
         raise ConfigError(f"objective {name!r}: stage.{name} is already a stage setting")
     if not dataclasses.is_dataclass(settings):
         raise ConfigError(f"objective {name!r}: its settings must be a dataclass")
+    other = next((n for n, cls in _SETTINGS.items() if cls is settings and n != name), None)
+    if other is not None:
+        raise ConfigError(
+            f"objective {name!r}: {settings.__name__} is already stage.{other}'s settings"
+        )
     _SETTINGS[name] = settings
 
 
 def declared_settings() -> dict[str, type]:
     """``{objective: settings dataclass}`` of every objective that has settings."""
-    importlib.import_module(BUILTIN_OBJECTIVES)
+    importlib.import_module(BUILTIN_SETTINGS)
     return dict(_SETTINGS)
 
 

@@ -21,7 +21,7 @@ Logged as ``train/...`` and ``val/...``: ``loss`` (the divergence).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.distill import DISTILL_LOSSES, chunked_distill_loss
 from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
+from recipes_lib.objectives.settings import DistillSettings
 from recipes_lib.objectives.sft import (
     assistant_tokens,
     chat_rows_vary,
@@ -45,18 +46,6 @@ from recipes_lib.training.module import Batch, CausalLMModule
 
 DEFAULT_CHUNK = 256
 TEACHER_KEY = "stage.distill.teacher_from"
-
-
-@dataclass
-class DistillSettings:
-    """``stage.distill``: the student learns a teacher's next-token distributions on SFT
-    data (``loss``: ``forward_kl`` | ``jsd``, GKD's generalised Jensen-Shannon with
-    ``beta``), both at ``temperature``."""
-
-    teacher_from: str | None = None  # any weights stage.init_from takes; same vocabulary
-    loss: str = "forward_kl"
-    beta: float = 0.5  # jsd: near 0 like the forward KL, near 1 like the reverse KL
-    temperature: float = 1.0  # both distributions' (the loss scales by its square)
 
 
 def check_distill(settings: DistillSettings, student_vocab: int) -> None:

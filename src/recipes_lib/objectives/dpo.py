@@ -11,50 +11,25 @@ Batches: :mod:`recipes_lib.data.preference.collate`'s pairs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.data.preference.module import build_preference_data
-from recipes_lib.errors import ConfigError
-from recipes_lib.losses.preference import PREFERENCE_LOSSES
 from recipes_lib.objectives.pairs import reference_models
-from recipes_lib.objectives.preference import PairLoss, PreferenceModule
+from recipes_lib.objectives.preference import PreferenceModule
 from recipes_lib.objectives.registry import (
     FrozenModel,
     ObjectiveSpec,
     register_objective,
     shapes_vary,
 )
+from recipes_lib.objectives.settings import DPOSettings
 
 PAIR_BATCH = (
     "input_ids, labels (B, T) of both sequences of every pair; sequence_ids (B, T): pair j's "
     "chosen tokens j, its rejected ones P + j, padding -1; pair_index (P,); reference_logps "
     "(P, 2) when precomputed"
 )
-DPO_LOSSES = ("sigmoid", "ipo", "hinge")
-
-
-@dataclass
-class DPOSettings:
-    """``stage.dpo``: the loss against the reference and its inverse temperature."""
-
-    loss: str = "sigmoid"  # sigmoid (DPO) | ipo | hinge
-    beta: float = 0.1  # inverse temperature of the policy-reference log-ratios
-    reference_from: str | None = None  # weights of the frozen reference; None: init_from
-    precompute_reference: bool = False  # one pass of reference log-probs, then free it
-
-    def pair_loss(self) -> PairLoss:
-        """The loss and its coefficient.
-
-        Raises:
-            ConfigError: a loss other than DPO's, or a non-positive beta.
-        """
-        if self.loss not in DPO_LOSSES:
-            raise ConfigError(f"stage.dpo.loss={self.loss!r} is not one of {list(DPO_LOSSES)}")
-        if not self.beta > 0:
-            raise ConfigError(f"stage.dpo.beta={self.beta} must be positive")
-        return PairLoss(PREFERENCE_LOSSES[self.loss], self.beta)
 
 
 def dpo_module(cfg: RunConfig, **kwargs: Any) -> PreferenceModule:

@@ -29,7 +29,7 @@ decodes one greedy completion per held-out prompt and logs ``val/reward`` and
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from recipes_lib.objectives.registry import (
     register_objective,
     shapes_vary,
 )
+from recipes_lib.objectives.settings import GRPOSettings
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.rewards import build_rewards, score_completions
 from recipes_lib.training.module import Batch, CausalLMModule
@@ -60,27 +61,6 @@ from recipes_lib.training.reference import (
 )
 
 ROLLOUT_KEY = "grpo_rollout"  # checkpoint entry: completions later steps train on
-
-
-@dataclass
-class GRPOSettings:
-    """``stage.grpo``: ``completions_per_prompt`` samples of each prompt, scored by
-    ``rewards`` (see recipes_lib.rewards.registry), their group-normalised advantages,
-    and the clipped objective (recipes_lib.losses.rl) over ``updates_per_batch``
-    optimizer steps."""
-
-    completions_per_prompt: int = 4  # the group size k
-    max_new_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    updates_per_batch: int = 1  # optimizer steps on one batch of completions (mu)
-    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float | None = None  # None: clip_low (DAPO raises it, e.g. 0.28)
-    kl_coef: float = 0.0  # beta of the KL to the frozen reference (the starting weights)
-    loss_norm: str = "sequence"  # sequence | token | dr_grpo
-    scale_rewards: bool = True  # divide advantages by their group's std (false: Dr. GRPO)
-    # name -> {weight: float, fn: {_target_: <function>, <its settings>}}
-    rewards: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -20,7 +20,7 @@ learns), ``kl`` and the policy's ``logps/desirable`` and ``logps/undesirable``.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -43,28 +43,10 @@ from recipes_lib.objectives.registry import (
     register_objective,
     shapes_vary,
 )
+from recipes_lib.objectives.settings import KTOSettings
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.parallel.collectives import summed_over_ranks
 from recipes_lib.training.module import Batch, CausalLMModule
-
-
-@dataclass
-class KTOSettings:
-    """``stage.kto``: the inverse temperature, each kind's weight and the reference."""
-
-    beta: float = 0.1  # inverse temperature of the policy-reference log-ratios
-    desirable_weight: float = 1.0  # lambda_D
-    undesirable_weight: float = 1.0  # lambda_U: raise it when undesirable examples are rarer
-    reference_from: str | None = None  # weights of the frozen reference; None: init_from
-    precompute_reference: bool = False  # one pass of reference log-probs, then free it
-
-    def check(self) -> None:
-        """Raises ConfigError: a non-positive beta or a negative weight."""
-        if not self.beta > 0:
-            raise ConfigError(f"stage.kto.beta={self.beta} must be positive")
-        for key in ("desirable_weight", "undesirable_weight"):
-            if not getattr(self, key) >= 0:
-                raise ConfigError(f"stage.kto.{key}={getattr(self, key)} must be >= 0")
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:

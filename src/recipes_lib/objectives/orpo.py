@@ -8,35 +8,14 @@ The module is :class:`~recipes_lib.objectives.preference.PreferenceModule`, on D
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.data.preference.module import build_preference_data
-from recipes_lib.errors import ConfigError
-from recipes_lib.losses.preference import PREFERENCE_LOSSES
 from recipes_lib.objectives.dpo import PAIR_BATCH
-from recipes_lib.objectives.preference import PairLoss, PreferenceModule
+from recipes_lib.objectives.preference import PreferenceModule
 from recipes_lib.objectives.registry import ObjectiveSpec, register_objective, shapes_vary
-
-
-@dataclass
-class ORPOSettings:
-    """``stage.orpo``: the weight of the odds-ratio term beside the chosen answers' NLL."""
-
-    odds_ratio_weight: float = 0.1
-
-    def pair_loss(self) -> PairLoss:
-        """ORPO's loss with its weight.
-
-        Raises:
-            ConfigError: a non-positive weight.
-        """
-        if not self.odds_ratio_weight > 0:
-            raise ConfigError(
-                f"stage.orpo.odds_ratio_weight={self.odds_ratio_weight} must be positive"
-            )
-        return PairLoss(PREFERENCE_LOSSES["orpo"], self.odds_ratio_weight)
+from recipes_lib.objectives.settings import ORPOSettings
 
 
 def orpo_module(cfg: RunConfig, **kwargs: Any) -> PreferenceModule:

@@ -16,11 +16,15 @@ dataclass while Hydra composes, so a misspelt key or a wrong type fails there, n
 its full key, and :func:`recipes_lib.config.to_run_config` gives the settings as the
 dataclass itself. The schema names no objective: a new one (a plugin, or a test's toy
 objective) needs only its module, calling :func:`register_objective` before composing,
-and its YAML.
+and its YAML. The built-in objectives' settings live in :mod:`.settings`, which declares
+them to the schema without importing torch, so a command composes, prints or refuses a
+config before any objective's module is loaded (:data:`BUILTIN_MODULES`, imported when a
+spec is first asked for).
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -143,8 +147,15 @@ def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
     return spec
 
 
+# the built-in objectives' modules, each registering its spec when imported
+BUILTIN_MODULES = ("distill", "dpo", "grpo", "kto", "orpo", "pretrain", "reward", "sft", "simpo")
+
+
 def _load_builtins() -> None:
-    import recipes_lib.objectives  # noqa: F401 - the built-in objectives register on import
+    """Import the built-in objectives (once): they import torch and Lightning, so the
+    schema, which needs only their settings, never waits for them."""
+    for name in BUILTIN_MODULES:
+        importlib.import_module(f"recipes_lib.objectives.{name}")
 
 
 def objective_names() -> tuple[str, ...]:

@@ -17,7 +17,7 @@ Logged as ``train/...`` and ``val/...``: ``loss``, ``rewards/chosen`` and
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -28,16 +28,9 @@ from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.reward import bradley_terry_loss
 from recipes_lib.objectives.registry import ObjectiveSpec, register_objective, shapes_vary
+from recipes_lib.objectives.settings import RewardSettings
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.training.module import Batch, CausalLMModule
-
-
-@dataclass
-class RewardSettings:
-    """``stage.reward``: the Bradley-Terry loss's centring term."""
-
-    # weight of mean((r_chosen + r_rejected)^2), which keeps the scores centred on 0
-    center_coef: float = 0.0
 
 
 def sequence_scores(

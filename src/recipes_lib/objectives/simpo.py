@@ -8,34 +8,14 @@ module is :class:`~recipes_lib.objectives.preference.PreferenceModule`, on DPO's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.data.preference.module import build_preference_data
-from recipes_lib.errors import ConfigError
-from recipes_lib.losses.preference import PREFERENCE_LOSSES
 from recipes_lib.objectives.dpo import PAIR_BATCH
-from recipes_lib.objectives.preference import PairLoss, PreferenceModule
+from recipes_lib.objectives.preference import PreferenceModule
 from recipes_lib.objectives.registry import ObjectiveSpec, register_objective, shapes_vary
-
-
-@dataclass
-class SimPOSettings:
-    """``stage.simpo``: the reward scale and the target margin."""
-
-    beta: float = 2.0  # scale of the mean log-prob rewards
-    gamma: float = 1.0  # target reward margin between chosen and rejected
-
-    def pair_loss(self) -> PairLoss:
-        """SimPO's loss with its coefficients.
-
-        Raises:
-            ConfigError: a non-positive beta.
-        """
-        if not self.beta > 0:
-            raise ConfigError(f"stage.simpo.beta={self.beta} must be positive")
-        return PairLoss(PREFERENCE_LOSSES["simpo"], self.beta, self.gamma)
+from recipes_lib.objectives.settings import SimPOSettings
 
 
 def simpo_module(cfg: RunConfig, **kwargs: Any) -> PreferenceModule:
