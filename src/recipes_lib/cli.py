@@ -145,6 +145,9 @@ def _train(cfg: DictConfig) -> float | None:
             result.compiled["graphs"],
             result.compiled["recompile_limit_hits"],
         )
+    if result.attention:  # the kernel of each kind of attention layer
+        kinds = ", ".join(f"{kind} layers {name}" for kind, name in result.attention.items())
+        log.info("  attention: %s", kinds)
     if result.start:  # where the time to the first step went
         log.info("  start: %s", ", ".join(f"{k} {v:.1f}s" for k, v in result.start.items()))
     rollbacks = result.guard.get("rollbacks", [])

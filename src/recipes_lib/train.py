@@ -60,6 +60,8 @@ from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
 from recipes_lib.kernels.compiled import keep_compile_caches, watch_compiles
 from recipes_lib.launch_check.autofit import fit_memory
+from recipes_lib.models.hf_fallback import is_fallback
+from recipes_lib.models.windows import attention_choice
 from recipes_lib.objectives import build_data
 from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
@@ -111,6 +113,9 @@ class RunResult:
     memory_fit: dict[str, Any] | None = None
     # the transformers fallback's first-batch losses (recipes_lib.models.hf_fallback)
     load_check: dict[str, float] | None = None
+    # the attention backend of each kind of layer the model has: global, local
+    # (recipes_lib.kernels.choice); empty for the transformers fallback
+    attention: dict[str, str] = field(default_factory=dict)
 
     def summary_lines(self) -> list[str]:
         """What the run left and what to run next, for its closing summary."""
@@ -173,12 +178,24 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
         keep_compile_caches(str(cache))
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:
         log.info("%s", widened)  # code of the user's own, trusted on the command line
+    attention = _attention_line(cfg)
     with hold_run_dir(cfg.run.dir), watch_compiles() as compiled:  # one run at a time
         result = _run(cfg, [*callbacks, clock])
     result.compiled = compiled.as_dict()
     result.start = clock.seconds
     result.memory_fit = fit.as_dict() if fit is not None else None
+    result.attention = attention
     return result
+
+
+def _attention_line(cfg: RunConfig) -> dict[str, str]:
+    """The attention backend of each kind of layer, its line printed (rank 0)."""
+    if is_fallback(cfg.model):  # transformers' own attention (kernels.attention)
+        return {}
+    choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
+    if global_rank() == 0:
+        log.info("%s", choice.line())
+    return choice.names()
 
 
 def _fit_memory(cfg: RunConfig) -> tuple[RunConfig, Any]:

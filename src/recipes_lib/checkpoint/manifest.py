@@ -105,6 +105,8 @@ class StageManifest:
         load_check: a model of the transformers fallback (``model.family=hf``): its
             first batch's loss as the library computes it and as transformers' own
             forward does (``library_loss``, ``transformers_loss``, ``difference``).
+        attention: the attention backend each kind of layer ran (``global``,
+            ``local``), as ``kernels.attention`` and its per-kind keys chose them.
     """
 
     pipeline: str
@@ -138,6 +140,8 @@ class StageManifest:
     memory_fit: dict[str, Any] | None = None
     # the transformers fallback's first-batch check (recipes_lib.models.hf_fallback)
     load_check: dict[str, float] | None = None
+    # the attention backend of each kind of layer (recipes_lib.kernels.choice)
+    attention: dict[str, str] = field(default_factory=dict)
     format_version: int = MANIFEST_FORMAT_VERSION
     # The folder the manifest was read from or written to; not stored in the file.
     directory: Path | None = field(default=None, compare=False, repr=False)

@@ -28,7 +28,11 @@ from recipes_lib.config.model import resolved_model_fields as resolved_model_fie
 
 @dataclass
 class KernelsConfig:
-    """Kernel choices; ``attention`` is one of ``sdpa`` | ``flex`` | ``flash_attn``.
+    """Kernel choices; ``attention`` is one of ``sdpa`` | ``flex`` | ``flash_attn`` |
+    ``auto``, the backend of every attention layer; ``attention_local`` and
+    ``attention_global`` (null: as ``attention``) name the backend of the sliding-window
+    layers and of the others (:mod:`recipes_lib.kernels.choice`; ``auto``: flex for a
+    window or a document mask, SDPA's flash kernel for global causal layers).
 
     ``loss_chunk_size`` fuses the output projection with the loss of every objective
     (:class:`recipes_lib.models.head.OutputHead`: the cross-entropy, or the label
@@ -38,6 +42,8 @@ class KernelsConfig:
     """
 
     attention: str = "sdpa"
+    attention_local: str | None = None  # the window layers' backend; null: as attention
+    attention_global: str | None = None  # the other layers' backend; null: as attention
     # torch.compile each transformer block; null: on when training on a CUDA GPU
     compile: bool | None = False
     # where inductor and Triton keep compiled kernels between runs (a run that finds its

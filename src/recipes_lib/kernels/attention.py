@@ -1,4 +1,5 @@
-"""Causal attention backends: ``sdpa`` | ``flex`` | ``flash_attn``.
+"""Causal attention backends: ``sdpa`` | ``flex`` | ``flash_attn`` (each kind of
+layer may run its own: :mod:`recipes_lib.kernels.choice`).
 
 Each backend declares what it supports in :class:`AttentionCapabilities`, and
 :meth:`AttentionBackend.check` refuses a device, dtype or document mask it does not
@@ -82,10 +83,18 @@ class AttentionBackend:
         """Why this backend cannot be used in this environment, or None when it can."""
         return None
 
-    def check(self, *, device: torch.device | str, dtype: torch.dtype, document_mask: bool) -> None:
+    def check(
+        self,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        document_mask: bool,
+        key: str = "kernels.attention",
+    ) -> None:
         """Raise :class:`UnsupportedKernelError` unless this backend can run as asked.
 
-        Every unmet requirement is named in one message, with the supported values.
+        Every unmet requirement is named in one message, with the supported values;
+        ``key`` is the setting that chose this backend (``kernels.attention_local``, ...).
         """
         device = torch.device(device)
         caps = self.capabilities
@@ -106,7 +115,7 @@ class AttentionBackend:
         if document_mask and not caps.document_mask:
             problems.append(
                 "it cannot mask attention to documents in packed sequences "
-                "(data.document_mask=true); use kernels.attention=flex, or set "
+                f"(data.document_mask=true); use {key}=flex, or set "
                 "data.document_mask=false"
             )
         if (
@@ -123,7 +132,7 @@ class AttentionBackend:
                 )
         if problems:
             raise UnsupportedKernelError(
-                f"kernels.attention={self.name} cannot run here: " + "; ".join(problems) + "."
+                f"{key}={self.name} cannot run here: " + "; ".join(problems) + "."
             )
 
     def build_mask(

@@ -16,7 +16,13 @@ GPT-NeoX (:mod:`recipes_lib.models.rope`).
 
 The forward pass is one path for training and decoding: given a
 :class:`~recipes_lib.models.kv_cache.KVCache`, each layer attends over the cached
-positions instead of through the training kernel.
+positions instead of through the training kernel. Each kind of attention layer (local,
+global) runs the backend chosen for it (:mod:`recipes_lib.kernels.choice`), and each
+kind's mask is built once per batch.
+
+One concept: the decoder as one module, its inputs (masks, RoPE tables, a shard of the
+rows, a cache) prepared once per batch for every layer, and what is counted of it
+(parameters, FLOPs); the layers' own parts live in their modules.
 
 Shapes: B batch, T sequence length, C model dim, nh query heads, nkv key/value heads,
 hs head dim, V vocabulary.
@@ -34,7 +40,13 @@ from torch import Tensor
 
 from recipes_lib.config.model import HEADS, head_tied
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
-from recipes_lib.kernels import ATTENTION_BACKENDS, AttentionBackend, get_attention_backend
+from recipes_lib.kernels import (
+    ATTENTION_BACKENDS,
+    AttentionBackend,
+    AttentionChoice,
+    choose_attention,
+    get_attention_backend,
+)
 from recipes_lib.kernels.compiled import call_block, mark_varying, varying
 from recipes_lib.kernels.linear_attention import Segments
 from recipes_lib.kernels.offload import ActivationOffload, offloaded
@@ -48,7 +60,7 @@ from recipes_lib.models.linear_attention import GatedDeltaNet, check_linear_atte
 from recipes_lib.models.moe import Experts, MoEFeedForward, check_moe
 from recipes_lib.models.norms import check_norm_options, make_norm
 from recipes_lib.models.rope import check_nope_layers, check_rope, rope_tables, rope_window
-from recipes_lib.models.windows import check_windows
+from recipes_lib.models.windows import attention_kinds, check_windows
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
@@ -84,28 +96,15 @@ def _validate(config: ModelConfig) -> int:
     return head_dim
 
 
-class Transformer(nn.Module):
-    """A decoder-only language model; ``config.family`` names its architecture.
-
-    Args:
-        config: the model's shape.
-        attention: an attention backend or its name (``sdpa`` | ``flex`` | ``flash_attn``).
-    """
-
-    # Whether the training loss its forward computes from ``labels`` holds terms beyond
-    # the cross-entropy of its logits, so a caller may not compute the loss from the
-    # logits alone. A native mixture's balance loss is added by the objective instead.
-    loss_beyond_logits = False
-
-    def __init__(self, config: ModelConfig, attention: str | AttentionBackend = "sdpa"):
-        super().__init__()
-        self.config = config
-        self.head_dim = _validate(config)
-        backend = get_attention_backend(attention) if isinstance(attention, str) else attention
-        n_kv_heads = config.n_kv_heads or config.n_heads
+def _check_backends(config: ModelConfig, choice: AttentionChoice) -> None:
+    """Refuse a backend that cannot do what its layers need (grouped-query attention,
+    sinks), in one line naming the key that chose it."""
+    n_kv_heads = config.n_kv_heads or config.n_heads
+    for kind in choice.kinds:
+        backend, key = choice.backends[kind], choice.key(kind)
         if n_kv_heads != config.n_heads and not backend.capabilities.gqa:
             raise UnsupportedKernelError(
-                f"kernels.attention={backend.name} does not support grouped-query attention "
+                f"{key}={backend.name} does not support grouped-query attention "
                 f"(model.n_kv_heads={n_kv_heads} < model.n_heads={config.n_heads})"
             )
         if config.attention_sinks and not backend.capabilities.sinks:
@@ -115,19 +114,52 @@ class Transformer(nn.Module):
                 if get_attention_backend(name).capabilities.sinks
             ]
             raise UnsupportedKernelError(
-                f"kernels.attention={backend.name} cannot add attention sinks "
+                f"{key}={backend.name} cannot add attention sinks "
                 f"(model.attention_sinks=true, model.family={config.family}); use "
-                f"kernels.attention={' | '.join(takes)}"
+                f"{key}={' | '.join(takes)}"
             )
-        self.attention_backend = backend
-        self.sharded_attention: ShardedAttention | None = None  # set_context_shard
+
+
+class Transformer(nn.Module):
+    """A decoder-only language model; ``config.family`` names its architecture.
+
+    Args:
+        config: the model's shape.
+        attention: the backend of every attention layer or its name (``sdpa`` | ``flex``
+            | ``flash_attn``), ``auto``, or each kind of layer's
+            (:class:`~recipes_lib.kernels.AttentionChoice`: local and global layers may
+            run different kernels). A name is chosen for rows without a document mask.
+    """
+
+    # Whether the training loss its forward computes from ``labels`` holds terms beyond
+    # the cross-entropy of its logits, so a caller may not compute the loss from the
+    # logits alone. A native mixture's balance loss is added by the objective instead.
+    loss_beyond_logits = False
+
+    def __init__(
+        self, config: ModelConfig, attention: str | AttentionBackend | AttentionChoice = "sdpa"
+    ):
+        super().__init__()
+        self.config = config
+        self.head_dim = _validate(config)
+        if isinstance(attention, str):
+            attention = choose_attention(attention)
+        elif isinstance(attention, AttentionBackend):
+            attention = AttentionChoice.single(attention)
+        # the backend of each kind of layer the model has (global, local)
+        choice = attention.for_kinds(attention_kinds(config))
+        _check_backends(config, choice)
+        self.attention_backend = choice
+        self.sharded_attention: AttentionChoice | None = None  # set_context_shard
         # checkpointed blocks' inputs kept in host memory (kernels.activation_offload)
         self.activation_offload: ActivationOffload | None = None
 
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.layers = nn.ModuleList(
-            TransformerBlock(config, self.head_dim, backend, i) for i in range(config.n_layers)
+            TransformerBlock(config, self.head_dim, choice.for_window(None), i)
+            for i in range(config.n_layers)
         )
+        self._route_attention(choice)  # each layer to its kind's backend
         # the windows and RoPE tables the layers use (None: full attention; True: local)
         self._windows = {layer.attention.window for layer in self.blocks}
         self._ropes = {layer.attention.local_rope for layer in self.blocks}
@@ -179,10 +211,18 @@ class Transformer(nn.Module):
                 f"{list(self.config.linear_layers)}, model.family={self.config.family}): "
                 "its state runs through every position of a document"
             )
-        sharded = None if shard is None else ShardedAttention(self.attention_backend, shard)
+        sharded = None
+        if shard is not None:  # each backend over the shard, kinds that shared one sharing it
+            sharded = self.attention_backend.wrapped(lambda inner: ShardedAttention(inner, shard))
         self.sharded_attention = sharded
+        self._route_attention(sharded or self.attention_backend)
+
+    def _route_attention(self, choice: AttentionChoice) -> None:
+        """Give each attention layer its kind's backend: a local layer the backend of
+        the layers with a window, a global one the other."""
         for layer in self.blocks:
-            layer.attention.backend = sharded or self.attention_backend
+            if not layer.linear:
+                layer.attention.backend = choice.for_window(layer.attention.window)
 
     def _apply(self, fn, recurse=True):
         # Moving a meta-device build (to_empty) gives each module a new Parameter,
@@ -298,7 +338,8 @@ class Transformer(nn.Module):
         if sharded is not None:  # this rank's positions of rows of sharded.shard.seq_len
             masks, tables = self._sharded_inputs(sharded, doc_ids, T, input_ids.device)
         else:
-            # one mask per batch and window, shared by the layers with that window
+            # one mask per batch and window, built by that window's kind's backend and
+            # shared by the layers with that window
             masks = {w: self._mask(input_ids, doc_ids, start, cache, w) for w in self._windows}
             tables = {local: rope_window(self, start, end, local) for local in self._ropes}
         # where packed rows' documents start: the linear-attention layers start afresh there
@@ -310,8 +351,9 @@ class Transformer(nn.Module):
             h = h * torch.tensor(self.config.dim**0.5, dtype=h.dtype)
         rows_vary = cache is None and varying(self.blocks[0])
         if rows_vary:  # compiled blocks trace the rows dynamic from the first call
-            backend = self.attention_backend
-            mark_varying(token_mask, *(t for m in masks.values() for t in backend.row_tensors(m)))
+            choice = self.attention_backend
+            rows = (t for w, m in masks.items() for t in choice.row_tensors(m, w))
+            mark_varying(token_mask, *rows)
             if segments is not None:  # the linear layers' documents
                 mark_varying(segments.starts, segments.doc)
         for index, layer in enumerate(self.blocks):
@@ -327,10 +369,10 @@ class Transformer(nn.Module):
         return self.norm(h)  # (B, T, C)
 
     def _sharded_inputs(
-        self, sharded: ShardedAttention, doc_ids: Tensor | None, T: int, device: torch.device
+        self, sharded: AttentionChoice, doc_ids: Tensor | None, T: int, device: torch.device
     ) -> tuple[dict[int | None, object], dict[bool, tuple[Tensor, Tensor]]]:
         """The masks and RoPE tables of one rank's share of the rows."""
-        shard = sharded.shard
+        shard = cast(ShardedAttention, sharded.for_window(None)).shard
         if shard.seq_len > self.config.max_seq_len:
             limit = self.config.max_seq_len
             raise ConfigError(f"rows of {shard.seq_len} tokens exceed model.max_seq_len={limit}")
@@ -352,7 +394,8 @@ class Transformer(nn.Module):
         cache: KVCache | None,
         window: int | None,
     ) -> object | None:
-        """The attention mask of layers attending to ``window`` keys (None: all before)."""
+        """The attention mask of layers attending to ``window`` keys (None: all before),
+        built by their kind's backend."""
         B, T, device = *input_ids.shape, input_ids.device
         if cache is None:
             return self.attention_backend.build_mask(doc_ids, T, device=device, window=window)

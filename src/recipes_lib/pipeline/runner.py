@@ -221,6 +221,7 @@ def _finish_stage(
         guard=result.guard,
         memory_fit=result.memory_fit,
         load_check=result.load_check,
+        attention=result.attention,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
     attach_files(result.trackers, [write_manifest(manifest, stage_dir)], "manifest")

@@ -13,10 +13,12 @@ from recipes_lib.adapters.frozen_base import check_base_dtype
 from recipes_lib.adapters.lora import EXPERTS_TARGET, check_expert_target, native_targets
 from recipes_lib.checkpoint.source import init_model_mismatches, read_init_source
 from recipes_lib.checkpoint.upcycle import upcycle_mismatches
-from recipes_lib.config.schema import RunConfig
+from recipes_lib.config.schema import KernelsConfig, RunConfig
 from recipes_lib.errors import ConfigError
-from recipes_lib.kernels import get_attention_backend
+from recipes_lib.kernels import AUTO, AttentionBackend, AttentionChoice
+from recipes_lib.models.hf_fallback import is_fallback
 from recipes_lib.models.moe import check_expert_path
+from recipes_lib.models.windows import attention_choice
 from recipes_lib.objectives import objective_of
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.context import check_context_parallel
@@ -100,18 +102,41 @@ def check_data_and_kernels(cfg: RunConfig) -> None:
             f"model.vocab_size={cfg.model.vocab_size}"
         )
     check_expert_path(cfg.kernels.experts)
-    backend = get_attention_backend(cfg.kernels.attention)
-    if cfg.data.document_mask and not backend.capabilities.document_mask:
-        raise ConfigError(
-            f"data.document_mask=true needs an attention backend with document masking; "
-            f"kernels.attention={cfg.kernels.attention} has none (use kernels.attention=flex)"
-        )
-    if cfg.model.attention_sinks and not backend.capabilities.sinks:
-        raise ConfigError(
-            f"kernels.attention={cfg.kernels.attention} takes no attention sinks, which "
-            f"model.family={cfg.model.family} has (model.attention_sinks=true); use "
-            "kernels.attention=sdpa or flex"
-        )
+    kernels = cfg.kernels
+    if is_fallback(cfg.model):
+        _check_one_attention(kernels)
+    # every kind of layer the model has, on the backend its key names
+    choice = attention_choice(kernels, cfg.model, document_mask=cfg.data.document_mask)
+    for kind in choice.kinds:
+        backend, key = choice.backends[kind], choice.key(kind)
+        if cfg.data.document_mask and not backend.capabilities.document_mask:
+            raise ConfigError(
+                f"data.document_mask=true needs an attention backend with document masking; "
+                f"{key}={backend.name} has none (use {key}=flex)"
+            )
+        if cfg.model.attention_sinks and not backend.capabilities.sinks:
+            raise ConfigError(
+                f"{key}={backend.name} takes no attention sinks, which "
+                f"model.family={cfg.model.family} has (model.attention_sinks=true); use "
+                f"{key}=sdpa or flex"
+            )
+
+
+def _check_one_attention(kernels: KernelsConfig) -> None:
+    """The transformers fallback runs one attention in every layer: refuse ``auto`` and
+    a backend per kind of layer, naming the key."""
+    chosen = {
+        "kernels.attention_local": kernels.attention_local,
+        "kernels.attention_global": kernels.attention_global,
+        "kernels.attention": kernels.attention if kernels.attention == AUTO else None,
+    }
+    for key, value in chosen.items():
+        if value is not None:
+            raise ConfigError(
+                f"{key}={value}: a backend per kind of layer needs a native model family "
+                "(model.family=hf runs transformers' one attention in every layer); set "
+                "kernels.attention=sdpa, flex or flash_attn"
+            )
 
 
 def check_adapter(cfg: RunConfig) -> None:
@@ -210,16 +235,31 @@ def check_objective(cfg: RunConfig) -> None:
             f"sinks, which model.family={cfg.model.family} has (model.attention_sinks=true)"
         )
     if degree != 1:
+        choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
+        for kind in choice.kinds:  # each kind's backend splits rows, or the key is named
+            backend, key = choice.backends[kind], choice.key(kind)
+            if key != "kernels.attention" and not backend.capabilities.context_parallel:
+                raise ConfigError(
+                    f"{key}={backend.name} cannot run with rows split over ranks "
+                    f"(strategy.context_parallel={degree}); use {key}=flex or sdpa"
+                )
         check_context_parallel(
             degree,
             world_size=planned_world_size(cfg),
             seq_len=cfg.data.seq_len,
             strategy=cfg.strategy.name,
             strategy_supports=get_strategy(cfg.strategy.name).context_parallel,
-            backend=get_attention_backend(cfg.kernels.attention),
+            backend=_least_capable(choice),
             objective=spec.name,
             objective_supports=spec.context_parallel,
             supporting=tuple(name for name, s in STRATEGIES.items() if s.context_parallel),
             shard_group_size=hsdp_shard_group_size(cfg),
             expert_parallel=cfg.strategy.expert_parallel,
         )
+
+
+def _least_capable(choice: AttentionChoice) -> AttentionBackend:
+    """A backend in use that cannot split rows over ranks, else the global layers'."""
+    in_use = [choice.backends[kind] for kind in choice.kinds]
+    lacking = [b for b in in_use if not b.capabilities.context_parallel]
+    return (lacking or [choice.for_window(None)])[0]

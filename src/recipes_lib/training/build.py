@@ -46,12 +46,13 @@ from recipes_lib.config.schema import (
     StrategyConfig,
 )
 from recipes_lib.errors import CheckpointError, ConfigError
-from recipes_lib.kernels import AttentionBackend, get_attention_backend
+from recipes_lib.kernels import AttentionChoice
 from recipes_lib.kernels.compiled import compile_blocks
 from recipes_lib.kernels.offload import ActivationOffload
 from recipes_lib.models import Transformer, TransformerBlock
 from recipes_lib.models.hf_fallback import HFCausalLM, build_hf_model, is_fallback
 from recipes_lib.models.moe import set_expert_path
+from recipes_lib.models.windows import attention_choice
 from recipes_lib.parallel.strategy import get_strategy
 
 
@@ -67,6 +68,8 @@ class ModelBuild:
         trains: the model is trained (float8 and activation checkpointing apply).
         varying_shapes: its batches vary in shape: compiled blocks may keep more
             graphs (:func:`recipes_lib.kernels.compiled.compile_blocks`).
+        document_mask: its rows are packed with a document mask (``data.document_mask``),
+            which ``kernels.attention=auto`` gives every layer a backend for.
     """
 
     model: ModelConfig
@@ -79,9 +82,10 @@ class ModelBuild:
     adapter: AdapterConfig | None = None
     trains: bool = True
     varying_shapes: bool = False  # batches vary in shape (recipes_lib.kernels.compiled)
+    document_mask: bool = False  # rows packed with a document mask (data.document_mask)
 
 
-def _seeded_decoder(config: ModelConfig, backend: AttentionBackend) -> Transformer:
+def _seeded_decoder(config: ModelConfig, backend: AttentionChoice) -> Transformer:
     """The decoder initialised under the run's seed (``PL_GLOBAL_SEED``, set by
     ``lightning.seed_everything``), in a forked RNG."""
     seed = os.environ.get("PL_GLOBAL_SEED")
@@ -98,7 +102,7 @@ def build_model(
     *,
     device: torch.device,
     mesh=None,
-    attention: AttentionBackend | None = None,
+    attention: AttentionChoice | None = None,
 ) -> Transformer:
     """The model ``plan`` describes, built in the order of the module docstring.
 
@@ -107,15 +111,18 @@ def build_model(
         device: where the decoder is built (the strategy's root device, or the CPU
             when FSDP offloads it).
         mesh: the data-parallel device mesh when the strategy shards the model.
-        attention: the attention backend (default: a new one of ``kernels.attention``;
-            a reference shares its policy's).
+        attention: the attention backend of each kind of layer (default: new ones, as
+            ``kernels.attention`` and its per-kind keys name them; a reference shares its
+            policy's).
 
     Raises:
         CheckpointError: ``init_from`` is missing, unreadable or does not fit.
     """
     if is_fallback(plan.model):  # the native decoder's interface, transformers' model
         return cast(Transformer, _build_fallback(plan, device=device, mesh=mesh))
-    backend = attention or get_attention_backend(plan.kernels.attention)
+    backend = attention or attention_choice(
+        plan.kernels, plan.model, document_mask=plan.document_mask
+    )
     with torch.device(device):
         model = _seeded_decoder(plan.model, backend)  # 1
     set_expert_path(model, plan.kernels.experts)

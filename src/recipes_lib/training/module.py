@@ -234,6 +234,7 @@ class CausalLMModule(L.LightningModule):
             adapter=self.adapter_config,
             upcycle=self.upcycle,
             varying_shapes=self.varying_shapes,
+            document_mask=self.document_mask,
         )
 
     def placement(self) -> tuple[torch.device, Any]:
