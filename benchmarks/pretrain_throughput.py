@@ -15,6 +15,11 @@ gradient clipping at 1.0 and a constant LR:
   ``recipes_lib_<precision>``, with ``precision_comparison`` giving each one's tokens/s
   ratio to the first. ``--guard-off`` measures it once more with ``guard.policy=off``
   (``recipes_lib_guard_off``): what checking every update for non-finite values costs.
+  ``--attention flex,auto`` measures it once per ``kernels.attention`` choice, at the
+  first precision: the first is ``recipes_lib`` (and the baselines' kernel), the others
+  ``recipes_lib_attention_<choice>``, with ``attention_comparison`` giving each one's
+  ratios to the first; each report names the backend of each kind of layer
+  (``auto``: flex in the sliding-window layers, SDPA in the global ones).
 - ``plain_pytorch``: the same ``recipes_lib.models.Transformer``, blocks compiled the
   same way, same attention kernel, bf16 autocast over fp32 weights, trained by a bare
   loop (no Lightning).
@@ -31,6 +36,8 @@ timed. Prints one JSON object to stdout. On the GPU machine::
 
     python benchmarks/pretrain_throughput.py --models gpt_124m,llama_1b \
         --precisions bf16-mixed,fp8 --out $OUT/pretrain_throughput.json
+    python benchmarks/pretrain_throughput.py --models gemma3_1b --seq-len 8192 \
+        --trainers recipes_lib --attention flex,auto --out $OUT/gemma3_attention.json
 
 A trainer that fails (out of memory, say) is recorded as ``{"error": ...}``, the others
 still run, and the exit status is 1. ``--smoke`` runs the tiny preset on CPU in fp32
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import sys
 import traceback
@@ -74,9 +82,10 @@ from _library import (
 
 from recipes_lib.checkpoint.hf_export import hf_config_from_model
 from recipes_lib.config import ModelConfig, OptimConfig, list_group_options
-from recipes_lib.kernels import ATTENTION_BACKENDS
+from recipes_lib.kernels import ATTENTION_CHOICES
 from recipes_lib.losses import causal_lm_loss
 from recipes_lib.models import Transformer
+from recipes_lib.models.windows import attention_choice
 from recipes_lib.optim import build_optimizer
 
 TRAINERS = ("recipes_lib", "plain_pytorch", "hf_transformers")
@@ -98,14 +107,16 @@ def recipes_lib_overrides(
     device: torch.device,
     run_dir: str,
     guard: str = "auto",
+    attention: str | None = None,
 ) -> list[str]:
-    """What ``recipes-train`` would be given for this measurement."""
+    """What ``recipes-train`` would be given for this measurement (``attention``:
+    ``kernels.attention``, default the first of ``--attention``)."""
     chunk = args.loss_chunk_size
     return [
         f"guard.policy={guard}",
         f"model={name}",
         *args.model_override,
-        f"kernels.attention={args.attention}",
+        f"kernels.attention={attention or args.attention}",
         f"kernels.compile={flag(args.compile)}",
         f"kernels.loss_chunk_size={'null' if chunk is None else chunk}",
         f"kernels.activation_checkpointing={flag(args.activation_checkpointing)}",
@@ -125,11 +136,19 @@ def recipes_lib_overrides(
 
 
 def run_recipes_lib(
-    name: str, precision: str, batches: list[Batch], args, device: torch.device, guard: str
+    name: str,
+    precision: str,
+    batches: list[Batch],
+    args,
+    device: torch.device,
+    guard: str,
+    attention: str | None = None,
 ) -> Measured:
     batch_size = batches[0]["input_ids"].shape[0]
     with temporary_run_dir() as root:
-        overrides = recipes_lib_overrides(name, precision, batch_size, args, device, root, guard)
+        overrides = recipes_lib_overrides(
+            name, precision, batch_size, args, device, root, guard, attention
+        )
         cfg = compose_run(overrides)
         fit = fit_measured(cfg, batches, warmup_steps=args.warmup_steps, device=device)
         return fit.timer, fit.final_loss
@@ -296,8 +315,22 @@ def benchmark_model(name: str, args, device: torch.device, peak: float | None) -
                     strategy=args.strategy,
                     precision=precision,
                     activation_checkpointing=args.activation_checkpointing,
+                    attention=attention_by_kind(run_cfg, args.attention),
                 )
                 trainers[key] = report
+            for choice in args.attentions[1:]:  # the same, another kernels.attention
+                report = measure(
+                    f"[{name}] recipes_lib_attention_{choice} ({args.precisions[0]})",
+                    lambda c=choice: run_recipes_lib(
+                        name, args.precisions[0], batches, args, device, "auto", c
+                    ),
+                    device,
+                    tokens_per_step,
+                    flops_per_token,
+                    peak,
+                )
+                report.update(attention=attention_by_kind(run_cfg, choice))
+                trainers[f"recipes_lib_attention_{choice}"] = report
             if args.guard_off:  # the same, without the training guard's checks
                 report = measure(
                     f"[{name}] recipes_lib_guard_off ({args.strategy}, {args.precisions[0]})",
@@ -338,16 +371,38 @@ def benchmark_model(name: str, args, device: torch.device, peak: float | None) -
         comparison = {}
         for precision in args.precisions[1:]:
             other = trainers[recipes_lib_key(precision, args)]
-            loss_a, loss_b = other.get("final_loss"), base.get("final_loss")
-            comparison[f"{precision}/{first}"] = {
-                "tokens_per_sec_ratio": _ratio(other, base, "tokens_per_sec"),
-                "peak_memory_ratio": _ratio(other, base, "peak_memory_gib"),
-                "final_loss_difference": round(loss_a - loss_b, 5)
-                if isinstance(loss_a, float) and isinstance(loss_b, float)
-                else None,
-            }
+            comparison[f"{precision}/{first}"] = _comparison(other, base)
         result["precision_comparison"] = comparison
+    if "recipes_lib" in args.trainers and len(args.attentions) > 1:
+        base = trainers["recipes_lib"]
+        result["attention_comparison"] = {
+            f"{choice}/{args.attention}": _comparison(
+                trainers[f"recipes_lib_attention_{choice}"], base
+            )
+            for choice in args.attentions[1:]
+        }
     return result
+
+
+def attention_by_kind(run_cfg, attention: str) -> dict[str, str]:
+    """The backend each kind of layer of ``run_cfg``'s model runs with
+    ``kernels.attention=attention`` (``global``, ``local``)."""
+    kernels = dataclasses.replace(run_cfg.kernels, attention=attention)
+    document_mask = run_cfg.data.document_mask
+    return attention_choice(kernels, run_cfg.model, document_mask=document_mask).names()
+
+
+def _comparison(other: dict, base: dict) -> dict:
+    """``other``'s tokens/s and peak memory over ``base``'s, and its final loss's
+    difference."""
+    loss_a, loss_b = other.get("final_loss"), base.get("final_loss")
+    return {
+        "tokens_per_sec_ratio": _ratio(other, base, "tokens_per_sec"),
+        "peak_memory_ratio": _ratio(other, base, "peak_memory_gib"),
+        "final_loss_difference": round(loss_a - loss_b, 5)
+        if isinstance(loss_a, float) and isinstance(loss_b, float)
+        else None,
+    }
 
 
 def _batch_sizes(text: str) -> dict[str, int]:
@@ -368,7 +423,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", default="", help="N for all, or gpt_124m=16,llama_1b=8")
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--attention", default="sdpa", choices=ATTENTION_BACKENDS)
+    p.add_argument(
+        "--attention",
+        default="sdpa",
+        help=f"kernels.attention ({' | '.join(ATTENTION_CHOICES)}); several comma-separated "
+        "(e.g. flex,auto) measure recipes_lib once per choice, the first for the baselines",
+    )
     p.add_argument("--loss-chunk-size", type=int, default=None, help="recipes_lib trainer only")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument(
@@ -433,6 +493,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.precisions = ["32-true" if args.smoke else "bf16-mixed"]
     if unknown := set(args.precisions) - set(PRECISIONS):
         p.error(f"unknown precisions {sorted(unknown)}; choose from {PRECISIONS}")
+    args.attentions = list(dict.fromkeys(x for x in args.attention.split(",") if x))
+    if not args.attentions or (unknown := set(args.attentions) - set(ATTENTION_CHOICES)):
+        p.error(f"unknown --attention {args.attention!r}; choose from {ATTENTION_CHOICES}")
+    args.attention = args.attentions[0]
     args.batch_sizes = _batch_sizes(args.batch_size)
     args.bf16 = True  # the baselines' autocast
     if args.smoke:
@@ -464,6 +528,7 @@ def main(argv: list[str] | None = None) -> dict:
             "precision": "bf16 autocast, fp32 weights" if args.bf16 else "fp32",
             "compile": "each transformer block / decoder layer" if args.compile else "off",
             "attention": args.attention,
+            "attentions": args.attentions,
             "hf_transformers_attention": "sdpa (flex_attention where the model has no SDPA)",
             "loss_chunk_size": args.loss_chunk_size,
             "recipes_lib": {

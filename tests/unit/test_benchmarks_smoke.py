@@ -82,3 +82,43 @@ def test_pretrain_throughput_smoke_measures_each_precision_through_the_library(f
     comparison = tiny["precision_comparison"]["bf16-mixed/32-true"]
     assert comparison["tokens_per_sec_ratio"] > 0
     assert abs(comparison["final_loss_difference"]) < 0.1  # bf16 rounding, a few steps
+
+
+# a tiny Gemma 3: layer 0 attends to a window of 16 keys, layer 1 to every earlier one
+GEMMA_LIKE = (
+    "model.family=gemma3",
+    "model.qk_norm=head",
+    "model.norm_placement=both",
+    "model.activation=gelu_tanh",
+    "model.scale_embeddings=true",
+    "model.norm_gain_offset=1.0",
+    "model.sliding_window=16",
+    "model.window_layers=[0]",
+)
+
+
+def test_pretrain_throughput_smoke_compares_attention_choices(tmp_path):
+    """``--attention flex,auto`` measures recipes_lib once per choice in one call; each
+    report names the backend of each kind of layer, and both train alike."""
+    overrides = [arg for override in GEMMA_LIKE for arg in ("--model-override", override)]
+    figures = benchmark_smoke(
+        "pretrain_throughput.py",
+        tmp_path / "figures.json",
+        "--trainers",
+        "recipes_lib",
+        "--attention",
+        "flex,auto",
+        *overrides,
+        timeout=180,
+        stdout_json=True,
+    )
+    assert figures["settings"]["attentions"] == ["flex", "auto"]
+    tiny = figures["models"]["tiny"]
+    trainers = tiny["trainers"]
+    assert trainers["recipes_lib"]["attention"] == {"global": "flex", "local": "flex"}
+    auto = trainers["recipes_lib_attention_auto"]
+    assert "error" not in auto, auto
+    assert auto["attention"] == {"global": "sdpa", "local": "flex"}
+    comparison = tiny["attention_comparison"]["auto/flex"]
+    assert comparison["tokens_per_sec_ratio"] > 0
+    assert abs(comparison["final_loss_difference"]) < 1e-4  # fp32: the same attention
