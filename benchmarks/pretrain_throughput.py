@@ -37,7 +37,8 @@ timed. Prints one JSON object to stdout. On the GPU machine::
     python benchmarks/pretrain_throughput.py --models gpt_124m,llama_1b \
         --precisions bf16-mixed,fp8 --out $OUT/pretrain_throughput.json
     python benchmarks/pretrain_throughput.py --models gemma3_1b --seq-len 8192 \
-        --trainers recipes_lib --attention flex,auto --out $OUT/gemma3_attention.json
+        --trainers recipes_lib --batch-size 2 --loss-chunk-size 4096 \
+        --attention flex,auto --out $OUT/gemma3_attention.json
 
 A trainer that fails (out of memory, say) is recorded as ``{"error": ...}``, the others
 still run, and the exit status is 1. ``--smoke`` runs the tiny preset on CPU in fp32
