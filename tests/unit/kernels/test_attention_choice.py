@@ -186,3 +186,31 @@ def test_the_transformers_fallback_refuses_a_backend_per_kind(tmp_path, override
         ConfigError, match=rf"^{key}=\S+: a backend per kind of layer needs a native"
     ):
         check_data_and_kernels(fallback)
+
+
+def test_a_run_prints_and_keeps_each_kinds_backend(tmp_path, caplog):
+    import logging
+
+    from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES, family_overrides
+
+    cfg = _compose(
+        tmp_path,
+        *family_overrides("gemma3"),
+        "model.sliding_window=16",
+        "model.window_layers=[0]",
+        "kernels.attention=auto",
+        "trainer.max_steps=2",
+        "scheduler.warmup=1",
+        "data.sources.stdlib.max_documents=60",
+        "data.seq_len=64",
+        "data.batch_size=4",
+        "trainer.limit_val_batches=1",
+        *SMALL_VOCAB_OVERRIDES,
+        *QUIET_OVERRIDES,
+    )
+    with caplog.at_level(logging.INFO, logger="recipes_lib.train"):
+        result = run(cfg)
+    assert result.attention == {"global": "sdpa", "local": "flex"}
+    line = "attention: global layers sdpa, local layers flex (kernels.attention=auto)"
+    assert line in caplog.messages
+    assert result.global_step == 2 and result.weights_path is not None
