@@ -76,7 +76,7 @@ from recipes_lib.launch_check.parameters import (
     frozen_model_bytes,
     weight_bytes_of,
 )
-from recipes_lib.models.windows import layer_window
+from recipes_lib.models.windows import attention_choice, layer_window
 from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.precision import device_type
 from recipes_lib.parallel.strategy import StrategySpec, get_strategy
@@ -400,17 +400,21 @@ def _sharded_attention(
     cfg: RunConfig, shape: DecoderShape, compute: int, rows: int, degree: int
 ) -> tuple[float, float]:
     """Bytes of split rows' attention masks: SDPA's additive copy that one kept attention
-    holds, and the boolean masks of the step (one per window size; per row with document
-    masks, else one broadcast over the rows). None with a flex BlockMask (its block
-    tables are small)."""
+    holds, and the boolean masks of the step (one per window size whose kind of layer
+    takes a dense one; per row with document masks, else one broadcast over the rows).
+    None with a flex BlockMask (its block tables are small)."""
     seq_len = cfg.data.seq_len
     on = "cuda" if _on_cuda(cfg) else "cpu"
-    if uses_block_mask(cfg.kernels.attention, on, seq_len, degree):
+    choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
+    windows = {layer_window(cfg.model, i) for i in range(shape.n_layers)}
+    dense = {
+        w for w in windows if not uses_block_mask(choice.for_window(w).name, on, seq_len, degree)
+    }
+    if not dense:
         return 0.0, 0.0
     mask_rows = rows if cfg.data.document_mask else 1
     elements = mask_rows * (seq_len // degree) * seq_len  # (rows | 1, T / N, T)
-    windows = {layer_window(cfg.model, i) for i in range(shape.n_layers)}
-    return float(elements * compute), float(len(windows) * elements)
+    return float(elements * compute), float(len(dense) * elements)
 
 
 def _notes(

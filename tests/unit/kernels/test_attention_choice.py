@@ -214,3 +214,58 @@ def test_a_run_prints_and_keeps_each_kinds_backend(tmp_path, caplog):
     line = "attention: global layers sdpa, local layers flex (kernels.attention=auto)"
     assert line in caplog.messages
     assert result.global_step == 2 and result.weights_path is not None
+
+
+GEMMA_LIKE = ("model.sliding_window=16", "model.window_layers=[0]")
+
+
+def test_a_kind_on_a_backend_that_cannot_split_rows_is_refused_naming_its_key():
+    from tiny import family_overrides
+
+    from recipes_lib.config import to_run_config
+    from recipes_lib.preflight import check_run
+
+    split = ["strategy=ddp", "trainer.devices=4", "data.seq_len=64", "kernels.attention=auto"]
+    overrides = [*family_overrides("gemma3"), *GEMMA_LIKE, *split]
+    cfg = to_run_config(compose_config(["recipe=pretrain/tiny", *overrides]))
+    check_run(cfg, ("pretrain",))  # flex and sdpa both split rows
+    with pytest.raises(ConfigError) as refused:
+        check_run(
+            to_run_config(
+                compose_config(
+                    [
+                        "recipe=pretrain/tiny",
+                        *overrides,
+                        "strategy.context_parallel=2",
+                        "kernels.attention_local=flash_attn",
+                    ]
+                )
+            ),
+            ("pretrain",),
+        )
+    message = str(refused.value)
+    assert message.startswith("kernels.attention_local=flash_attn cannot run with rows split")
+    assert "\n" not in message
+
+
+def test_flash_attn_for_one_kind_on_a_cpu_is_refused_before_the_first_step(tmp_path):
+    from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES, family_overrides
+
+    cfg = _compose(
+        tmp_path,
+        *family_overrides("gemma3"),
+        *GEMMA_LIKE,
+        "kernels.attention=auto",
+        "kernels.attention_local=flash_attn",
+        "data.sources.stdlib.max_documents=60",
+        "data.seq_len=64",
+        *SMALL_VOCAB_OVERRIDES,
+        *QUIET_OVERRIDES,
+    )
+    with pytest.raises(UnsupportedKernelError) as refused:
+        run(cfg)
+    message = str(refused.value)
+    assert message.startswith("kernels.attention_local=flash_attn cannot run here")
+    assert "'cpu'" in message and "\n" not in message
+    assert not list((tmp_path / "run").rglob("*.ckpt"))  # no step was taken
+    assert not (tmp_path / "run" / "model.safetensors").exists()
