@@ -6,9 +6,10 @@ are averaged over ranks, so DDP and FSDP must reach the single-process weights. 
 sharded FSDP checkpoint must resume to the same weights and read back as one state
 dict.
 
-The runs whose tests read only their weights and metrics run one after another in one
-``torchrun`` job (``distributed_batch.py``, the :func:`batch` fixture); those whose
-tests read what the console script logs (``cli.log``) are each a ``recipes-train`` job.
+The runs whose tests read their weights, metrics and what the library logged run one
+after another in one ``torchrun`` job of two processes (``distributed_batch.py``, the
+:func:`batch` fixture) and one of four (:func:`batch_of_four`); the FSDP reference run,
+whose test reads what the console script writes, is a ``recipes-train`` job.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed_batch import run_log
 from integration_helpers import metric_series, read_metrics, tiny_overrides
 from run_helpers import torchrun
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES, family_overrides
@@ -60,37 +62,36 @@ def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     return [o if not o.startswith("run.dir=") else f"run.dir={run_dir}" for o in items]
 
 
-def _launch(*cli_args: str, processes: int = 2) -> None:
-    """``recipes-train`` on ``processes`` torchrun processes, one thread each."""
-    torchrun(
-        processes,
-        "-m",
-        "recipes_lib.cli",
-        *cli_args,
-        f"trainer.devices={processes}",
-        omp_threads=1,
-    )
-
-
-def _torchrun(run_dir: Path, cache: Path, *extra: str, processes: int = 2) -> None:
-    _launch(*_overrides(run_dir, cache, *extra), processes=processes)
+def _recipes_train(run_dir: Path, cache: Path, *extra: str) -> None:
+    """``recipes-train`` on two torchrun processes, one thread each."""
+    overrides = _overrides(run_dir, cache, *extra)
+    torchrun(2, "-m", "recipes_lib.cli", *overrides, "trainer.devices=2", omp_threads=1)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """One single-process reference run (batch 4) and the same run on two processes."""
+    """One single-process reference run (batch 4) and the same run on two FSDP processes
+    (a ``recipes-train`` job: its console log is read)."""
     return _reference_runs(tmp_path_factory.mktemp("distributed"))
 
 
 def _reference_runs(root: Path) -> dict[str, Path]:
     cache = root / "cache"
-    dirs = {name: root / name for name in ("single", "ddp", "fsdp")}
+    dirs = {name: root / name for name in ("single", "fsdp")}
     single = run(compose_config(_overrides(dirs["single"], cache)))  # prepares the shards
     dirs["tokenizer"] = single.tokenizer_path
-    _torchrun(dirs["ddp"], cache, "strategy=ddp", "data.batch_size=2")
-    _torchrun(dirs["fsdp"], cache, "strategy=fsdp", "data.batch_size=2")
+    _recipes_train(dirs["fsdp"], cache, "strategy=fsdp", "data.batch_size=2")
     dirs["cache"] = cache
     return dirs
+
+
+def _run_batch(processes: int, jobs: dict[str, list[str]], root: Path) -> dict[str, Path]:
+    """``jobs`` (name: overrides, ``run.dir`` under ``root``) one after another in one
+    ``torchrun`` job of ``processes``; each run's folder by its name."""
+    listed = root / "runs.json"
+    listed.write_text(json.dumps([[*o, f"trainer.devices={processes}"] for o in jobs.values()]))
+    torchrun(processes, BATCH, str(listed), timeout=900, omp_threads=1)
+    return {name: root / name for name in jobs}
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +103,7 @@ def batch(runs, tmp_path_factory) -> dict[str, Path]:
     on_two = ("data.batch_size=2", "strategy=fsdp")
     middle = f"step{STEPS // 2:06d}.ckpt"
     jobs: dict[str, list[str]] = {
+        "ddp": _overrides(root / "ddp", cache, "strategy=ddp", "data.batch_size=2"),
         "fsdp_resumed": _overrides(
             root / "fsdp_resumed",
             cache,
@@ -121,6 +123,10 @@ def batch(runs, tmp_path_factory) -> dict[str, Path]:
         "reward": ["recipe=reward/tiny", *_dpo_overrides(root / "reward", runs, *on_two)],
         "grpo": _grpo_overrides(root / "grpo", runs),
         "kto": _kto_overrides(root / "kto", runs, "data.batch_size=2", "strategy=ddp"),
+        "moe_gathered": _overrides(root / "moe_gathered", cache, *on_two, *MOE),
+        "moe_expert_parallel": _overrides(
+            root / "moe_expert_parallel", cache, *on_two, *MOE, "strategy.expert_parallel=true"
+        ),
     }
     for recipe in ("dpo/tiny", "dpo/lora_tiny"):
         jobs[recipe] = [f"recipe={recipe}", *_dpo_overrides(root / recipe, runs, *on_two)]
@@ -128,10 +134,22 @@ def batch(runs, tmp_path_factory) -> dict[str, Path]:
         jobs[f"distill_{strategy}"] = _distill_overrides(
             root / f"distill_{strategy}", runs, "data.batch_size=2", f"strategy={strategy}"
         )
-    listed = root / "runs.json"
-    listed.write_text(json.dumps([[*o, "trainer.devices=2"] for o in jobs.values()]))
-    torchrun(2, BATCH, str(listed), timeout=900, omp_threads=1)
-    return {name: root / name for name in jobs}
+    return _run_batch(2, jobs, root)
+
+
+@pytest.fixture(scope="module")
+def batch_of_four(runs, tmp_path_factory) -> dict[str, Path]:
+    """The four-process runs (HSDP: two copies, each sharded over two processes, a
+    quarter of the global batch each), in one ``torchrun`` job."""
+    root = tmp_path_factory.mktemp("batch4")
+    hsdp = ("strategy=hsdp", "strategy.replicas=2", "data.batch_size=1")
+    jobs = {
+        "hsdp": _overrides(root / "hsdp", runs["cache"], *hsdp),
+        "hsdp_lora_experts": _overrides(
+            root / "hsdp_lora_experts", runs["cache"], *hsdp, *LORA_EXPERTS
+        ),
+    }
+    return _run_batch(4, jobs, root)
 
 
 def _assert_same_weights(a: dict, b: dict, atol: float = 2e-5) -> None:
@@ -141,12 +159,13 @@ def _assert_same_weights(a: dict, b: dict, atol: float = 2e-5) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_processes_reach_the_single_process_weights(runs, strategy):
+def test_two_processes_reach_the_single_process_weights(runs, batch, strategy):
     single = load_weights(runs["single"] / "model.safetensors")
-    parallel = load_weights(runs[strategy] / "model.safetensors")
+    folder = batch["ddp"] if strategy == "ddp" else runs["fsdp"]
+    parallel = load_weights(folder / "model.safetensors")
     _assert_same_weights(single, parallel)
     # the validation loss is reduced over ranks: the same as on one process
-    val = [float(r["val/loss"]) for r in read_metrics(runs[strategy]) if r.get("val/loss")]
+    val = [float(r["val/loss"]) for r in read_metrics(folder) if r.get("val/loss")]
     ref = [float(r["val/loss"]) for r in read_metrics(runs["single"]) if r.get("val/loss")]
     assert val == pytest.approx(ref, abs=1e-3)
 
@@ -316,19 +335,16 @@ def moe_single(runs, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("experts", ["gathered", "expert_parallel"])
 def test_a_mixture_of_experts_under_fsdp_reaches_the_single_process_weights(
-    runs, moe_single, tmp_path, experts
+    batch, moe_single, experts
 ):
     """The stacked experts shard and train under FSDP as on one process, gathered like
     every weight or each rank keeping two of the four (expert parallelism, the tokens
     sent to them and back), and the sigmoid router's bias, moved by the token counts
     summed over both ranks, is the one process's; so is the balance loss, each expert's
     share of the tokens summed over both ranks."""
-    parallel = ["strategy.expert_parallel=true"] if experts == "expert_parallel" else []
-    _torchrun(
-        tmp_path / "fsdp", runs["cache"], "strategy=fsdp", "data.batch_size=2", *MOE, *parallel
-    )
-    ours = load_weights(tmp_path / "fsdp" / "model.safetensors")
-    log = (tmp_path / "fsdp" / "cli.log").read_text()
+    folder = batch[f"moe_{experts}"]
+    ours = load_weights(folder / "model.safetensors")
+    log = run_log(folder).read_text()
     assert ("each of 2 ranks holds 2 experts" in log) == (experts == "expert_parallel")
     theirs = load_weights(moe_single)
     _assert_same_weights(theirs, ours)
@@ -348,7 +364,7 @@ LORA_EXPERTS = (
 
 @pytest.mark.parametrize("strategy", ["fsdp", "hsdp"])
 def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(
-    runs, batch, tmp_path, strategy
+    runs, batch, batch_of_four, tmp_path, strategy
 ):
     """Adapters on the routed experts (PEFT swaps each expert weight for a computed one at
     every call) with the experts sharded by FSDP like every weight (HSDP: two copies,
@@ -359,12 +375,7 @@ def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(
     gradient's own running scale, which magnifies the rounding of a row whose gradient
     is small."""
     single = run(compose_config(_overrides(tmp_path / "single", runs["cache"], *LORA_EXPERTS)))
-    if strategy == "fsdp":
-        parallel = batch["lora_experts"]
-    else:
-        parallel = tmp_path / "hsdp"
-        hsdp = ("strategy=hsdp", "strategy.replicas=2", "data.batch_size=1")
-        _torchrun(parallel, runs["cache"], *hsdp, *LORA_EXPERTS, processes=4)
+    parallel = batch["lora_experts"] if strategy == "fsdp" else batch_of_four["hsdp_lora_experts"]
     theirs = load_weights(single.weights_path)
     ours = load_weights(parallel / "model.safetensors")
     _assert_same_weights(theirs, ours)
@@ -377,28 +388,18 @@ def test_lora_on_the_experts_under_fsdp_reaches_the_single_process_weights(
     assert len(experts_b) == 4 and all(b.abs().max() > 0 for b in experts_b)  # B starts at 0
 
 
-def test_hsdp_on_two_by_two_processes_reaches_the_single_process_weights(runs, tmp_path):
+def test_hsdp_on_two_by_two_processes_reaches_the_single_process_weights(runs, batch_of_four):
     """Two copies of the model, each sharded over two processes (FSDP2's 2-D mesh), with
     a quarter of the global batch each: the one-process weights, and sharded checkpoints
     that read back as FSDP's do."""
-    _torchrun(
-        tmp_path / "hsdp",
-        runs["cache"],
-        "strategy=hsdp",
-        "strategy.replicas=2",
-        "data.batch_size=1",
-        processes=4,
-    )
+    folder = batch_of_four["hsdp"]
     _assert_same_weights(
         load_weights(runs["single"] / "model.safetensors"),
-        load_weights(tmp_path / "hsdp" / "model.safetensors"),
+        load_weights(folder / "model.safetensors"),
     )
-    assert (
-        "hsdp: 2 copies of the model, each sharded over 2 ranks"
-        in (tmp_path / "hsdp" / "cli.log").read_text()
-    )
+    assert "hsdp: 2 copies of the model, each sharded over 2 ranks" in run_log(folder).read_text()
     step = f"step{STEPS // 2:06d}.ckpt"
-    hsdp = read_sharded_checkpoint(tmp_path / "hsdp" / "checkpoints" / step)
+    hsdp = read_sharded_checkpoint(folder / "checkpoints" / step)
     fsdp = read_sharded_checkpoint(runs["fsdp"] / "checkpoints" / step)
     assert hsdp.keys() == fsdp.keys() and any(k.startswith(MODEL_PREFIX) for k in hsdp)
     _assert_same_weights(hsdp, fsdp)
