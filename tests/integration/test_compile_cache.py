@@ -64,6 +64,7 @@ def _compiled_run(tmp_path: Path, cache: Path, name: str) -> dict:
         f"data.cache_dir={tmp_path / 'data'}",
         "data.sources.stdlib.max_documents=120",  # a slice of the corpus is enough
         "trainer.max_steps=2",
+        "trainer.limit_val_batches=0",  # the training graphs are enough to cache
         "scheduler.warmup=1",
         "data.seq_len=64",
         "data.batch_size=2",
