@@ -52,6 +52,7 @@ matrix; most of its length is TRL's side, one trainer per objective.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
@@ -130,9 +131,16 @@ RECIPES: dict[str, tuple[str, tuple[str, ...]]] = {
     "distill": ("distill/full", ()),
     "grpo": ("grpo/full", ("stage.grpo.kl_coef=0",)),
 }
-# a side that has no trainer for an objective: (side, objective) -> why; none today,
-# TRL 1.16 has each of them (some under trl.experimental)
-NO_PEER: dict[tuple[str, str], str] = {}
+# a side that cannot run an objective: (side, objective) -> why. TRL 1.16 has a trainer
+# for each (some under trl.experimental); with Liger, its reward trainer fails on a
+# sequence-classification model, so a reward cell is compared with TRL alone
+NO_PEER: dict[tuple[str, str], str] = {
+    ("trl_liger", "reward"): (
+        "TRL 1.16.0's RewardTrainer with use_liger_kernel=True fails on a "
+        "sequence-classification model (AttributeError: 'LlamaForSequenceClassification' "
+        "object has no attribute 'lm_head', liger-kernel 0.8.5); compare with trl"
+    ),
+}
 LORA = {"r": 16, "alpha": 32, "dropout": 0.05}
 HF_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SIMPO = {"beta": 2.0, "gamma": 1.0}
@@ -613,14 +621,26 @@ def write_json(path: Path, result: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- driver
-def run_queue(args, jobs: list[Job], root: Path, gpus: list[str | None]) -> dict[Job, dict]:
+def run_queue(
+    args, jobs: list[Job], root: Path, gpus: list[str | None], on_cell=None
+) -> dict[Job, dict]:
     """Every job, one process per GPU at a time, from one queue; a job that would end
-    past ``--budget-s`` is not started and recorded as such."""
+    past ``--budget-s`` is not started and recorded as such. ``on_cell(cell, results)``
+    is called (one thread at a time) as soon as every job of a cell has its report, so
+    a call cut short keeps the cells it finished."""
     todo: queue.Queue[Job] = queue.Queue()
     for job in jobs:
         todo.put(job)
     results: dict[Job, dict] = {}
     started = time.monotonic()
+    pending = collections.Counter(job.cell for job in jobs)
+    lock = threading.Lock()
+
+    def finished(job: Job) -> None:
+        with lock:
+            pending[job.cell] -= 1
+            if pending[job.cell] == 0 and on_cell is not None:
+                on_cell(job.cell, {j: r for j, r in results.items() if j.cell == job.cell})
 
     def drain(gpu: str | None) -> None:
         while True:
@@ -631,6 +651,7 @@ def run_queue(args, jobs: list[Job], root: Path, gpus: list[str | None]) -> dict
             elapsed = time.monotonic() - started
             if args.budget_s and elapsed + job.seconds > args.budget_s:
                 results[job] = {"error": f"{NOT_STARTED}: --budget-s={args.budget_s} s spent"}
+                finished(job)
                 continue
             log = root / "logs" / f"{job.tag}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
@@ -640,6 +661,7 @@ def run_queue(args, jobs: list[Job], root: Path, gpus: list[str | None]) -> dict
             results[job] = report
             state = report.get("error") or report.get("skipped") or report.get("tokens_per_sec")
             print(f"[{gpu}] {job.tag}: {state}", file=sys.stderr, flush=True)
+            finished(job)
 
     threads = [threading.Thread(target=drain, args=(gpu,)) for gpu in gpus]
     for thread in threads:
@@ -721,18 +743,24 @@ def main(argv: list[str] | None = None) -> int:
         gpus = [str(i) for i in range(torch.cuda.device_count())]
     else:
         gpus = [None]
+    path = Path(args.out or Path(args.out_dir) / f"posttrain_matrix_{card}.json")
+
+    def write_cell(cell: Cell, cell_results: dict[Job, dict]) -> None:
+        """The file with ``cell``'s entry merged in, written as soon as the cell is done;
+        a cell none of whose sides started (the budget ran out) keeps an earlier call's."""
+        runs: dict[str, list[dict]] = {}
+        for job in sorted(cell_results, key=lambda j: j.tag):
+            runs.setdefault(job.side, []).append(cell_results[job])
+        if started(runs):
+            write_json(path, merge(path, card, command_line(), [summarise(cell, runs, sides)]))
+
     with tempfile.TemporaryDirectory(prefix="posttrain-matrix-") as tmp:
         root = Path(tmp)
         make_inputs(args, root, pick["data"])
-        results = run_queue(args, jobs, root, gpus)
-    runs: dict[Cell, dict[str, list[dict]]] = {cell: {} for cell in cells}
-    for job in sorted(results, key=lambda j: j.tag):
-        runs[job.cell].setdefault(job.side, []).append(results[job])
-    # a cell none of whose sides started (the budget ran out) keeps an earlier call's
-    ran = [cell for cell in cells if started(runs[cell])]
-    entries = [summarise(cell, runs[cell], sides) for cell in ran]
-    path = Path(args.out or Path(args.out_dir) / f"posttrain_matrix_{card}.json")
-    write_json(path, merge(path, card, command_line(), entries))
+        results = run_queue(args, jobs, root, gpus, on_cell=write_cell)
+    if not any(started({"-": [r]}) for r in results.values()):
+        print(f"no side started within --budget-s; {path} unchanged", file=sys.stderr)
+        return 1
     from matrix_table import matrix_table
 
     print(matrix_table(json.loads(path.read_text())))
