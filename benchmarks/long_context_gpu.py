@@ -9,6 +9,11 @@ of the first step against those without offload::
 
     python benchmarks/long_context_gpu.py offload --out $OUT/offload_h100.json
 
+``docs``: the synthetic long-document mix the figures in ``results/long_context_*``
+were measured on (:func:`documents`)::
+
+    python benchmarks/long_context_gpu.py docs --out /tmp/lc
+
 ``run`` (under torchrun, one process a GPU): ``recipes_lib.train.run`` on the overrides
 given (a long-context recipe); each rank writes its peak memory and the run's logged
 losses and throughput, rank 0 the estimate of the same config::
@@ -150,13 +155,40 @@ def run(args: argparse.Namespace, overrides: list[str]) -> None:
     (out / f"rank{rank}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
 
 
+def documents(out: Path, count: int, seed: int = 0) -> None:
+    """``out/main.jsonl``: ``count`` long documents of 60,000-200,000 words; and
+    ``out/short.jsonl``: 6,000 of 100-800 words. The words are syllable strings drawn
+    with Zipf frequencies (3,000 of them), a full stop every 17 words: text with a
+    word distribution like natural text's, no repetition to memorise, and documents
+    long enough that a 128K-token row holds one or two of them."""
+    import random
+
+    rng = random.Random(seed)
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "pa", "do", "ge"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(3000)]
+    weights = [1.0 / (i + 1) for i in range(len(words))]
+
+    def text(n: int) -> str:
+        body = rng.choices(words, weights, k=n)
+        return " ".join(w + ("." if i % 17 == 16 else "") for i, w in enumerate(body))
+
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "main.jsonl", "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"text": text(rng.randint(60_000, 200_000))}) + "\n")
+    with open(out / "short.jsonl", "w") as f:
+        for _ in range(6000):
+            f.write(json.dumps({"text": text(rng.randint(100, 800))}) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["offload", "run"])
+    parser.add_argument("mode", choices=["offload", "run", "docs"])
     parser.add_argument("--out", required=True)
     parser.add_argument("--model", default="qwen3_1_7b")
     parser.add_argument("--seq-len", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--count", type=int, default=48, help="docs: long documents")
     parser.add_argument(
         "--no-compiled", dest="compiled", action="store_false", help="eager blocks only"
     )
@@ -165,6 +197,8 @@ def main() -> None:
         report = offload(args)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(json.dumps(report, indent=2))
+    elif args.mode == "docs":
+        documents(Path(args.out), args.count)
     else:
         run(args, overrides)
     sys.stdout.flush()
