@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import (
     BlockMask,
-    create_block_mask,
     create_mask,
     flex_attention,
 )
 
 from recipes_lib.errors import UnsupportedKernelError
+from recipes_lib.kernels.block_masks import BLOCK, block_mask
 
 _ALL_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -302,7 +302,6 @@ def flex_with_sinks(flex, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, **kwar
 # Compiled once per process, on first use. Eager flex_attention materializes the whole
 # (T, T) score matrix: a reference path, far too slow on a GPU.
 _compiled_flex_attention = None
-_compiled_create_block_mask = None
 
 
 def compiled_flex():
@@ -313,18 +312,7 @@ def compiled_flex():
     return _compiled_flex_attention
 
 
-def create_block_mask_for(device_type: str):
-    """``create_block_mask`` as a device needs it: eager on the CPU, compiled elsewhere."""
-    global _compiled_create_block_mask
-    if device_type == "cpu":
-        return create_block_mask
-    if _compiled_create_block_mask is None:
-        # Eager create_block_mask materializes a (B, T, T) mask; compiled it does not.
-        _compiled_create_block_mask = torch.compile(create_block_mask)
-    return _compiled_create_block_mask
-
-
-FLEX_BLOCK = 128  # flex_attention's default block size
+FLEX_BLOCK = BLOCK  # flex_attention's default block size
 
 
 def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -377,19 +365,21 @@ class FlexAttention(AttentionBackend):
             device = doc_ids.device
         device = torch.device(device if device is not None else "cpu")
         padded_len = seq_len if device.type == "cpu" else -(-seq_len // FLEX_BLOCK) * FLEX_BLOCK
-        build = create_block_mask_for(device.type)
-
+        positions = torch.arange(padded_len, device=device)
         causal = _causal if window is None else _within(window)
         if doc_ids is None:
             # The causal mask depends only on the length: build it once and keep it.
             key = (seq_len, str(device), window)
             if key not in self._causal_masks:
-                self._causal_masks[key] = build(causal, None, None, padded_len, padded_len, device)
+                self._causal_masks[key] = block_mask(causal, positions, positions, window=window)
             return self._causal_masks[key]
 
         if doc_ids.ndim != 2 or doc_ids.shape[1] != seq_len:
             raise ValueError(f"doc_ids must be (B, {seq_len}), got {tuple(doc_ids.shape)}")
-        doc_ids = F.pad(doc_ids, (0, padded_len - seq_len), value=-1)  # (B, padded_len)
+        # the padding one document of its own, above every id: the rows' ids stay in
+        # order, so the block tables skip it (recipes_lib.kernels.block_masks)
+        pad_id = torch.iinfo(doc_ids.dtype).max
+        doc_ids = F.pad(doc_ids, (0, padded_len - seq_len), value=pad_id)  # (B, padded_len)
 
         def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             same_document = doc_ids[b, q_idx] == doc_ids[b, kv_idx]
@@ -397,7 +387,9 @@ class FlexAttention(AttentionBackend):
 
         # The mask differs per row, so B is the batch size (H broadcasts).
         document_causal.doc_ids = doc_ids  # type: ignore[attr-defined]  # see row_tensors
-        return build(document_causal, doc_ids.shape[0], None, padded_len, padded_len, device)
+        return block_mask(
+            document_causal, positions, positions, q_docs=doc_ids, k_docs=doc_ids, window=window
+        )
 
     def row_tensors(self, mask: object | None) -> list[Tensor]:
         if not isinstance(mask, BlockMask) or mask.kv_num_blocks.shape[0] < 2:

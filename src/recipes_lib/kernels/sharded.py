@@ -35,12 +35,12 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from recipes_lib.errors import UnsupportedKernelError
+from recipes_lib.kernels import block_masks
 from recipes_lib.kernels.attention import (
     FLEX_BLOCK,
     AttentionBackend,
     FlexAttention,
     compiled_flex,
-    create_block_mask_for,
 )
 
 
@@ -215,9 +215,9 @@ class ShardedAttention(AttentionBackend):
                 allowed = allowed & (doc_ids[b, q_idx] == key_docs[b, kv_idx])
             return allowed
 
-        rows = None if doc_ids is None else doc_ids.shape[0]
-        build = create_block_mask_for(device.type)
-        return build(sharded_causal, rows, None, len(shard.positions), shard.seq_len, device)
+        return block_masks.block_mask(
+            sharded_causal, q_pos, k_pos, q_docs=doc_ids, k_docs=key_docs, window=window
+        )
 
     def __call__(
         self,
