@@ -27,9 +27,11 @@ from typing import Any
 
 import torch
 
+from recipes_lib.checkpoint.dequantize import quantization_of
 from recipes_lib.checkpoint.hf_files import (
     DTYPES,
     HF_CONFIG_NAME,
+    CheckedTensors,
     checked_tensors,
     copy_tensors,
     is_hf_folder,
@@ -79,6 +81,7 @@ def model_config_from_hf(
     """
     model_type = config.get("model_type")
     family = family_of_hf(model_type)
+    quantization_of(config)  # a quantization the loader cannot unpack is refused here
     fields = {"family": family.name, **family.fixed, **family.from_hf(config), **_head(config)}
     max_positions = int(config.get("max_position_embeddings") or 0)
     if not max_positions:
@@ -193,10 +196,11 @@ def load_hf_weights_into(model: Transformer, path: str | os.PathLike, label: str
         fresh = starts_fresh_head(asdict(configured), asdict(hf))
         names = get_family(configured.family).names.for_head(hf.head)
         no_head = fresh or head_tied(configured)
-        located = checked_tensors(folder, model, names, no_head, "the configured model")
+        checked = checked_tensors(folder, model, names, no_head, "the configured model")
     except CheckpointError as err:
         raise CheckpointError(f"{label}: {err}") from err
-    copy_tensors(model.state_dict(), located)
+    copy_tensors(model.state_dict(), checked)
+    _say_dequantized(label, checked, model)
 
 
 def empty_model(
@@ -251,9 +255,26 @@ def load_hf_checkpoint(
     with torch.device("meta"):  # only its names and shapes
         shapes = Transformer(config, attention)
     names = get_family(config.family).names.for_head(config.head)
-    located = checked_tensors(folder, shapes, names, head_tied(config), f"its {HF_CONFIG_NAME}")
+    checked = checked_tensors(folder, shapes, names, head_tied(config), f"its {HF_CONFIG_NAME}")
     if dtype is None:
-        dtype = DTYPES.get(located["tok_embeddings.weight"][3], torch.float32)
+        dtype = DTYPES.get(checked.located["tok_embeddings.weight"][3], torch.float32)
     model = empty_model(config, attention, dtype=dtype, device=device)
-    copy_tensors(model.state_dict(), located)
+    copy_tensors(model.state_dict(), checked)
+    _say_dequantized(f"'{folder}'", checked, model)
     return model.eval(), config
+
+
+def _say_dequantized(label: str, checked: CheckedTensors, model: torch.nn.Module) -> None:
+    """The one line telling the user that a quantized folder was read dequantized."""
+    method = checked.dequantized
+    if method is None:
+        return
+    count = sum(map(checked.reader.is_packed, {found[1] for found in checked.located.values()}))
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    log.info(
+        "%s: %d tensors dequantized from %s to %s at load; an export writes them unquantized",
+        label,
+        count,
+        method,
+        "/".join(dtypes),
+    )

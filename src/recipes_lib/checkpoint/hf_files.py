@@ -13,15 +13,22 @@ import json
 import os
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from recipes_lib.checkpoint.dequantize import (
+    FolderReader,
+    Packed,
+    Stored,
+    quantization_of,
+)
 from recipes_lib.checkpoint.weights import mismatch_lines
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.files import chmod_as_umask
@@ -130,38 +137,48 @@ def hf_weight_files(path: str | os.PathLike) -> list[Path]:
     raise CheckpointError(f"'{folder}' has neither {HF_WEIGHTS_NAME} nor {HF_INDEX_NAME}")
 
 
-def _locate_tensors(
-    files: list[Path], names: TensorNames, tied: bool, layout: ImageText | None
-) -> tuple[Located, Located, list[str]]:
-    """native name -> (file, name in the file, shape, dtype, None), the same of the fused
-    tensors by their Hugging Face name, and unmapped names. In an image-text folder
-    (``layout``) only the text tower's tensors are read, by their text model names."""
-    located: Located = {}
-    fused: Located = {}
-    unexpected: list[str] = []
+def _stored_tensors(files: list[Path]) -> dict[str, Stored]:
+    """Every tensor the files hold, by its stored name (headers only: nothing is read)."""
+    stored: dict[str, Stored] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                for stored in f.keys():
-                    hf_name = stored if layout is None else layout.text_name(stored)
-                    if hf_name is None:
-                        continue  # not the text tower's: the vision tower, the projector
-                    native = names.to_native(hf_name)
-                    combined = names.fused_parts(hf_name) or names.rearranged_parts(hf_name)
-                    if native is None and combined is None:
-                        if not names.ignored.fullmatch(hf_name):
-                            unexpected.append(stored)
-                        continue
-                    if tied and native == "output.weight":
-                        continue  # a tied head stored anyway: the embeddings are the head
-                    piece = f.get_slice(stored)
-                    found = (file, stored, tuple(piece.get_shape()), piece.get_dtype(), None)
-                    if native is None:
-                        fused[hf_name] = found
-                    else:
-                        located[native] = found
+                for name in f.keys():
+                    piece = f.get_slice(name)
+                    shape = tuple(piece.get_shape())
+                    stored[name] = Stored(file, name, shape, piece.get_dtype())
         except Exception as err:  # safetensors raises its own error types for corrupt files
             raise CheckpointError(f"'{file}' is not a readable safetensors file: {err}") from err
+    return stored
+
+
+def _locate_tensors(
+    tensors: Mapping[str, Stored], names: TensorNames, tied: bool, layout: ImageText | None
+) -> tuple[Located, Located, list[str]]:
+    """native name -> (file, name in the file, shape, dtype, None), the same of the fused
+    tensors by their Hugging Face name, and unmapped names. In an image-text folder
+    (``layout``) only the text tower's tensors are read, by their text model names. A
+    quantized tensor is named as the model reads it (its scales consumed)."""
+    located: Located = {}
+    fused: Located = {}
+    unexpected: list[str] = []
+    for stored, tensor in tensors.items():
+        hf_name = stored if layout is None else layout.text_name(stored)
+        if hf_name is None:
+            continue  # not the text tower's: the vision tower, the projector
+        native = names.to_native(hf_name)
+        combined = names.fused_parts(hf_name) or names.rearranged_parts(hf_name)
+        if native is None and combined is None:
+            if not names.ignored.fullmatch(hf_name):
+                unexpected.append(stored)
+            continue
+        if tied and native == "output.weight":
+            continue  # a tied head stored anyway: the embeddings are the head
+        found = (tensor.file, stored, tensor.shape, tensor.dtype, None)
+        if native is None:
+            fused[hf_name] = found
+        else:
+            located[native] = found
     return located, fused, unexpected
 
 
@@ -263,19 +280,45 @@ def _past_layer(n_layers: int, name: str) -> bool:
 _HF_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
+class CheckedTensors(NamedTuple):
+    """A folder's tensors located by native name, and how to read them."""
+
+    located: Located
+    reader: FolderReader
+
+    @property
+    def dequantized(self) -> str | None:
+        """``fp8 (128x128 blocks)`` when the model's tensors are read from quantized ones."""
+        quantization = self.reader.quantization
+        read = {found[1] for found in self.located.values()}
+        if quantization is None or not any(map(self.reader.is_packed, read)):
+            return None
+        return quantization.describe()
+
+
 def checked_tensors(
     folder: Path, model: nn.Module, names: TensorNames, tied: bool, what: str
-) -> Located:
+) -> CheckedTensors:
     """The folder's tensors located by native name, after checking that every tensor of
     ``model`` (a tied output head aside) is there with its shape and nothing else is (in
-    an image-text folder: nothing else of its text tower).
+    an image-text folder: nothing else of its text tower). A quantized folder's tensors
+    (:mod:`recipes_lib.checkpoint.dequantize`) are checked as they unpack.
 
     Raises:
-        CheckpointError: tensors missing, unexpected or of another shape.
+        CheckpointError: tensors missing, unexpected or of another shape; quantized
+            tensors whose scales are missing or do not fit (naming the file and tensor).
         ConfigError: an image-text folder that holds no text tower's tensors.
     """
-    layout = image_text_of(read_folder_config(folder))
-    located, fused, unexpected = _locate_tensors(hf_weight_files(folder), names, tied, layout)
+    config = read_folder_config(folder)
+    layout = image_text_of(config)
+    quantization = quantization_of(config)
+    stored = _stored_tensors(hf_weight_files(folder))
+    packed: dict[str, Packed] = {}
+    if quantization is not None:
+        plain, packed = quantization.unpacked(stored)
+        unpacked = {name: replace(p.values, name=name, shape=p.shape) for name, p in packed.items()}
+        stored = {**plain, **unpacked}
+    located, fused, unexpected = _locate_tensors(stored, names, tied, layout)
     if names.prediction_layers:  # multi-token prediction past the last layer: skipped
         past = partial(_past_layer, len(getattr(model, "layers", ())))
         located = {name: found for name, found in located.items() if not past(found[1])}
@@ -299,31 +342,33 @@ def checked_tensors(
     problems = unfit + _mismatches(expected, located, unexpected, names)
     if problems:
         raise CheckpointError(f"'{folder}' does not fit {what}: " + " | ".join(problems))
-    return located
+    return CheckedTensors(located, FolderReader(quantization, packed))
 
 
-def copy_tensors(params: Mapping[str, Tensor], located: Located) -> None:
+def copy_tensors(params: Mapping[str, Tensor], checked: CheckedTensors) -> None:
     """Copy each located tensor into ``params[name]`` (in place, cast to its dtype),
-    opening every file once."""
+    opening every file once; a quantized one is unpacked into the parameter's dtype, one
+    tensor at a time."""
+    located, reader = checked
     by_file: dict[Path, list[str]] = {}
     for name, (file, *_) in located.items():
         by_file.setdefault(file, []).append(name)
     with torch.no_grad():
         for file, in_file in by_file.items():
             with safe_open(str(file), framework="pt", device="cpu") as f:
-                whole: tuple[str, Tensor] | None = None  # the rearranged tensor last read
+                whole: tuple[str, Tensor] | None = None  # the tensor last read whole
                 for name in in_file:
                     _, hf_name, _, _, rows = located[name]
-                    if rows is None:
-                        tensor = f.get_tensor(hf_name)
-                    elif callable(rows):  # its part of a rearranged tensor, read once
-                        if whole is None or whole[0] != hf_name:
-                            whole = (hf_name, f.get_tensor(hf_name))
-                        tensor = rows(whole[1])
-                    else:  # its rows of a fused tensor
-                        tensor = f.get_slice(hf_name)[rows[0] : rows[1]]
                     stacked, expert = split_expert_slice(name)
                     target = params[stacked] if expert is None else params[stacked][expert]
+                    if rows is None:
+                        tensor = reader.read(f, file, hf_name, target.dtype)
+                    elif callable(rows) or reader.is_packed(hf_name):  # a part, read once
+                        if whole is None or whole[0] != hf_name:
+                            whole = (hf_name, reader.read(f, file, hf_name, target.dtype))
+                        tensor = rows(whole[1]) if callable(rows) else whole[1][rows[0] : rows[1]]
+                    else:  # its rows of a fused tensor
+                        tensor = f.get_slice(hf_name)[rows[0] : rows[1]]
                     target.copy_(tensor)
 
 

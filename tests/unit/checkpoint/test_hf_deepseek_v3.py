@@ -255,12 +255,13 @@ def test_multi_token_prediction_layers_are_skipped_with_one_line(tmp_path, caplo
         load_hf_checkpoint(tmp_path)
 
 
-def test_an_fp8_folder_is_refused_in_one_line():
+def test_an_fp8_folder_reads_as_the_same_model():
+    """The published quantization_config: its weights are dequantized at load
+    (tests/unit/checkpoint/test_hf_quantized.py)."""
     fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
-    config = {**hf_model().config.to_dict(), "quantization_config": fp8}
-    with pytest.raises(CheckpointError, match="quant_method='fp8'.*dequantize") as err:
-        model_config_from_hf(config)
-    assert "\n" not in str(err.value)
+    config = hf_model().config.to_dict()
+    quantized = {**config, "quantization_config": fp8}
+    assert model_config_from_hf(quantized) == model_config_from_hf(config)
 
 
 def test_a_kimi_k2_folder_reads_as_deepseek_v3():

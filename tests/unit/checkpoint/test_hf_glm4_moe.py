@@ -141,9 +141,11 @@ def test_packed_documents_are_the_documents_alone(tmp_path):
         start += n
 
 
-def test_a_quantized_folder_is_refused_in_one_line():
-    config = {**hf_model().config.to_dict(), "quantization_config": {"quant_method": "fp8"}}
-    with pytest.raises(CheckpointError, match="glm4_moe: quantization_config") as err:
+def test_a_quantization_the_loader_cannot_read_is_refused_in_one_line():
+    settings = {"quant_method": "compressed-tensors"}
+    config = {**hf_model().config.to_dict(), "quantization_config": settings}
+    match = "quantization_config.quant_method='compressed-tensors' is not supported"
+    with pytest.raises(CheckpointError, match=match) as err:
         model_config_from_hf(config)
     assert "\n" not in str(err.value)
 

@@ -468,23 +468,6 @@ def refuse(family: str, key: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"model.family={family} with model.{key}={value!r}: {why}")
 
 
-def without_quantization(family: str, config: Mapping[str, Any]) -> None:
-    """Refuse a ``config.json`` whose weights are quantized (``quantization_config``:
-    DeepSeek-V3's published FP8 blocks), naming the family and the method.
-
-    Raises:
-        CheckpointError: the folder's weights are quantized.
-    """
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
-        raise CheckpointError(
-            f"{family}: quantization_config.quant_method={method!r} (quantized weights) is not "
-            "supported; dequantize the folder to bfloat16 first (transformers' from_pretrained "
-            "with its dequantize option, then save_pretrained)"
-        )
-
-
 def skip_prediction_layers(family: str, config: Mapping[str, Any]) -> None:
     """Say, in one line, that a folder's multi-token-prediction layers
     (``num_nextn_predict_layers``, stored past the last layer) are not read."""

@@ -38,8 +38,9 @@ Tensor names beside Llama's norms and dense MLP, in layer ``N``:
     model.layers.N.mlp.shared_experts.gate_proj  <-> layers.N.feed_forward.shared.w1
     (up_proj: w3, down_proj: w2 alike)
 
-The published folders keep their weights in FP8 blocks (``quantization_config``): such
-a folder is refused; dequantize it first. Their multi-token-prediction layer
+The published folders keep their weights in FP8 blocks (``quantization_config``): each
+is multiplied by its block's ``weight_scale_inv`` at load, into the model's dtype
+(:mod:`recipes_lib.checkpoint.dequantize`). Their multi-token-prediction layer
 (``num_nextn_predict_layers``, stored as layer ``num_hidden_layers``) is skipped with
 one logged line.
 """
@@ -59,7 +60,6 @@ from recipes_lib.models.families.base import (
     required,
     rope_to_hf,
     skip_prediction_layers,
-    without_quantization,
 )
 from recipes_lib.models.families.experts import (
     DEEPSEEK_MOE_READS,
@@ -98,7 +98,6 @@ MOE_DEFAULTS = {
 
 
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
-    without_quantization("deepseek_v3", config)
     skip_prediction_layers("deepseek_v3", config)
     rope_dim = int(required(config, "qk_rope_head_dim"))
     nope_dim = int(required(config, "qk_nope_head_dim"))

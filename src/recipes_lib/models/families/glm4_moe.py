@@ -16,8 +16,9 @@ embeddings, SwiGLU) with, each a model option it reads:
 
 Tensor names are Qwen3-MoE's (with ``self_attn.q_norm``/``k_norm``) plus DeepSeek-V3's
 router bias and shared experts (:func:`~recipes_lib.models.families.experts.with_deepseek_experts`).
-The published folders' multi-token-prediction layer is skipped with one logged line, and a
-quantized folder (the ``-FP8`` ones) is refused.
+The published folders' multi-token-prediction layer is skipped with one logged line. A
+quantized folder is read as :mod:`recipes_lib.checkpoint.dequantize` reads any family's
+(fp8 blocks dequantized at load; another method refused in one line).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from recipes_lib.models.families.base import (
     refuse,
     rope_to_hf,
     skip_prediction_layers,
-    without_quantization,
 )
 from recipes_lib.models.families.experts import (
     DEEPSEEK_MOE_READS,
@@ -58,7 +58,6 @@ MOE_DEFAULTS = {
 
 
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
-    without_quantization("glm4_moe", config)
     skip_prediction_layers("glm4_moe", config)
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
     partial = params.pop("partial_rotary_factor", None)

@@ -31,8 +31,9 @@ the gate in the even columns and the up projection in the odd ones, ``down_proj`
 ``(E, F, C)``; the native experts are ``(E, F, C)`` and ``(E, C, F)`` (``W x``), so they
 are transposed and de-interleaved on import and put back on export, exactly.
 
-The published folders keep their experts in MXFP4 (``quantization_config``): such a
-folder is refused; transformers can write a dequantized copy.
+The published folders keep their experts in MXFP4 (``quantization_config``): they are
+unpacked at load into the model's dtype (:mod:`recipes_lib.checkpoint.dequantize`), the
+blocks and scales of ``gate_up_proj`` and ``down_proj`` read as those tensors.
 """
 
 from __future__ import annotations
@@ -44,7 +45,6 @@ import torch
 from torch import Tensor
 
 from recipes_lib.config.schema import ModelConfig
-from recipes_lib.errors import CheckpointError
 from recipes_lib.models.families.base import (
     Family,
     Rearranged,
@@ -103,14 +103,6 @@ GPT_OSS_NAMES = TensorNames(
 
 
 def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, Mapping) else None
-        raise CheckpointError(
-            f"gpt_oss: quantization_config.quant_method={method!r} (quantized experts) is not "
-            "supported; load the folder in transformers with its dequantize option and "
-            "save_pretrained it"
-        )
     window = config.get("sliding_window")
     local = [] if window is None else sliding_layers("gpt_oss", config, PATTERN)
     bias = bool(config.get("attention_bias", True))  # GptOssConfig's default
