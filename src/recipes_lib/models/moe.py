@@ -13,6 +13,11 @@ losses are taken from, and the exchange of expert parallelism, which only it cal
   scored by the sum of its two best biased scores, and a token's k experts chosen
   within its ``model.moe_top_groups`` best groups. Either router's chosen weights are
   then multiplied by ``model.moe_routed_scale`` (DeepSeek-V3's routed scaling factor).
+  The sigmoid router computes its logits in float32 whatever the model's dtype or
+  autocast (as transformers computes DeepSeek-V3's and GLM-4.5's), so near-tied experts
+  are chosen alike; its weight keeps the model's dtype (FSDP2 shards a block's
+  parameters in one dtype), and only the model's-dtype input and weight are kept for
+  the backward (:class:`Float32Linear`).
 - Experts: ``w2(act(w1 x) * w3 x)`` per expert, their weights stacked in
   ``experts.w1/w3`` ``(E, F, C)`` and ``experts.w2`` ``(E, C, F)``. Dropless: every
   token reaches its k experts. Tokens are sorted by expert and each expert multiplies
@@ -344,6 +349,35 @@ class ExpertParallel:
         return exchange(y[back].contiguous(), send, receive, self.group)
 
 
+class Float32Linear(torch.autograd.Function):
+    """``x W^T + b`` computed in float32 whatever the dtypes of ``x`` and ``W`` and any
+    autocast. The backward keeps ``x`` and ``W`` as they came (no float32 copy of the
+    tokens is held between the forward and the backward) and upcasts them again; the
+    gradients come back in each input's dtype."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            wide_bias = None if bias is None else bias.float()
+            return F.linear(x.float(), weight.float(), wide_bias)  # (N, E)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        grad = grad.float()
+        grad_x = grad_weight = grad_bias = None
+        with torch.autocast(x.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad @ weight.float()).to(x.dtype)  # (N, C)
+            if ctx.needs_input_grad[1]:
+                grad_weight = (grad.t() @ x.float()).to(weight.dtype)  # (E, C)
+            if ctx.needs_input_grad[2]:
+                grad_bias = grad.sum(0).to(ctx.bias_dtype)  # (E,)
+        return grad_x, grad_weight, grad_bias
+
+
 class MoEFeedForward(nn.Module):
     """The router, the routed experts and the optional shared ones of one layer."""
 
@@ -378,7 +412,7 @@ class MoEFeedForward(nn.Module):
     def route(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Router logits ``(N, E)``, each token's experts ``(N, k)`` and weights
         ``(N, k)`` (float32), and the probabilities the balance loss reads ``(N, E)``."""
-        logits = self.router(x)  # (N, E)
+        logits = self._logits(x)  # (N, E)
         if self.router_kind == "softmax":
             probs = torch.softmax(logits.float(), dim=-1)  # (N, E)
             weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (N, k)
@@ -395,6 +429,14 @@ class MoEFeedForward(nn.Module):
         if self.routed_scale != 1:
             weights = weights * self.routed_scale
         return logits, chosen, weights, probs
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """The router's logits: the sigmoid router's in float32; a router another layer
+        wraps (a LoRA adapter, a float8 layer) computes its own."""
+        router = self.router
+        if self.router_kind != "sigmoid" or type(router) is not nn.Linear:
+            return router(x)
+        return Float32Linear.apply(x, router.weight, router.bias)
 
     def _within_best_groups(self, choice: Tensor) -> Tensor:
         """``choice`` ``(N, E)`` with every expert outside the token's
