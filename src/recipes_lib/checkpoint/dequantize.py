@@ -183,6 +183,13 @@ def quantization_of(config: Mapping[str, Any]) -> Quantization | None:
     return Quantization("fp8", (int(sizes[0]), int(sizes[1])))
 
 
+def dequantized_from(config: Mapping[str, Any]) -> str | None:
+    """How a folder of this ``config.json`` is read dequantized (``fp8 (128x128
+    blocks)``), or None for a full-precision one."""
+    quantization = quantization_of(config)
+    return None if quantization is None else quantization.describe()
+
+
 def _positive(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 

@@ -83,7 +83,9 @@ class StageManifest:
         config_sha256: the fingerprint of ``config``; a rerun whose fingerprint differs
             is a changed stage.
         upstream: ``{"stage" or "path", "weights_sha256"}`` of what the stage started
-            from, or ``None`` for a stage trained from scratch.
+            from, or ``None`` for a stage trained from scratch; with
+            ``dequantized_from`` (``fp8 (128x128 blocks)``) when it was a quantized
+            Hugging Face folder read dequantized.
         averaged_from: the step checkpoints averaged into the output weights.
         versions: python, torch, lightning and recipes_lib versions.
         git_revision: the source tree's git commit (``-dirty`` when modified), if any.

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, hf_weight_files
+from recipes_lib.checkpoint.dequantize import dequantized_from
+from recipes_lib.checkpoint.hf_files import HF_CONFIG_NAME, hf_weight_files, read_folder_config
 from recipes_lib.checkpoint.layout import RunDir
 from recipes_lib.checkpoint.manifest import StageManifest, read_manifest
 from recipes_lib.checkpoint.source import read_init_source, recorded_model
@@ -58,6 +59,8 @@ class Handoff:
         model: its model shape (ModelConfig fields), if known.
         global_step / tokens_seen / last_lr: where its training ended.
         data_sources: its data mixture (SourceConfig fields by name), if known.
+        dequantized: a quantized Hugging Face folder's method, its weights read
+            dequantized (``fp8 (128x128 blocks)``); the stage's manifest records it.
     """
 
     label: str
@@ -73,6 +76,7 @@ class Handoff:
     tokens_seen: int = 0
     last_lr: float | None = None
     data_sources: dict[str, dict[str, Any]] | None = None
+    dequantized: str | None = None
 
 
 def handoff_from_manifest(manifest: StageManifest, label: str) -> Handoff:
@@ -132,6 +136,7 @@ def handoff_from_path(path: str | Path, stage: StageSpec) -> Handoff:
             tokenizer=tokenizer if tokenizer.is_file() else None,
             tokenizer_sha256=sha256_file(tokenizer) if tokenizer.is_file() else None,
             model=source.model,
+            dequantized=dequantized_from(read_folder_config(source.path)),
         )
     if source.kind == "checkpoint":
         checkpoint = source.checkpoint or {}

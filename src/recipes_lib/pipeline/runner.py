@@ -213,6 +213,7 @@ def _finish_stage(
         else {
             "stage" if plan.source_stage else "path": plan.source_stage or handoff.label,
             "weights_sha256": handoff.weights_sha256,
+            **({"dequantized_from": handoff.dequantized} if handoff.dequantized else {}),
         },
         averaged_from=[relative_to(p, stage_dir) for p in result.averaged_from],
         versions=package_versions(),

@@ -178,6 +178,16 @@ def test_an_fp8_folder_is_the_dequantized_model(tmp_path, block, caplog):
     assert f"{count} tensors dequantized from fp8 ({block_text}) to float32" in lines[0]
 
 
+def test_a_stage_from_an_fp8_folder_records_that_it_was_dequantized(tmp_path):
+    from recipes_lib.pipeline.handoff import handoff_from_path
+    from recipes_lib.pipeline.spec import StageSpec
+
+    folder, _, _ = fp8_folder(tmp_path, (16, 16))
+    stage = StageSpec(name="sft", recipe="sft/tiny", init="weights", source=str(folder))
+    assert handoff_from_path(folder, stage).dequantized == "fp8 (16x16 blocks)"
+    assert handoff_from_path(tmp_path / "dequantized", stage).dequantized is None
+
+
 def test_an_fp8_folder_loads_into_bfloat16(tmp_path):
     folder, _, _ = fp8_folder(tmp_path, (16, 16))
     model, _ = load_hf_checkpoint(folder, dtype=torch.bfloat16)
