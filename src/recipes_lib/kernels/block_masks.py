@@ -31,7 +31,6 @@ exactly the mask's, whatever the tables.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -43,8 +42,9 @@ def _block_extremes(values: Tensor, block: int) -> tuple[Tensor, Tensor]:
     (``(..., T)``), the last run padded with its own last value."""
     length = values.shape[-1]
     padded = -(-length // block) * block
-    if padded != length:
-        values = F.pad(values.unsqueeze(0), (0, padded - length), mode="replicate").squeeze(0)
+    if padded != length:  # integer ids: repeat the last value (no replicate pad for ints)
+        tail = values[..., -1:].expand(*values.shape[:-1], padded - length)
+        values = torch.cat([values, tail], dim=-1)
     runs = values.reshape(*values.shape[:-1], padded // block, block)
     return runs.amin(-1), runs.amax(-1)
 
