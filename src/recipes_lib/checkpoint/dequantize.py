@@ -96,7 +96,7 @@ class Quantization:
         packed: dict[str, Packed] = {}
         pair = _fp8_pair if self.method == "fp8" else _mxfp4_pair
         for name, tensor in stored.items():
-            found = pair(self, name, tensor, stored)
+            found = pair(name, tensor, stored)
             if found is None:
                 continue
             logical, values, scales = found
@@ -120,8 +120,7 @@ class Quantization:
                     f"{self.block[0]}x{self.block[1]} blocks needs {wanted}",
                 )
             return values.shape
-        lead, groups, width = values.shape[:-2], values.shape[-2], values.shape[-1]
-        if len(values.shape) < 3 or width != MX_GROUP // 2 or values.dtype != "U8":
+        if len(values.shape) < 3 or values.shape[-1] != MX_GROUP // 2 or values.dtype != "U8":
             raise _unfit(
                 values,
                 f"is {values.dtype} {values.shape}: MXFP4 blocks are uint8 "
@@ -133,7 +132,8 @@ class Quantization:
                 f"is {scales.dtype} {scales.shape}; {values.name} {values.shape} needs uint8 "
                 f"{values.shape[:-1]}",
             )
-        return (*lead[:-1], groups * MX_GROUP, lead[-1])
+        *lead, rows, groups, _ = values.shape
+        return (*lead, groups * MX_GROUP, rows)
 
     def unpack(
         self, packed: Packed, read: Callable[[Stored], Tensor], dtype: torch.dtype
@@ -199,7 +199,7 @@ def _unfit(tensor: Stored, problem: str) -> CheckpointError:
 
 
 def _fp8_pair(
-    q: Quantization, name: str, tensor: Stored, stored: Mapping[str, Stored]
+    name: str, tensor: Stored, stored: Mapping[str, Stored]
 ) -> tuple[str, Stored, Stored] | None:
     """``(name, values, scales)`` of an fp8 weight, None for any other tensor."""
     if tensor.dtype not in FP8_DTYPES:
@@ -213,7 +213,7 @@ def _fp8_pair(
 
 
 def _mxfp4_pair(
-    q: Quantization, name: str, tensor: Stored, stored: Mapping[str, Stored]
+    name: str, tensor: Stored, stored: Mapping[str, Stored]
 ) -> tuple[str, Stored, Stored] | None:
     """``(name, blocks, scales)`` of an MXFP4 tensor's blocks, None for any other."""
     if not name.endswith(MX_BLOCKS):

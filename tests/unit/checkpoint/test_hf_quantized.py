@@ -248,6 +248,19 @@ def test_a_corrupt_fp8_folder_is_refused_naming_the_file_and_tensor(tmp_path):
     assert scales in message and f"{weight}_scale_inv has shape (4, 4)" in message
     assert "needs (5, 2)" in message and "\n" not in message  # 72 x 20 in 16 x 16 blocks
 
+    # scales beside a weight kept in full precision
+    folder, _, _ = fp8_folder(tmp_path / "kept", (16, 16))
+    stray = f"{KEPT}.weight_scale_inv"
+
+    def add(tensors):
+        tensors[stray] = torch.ones(2, 5)
+
+    _rewrite(folder, scales, add)
+    with pytest.raises(CheckpointError) as err:
+        load_hf_checkpoint(folder)
+    message = str(err.value)
+    assert scales in message and f"{stray} scales no fp8 tensor" in message
+
 
 @pytest.mark.parametrize(
     ("settings", "message"),
