@@ -50,16 +50,20 @@ _MAX_LISTED = 5  # tensors named in an error message
 
 def image_text_base(path: str | os.PathLike | None) -> ImageText | None:
     """The image-text layout of the Hugging Face folder at ``path``, or None when
-    ``path`` is None, not a Hugging Face folder, or a folder of a causal LM."""
+    ``path`` is None, not a Hugging Face folder, a folder of a causal LM, or a quantized
+    folder (``quantization_config``: its text tower was read dequantized, so the export
+    is the text model alone, unquantized, rather than the base with its quantized
+    vision tower)."""
     if path is None:
         return None
     folder = Path(path).expanduser()
     if not (folder / HF_CONFIG_NAME).is_file():
         return None
     try:
-        return image_text_of(read_folder_config(folder))
+        config = read_folder_config(folder)
     except CheckpointError:  # not readable: not an image-text folder to write back
         return None
+    return None if config.get("quantization_config") else image_text_of(config)
 
 
 def image_text_dtype(base: str | os.PathLike) -> torch.dtype | None:

@@ -312,6 +312,20 @@ def test_an_export_after_training_is_unquantized_and_reloads(tmp_path):
     torch.testing.assert_close(logits_of(theirs.eval(), x), trained, atol=1e-4, rtol=1e-4)
 
 
+def test_a_quantized_image_text_folder_exports_its_text_model_alone(tmp_path):
+    """Its text tower is read dequantized; the export does not write it back into the
+    base (beside a quantized vision tower) but as the text model, unquantized."""
+    from test_gemma3_published_image_text import GEMMA3_4B_IT
+
+    from recipes_lib.checkpoint.hf_image_text import image_text_base
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_IT))
+    assert image_text_base(tmp_path) is not None
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (tmp_path / "config.json").write_text(json.dumps({**GEMMA3_4B_IT, "quantization_config": fp8}))
+    assert image_text_base(tmp_path) is None
+
+
 # ---------------------------------------------------------------------------- mxfp4
 def test_an_mxfp4_folder_is_the_dequantized_model(tmp_path, caplog):
     folder, reference, count = mxfp4_folder(tmp_path)
