@@ -313,6 +313,8 @@ def checked_tensors(
     layout = image_text_of(config)
     quantization = quantization_of(config)
     stored = _stored_tensors(hf_weight_files(folder))
+    if layout is not None:  # the text tower's alone: the vision tower is never read
+        stored = {name: t for name, t in stored.items() if layout.text_name(name) is not None}
     packed: dict[str, Packed] = {}
     if quantization is not None:
         plain, packed = quantization.unpacked(stored)
