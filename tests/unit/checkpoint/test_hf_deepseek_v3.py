@@ -410,7 +410,7 @@ def test_another_router_of_the_remote_code_is_refused_in_one_line():
 
 
 # deepseek-ai/DeepSeek-V3's config.json (the fields the decoder reads, as on the Hub:
-# transformers 4's rope_scaling), its quantization_config left out
+# transformers 4's rope_scaling, and its fp8 quantization_config, read dequantized)
 DEEPSEEK_V3_671B = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "attention_bias": False,
@@ -434,6 +434,12 @@ DEEPSEEK_V3_671B = {
     "num_key_value_heads": 128,
     "num_nextn_predict_layers": 1,
     "q_lora_rank": 1536,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
     "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
     "rms_norm_eps": 1e-06,
