@@ -1,15 +1,18 @@
-"""Shared by the tests: the CSV metrics a run logs, ``torchrun`` jobs, and a benchmark's
-``--smoke`` run."""
+"""Shared by the tests: the CSV metrics a run logs, ``torchrun`` jobs, a script run in
+this process as its command line runs it, and a benchmark's ``--smoke`` run."""
 
 from __future__ import annotations
 
 import contextlib
 import csv
+import io
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -74,18 +77,58 @@ def torchrun(
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def benchmark_smoke(
-    script: str, out: Path, *args: str, timeout: float, stdout_json: bool = False
-) -> dict:
-    """``python benchmarks/<script> --smoke --out <out> <args>``: the JSON it wrote. Fails
-    the test with the end of its stderr when it exits non-zero; with ``stdout_json``, also
-    when its standard output holds anything but that same JSON."""
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(out), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+def run_script(script: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` run in this process: its ``__main__`` block with
+    ``sys.argv`` set and its folder first on ``sys.path``, as the command line runs it,
+    without starting an interpreter that imports torch and Lightning again (seconds per
+    script on a CPU). Its exit status is that of its ``SystemExit`` (0 when it returns);
+    what it prints is captured. What a script may change of the process is put back
+    afterwards: the working folder, the environment, ``sys.argv`` and ``sys.path``,
+    warning filters, torch's random state, thread count and compiled graphs."""
+    import torch
+
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_env, saved_cwd = dict(os.environ), os.getcwd()
+    threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
+    stdout, stderr = io.StringIO(), io.StringIO()
+    code: int | str | None = 0
+    try:
+        sys.argv = [str(script), *args]
+        sys.path.insert(0, str(Path(script).parent))
+        if cwd is not None:
+            os.chdir(cwd)
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(stdout),
+            contextlib.redirect_stderr(stderr),
+        ):
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as stop:
+                code = stop.code
+    finally:
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv, sys.path[:] = saved_argv, saved_path
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)
+        torch._dynamo.reset()
+    if isinstance(code, str):  # sys.exit("message"): printed, status 1
+        stderr.write(code + "\n")
+        code = 1
+    status = 0 if code is None else code
+    return subprocess.CompletedProcess(
+        [sys.executable, str(script), *args], status, stdout.getvalue(), stderr.getvalue()
     )
+
+
+def benchmark_smoke(script: str, out: Path, *args: str, stdout_json: bool = False) -> dict:
+    """``python benchmarks/<script> --smoke --out <out> <args>``, run in this process
+    (:func:`run_script`): the JSON it wrote. Fails the test with the end of its stderr
+    when it exits non-zero; with ``stdout_json``, also when its standard output holds
+    anything but that same JSON."""
+    proc = run_script(BENCHMARKS / script, "--smoke", "--out", str(out), *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads(out.read_text())
     if stdout_json:

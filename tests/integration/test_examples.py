@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 from integration_helpers import tiny_overrides
+from run_helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_example(name: str, *args: str, cwd: Path) -> str:
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    """``python examples/<name> <args>`` in ``cwd``, run in this process as its command
+    line runs it (:func:`run_helpers.run_script`); what it printed."""
+    proc = run_script(ROOT / "examples" / name, *args, cwd=cwd)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

@@ -29,7 +29,6 @@ def figures(tmp_path_factory) -> dict:
         "--precisions",
         precisions,
         "--activation-checkpointing",
-        timeout=180,
         stdout_json=True,
     )
 
@@ -109,7 +108,6 @@ def test_pretrain_throughput_smoke_compares_attention_choices(tmp_path):
         "--attention",
         "flex,auto",
         *overrides,
-        timeout=180,
         stdout_json=True,
     )
     assert figures["settings"]["attentions"] == ["flex", "auto"]

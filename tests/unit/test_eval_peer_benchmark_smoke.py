@@ -20,7 +20,6 @@ def test_eval_peer_smoke(tmp_path):
         tmp_path / "eval.json",
         "--sides",
         ",".join(sorted(SIDES)),
-        timeout=300,
         stdout_json=True,
     )
     case = figures["cases"]["multiple_choice"]

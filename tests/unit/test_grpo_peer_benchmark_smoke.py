@@ -8,9 +8,7 @@ from run_helpers import benchmark_smoke
 
 
 def test_grpo_peer_rollout_smoke(tmp_path):
-    figures = benchmark_smoke(
-        "grpo_peer.py", tmp_path / "grpo.json", "--cases", "rollout", timeout=300
-    )
+    figures = benchmark_smoke("grpo_peer.py", tmp_path / "grpo.json", "--cases", "rollout")
     case = figures["cases"]["rollout"]
     assert set(case["sides"]) == {"recipes_lib", "recipes_lib_eager", "transformers"}
     for side in case["sides"].values():

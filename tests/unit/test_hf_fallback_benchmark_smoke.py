@@ -7,7 +7,7 @@ from run_helpers import benchmark_smoke
 
 
 def test_hf_fallback_smoke_times_both_paths(tmp_path):
-    result = benchmark_smoke("hf_fallback.py", tmp_path / "fallback.json", timeout=300)
+    result = benchmark_smoke("hf_fallback.py", tmp_path / "fallback.json")
     assert result["settings"]["tiny"]
     for family in ("llama", "qwen3"):
         entry = result["families"][family]

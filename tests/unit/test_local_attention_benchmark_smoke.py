@@ -7,7 +7,7 @@ from run_helpers import benchmark_smoke
 
 def test_local_attention_smoke_times_both_layers_per_kernel(tmp_path):
     out = tmp_path / "local.json"
-    result = benchmark_smoke("local_attention.py", out, timeout=300)
+    result = benchmark_smoke("local_attention.py", out)
     assert result["settings"]["window"] == 32 and result["device"] == "cpu"
     for kernel in ("flex", "sdpa"):
         entry = result["kernels"][kernel]

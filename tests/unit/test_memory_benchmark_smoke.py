@@ -15,7 +15,7 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
 @pytest.mark.slow
 def test_memory_smoke_trains_the_tiny_preset_in_a_subprocess(tmp_path):
     out = tmp_path / "memory.json"
-    figures = benchmark_smoke("memory.py", out, timeout=180, stdout_json=True)
+    figures = benchmark_smoke("memory.py", out, stdout_json=True)
     assert [step["model"] for step in figures["ladder"]] == ["tiny"]
     assert list(figures["choices"]) == ["single"]
     single = figures["choices"]["single"]

@@ -8,7 +8,7 @@ from run_helpers import benchmark_smoke
 
 def test_moe_experts_smoke_times_both_paths(tmp_path):
     out = tmp_path / "moe.json"
-    result = benchmark_smoke("moe_experts.py", out, timeout=300)
+    result = benchmark_smoke("moe_experts.py", out)
     assert result["settings"]["smoke"]
     assert [(c["experts"], c["top_k"]) for c in result["cases"]] == [(8, 2), (64, 8)]
     for entry in result["cases"]:

@@ -10,7 +10,7 @@ from run_helpers import benchmark_smoke
 def test_optimizers_smoke_times_the_step_and_reads_the_state(tmp_path):
     out = tmp_path / "optimizers.json"
     result = benchmark_smoke(
-        "optimizers.py", out, "--part=step", "--optimizers=muon", timeout=300, stdout_json=True
+        "optimizers.py", out, "--part=step", "--optimizers=muon", stdout_json=True
     )
     run = result["runs"]["muon"]
     assert run["optimizer_class"] == "CombinedOptimizer" and run["parameters"] > 0

@@ -8,9 +8,7 @@ from run_helpers import benchmark_smoke
 
 
 def test_packed_rows_smoke_measures_both_widths(tmp_path):
-    figures = benchmark_smoke(
-        "packed_rows.py", tmp_path / "rows.json", "--shapes", "heavy", timeout=300
-    )
+    figures = benchmark_smoke("packed_rows.py", tmp_path / "rows.json", "--shapes", "heavy")
     case = figures["cases"]["heavy"]
     wide, narrow = case["seq_len"], case["packed_width"]
     assert wide["width"] == 2048 and narrow["width"] < 2048 and narrow["width"] % 128 == 0

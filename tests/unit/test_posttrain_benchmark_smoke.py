@@ -11,7 +11,7 @@ from run_helpers import benchmark_smoke
 @pytest.mark.slow
 def test_posttrain_smoke_reports_packing_dpo_cost_and_adapter_memory(tmp_path):
     out = tmp_path / "figures.json"
-    figures = benchmark_smoke("posttrain.py", out, timeout=300, stdout_json=True)
+    figures = benchmark_smoke("posttrain.py", out, stdout_json=True)
     steps = figures["settings"]["steps"]
 
     def check_run(report: dict) -> None:

@@ -18,7 +18,6 @@ def test_posttrain_peer_smoke(tmp_path):
         "dpo_live",
         "--sides",
         "recipes_lib,trl",
-        timeout=600,
     )
     assert set(figures["cases"]) == {"dpo_live"}
     for case, rows in (("dpo_live", 2 * 2),):
