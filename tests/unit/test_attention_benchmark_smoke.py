@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from run_helpers import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 BENCHMARK = BENCHMARKS / "attention.py"
@@ -35,12 +35,7 @@ def attention_benchmark():
 
 def test_attention_smoke_reports_every_backend_and_mask(tmp_path):
     out = tmp_path / "attention.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_script(BENCHMARK, "--smoke", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-4000:]
     figures = json.loads(proc.stdout)  # stdout holds the JSON and nothing else
     assert json.loads(out.read_text()) == figures

@@ -4,12 +4,11 @@ recipe under FSDP on two CPU processes over gloo) and reports the stall per chec
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import run_script
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "checkpoint_stall.py"
 
@@ -24,22 +23,16 @@ pytestmark = [
 
 def test_checkpoint_stall_smoke_measures_sync_and_async_saves(tmp_path):
     out = tmp_path / "stall.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARK),
-            "--smoke",
-            # the background writer, the benchmark's subject; the synchronous save is the
-            # path every other checkpoint test takes (both run on GPUs)
-            "--modes=async",
-            "--checkpoint-dir",
-            str(tmp_path / "ckpt"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_script(  # the driver here; its torchrun job starts processes of its own
+        BENCHMARK,
+        "--smoke",
+        # the background writer, the benchmark's subject; the synchronous save is the
+        # path every other checkpoint test takes (both run on GPUs)
+        "--modes=async",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--out",
+        str(out),
     )
     figures = json.loads(proc.stdout)  # stdout holds the JSON and nothing else
     assert proc.returncode == 0, json.dumps(figures["runs"], indent=1)[-6000:]

@@ -4,11 +4,10 @@ the last step to the process's exit into the configured writes and the rest."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from run_helpers import run_script
 
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "end_of_run.py"
 
@@ -17,25 +16,19 @@ pytestmark = pytest.mark.slow
 
 def test_end_of_run_smoke_times_the_tail_of_a_run(tmp_path):
     out = tmp_path / "end.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARK),
-            "--smoke",
-            "--runs",
-            "pretrain",
-            "--steps",
-            "4",
-            "--warmup-steps",
-            "1",
-            "--work-dir",
-            str(tmp_path / "work"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_script(  # the driver here; the run it times is recipes-train, a process
+        BENCHMARK,
+        "--smoke",
+        "--runs",
+        "pretrain",
+        "--steps",
+        "4",
+        "--warmup-steps",
+        "1",
+        "--work-dir",
+        str(tmp_path / "work"),
+        "--out",
+        str(out),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads(out.read_text())

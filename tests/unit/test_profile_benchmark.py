@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from run_helpers import run_script
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -82,13 +82,7 @@ def test_exposed_communication_is_what_no_compute_kernel_overlaps():
 @pytest.mark.slow
 def test_profile_smoke_runs_on_cpu(tmp_path):
     out = tmp_path / "profile.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "profile_step.py"), "--smoke", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=BENCHMARKS,
-    )
+    proc = run_script(BENCHMARKS / "profile_step.py", "--smoke", "--out", str(out), cwd=BENCHMARKS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     assert report == json.loads(out.read_text())
