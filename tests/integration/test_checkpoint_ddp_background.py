@@ -33,8 +33,10 @@ DDP_BACKGROUND = (
     "trainer.devices=2",
 )
 
-# the run, with each process saying how its checkpoints are written and which thread
-# wrote each file (the plugin's background thread, or the training loop's)
+# the runs (their overrides separated by "+"), one after another in one process group,
+# each process saying how its checkpoints are written and which thread wrote each file
+# (the plugin's background thread, or the training loop's); a line of rank 0 starts each run
+RUN_STARTS = "=== run"
 TRAIN = """
 import os, sys, threading
 import recipes_lib.checkpoint.io as io
@@ -56,14 +58,30 @@ class Plugin(Callback):
               f"asynchronous={plugin.asynchronous}", flush=True)
 
 io.save_torch_checkpoint = reporting_write
-run(compose_config(sys.argv[1:]), callbacks=[Plugin()])
-"""
+runs, current = [], []
+for arg in sys.argv[1:]:
+    if arg == "+":
+        runs.append(current)
+        current = []
+    else:
+        current.append(arg)
+for number, overrides in enumerate([*runs, current]):
+    if os.environ["RANK"] == "0":  # the other rank prints only once the run has begun
+        print(f"RUN_STARTS {number}", flush=True)
+    run(compose_config(overrides), callbacks=[Plugin()])
+""".replace("RUN_STARTS", RUN_STARTS)
 
 
-def _ddp(script: Path, run_dir: Path, cache: Path, *extra: str) -> str:
+def _overrides(run_dir: Path, cache: Path, *extra: str) -> list[str]:
     items = tiny_overrides(run_dir.parent, cache, *DDP_BACKGROUND, *extra)
-    items = [o if not o.startswith("run.dir=") else f"run.dir={run_dir}" for o in items]
-    return torchrun(2, str(script), *items, omp_threads=1).stdout
+    return [o if not o.startswith("run.dir=") else f"run.dir={run_dir}" for o in items]
+
+
+def _ddp(script: Path, *runs: list[str]) -> list[str]:
+    """``runs`` one after another in one two-process job; what each printed."""
+    args = [arg for overrides in runs for arg in ("+", *overrides)][1:]
+    stdout = torchrun(2, str(script), *args, omp_threads=1).stdout
+    return [part.split("\n", 1)[1] for part in stdout.split(RUN_STARTS)[1:]]
 
 
 def test_a_ddp_run_saved_in_the_background_resumes_to_the_uninterrupted_weights(
@@ -71,23 +89,25 @@ def test_a_ddp_run_saved_in_the_background_resumes_to_the_uninterrupted_weights(
 ):
     script = tmp_path / "train.py"
     script.write_text(TRAIN)
-    first = tmp_path / "first"
-    out = _ddp(script, first, shared_cache)
+    first, resumed = tmp_path / "first", tmp_path / "resumed"
+    ckpts = first / "checkpoints"
+    out, _ = _ddp(  # the run, then the same run resumed from its step-3 checkpoint
+        script,
+        _overrides(first, shared_cache),
+        _overrides(resumed, shared_cache, f"run.ckpt_path={ckpts / 'step000003.ckpt'}"),
+    )
     for rank in (0, 1):
         assert f"rank {rank}: VerifiedCheckpointIO asynchronous=True" in out
     # rank 0 alone writes: step 3 in the background, the final step before fit returns
     assert out.count("wrote step000003.ckpt") == 1
     assert "wrote step000003.ckpt on checkpoint_0" in out
     assert "wrote step000006.ckpt on MainThread" in out
-    ckpts = first / "checkpoints"
     assert [s for s, _ in list_step_checkpoints(ckpts)] == [3, 6]
     forget_verified()
     for step in (3, 6):
         assert verify_checkpoint(ckpts / f"step{step:06d}.ckpt")
     assert not list(ckpts.glob(".*"))  # no temporary file left behind
 
-    resumed = tmp_path / "resumed"
-    _ddp(script, resumed, shared_cache, f"run.ckpt_path={ckpts / 'step000003.ckpt'}")
     expected, found = (
         load_weights(first / "model.safetensors"),
         load_weights(resumed / "model.safetensors"),
