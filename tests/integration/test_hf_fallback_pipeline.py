@@ -5,6 +5,9 @@ reloads in transformers with the run's own logits (the adapter too, in PEFT's fo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from hf_folders import write_chat_records, write_preference_records, write_tokenizer
@@ -13,6 +16,9 @@ from tiny import QUIET_OVERRIDES
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.export import load_checkpoint
 from recipes_lib.pipeline import parse_pipeline, run_pipeline
+
+# runs one after another in one torchrun job (see distributed_batch.py)
+BATCH = Path(__file__).with_name("distributed_batch.py")
 
 transformers = pytest.importorskip("transformers")
 PeftModel = pytest.importorskip("peft").PeftModel
@@ -112,11 +118,8 @@ def test_fsdp_over_two_processes_trains_as_the_native_family_does(tmp_path):
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     write_tokenizer(folder, stdlib_instruction_records(200))
     chat = write_chat_records(tmp_path / "chat.jsonl", 40)
-    for name, model in (("native", "from_init"), ("fallback", "hf")):
-        torchrun(
-            2,
-            "-m",
-            "recipes_lib.cli",
+    runs = [
+        [
             "recipe=sft/full",
             f"model={model}",
             f"stage.init_from={folder}",
@@ -134,8 +137,12 @@ def test_fsdp_over_two_processes_trains_as_the_native_family_does(tmp_path):
             *QUIET_OVERRIDES,
             f"run.dir={tmp_path / name}",
             f"data.cache_dir={tmp_path / 'cache'}",
-            omp_threads=1,
-        )
+        ]
+        for name, model in (("native", "from_init"), ("fallback", "hf"))
+    ]
+    listed = tmp_path / "runs.json"
+    listed.write_text(json.dumps(runs))
+    torchrun(2, str(BATCH), str(listed), omp_threads=1)  # both runs, one after the other
     native = load_weights(tmp_path / "native" / "hf" / "model.safetensors")
     ours = load_weights(tmp_path / "fallback" / "model.safetensors")
     start = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
