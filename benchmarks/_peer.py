@@ -169,8 +169,16 @@ def compile_counts() -> tuple[int, int]:
     return int(counters["stats"].get("unique_graphs", 0)), int(hits)
 
 
-def figures(ends: list[float], tokens: list[int], warmup: int, start: float) -> dict:
-    """Tokens/s and step time over the steps after ``warmup``; time to the first step."""
+def figures(
+    ends: list[float],
+    tokens: list[int],
+    warmup: int,
+    start: float,
+    graphs: list[int] | None = None,
+) -> dict:
+    """Tokens/s and step time over the steps after ``warmup``; time to the first step;
+    with ``graphs`` (dynamo's count at each step's end), the graphs compiled during the
+    timed steps, whose compile time the tokens/s then includes."""
     import torch
 
     timed = len(ends) - warmup - 1
@@ -186,6 +194,7 @@ def figures(ends: list[float], tokens: list[int], warmup: int, start: float) -> 
         "tokens_per_step": round(counted / timed, 1),
         "time_to_first_step_s": round(ends[0] - start, 1),
         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 3) if cuda else None,
+        **({"graphs_in_timed_steps": graphs[-1] - graphs[warmup]} if graphs else {}),
     }
 
 
@@ -206,9 +215,11 @@ def lightning_clock():
         def __init__(self):
             self.ends: list[float] = []
             self.tokens: list[int] = []
+            self.graphs: list[int] = []  # dynamo's graphs compiled so far, at each end
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.ends.append(sync())
+            self.graphs.append(compile_counts()[0])
             # a step's micro-batches come as one list
             batches = batch if isinstance(batch, list) else [batch]
             self.tokens.append(sum(pl_module.count_tokens(b) for b in batches))
@@ -224,9 +235,11 @@ def trainer_clock():
         def __init__(self):
             self.ends: list[float] = []
             self.tokens: list[int] = []
+            self.graphs: list[int] = []  # dynamo's graphs compiled so far, at each end
 
         def on_step_end(self, targs, state, control, **kwargs):
             self.ends.append(sync())
+            self.graphs.append(compile_counts()[0])
 
     return Clock()
 

@@ -32,8 +32,11 @@ twins too; GRPO: completion tokens), ``peak_gib`` (``torch.cuda.max_memory_alloc
 over the whole process, for every side), ``first_step_s`` (from the process's start to
 the end of its first optimizer step), ``recompiles`` (graphs dynamo compiled in the run:
 ours is the run summary's ``RunResult.compiled``, a peer's dynamo's own counters, 0 when
-it compiles nothing) and ``recompile_limit_hits``. With ``--repeats N`` each side runs N
-times: each figure is the mean and the cell's ``spread`` holds its [min, max].
+it compiles nothing) and ``recompile_limit_hits``; and ``graphs_in_timed_steps``, the
+graphs dynamo compiled between the end of the warmup and the last timed step (a batch
+of a new shape late in the run), whose compile time the tokens/s then include: a cell
+with any says so in its notes. With ``--repeats N`` each side runs N times: each figure
+is the mean and the cell's ``spread`` holds its [min, max].
 
 The result, ``<out-dir>/posttrain_matrix_<card>.json``, is
 ``{"card", "date", "command", "cases": [{"objective", "data", "settings", "ours", "trl",
@@ -318,7 +321,8 @@ def run_ours(args, cell: Cell, root: Path, start: float) -> dict:
         cfg.stage.grpo.rewards = {"format": {"weight": 1.0, "fn": fn}}
     clock = lightning_clock()
     result = run(cfg, callbacks=[clock])
-    report = figures(clock.ends, clock.tokens, steps(args, cell.objective)[0], start)
+    warmup = steps(args, cell.objective)[0]
+    report = figures(clock.ends, clock.tokens, warmup, start, clock.graphs)
     compiled = result.compiled or {}
     return {
         **report,
@@ -488,20 +492,25 @@ def run_trl(args, cell: Cell, root: Path, side: str, start: float) -> dict:
     clock = trainer_clock()
     before = compile_counts()
     trl_trainer(args, cell, root, side, clock, cuda).train()
-    report = figures(clock.ends, clock.tokens, steps(args, cell.objective)[0], start)
+    warmup = steps(args, cell.objective)[0]
+    report = figures(clock.ends, clock.tokens, warmup, start, clock.graphs)
     graphs, hits = (now - then for now, then in zip(compile_counts(), before, strict=True))
     return {**report, "recompiles": graphs, "recompile_limit_hits": hits}
 
 
 def side_figures(report: dict) -> dict:
-    """The five figures of a worker's report, under the matrix's names."""
-    return {
+    """The five figures of a worker's report, under the matrix's names, and the graphs
+    compiled during its timed steps where it counted them."""
+    out = {
         "tokens_per_sec": report["tokens_per_sec"],
         "peak_gib": report["peak_memory_gib"],
         "first_step_s": report["time_to_first_step_s"],
         "recompiles": report["recompiles"],
         "recompile_limit_hits": report["recompile_limit_hits"],
     }
+    if "graphs_in_timed_steps" in report:
+        out["graphs_in_timed_steps"] = report["graphs_in_timed_steps"]
+    return out
 
 
 def worker(args) -> int:
@@ -567,6 +576,9 @@ def summarise(cell: Cell, runs: dict[str, list[dict]], sides=SIDES) -> dict:
             entry[side] = None
             continue
         entry[side] = {k: _mean([r[k] for r in good]) for k in FIGURES}
+        late = max((r.get("graphs_in_timed_steps") or 0 for r in good), default=0)
+        if late:  # its tokens/s include compiling: a figure not to compare as it is
+            notes.append(f"{side}: {late} graph(s) compiled during the timed steps")
         if good[0].get("memory_fit"):  # ours under kernels.activation_checkpointing=auto
             entry[side]["memory_fit"] = good[0]["memory_fit"]
         if len(reports) > 1:

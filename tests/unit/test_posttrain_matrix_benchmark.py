@@ -161,3 +161,17 @@ def test_each_cell_is_handed_over_as_soon_as_its_sides_are_done(monkeypatch, tmp
     ]
     assert handed[0][2] < len(jobs) == 3  # the first cell before the queue's last side
     assert len(results) == 3
+
+
+def test_a_graph_compiled_in_the_timed_steps_is_named_in_the_cell():
+    """A batch of a new shape inside the timed steps compiles there: the figure then
+    holds compile time, and the cell says so."""
+    from _peer import figures as step_figures
+
+    report = step_figures([1.0, 2.0, 3.0, 13.0], [100] * 4, 1, 0.0, graphs=[4, 6, 6, 7])
+    assert report["graphs_in_timed_steps"] == 1  # 6 at the warmup's end, 7 at the last
+    slow = {**figures(20.0), "graphs_in_timed_steps": 1}
+    entry = summarise(Cell("simpo", "heavy", "defaults"), {"ours": [slow]}, ["ours"])
+    assert "ours: 1 graph(s) compiled during the timed steps" in entry["notes"]
+    quiet = summarise(Cell("simpo", "heavy", "defaults"), {"ours": [figures(9.0)]}, ["ours"])
+    assert not any("timed steps" in n for n in quiet["notes"])
