@@ -164,7 +164,8 @@ def documents(out: Path, count: int, seed: int = 0) -> None:
     import random
 
     rng = random.Random(seed)
-    syllables = ["ka", "lo", "mi", "ne", "ru", "sa", "te", "vo", "zi", "pa", "do", "ge"]
+    syllables = ["ka", "lo", "mi", "ne", "ru", "sa"]
+    syllables += ["te", "vo", "zi", "pa", "do", "ge"]  # codespell:ignore te
     words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(3000)]
     weights = [1.0 / (i + 1) for i in range(len(words))]
 
