@@ -101,13 +101,32 @@ def root(tmp_path_factory) -> Path:
     return folder
 
 
-def test_a_pretraining_run_under_fsdp_with_split_rows_follows_the_one_process_run(root):
+SPLIT = ("strategy=fsdp", "strategy.context_parallel=2", "trainer.devices=2")
+MIDDLE = "step000002.ckpt"  # the resumed run's start
+
+
+@pytest.fixture(scope="module")
+def on_two(root) -> Path:
+    """The two-process runs, one after another in one ``torchrun`` job: ``split`` (FSDP
+    with split rows), then ``through`` (the same, checkpointed every two steps) and
+    ``resumed`` (from ``through``'s step-2 sharded checkpoint); each in its folder under
+    ``root``."""
+    keep = (*SPLIT, "run.checkpoint_every_n_steps=2")
+    middle = root / "through" / "checkpoints" / MIDDLE
+    runs = [
+        _overrides(root, "split", *SPLIT),
+        _overrides(root, "through", *keep),
+        _overrides(root, "resumed", *keep, f"run.ckpt_path={middle}"),
+    ]
+    torchrun(2, RUNNER, *[arg for r in runs for arg in ("+", *r)][1:], omp_threads=1)
+    return root
+
+
+def test_a_pretraining_run_under_fsdp_with_split_rows_follows_the_one_process_run(root, on_two):
     """``recipes_lib.train.run`` with strategy=fsdp strategy.context_parallel=2 over two
     gloo processes: each rank's attention ran on half of every 64-token row, the loss
     curve is the one-process run's within 1e-4 and so are the weights it exports."""
-    args = _overrides(root, "split", "strategy=fsdp", "strategy.context_parallel=2")
-    torchrun(2, RUNNER, *args, "trainer.devices=2", omp_threads=1)
-    split = root / "split"
+    split = on_two / "split"
     for rank in range(2):
         spied = json.loads((split / f"sharded_rank{rank}.json").read_text())
         assert spied["calls"] > 0 and spied["lengths"] == [32]
@@ -121,15 +140,37 @@ def test_a_pretraining_run_under_fsdp_with_split_rows_follows_the_one_process_ru
     assert max((x[k] - y[k]).abs().max().item() for k in x) < 1e-4
 
 
+FOUR = {"fsdp": ("strategy=fsdp",), "hsdp": ("strategy=hsdp", "strategy.replicas=2")}
+
+
+@pytest.fixture(scope="module")
+def on_four(root) -> Path:
+    """The four-process runs (``split_fsdp``, ``split_hsdp``), one after the other in one
+    ``torchrun`` job, each in its folder under ``root``."""
+    runs = [
+        _overrides(
+            root,
+            f"split_{name}",
+            *strategy,
+            "strategy.context_parallel=2",
+            "data.batch_size=1",
+            "trainer.devices=4",
+        )
+        for name, strategy in FOUR.items()
+    ]
+    torchrun(4, RUNNER, *[arg for r in runs for arg in ("+", *r)][1:], omp_threads=1)
+    return root
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [("strategy=fsdp",), ("strategy=hsdp", "strategy.replicas=2")])
-def test_two_replicas_of_split_rows_under_sharding_reach_the_one_process_weights(root, strategy):
+@pytest.mark.parametrize("strategy", list(FOUR))
+def test_two_replicas_of_split_rows_under_sharding_reach_the_one_process_weights(
+    root, on_four, strategy
+):
     """Four processes, parameters sharded over all four (fsdp) or over each pair of one
     of two copies (hsdp): two data-parallel replicas, one row a step each, of two ranks
     sharing each row, reach the weights of one process reading both rows a step."""
-    name = f"split_{strategy[0].removeprefix('strategy=')}"
-    args = _overrides(root, name, *strategy, "strategy.context_parallel=2", "data.batch_size=1")
-    torchrun(4, RUNNER, *args, "trainer.devices=4", omp_threads=1)
+    name = f"split_{strategy}"
     for rank in range(4):
         spied = json.loads((root / name / f"sharded_rank{rank}.json").read_text())
         assert spied["calls"] > 0 and spied["lengths"] == [32]
@@ -139,21 +180,15 @@ def test_two_replicas_of_split_rows_under_sharding_reach_the_one_process_weights
 
 
 @pytest.mark.slow
-def test_a_run_under_fsdp_with_split_rows_resumes_from_its_sharded_checkpoint(tmp_path):
+def test_a_run_under_fsdp_with_split_rows_resumes_from_its_sharded_checkpoint(on_two):
     """Resumed from its step-2 sharded checkpoint, a run under strategy=fsdp
     strategy.context_parallel=2 reads on where it stopped and ends at the weights of
     the run that went through."""
-    keep = ("strategy=fsdp", "strategy.context_parallel=2", "run.checkpoint_every_n_steps=2")
-    keep += ("trainer.devices=2",)
-    middle = tmp_path / "through" / "checkpoints" / "step000002.ckpt"
-    go_through = _overrides(tmp_path, "through", *keep)
-    resume = _overrides(tmp_path, "resumed", *keep, f"run.ckpt_path={middle}")
-    torchrun(2, RUNNER, *go_through, "+", *resume, omp_threads=1)  # one job, one after the other
-    assert middle.is_dir()  # a sharded folder
-    through = metric_series(read_metrics(tmp_path / "through"), "train/loss")
-    resumed = metric_series(read_metrics(tmp_path / "resumed"), "train/loss")
+    assert (on_two / "through" / "checkpoints" / MIDDLE).is_dir()  # a sharded folder
+    through = metric_series(read_metrics(on_two / "through"), "train/loss")
+    resumed = metric_series(read_metrics(on_two / "resumed"), "train/loss")
     assert [s for s, _ in resumed] == [2, 3]  # it went on from the checkpoint
     assert [v for _, v in resumed] == pytest.approx([v for _, v in through[2:]], abs=1e-5)
-    x = load_weights(tmp_path / "through" / "model.safetensors")
-    y = load_weights(tmp_path / "resumed" / "model.safetensors")
+    x = load_weights(on_two / "through" / "model.safetensors")
+    y = load_weights(on_two / "resumed" / "model.safetensors")
     assert max((x[k] - y[k]).abs().max().item() for k in x) < 2e-5
