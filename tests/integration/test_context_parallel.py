@@ -72,22 +72,31 @@ def _overrides(root: Path, name: str, *extra: str) -> list[str]:
     return [o if not o.startswith("run.dir=") else f"run.dir={root / name}" for o in items]
 
 
-def _split_run(root: Path, name: str, processes: int, degree: int, batch_size: int) -> Path:
-    """The tiny pretraining run on ``processes`` gloo processes at ``degree``, in
-    ``root / name``; asserts each rank's attention ran on its share of every 64-token
-    row."""
-    args = _overrides(
+def _split_overrides(root: Path, name: str, processes: int, batch_size: int) -> list[str]:
+    """The tiny pretraining run on ``processes`` gloo processes, each row split over two,
+    in ``root / name``."""
+    return _overrides(
         root,
         name,
         "strategy=ddp",
-        f"strategy.context_parallel={degree}",
+        "strategy.context_parallel=2",
         f"data.batch_size={batch_size}",
+        f"trainer.devices={processes}",
     )
-    torchrun(processes, RUNNER, *args, f"trainer.devices={processes}", omp_threads=1)
+
+
+def _assert_split(run_dir: Path, processes: int) -> Path:
+    """Each rank's attention ran on its half of every 64-token row."""
     for rank in range(processes):
-        spied = json.loads((root / name / f"sharded_rank{rank}.json").read_text())
-        assert spied["calls"] > 0 and spied["lengths"] == [64 // degree]
-    return root / name
+        spied = json.loads((run_dir / f"sharded_rank{rank}.json").read_text())
+        assert spied["calls"] > 0 and spied["lengths"] == [32]
+    return run_dir
+
+
+def _one_job(processes: int, *runs: list[str]) -> None:
+    """``runs`` one after another in one ``torchrun`` job of ``processes``."""
+    args = [arg for overrides in runs for arg in ("+", *overrides)][1:]
+    torchrun(processes, RUNNER, *args, omp_threads=1)
 
 
 def _largest_weight_difference(a: Path, b: Path) -> float:
@@ -104,11 +113,25 @@ def root(tmp_path_factory) -> Path:
     return folder
 
 
-def test_a_pretraining_run_with_split_rows_follows_the_one_process_run(root):
+@pytest.fixture(scope="module")
+def on_two(root) -> Path:
+    """The two-process runs with split rows, one after another in one ``torchrun`` job:
+    the pretraining run (``split``) and each SFT case's (``<recipe>/split``, beside the
+    data cache its one-process run shares), under ``root``."""
+    runs = [_split_overrides(root, "split", processes=2, batch_size=2)]
+    for recipe, rows in SFT_CASES.items():
+        folder = _sft_folder(root, recipe)
+        split = ("strategy=ddp", "strategy.context_parallel=2", "trainer.devices=2")
+        runs.append(_sft_overrides(folder, "split", recipe, *_sft_rows(rows), *split))
+    _one_job(2, *runs)
+    return root
+
+
+def test_a_pretraining_run_with_split_rows_follows_the_one_process_run(root, on_two):
     """``recipes_lib.train.run`` with strategy.context_parallel=2 over two gloo processes
     (one data-parallel replica) trains on the one-process run's rows, packed documents
     masked, and logs its loss curve within 1e-4."""
-    split_dir = _split_run(root, "split", processes=2, degree=2, batch_size=2)
+    split_dir = _assert_split(on_two / "split", processes=2)
     single = metric_series(read_metrics(root / "single"), "train/loss")
     split = metric_series(read_metrics(split_dir), "train/loss")
     assert len(single) == 4
@@ -123,7 +146,8 @@ def test_two_replicas_of_split_rows_reach_the_one_process_weights(root):
     """Four processes: two data-parallel replicas (one row a step each) of two ranks that
     share each row reach the weights and validation loss of one process reading both
     rows a step."""
-    split_dir = _split_run(root, "split_replicas", processes=4, degree=2, batch_size=1)
+    _one_job(4, _split_overrides(root, "split_replicas", processes=4, batch_size=1))
+    split_dir = _assert_split(root / "split_replicas", processes=4)
     assert _largest_weight_difference(root / "single", split_dir) < 1e-4
     val = [v for _, v in metric_series(read_metrics(split_dir), "val/loss")]
     ref = [v for _, v in metric_series(read_metrics(root / "single"), "val/loss")]
@@ -150,38 +174,42 @@ def _sft_overrides(root: Path, name: str, recipe: str, *extra: str) -> list[str]
     ]
 
 
+SFT_CASES = {
+    # packed conversations, LoRA; blocks recomputed in the backward (their attention
+    # sharded again there) with their inputs offloaded
+    "sft/lora_tiny": "data.chat.packing=true kernels.activation_offload=true",
+    "sft/tiny": "data.chat.packing=false",  # one padded conversation a row
+}
+
+
+def _sft_rows(rows: str) -> tuple[str, ...]:
+    return (*rows.split(), "kernels.activation_checkpointing=full")
+
+
+def _sft_folder(root: Path, recipe: str) -> Path:
+    return root / recipe.replace("/", "_")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("recipe", "rows"),
-    [
-        # packed conversations, LoRA; blocks recomputed in the backward (their attention
-        # sharded again there) with their inputs offloaded
-        ("sft/lora_tiny", "data.chat.packing=true kernels.activation_offload=true"),
-        ("sft/tiny", "data.chat.packing=false"),  # one padded conversation a row
-    ],
-)
-def test_an_sft_run_with_split_rows_follows_the_one_process_run(tmp_path, recipe, rows):
+@pytest.mark.parametrize(("recipe", "rows"), list(SFT_CASES.items()))
+def test_an_sft_run_with_split_rows_follows_the_one_process_run(on_two, recipe, rows):
     """SFT over two gloo processes at strategy.context_parallel=2 (one replica): the loss
     on the assistant's tokens only, conversations masked from each other, follows the
     one-process curve within 1e-4 (fp32), validation too, and the weights (LoRA's
     merged) agree. Padded rows of any length are widened to a multiple of four. Every
     block is recomputed in the backward pass, sharded as in the forward."""
-    rows_and_memory = (*rows.split(), "kernels.activation_checkpointing=full")
-    run(compose_config(_sft_overrides(tmp_path, "single", recipe, *rows_and_memory)))
-    args = _sft_overrides(
-        tmp_path, "split", recipe, *rows_and_memory, "strategy=ddp", "strategy.context_parallel=2"
-    )
-    torchrun(2, RUNNER, *args, "trainer.devices=2", omp_threads=1)
+    folder = _sft_folder(on_two, recipe)
+    run(compose_config(_sft_overrides(folder, "single", recipe, *_sft_rows(rows))))
     for rank in range(2):
-        spied = json.loads((tmp_path / "split" / f"sharded_rank{rank}.json").read_text())
+        spied = json.loads((folder / "split" / f"sharded_rank{rank}.json").read_text())
         assert spied["calls"] > 0 and max(spied["lengths"]) <= 32  # half of each row
         if "packing=true" in rows:
             assert spied["lengths"] == [32]
             assert spied["offloaded"] > 0
-    single = read_metrics(tmp_path / "single")
-    split = read_metrics(tmp_path / "split")
+    single = read_metrics(folder / "single")
+    split = read_metrics(folder / "split")
     for name in ("train/loss", "val/loss"):
         ones, twos = metric_series(single, name), metric_series(split, name)
         assert ones and [s for s, _ in twos] == [s for s, _ in ones]
         assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4)
-    assert _largest_weight_difference(tmp_path / "single", tmp_path / "split") < 1e-4
+    assert _largest_weight_difference(folder / "single", folder / "split") < 1e-4
