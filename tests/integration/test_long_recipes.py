@@ -96,11 +96,32 @@ def _trains_split_and_offloaded(run_dir: Path) -> None:
 CPT_RECIPES = ("cpt/long", "cpt/long_8b")  # ddp; fsdp
 
 
+def _chat_records(path: Path) -> Path:
+    """Conversations for the shrunk SFT recipe, written to ``path``."""
+    words = "sum the list of numbers and return it as a string in order".split()
+
+    def text(i: int, n: int, step: int) -> str:
+        return " ".join(words[(i + j * step) % len(words)] for j in range(n))
+
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": text(i, 20, 1)},
+                {"role": "assistant", "content": text(i, 60, i)},
+            ]
+        }
+        for i in range(80)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 @pytest.fixture(scope="module")
-def cpt_runs(tmp_path_factory) -> dict[str, Path]:
-    """Both shrunk continued-pretraining recipes on the same texts, one after the other
-    in one ``torchrun`` job; each recipe's run folder."""
-    root = tmp_path_factory.mktemp("cpt-long")
+def long_runs(tmp_path_factory) -> dict[str, Path]:
+    """Both shrunk continued-pretraining recipes on the same texts, then the shrunk SFT
+    recipe on conversations, one after the other in one ``torchrun`` job; each
+    recipe's run folder."""
+    root = tmp_path_factory.mktemp("long")
     words = "the of and a to in is was for on that with as by at from it an".split()
     for name, docs, length in (("long", 3, 6000), ("short", 40, 300)):
         text = "\n\n".join(
@@ -122,37 +143,24 @@ def cpt_runs(tmp_path_factory) -> dict[str, Path]:
                 "data.val_fraction=0.3",
             ),
         ]
-    torchrun(2, RUNNER, *args, timeout=480, omp_threads=1)
-    return {recipe: root / recipe.replace("/", "_") / "run" for recipe in CPT_RECIPES}
+    sft = root / "sft_long"
+    sft.mkdir()
+    chats = _chat_records(root / "chats.jsonl")
+    args += ["+", *_tiny(sft, "sft/long", f"data.path={chats}", "data.chat.chat_template=plain")]
+    torchrun(2, RUNNER, *args, timeout=600, omp_threads=1)
+    recipes = (*CPT_RECIPES, "sft/long")
+    return {recipe: root / recipe.replace("/", "_") / "run" for recipe in recipes}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", CPT_RECIPES)
-def test_cpt_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(cpt_runs, recipe):
-    _trains_split_and_offloaded(cpt_runs[recipe])
+def test_cpt_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(long_runs, recipe):
+    _trains_split_and_offloaded(long_runs[recipe])
 
 
 @pytest.mark.slow
-def test_sft_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(tmp_path):
-    words = "sum the list of numbers and return it as a string in order".split()
-
-    def text(i: int, n: int, step: int) -> str:
-        return " ".join(words[(i + j * step) % len(words)] for j in range(n))
-
-    records = [
-        {
-            "messages": [
-                {"role": "user", "content": text(i, 20, 1)},
-                {"role": "assistant", "content": text(i, 60, i)},
-            ]
-        }
-        for i in range(80)
-    ]
-    chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps(r) + "\n" for r in records))
-    args = _tiny(tmp_path, "sft/long", f"data.path={chats}", "data.chat.chat_template=plain")
-    torchrun(2, RUNNER, *args, timeout=300, omp_threads=1)
-    _trains_split_and_offloaded(tmp_path / "run")
+def test_sft_long_shrunk_trains_on_the_cpu_with_split_rows_and_offload(long_runs):
+    _trains_split_and_offloaded(long_runs["sft/long"])
 
 
 @pytest.mark.slow
