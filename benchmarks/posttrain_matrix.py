@@ -32,10 +32,10 @@ twins too; GRPO: completion tokens), ``peak_gib`` (``torch.cuda.max_memory_alloc
 over the whole process, for every side), ``first_step_s`` (from the process's start to
 the end of its first optimizer step), ``recompiles`` (graphs dynamo compiled in the run:
 ours is the run summary's ``RunResult.compiled``, a peer's dynamo's own counters, 0 when
-it compiles nothing) and ``recompile_limit_hits``; and ``graphs_in_timed_steps``, the
-graphs dynamo compiled between the end of the warmup and the last timed step (a batch
-of a new shape late in the run), whose compile time the tokens/s then include: a cell
-with any says so in its notes. With ``--repeats N`` each side runs N times: each figure
+it compiles nothing) and ``recompile_limit_hits``. A worker also counts the graphs
+dynamo compiled between the end of the warmup and the last timed step (a batch of a new
+shape late in the run), whose compile time the tokens/s then include: a cell with any
+names the most of its runs in its notes. With ``--repeats N`` each side runs N times: each figure
 is the mean and the cell's ``spread`` holds its [min, max].
 
 The result, ``<out-dir>/posttrain_matrix_<card>.json``, is
@@ -648,8 +648,9 @@ def run_queue(
     pending = collections.Counter(job.cell for job in jobs)
     lock = threading.Lock()
 
-    def finished(job: Job) -> None:
-        with lock:
+    def finished(job: Job, report: dict) -> None:
+        with lock:  # reports go in under the lock that a cell's copy is read under
+            results[job] = report
             pending[job.cell] -= 1
             if pending[job.cell] == 0 and on_cell is not None:
                 on_cell(job.cell, {j: r for j, r in results.items() if j.cell == job.cell})
@@ -662,18 +663,16 @@ def run_queue(
                 return
             elapsed = time.monotonic() - started
             if args.budget_s and elapsed + job.seconds > args.budget_s:
-                results[job] = {"error": f"{NOT_STARTED}: --budget-s={args.budget_s} s spent"}
-                finished(job)
+                finished(job, {"error": f"{NOT_STARTED}: --budget-s={args.budget_s} s spent"})
                 continue
             log = root / "logs" / f"{job.tag}.log"
             log.parent.mkdir(parents=True, exist_ok=True)
             report = spawn(
                 args, job.cell.name, job.side, root, __file__, gpus=gpu, tag=job.tag, log=log
             )
-            results[job] = report
             state = report.get("error") or report.get("skipped") or report.get("tokens_per_sec")
             print(f"[{gpu}] {job.tag}: {state}", file=sys.stderr, flush=True)
-            finished(job)
+            finished(job, report)
 
     threads = [threading.Thread(target=drain, args=(gpu,)) for gpu in gpus]
     for thread in threads:

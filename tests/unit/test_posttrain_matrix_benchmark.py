@@ -4,6 +4,7 @@ side has no figures) and keeps other calls' cells; its table renders."""
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 from pathlib import Path
@@ -161,6 +162,36 @@ def test_each_cell_is_handed_over_as_soon_as_its_sides_are_done(monkeypatch, tmp
     ]
     assert handed[0][2] < len(jobs) == 3  # the first cell before the queue's last side
     assert len(results) == 3
+
+
+def test_many_gpus_hand_over_every_cell_once(monkeypatch, tmp_path):
+    """Four threads drain one queue while cells are handed over: every cell once,
+    with all its sides (the reports go in under the lock the hand-over reads under)."""
+    import posttrain_matrix
+
+    def fake_spawn(args, cell, side, root, script, *, gpus, tag, log):
+        return figures(100.0)
+
+    monkeypatch.setattr(posttrain_matrix, "spawn", fake_spawn)
+    _, jobs = plan(list(OBJECTIVES), list(DATA), ["defaults"], ["ours", "trl_liger"], repeats=20)
+    handed: list[tuple[str, int]] = []
+
+    def on_cell(cell, results):
+        handed.append((cell.name, len(list(results.items()))))
+
+    class Args:
+        budget_s = 0
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch often: inside a copy of the results too
+    try:
+        for _ in range(5):
+            handed.clear()
+            run_queue(Args(), jobs, tmp_path, ["0", "1", "2", "3"], on_cell=on_cell)
+    finally:
+        sys.setswitchinterval(switch)
+    expected = collections.Counter(job.cell.name for job in jobs)
+    assert sorted(handed) == sorted(expected.items())
 
 
 def test_a_graph_compiled_in_the_timed_steps_is_named_in_the_cell():
