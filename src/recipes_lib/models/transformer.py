@@ -151,6 +151,7 @@ class Transformer(nn.Module):
         _check_backends(config, choice)
         self.attention_backend = choice
         self.sharded_attention: AttentionChoice | None = None  # set_context_shard
+        self.context_shard: ContextShard | None = None  # set_context_shard
         # checkpointed blocks' inputs kept in host memory (kernels.activation_offload)
         self.activation_offload: ActivationOffload | None = None
 
@@ -215,6 +216,7 @@ class Transformer(nn.Module):
         if shard is not None:  # each backend over the shard, kinds that shared one sharing it
             sharded = self.attention_backend.wrapped(lambda inner: ShardedAttention(inner, shard))
         self.sharded_attention = sharded
+        self.context_shard = shard
         self._route_attention(sharded or self.attention_backend)
 
     def _route_attention(self, choice: AttentionChoice) -> None:
@@ -372,7 +374,9 @@ class Transformer(nn.Module):
         self, sharded: AttentionChoice, doc_ids: Tensor | None, T: int, device: torch.device
     ) -> tuple[dict[int | None, object], dict[bool, tuple[Tensor, Tensor]]]:
         """The masks and RoPE tables of one rank's share of the rows."""
-        shard = cast(ShardedAttention, sharded.for_window(None)).shard
+        # the model's own: a kind of layer the model lacks has no wrapped backend
+        shard = self.context_shard
+        assert shard is not None  # set with sharded_attention
         if shard.seq_len > self.config.max_seq_len:
             limit = self.config.max_seq_len
             raise ConfigError(f"rows of {shard.seq_len} tokens exceed model.max_seq_len={limit}")

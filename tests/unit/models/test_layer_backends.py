@@ -172,6 +172,20 @@ def test_a_context_shard_wraps_each_kinds_backend():
     assert [layer.attention.backend.name for layer in model.blocks][:3] == ["flex", "flex", "sdpa"]
 
 
+def test_split_rows_of_a_model_whose_every_layer_is_local_keep_their_shard():
+    """Under auto a model of local layers only leaves the global kind's backend unused
+    and unwrapped: the split rows still find their shard, and give whole rows' logits."""
+    model = build("auto", gemma_like(window_layers=list(range(6))))
+    expected = model(tokens())
+    shard = ContextShard(seq_len=SEQ, degree=1, rank=0)
+    model.set_context_shard(shard)
+    assert model.context_shard is shard
+    assert all(isinstance(layer.attention.backend, ShardedAttention) for layer in model.blocks)
+    torch.testing.assert_close(model(tokens()), expected, atol=1e-5, rtol=1e-5)
+    model.set_context_shard(None)
+    assert model.context_shard is None
+
+
 @pytest.fixture
 def eager_compile(monkeypatch):
     """``Module.compile`` with dynamo's eager backend, in a fresh dynamo."""
