@@ -138,9 +138,14 @@ _REGISTRY: dict[str, ObjectiveSpec] = {}
 
 def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
     """Declare ``spec`` under its name (a later one of the same name replaces it) and
-    its settings to the schema; returns it."""
+    its settings to the schema; returns it.
+
+    The built-in objectives are imported on first use: a spec declared elsewhere has
+    them imported first, so that one of theirs never replaces it afterwards."""
     if spec.head not in ("lm", "score"):
         raise ConfigError(f"objective {spec.name!r}: head={spec.head!r} is not lm or score")
+    if not _loading:  # a spec declared outside the built-ins' own import
+        _load_builtins()
     if spec.settings is not None:
         declare_settings(spec.name, spec.settings)
     _REGISTRY[spec.name] = spec
@@ -151,11 +156,21 @@ def register_objective(spec: ObjectiveSpec) -> ObjectiveSpec:
 BUILTIN_MODULES = ("distill", "dpo", "grpo", "kto", "orpo", "pretrain", "reward", "sft", "simpo")
 
 
+_loading = False  # the built-ins are being imported (they register as they load)
+
+
 def _load_builtins() -> None:
     """Import the built-in objectives (once): they import torch and Lightning, so the
     schema, which needs only their settings, never waits for them."""
-    for name in BUILTIN_MODULES:
-        importlib.import_module(f"recipes_lib.objectives.{name}")
+    global _loading
+    if _loading:
+        return
+    _loading = True
+    try:
+        for name in BUILTIN_MODULES:
+            importlib.import_module(f"recipes_lib.objectives.{name}")
+    finally:
+        _loading = False
 
 
 def objective_names() -> tuple[str, ...]:
