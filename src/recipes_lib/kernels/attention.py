@@ -35,7 +35,7 @@ from torch.nn.attention.flex_attention import (
 )
 
 from recipes_lib.errors import UnsupportedKernelError
-from recipes_lib.kernels.block_masks import BLOCK, block_mask
+from recipes_lib.kernels.block_masks import BLOCK, block_mask, pad_documents
 
 _ALL_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -376,10 +376,7 @@ class FlexAttention(AttentionBackend):
 
         if doc_ids.ndim != 2 or doc_ids.shape[1] != seq_len:
             raise ValueError(f"doc_ids must be (B, {seq_len}), got {tuple(doc_ids.shape)}")
-        # the padding one document of its own, above every id: the rows' ids stay in
-        # order, so the block tables skip it (recipes_lib.kernels.block_masks)
-        pad_id = torch.iinfo(doc_ids.dtype).max
-        doc_ids = F.pad(doc_ids, (0, padded_len - seq_len), value=pad_id)  # (B, padded_len)
+        doc_ids = pad_documents(doc_ids, padded_len)  # (B, padded_len)
 
         def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             same_document = doc_ids[b, q_idx] == doc_ids[b, kv_idx]

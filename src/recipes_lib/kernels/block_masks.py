@@ -37,6 +37,16 @@ from torch.nn.attention.flex_attention import BlockMask
 BLOCK = 128  # flex_attention's default block size
 
 
+def pad_documents(doc_ids: Tensor, length: int) -> Tensor:
+    """``doc_ids`` (``(B, T)``) widened to ``length`` positions, the padding one document
+    of its own with the largest id of their dtype: the rows' ids stay in order, so the
+    padding's blocks stay out of every real query's tables, and it attends only to
+    itself."""
+    pad_id = torch.iinfo(doc_ids.dtype).max
+    tail = doc_ids.new_full((doc_ids.shape[0], length - doc_ids.shape[1]), pad_id)
+    return torch.cat([doc_ids, tail], dim=1)
+
+
 def _block_extremes(values: Tensor, block: int) -> tuple[Tensor, Tensor]:
     """Each ``block``-long run's min and max along the last dim of ``values``
     (``(..., T)``), the last run padded with its own last value."""

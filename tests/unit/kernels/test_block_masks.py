@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask
 
 from recipes_lib.kernels.attention import FlexAttention
-from recipes_lib.kernels.block_masks import block_mask
+from recipes_lib.kernels.block_masks import block_mask, pad_documents
 from recipes_lib.kernels.sharded import load_balanced_positions
 
 
@@ -82,26 +82,27 @@ def test_packed_rows_give_the_exact_tables(length):
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
-def test_packed_rows_in_a_window_leave_no_allowed_block_out():
-    length, window = 1024, 200
+@pytest.mark.parametrize("window", [50, 200, 700])
+def test_packed_rows_in_a_window_give_the_exact_tables(window):
+    length = 1024
     docs = packed_doc_ids(2, length, seed=3)
     pos = torch.arange(length)
     mod = mask_mod_of(pos, pos, docs, docs, window)
-    partial, full = tables(block_mask(mod, pos, pos, q_docs=docs, k_docs=docs, window=window))
-    ref_partial, ref_full = tables(reference(mod, 2, length, length))
-    assert torch.equal(full, ref_full)
-    assert not (ref_partial & ~partial).any()  # every block with an allowed pair is kept
+    ours = tables(block_mask(mod, pos, pos, q_docs=docs, k_docs=docs, window=window))
+    theirs = tables(reference(mod, 2, length, length))
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
+@pytest.mark.parametrize("window", [None, 300])
 @pytest.mark.parametrize(("degree", "rank"), [(2, 0), (2, 1), (4, 3)])
-def test_a_shards_queries_against_the_whole_row_give_the_exact_tables(degree, rank):
+def test_a_shards_queries_against_the_whole_row_give_the_exact_tables(degree, rank, window):
     length = 2048
     docs = packed_doc_ids(2, length, seed=7)
     q_pos = load_balanced_positions(length, degree, rank)
     k_pos = torch.cat([load_balanced_positions(length, degree, r) for r in range(degree)])
     q_docs, k_docs = docs[:, q_pos], docs[:, k_pos]
-    mod = mask_mod_of(q_pos, k_pos, q_docs, k_docs)
-    ours = tables(block_mask(mod, q_pos, k_pos, q_docs=q_docs, k_docs=k_docs))
+    mod = mask_mod_of(q_pos, k_pos, q_docs, k_docs, window)
+    ours = tables(block_mask(mod, q_pos, k_pos, q_docs=q_docs, k_docs=k_docs, window=window))
     theirs = tables(reference(mod, 2, len(q_pos), len(k_pos)))
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
@@ -129,10 +130,12 @@ def test_the_flex_backend_builds_create_block_masks_mask():
     assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
 
 
-def test_a_row_padded_as_a_document_of_its_own_gives_the_exact_tables():
-    """On CUDA a row is padded to whole blocks, the padding one document above every
-    id: its blocks stay out of every real query's tables."""
-    docs = torch.nn.functional.pad(packed_doc_ids(2, 300, seed=1), (0, 84), value=2**62)
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_a_row_padded_as_the_flex_backend_pads_it_gives_the_exact_tables(dtype):
+    """On CUDA the backend pads a row to whole blocks with pad_documents: its tables are
+    create_block_mask's, and the padding attends only to itself."""
+    docs = pad_documents(packed_doc_ids(2, 300, seed=1).to(dtype), 384)
+    assert docs.shape == (2, 384) and (docs[:, 300:] == torch.iinfo(dtype).max).all()
     pos = torch.arange(384)
     mod = mask_mod_of(pos, pos, docs, docs)
     ours = tables(block_mask(mod, pos, pos, q_docs=docs, k_docs=docs))
