@@ -11,8 +11,6 @@ the training entry point bring in Lightning, which takes seconds.
 
 from __future__ import annotations
 
-import importlib
-
 from recipes_lib.errors import (
     CheckpointError,
     ConfigError,
@@ -94,17 +92,17 @@ __all__ = [
 ]
 
 
+from recipes_lib.lazy import lazy_names  # noqa: E402
+
+_getattr, _dir = lazy_names(globals(), _LAZY)
+
+
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    return _getattr(name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return _dir()
 
 
 if TYPE_CHECKING:  # what type checkers and editors see; nothing is imported at run time

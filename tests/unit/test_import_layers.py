@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # lowest first; a room may import only rooms on lower floors
 FLOORS: list[set[str]] = [
-    {"errors", "conf", "console", "trackers"},
+    {"errors", "conf", "console", "trackers", "lazy"},
     {"files", "losses", "kernels"},
     {"config"},
     {"models", "data", "optim"},

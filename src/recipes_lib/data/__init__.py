@@ -15,7 +15,7 @@ modules and, through them, Lightning.
 
 from __future__ import annotations
 
-import importlib
+from recipes_lib.lazy import lazy_names
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing
 
@@ -75,17 +75,15 @@ __all__ = [
 ]
 
 
+_getattr, _dir = lazy_names(globals(), _LAZY)
+
+
 def __getattr__(name: str) -> object:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    return _getattr(name)
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return _dir()
 
 
 if TYPE_CHECKING:  # what type checkers see; nothing is imported at run time
