@@ -28,11 +28,12 @@ from recipes_lib.config.model import resolved_model_fields as resolved_model_fie
 
 @dataclass
 class KernelsConfig:
-    """Kernel choices; ``attention`` is one of ``sdpa`` | ``flex`` | ``flash_attn`` |
-    ``auto``, the backend of every attention layer; ``attention_local`` and
-    ``attention_global`` (null: as ``attention``) name the backend of the sliding-window
-    layers and of the others (:mod:`recipes_lib.kernels.choice`; ``auto``: flex for a
-    window or a document mask, SDPA's flash kernel for global causal layers).
+    """Kernel choices; ``attention`` is one of ``sdpa`` | ``flex`` | ``varlen`` |
+    ``flash_attn`` | ``auto``, the backend of every attention layer; ``attention_local``
+    and ``attention_global`` (null: as ``attention``) name the backend of the
+    sliding-window layers and of the others (:mod:`recipes_lib.kernels.choice`; ``auto``:
+    on a CUDA GPU in bf16, varlen for a window or a document mask; elsewhere flex; SDPA's
+    flash kernel for global causal layers of whole rows).
 
     ``loss_chunk_size`` fuses the output projection with the loss of every objective
     (:class:`recipes_lib.models.head.OutputHead`: the cross-entropy, or the label

@@ -1,5 +1,5 @@
 """Kernel backends with declared capabilities: the attention backends ``sdpa`` and
-``flex`` (:mod:`recipes_lib.kernels.attention`, where the interface is) and
+``flex`` (:mod:`recipes_lib.kernels.attention`, where the interface is), ``varlen`` and
 ``flash_attn`` (:mod:`recipes_lib.kernels.flash`), by name, and the backend each kind of
 layer runs (:mod:`recipes_lib.kernels.choice`)."""
 
@@ -15,11 +15,12 @@ from recipes_lib.kernels.choice import (
     AUTO,
     LAYER_KINDS,
     AttentionChoice,
+    Placement,
     choose_attention,
     get_attention_backend,
     layer_kind,
 )
-from recipes_lib.kernels.flash import FlashAttention, VarlenMask
+from recipes_lib.kernels.flash import FlashAttention, TorchVarlenAttention, VarlenMask
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -31,7 +32,9 @@ __all__ = [
     "AttentionChoice",
     "FlashAttention",
     "FlexAttention",
+    "Placement",
     "SDPAAttention",
+    "TorchVarlenAttention",
     "VarlenMask",
     "choose_attention",
     "get_attention_backend",

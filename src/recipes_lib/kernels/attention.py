@@ -154,9 +154,10 @@ class AttentionBackend:
         raise NotImplementedError
 
     def row_tensors(self, mask: object | None) -> list[Tensor]:
-        """The tensors of a mask from :meth:`build_mask` that hold one entry per row of
-        the batch (dim 0): compiled blocks trace that dim dynamic with the rows'
-        (:mod:`recipes_lib.kernels.compiled`). None here: a mask shared by every row."""
+        """The tensors of a mask from :meth:`build_mask` whose dim 0 varies from batch to
+        batch (one entry per row, or per document of a flattened batch): compiled blocks
+        trace that dim dynamic with the rows' (:mod:`recipes_lib.kernels.compiled`).
+        None here: a mask shared by every row."""
         return []
 
     def __call__(

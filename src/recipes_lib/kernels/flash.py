@@ -1,5 +1,9 @@
-"""The ``flash_attn`` backend (FlashAttention 2): causal attention on CUDA in fp16/bf16,
-over the documents of packed rows (``flash_attn_varlen_func``) and within a window."""
+"""FlashAttention-2 backends, over the documents of packed rows and within a window:
+``varlen`` (PyTorch's own kernel, :func:`torch.nn.attention.varlen.varlen_attn`, no extra
+package) and ``flash_attn`` (the ``flash_attn`` package). Both take a flattened batch
+with the documents' offsets (:class:`VarlenMask`), so a packed row costs what its
+documents cost and no mask is ever built or compiled: what ``kernels.attention=auto``
+takes for a packed or windowed layer on a CUDA GPU in bf16 or fp16."""
 
 from __future__ import annotations
 
@@ -31,8 +35,7 @@ def _load_flash_attn() -> tuple[ModuleType | None, str | None]:
 
 @dataclass(frozen=True)
 class VarlenMask:
-    """Document boundaries of a flattened batch for ``flash_attn_varlen_func``, and the
-    window.
+    """Document boundaries of a flattened batch, and the window.
 
     ``cu_seqlens`` (int32, ``(n_docs + 1,)``) holds the offsets of each document in the
     ``B * T`` tokens, or is None for whole rows; ``max_seqlen`` bounds every document's
@@ -44,30 +47,23 @@ class VarlenMask:
     window: int | None = None
 
 
-class FlashAttention(AttentionBackend):
-    """The ``flash_attn`` package (FlashAttention 2): CUDA, fp16/bf16, causal.
+_FLASH_CAPABILITIES = AttentionCapabilities(
+    document_mask=True,
+    gqa=True,
+    dtypes=_HALF_DTYPES,
+    devices=("cuda",),
+    min_cuda_capability=(8, 0),
+)
 
-    With ``doc_ids`` it runs ``flash_attn_varlen_func`` over the documents of the
-    flattened batch. A document is a run of consecutive equal ids within a row.
+
+class _FlashBackend(AttentionBackend):
+    """What the two FlashAttention-2 backends share: the mask, the layout and the window.
+
+    A document is a run of consecutive equal ids within a row. Subclasses run the kernel
+    on whole rows (:meth:`_rows`) and on documents laid end to end (:meth:`_documents`).
     """
 
-    name = "flash_attn"
-    capabilities = AttentionCapabilities(
-        document_mask=True,
-        gqa=True,
-        dtypes=_HALF_DTYPES,
-        devices=("cuda",),
-        min_cuda_capability=(8, 0),
-    )
-
-    def unavailable_reason(self) -> str | None:
-        _, error = _load_flash_attn()
-        if error is None:
-            return None
-        return (
-            f"the flash_attn package cannot be imported ({error}); "
-            "install it with `pip install recipes-lib[flash]`"
-        )
+    capabilities = _FLASH_CAPABILITIES
 
     def build_mask(
         self,
@@ -90,6 +86,12 @@ class FlashAttention(AttentionBackend):
         # No document is longer than a row; an upper bound avoids a host sync.
         return VarlenMask(cu_seqlens=cu_seqlens, max_seqlen=seq_len, window=window)
 
+    def row_tensors(self, mask: object | None) -> list[Tensor]:
+        # the documents' offsets: how many a batch holds varies as its rows do
+        if isinstance(mask, VarlenMask) and mask.cu_seqlens is not None:
+            return [mask.cu_seqlens]
+        return []
+
     def __call__(
         self,
         q: Tensor,
@@ -103,31 +105,116 @@ class FlashAttention(AttentionBackend):
             raise UnsupportedKernelError(
                 f"kernels.attention={self.name} cannot add attention sinks"
             )
+        if mask is not None and not isinstance(mask, VarlenMask):
+            raise TypeError(
+                f"kernels.attention={self.name} needs None or the VarlenMask from "
+                f"build_mask(), got {type(mask).__name__}"
+            )
+        B, H, T, D = q.shape
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, heads, D)
+        # keys up to window - 1 before the query, and none after it
+        window = mask.window if mask is not None else None
+        if mask is None or mask.cu_seqlens is None:
+            y = self._rows(q, k, v, scale=scale, window=window)  # (B, T, H, D)
+        else:
+            # (B * T, heads, D): documents laid end to end
+            q, k, v = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))
+            y = self._documents(q, k, v, mask, scale=scale).view(B, T, H, D)
+        return y.transpose(1, 2)  # (B, H, T, D)
+
+    def _rows(self, q: Tensor, k: Tensor, v: Tensor, *, scale, window) -> Tensor:
+        raise NotImplementedError
+
+    def _documents(self, q: Tensor, k: Tensor, v: Tensor, mask: VarlenMask, *, scale) -> Tensor:
+        raise NotImplementedError
+
+
+class FlashAttention(_FlashBackend):
+    """The ``flash_attn`` package (FlashAttention 2): CUDA, fp16/bf16, causal;
+    ``flash_attn_varlen_func`` over the documents of the flattened batch."""
+
+    name = "flash_attn"
+
+    def unavailable_reason(self) -> str | None:
+        _, error = _load_flash_attn()
+        if error is None:
+            return None
+        return (
+            f"the flash_attn package cannot be imported ({error}); "
+            "install it with `pip install recipes-lib[flash]`"
+        )
+
+    def _module(self) -> ModuleType:
         flash_attn = _flash_attn_module or _load_flash_attn()[0]
         if flash_attn is None:
             raise UnsupportedKernelError(
                 f"kernels.attention={self.name}: {self.unavailable_reason()}"
             )
-        B, H, T, D = q.shape
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (B, T, heads, D)
-        window = mask.window if isinstance(mask, VarlenMask) else None
-        # flash_attn's window: keys up to window - 1 before the query; (-1, -1) for all
+        return flash_attn
+
+    @staticmethod
+    def _kwargs(scale: float | None, window: int | None) -> dict[str, object]:
         kwargs: dict[str, object] = {"causal": True}
         if scale is not None:
             kwargs["softmax_scale"] = scale
         if window is not None:
             kwargs["window_size"] = (window - 1, 0)
-        if mask is None or (isinstance(mask, VarlenMask) and mask.cu_seqlens is None):
-            y = flash_attn.flash_attn_func(q, k, v, **kwargs)  # (B, T, H, D)
-        elif isinstance(mask, VarlenMask):
-            # (B * T, heads, D): documents laid end to end
-            q, k, v = (x.reshape(B * T, x.shape[2], D) for x in (q, k, v))
-            cu, n = mask.cu_seqlens, mask.max_seqlen
-            y = flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, n, n, **kwargs)
-            y = y.view(B, T, H, D)
-        else:
-            raise TypeError(
-                f"kernels.attention={self.name} needs None or the VarlenMask from "
-                f"build_mask(), got {type(mask).__name__}"
-            )
-        return y.transpose(1, 2)  # (B, H, T, D)
+        return kwargs
+
+    def _rows(self, q, k, v, *, scale, window):
+        return self._module().flash_attn_func(q, k, v, **self._kwargs(scale, window))
+
+    def _documents(self, q, k, v, mask, *, scale):
+        cu, n = mask.cu_seqlens, mask.max_seqlen
+        kwargs = self._kwargs(scale, mask.window)
+        return self._module().flash_attn_varlen_func(q, k, v, cu, cu, n, n, **kwargs)
+
+
+def _torch_varlen_reason() -> str | None:
+    """Why this torch has no usable ``varlen_attn``, or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError as err:
+        return f"this torch ({torch.__version__}) has no torch.nn.attention.varlen ({err})"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return f"this torch ({torch.__version__}) was built without its flash attention kernel"
+    return None
+
+
+class TorchVarlenAttention(_FlashBackend):
+    """PyTorch's FlashAttention-2 kernel for variable-length rows
+    (:func:`torch.nn.attention.varlen.varlen_attn`): CUDA, fp16/bf16, causal, within
+    documents and windows, grouped-query heads; a registered operator, so a compiled
+    block traces through it. Whole rows are one document each."""
+
+    name = "varlen"
+
+    def unavailable_reason(self) -> str | None:
+        return _torch_varlen_reason()
+
+    def _rows(self, q, k, v, *, scale, window):
+        B, T = q.shape[:2]
+        starts = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+        fq, fk, fv = (x.reshape(B * T, *x.shape[2:]) for x in (q, k, v))
+        y = self._documents(fq, fk, fv, VarlenMask(starts, T, window), scale=scale)
+        return y.view(B, T, *q.shape[2:])
+
+    def _documents(self, q, k, v, mask, *, scale):
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu, n = mask.cu_seqlens, mask.max_seqlen
+        window = (-1, 0) if mask.window is None else (mask.window - 1, 0)
+        out = varlen_attn(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            n,
+            n,
+            scale=scale,
+            window_size=window,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+        assert isinstance(out, Tensor)  # no auxiliary output asked for
+        return out

@@ -15,13 +15,14 @@ from recipes_lib.checkpoint.source import init_model_mismatches, read_init_sourc
 from recipes_lib.checkpoint.upcycle import upcycle_mismatches
 from recipes_lib.config.schema import KernelsConfig, RunConfig
 from recipes_lib.errors import ConfigError
-from recipes_lib.kernels import AUTO, AttentionBackend, AttentionChoice
-from recipes_lib.models.hf_fallback import is_fallback
+from recipes_lib.kernels import AttentionBackend, AttentionChoice
+from recipes_lib.models.hf_fallback import ATTENTION_IMPLEMENTATIONS, is_fallback
 from recipes_lib.models.moe import check_expert_path
 from recipes_lib.models.windows import attention_choice
 from recipes_lib.objectives import objective_of
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.context import check_context_parallel
+from recipes_lib.parallel.precision import attention_placement
 from recipes_lib.parallel.strategy import (
     STRATEGIES,
     get_strategy,
@@ -106,7 +107,9 @@ def check_data_and_kernels(cfg: RunConfig) -> None:
     if is_fallback(cfg.model):
         _check_one_attention(kernels)
     # every kind of layer the model has, on the backend its key names
-    choice = attention_choice(kernels, cfg.model, document_mask=cfg.data.document_mask)
+    choice = attention_choice(
+        kernels, cfg.model, document_mask=cfg.data.document_mask, placement=attention_placement(cfg)
+    )
     for kind in choice.kinds:
         backend, key = choice.backends[kind], choice.key(kind)
         if cfg.data.document_mask and not backend.capabilities.document_mask:
@@ -123,20 +126,24 @@ def check_data_and_kernels(cfg: RunConfig) -> None:
 
 
 def _check_one_attention(kernels: KernelsConfig) -> None:
-    """The transformers fallback runs one attention in every layer: refuse ``auto`` and
-    a backend per kind of layer, naming the key."""
-    chosen = {
-        "kernels.attention_local": kernels.attention_local,
-        "kernels.attention_global": kernels.attention_global,
-        "kernels.attention": kernels.attention if kernels.attention == AUTO else None,
-    }
-    for key, value in chosen.items():
+    """The transformers fallback runs one attention of its own in every layer (``auto``
+    takes its SDPA): refuse a backend per kind of layer, and a backend transformers has
+    none of, naming the key."""
+    for key, value in (
+        ("kernels.attention_local", kernels.attention_local),
+        ("kernels.attention_global", kernels.attention_global),
+    ):
         if value is not None:
             raise ConfigError(
                 f"{key}={value}: a backend per kind of layer needs a native model family "
                 "(model.family=hf runs transformers' one attention in every layer); set "
-                "kernels.attention=sdpa, flex or flash_attn"
+                "kernels.attention=sdpa, flex, flash_attn or auto"
             )
+    if kernels.attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"kernels.attention={kernels.attention}: transformers has no such attention "
+            "(model.family=hf); set kernels.attention=" + ", ".join(ATTENTION_IMPLEMENTATIONS)
+        )
 
 
 def check_adapter(cfg: RunConfig) -> None:
@@ -235,7 +242,12 @@ def check_objective(cfg: RunConfig) -> None:
             f"sinks, which model.family={cfg.model.family} has (model.attention_sinks=true)"
         )
     if degree != 1:
-        choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
+        choice = attention_choice(
+            cfg.kernels,
+            cfg.model,
+            document_mask=cfg.data.document_mask,
+            placement=attention_placement(cfg),
+        )
         for kind in choice.kinds:  # each kind's backend splits rows, or the key is named
             backend, key = choice.backends[kind], choice.key(kind)
             if key != "kernels.attention" and not backend.capabilities.context_parallel:

@@ -129,7 +129,7 @@ def test_unknown_backend_lists_the_choices():
     message = str(err.value)
     assert "kernels.attention='xformers'" in message
     assert all(name in message for name in ATTENTION_BACKENDS)
-    assert set(ATTENTION_BACKENDS) == {"sdpa", "flex", "flash_attn"}
+    assert set(ATTENTION_BACKENDS) == {"sdpa", "flex", "varlen", "flash_attn"}
 
 
 def test_flash_attn_refuses_cpu_and_fp32_with_a_clear_message():
