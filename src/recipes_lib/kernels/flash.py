@@ -1,6 +1,6 @@
 """FlashAttention-2 backends, over the documents of packed rows and within a window:
-``varlen`` (PyTorch's own kernel, :func:`torch.nn.attention.varlen.varlen_attn`, no extra
-package) and ``flash_attn`` (the ``flash_attn`` package). Both take a flattened batch
+``varlen`` (PyTorch's own kernel, the one under :mod:`torch.nn.attention.varlen`, no
+extra package) and ``flash_attn`` (the ``flash_attn`` package). Both take a flattened batch
 with the documents' offsets (:class:`VarlenMask`), so a packed row costs what its
 documents cost and no mask is ever built or compiled: what ``kernels.attention=auto``
 takes for a packed or windowed layer on a CUDA GPU in bf16 or fp16."""
@@ -171,21 +171,23 @@ class FlashAttention(_FlashBackend):
 
 
 def _torch_varlen_reason() -> str | None:
-    """Why this torch has no usable ``varlen_attn``, or None."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError as err:
-        return f"this torch ({torch.__version__}) has no torch.nn.attention.varlen ({err})"
+    """Why this torch cannot run its FlashAttention-2 kernel, or None."""
     if not torch.backends.cuda.is_flash_attention_available():
         return f"this torch ({torch.__version__}) was built without its flash attention kernel"
     return None
 
 
 class TorchVarlenAttention(_FlashBackend):
-    """PyTorch's FlashAttention-2 kernel for variable-length rows
-    (:func:`torch.nn.attention.varlen.varlen_attn`): CUDA, fp16/bf16, causal, within
-    documents and windows, grouped-query heads; a registered operator, so a compiled
-    block traces through it. Whole rows are one document each."""
+    """PyTorch's own FlashAttention-2 kernel over variable-length rows: CUDA, fp16/bf16,
+    causal, within documents and windows, grouped-query heads. Whole rows are one
+    document each.
+
+    It calls ``aten._flash_attention_forward``, the operator under both
+    :func:`torch.nn.attention.varlen.varlen_attn` and SDPA's flash path: differentiable,
+    traced by ``torch.compile``, and with the same arguments in every torch this
+    library supports, where ``varlen_attn``'s own keywords (``scale``, ``window_size``,
+    ``enable_gqa``) arrived release by release.
+    """
 
     name = "varlen"
 
@@ -200,21 +202,13 @@ class TorchVarlenAttention(_FlashBackend):
         return y.view(B, T, *q.shape[2:])
 
     def _documents(self, q, k, v, mask, *, scale):
-        from torch.nn.attention.varlen import varlen_attn
-
         cu, n = mask.cu_seqlens, mask.max_seqlen
-        window = (-1, 0) if mask.window is None else (mask.window - 1, 0)
-        out = varlen_attn(
-            q,
-            k,
-            v,
-            cu,
-            cu,
-            n,
-            n,
-            scale=scale,
-            window_size=window,
-            enable_gqa=q.shape[1] != k.shape[1],
+        kwargs: dict[str, object] = {"scale": scale}
+        if mask.window is not None:  # keys up to window - 1 before the query
+            kwargs.update(window_size_left=mask.window - 1, window_size_right=0)
+        # (output, log-sum-exp, RNG state, unused, debug mask); the kernel takes fewer
+        # key/value heads than query heads as they are
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, n, n, 0.0, True, False, **kwargs
         )
-        assert isinstance(out, Tensor)  # no auxiliary output asked for
-        return out
+        return out[0]
