@@ -67,7 +67,7 @@ from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
     get_strategy,
 )
-from recipes_lib.parallel.precision import attention_placement, resolve_device_choices
+from recipes_lib.parallel.precision import resolve_device_choices
 from recipes_lib.parallel.strategy import planned_world_size
 from recipes_lib.trackers import attach_files, trackers_of
 from recipes_lib.training.module import CausalLMModule
@@ -192,12 +192,7 @@ def _attention_line(cfg: RunConfig) -> dict[str, str]:
     """The attention backend of each kind of layer, its line printed (rank 0)."""
     if is_fallback(cfg.model):  # transformers' own attention (kernels.attention)
         return {}
-    choice = attention_choice(
-        cfg.kernels,
-        cfg.model,
-        document_mask=cfg.data.document_mask,
-        placement=attention_placement(cfg),
-    )
+    choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
     if global_rank() == 0:
         log.info("%s", choice.line())
     return choice.names()

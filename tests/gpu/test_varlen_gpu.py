@@ -1,8 +1,8 @@
 """PyTorch's FlashAttention-2 for variable-length rows (``kernels.attention=varlen``) on a
 GPU (``pytest -m gpu``): outputs and gradients against fp32 attention over the same
-documents and windows, with grouped-query heads; ``auto`` takes it on a CUDA GPU in bf16
-and gives flex's loss and gradients; compiled blocks take a bounded number of graphs on
-batches whose documents, rows and widths vary, in training and no-grad passes."""
+documents and windows, with grouped-query heads; a Gemma-like model on it gives flex's
+loss and gradients; compiled blocks take a bounded number of graphs on batches whose
+documents and rows vary, in training and no-grad passes."""
 
 from __future__ import annotations
 
@@ -12,14 +12,11 @@ import torch.nn.functional as F
 from tiny import family_overrides
 
 from recipes_lib.config import compose_config, to_run_config
-from recipes_lib.kernels import choose_attention, get_attention_backend
-from recipes_lib.kernels.choice import Placement
+from recipes_lib.kernels import get_attention_backend
 from recipes_lib.kernels.compiled import compile_blocks, watch_compiles
 from recipes_lib.models import Transformer
 
 pytestmark = pytest.mark.gpu
-
-GPU = Placement("cuda", torch.bfloat16)
 
 
 def _needs_varlen():
@@ -89,15 +86,14 @@ GEMMA_LIKE = (  # six layers: five local ones of a 128-key window, one global
 
 
 def _pair(compiled: bool, varying: bool = False) -> tuple[Transformer, Transformer]:
-    """A Gemma-like model on ``auto`` at a CUDA bf16 placement, and the same weights on
-    flex alone, bf16 on CUDA."""
+    """A Gemma-like model on varlen, and the same weights on flex, bf16 on CUDA."""
     config = to_run_config(compose_config(list(GEMMA_LIKE))).model
     torch.manual_seed(0)
     flex = Transformer(config, "flex")
-    auto = Transformer(config, choose_attention("auto", document_mask=True, placement=GPU))
-    auto.load_state_dict(flex.state_dict())
+    varlen_model = Transformer(config, "varlen")
+    varlen_model.load_state_dict(flex.state_dict())
     models = []
-    for model in (auto, flex):
+    for model in (varlen_model, flex):
         model = model.cuda().to(torch.bfloat16)
         if compiled:
             compile_blocks(model.layers, varying_shapes=varying)
@@ -112,13 +108,13 @@ def _loss_and_grads(model, x, doc_ids):
     return loss.float().item(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def test_auto_on_a_gpu_takes_varlen_and_gives_flexs_loss_and_gradients():
+def test_varlen_gives_flexs_loss_and_gradients():
     _needs_varlen()
-    auto, flex = _pair(compiled=False)
-    assert {layer.attention.backend.name for layer in auto.blocks} == {"varlen"}
-    x = torch.randint(0, auto.config.vocab_size, (2, SEQ), device="cuda")
+    varlen_model, flex = _pair(compiled=False)
+    assert {layer.attention.backend.name for layer in varlen_model.blocks} == {"varlen"}
+    x = torch.randint(0, varlen_model.config.vocab_size, (2, SEQ), device="cuda")
     doc_ids = _doc_ids([[300, 212], [17, 400, 95]])
-    loss, grads = _loss_and_grads(auto, x, doc_ids)
+    loss, grads = _loss_and_grads(varlen_model, x, doc_ids)
     flex_loss, flex_grads = _loss_and_grads(flex, x, doc_ids)
     assert abs(loss - flex_loss) < 2e-2 * max(1.0, abs(flex_loss)), (loss, flex_loss)
     for name, grad in grads.items():
@@ -134,7 +130,7 @@ def test_compiled_varlen_blocks_take_few_graphs_on_varying_batches():
     dynamo's limit."""
     _needs_varlen()
     torch._dynamo.reset()
-    auto, _ = _pair(compiled=True, varying=True)
+    varlen_model, _ = _pair(compiled=True, varying=True)
     generator = torch.Generator().manual_seed(0)
 
     def steps(n: int) -> None:
@@ -146,10 +142,10 @@ def test_compiled_varlen_blocks_take_few_graphs_on_varying_batches():
                 edges = sorted({0, SEQ, *cuts.tolist()})
                 lengths.append([b - a for a, b in zip(edges, edges[1:], strict=False)])
             doc_ids = _doc_ids(lengths)
-            x = torch.randint(0, auto.config.vocab_size, (rows, SEQ), device="cuda")
-            auto(x, doc_ids, labels=x).backward()
+            x = torch.randint(0, varlen_model.config.vocab_size, (rows, SEQ), device="cuda")
+            varlen_model(x, doc_ids, labels=x).backward()
             with torch.no_grad():
-                auto(x, doc_ids, labels=x)
+                varlen_model(x, doc_ids, labels=x)
 
     with watch_compiles() as first:
         steps(5)

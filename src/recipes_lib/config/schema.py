@@ -32,8 +32,7 @@ class KernelsConfig:
     ``flash_attn`` | ``auto``, the backend of every attention layer; ``attention_local``
     and ``attention_global`` (null: as ``attention``) name the backend of the
     sliding-window layers and of the others (:mod:`recipes_lib.kernels.choice`; ``auto``:
-    on a CUDA GPU in bf16, varlen for a window or a document mask; elsewhere flex; SDPA's
-    flash kernel for global causal layers of whole rows).
+    flex for a window or a document mask, SDPA's flash kernel for global causal layers).
 
     ``loss_chunk_size`` fuses the output projection with the loss of every objective
     (:class:`recipes_lib.models.head.OutputHead`: the cross-entropy, or the label

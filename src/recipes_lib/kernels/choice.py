@@ -18,13 +18,12 @@ The keys, each one of :data:`ATTENTION_CHOICES`:
   ``kernels.attention`` (null: as ``kernels.attention``).
 
 ``auto`` takes, for a kind, the first backend of :data:`AUTO_ORDER` that can do what the
-kind needs where the run computes (its :class:`Placement`): on a CUDA GPU in bf16 or
-fp16 with whole rows on each rank, a local layer and a global layer of packed rows take
-``varlen`` (PyTorch's FlashAttention-2 over documents and windows: nothing to compile
-or build per batch shape but the documents' offsets), a global layer of whole rows
-``sdpa`` (its flash kernel). Elsewhere, and with rows split over ranks, a local layer
-takes ``flex``, a global one ``sdpa``, or ``flex`` when rows are packed with a document
-mask, which SDPA cannot apply: both run on CPU and CUDA, in every float dtype.
+kind needs: a local layer takes ``flex``; a global layer takes ``sdpa`` (its flash
+kernel), or ``flex`` when rows are packed with a document mask, which SDPA cannot apply.
+Both run on CPU and CUDA, in every float dtype. ``varlen`` (FlashAttention-2 over the
+documents) is not in the order: on an H200 it took 9-17% longer than flex's kernel over
+packed rows of 8,192 tokens (as long at 2,048), and 1.7x SDPA's time over causal rows
+(``benchmarks/results/attention_h200.json``); what it saves is flex's kernel compile.
 
 A model builds each kind's mask once per batch, with that kind's backend
 (:meth:`AttentionChoice.build_mask`): two backends build a mask each, never one per
@@ -61,38 +60,9 @@ KIND_KEYS = {GLOBAL: "kernels.attention_global", LOCAL: "kernels.attention_local
 # what auto tries for a kind of layer, fastest first (see the module docstring); the
 # first whose capabilities cover the kind's needs is taken
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    LOCAL: (TorchVarlenAttention.name, FlexAttention.name, SDPAAttention.name),
-    GLOBAL: (SDPAAttention.name, TorchVarlenAttention.name, FlexAttention.name),
+    LOCAL: (FlexAttention.name, SDPAAttention.name),
+    GLOBAL: (SDPAAttention.name, FlexAttention.name),
 }
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a run's attention computes, which ``auto`` chooses for.
-
-    Attributes:
-        device: the device type (``cpu``, ``cuda``).
-        dtype: the dtype attention runs in (bf16 under ``bf16-mixed``).
-        split_rows: each row is split over the ranks of a context-parallel group.
-    """
-
-    device: str = "cpu"
-    dtype: torch.dtype = torch.float32
-    split_rows: bool = False
-
-    def takes(self, backend: type[AttentionBackend]) -> bool:
-        """Whether ``backend`` can run here: device, dtype, GPU and build, split rows."""
-        caps = backend.capabilities
-        if self.device not in caps.devices or self.dtype not in caps.dtypes:
-            return False
-        if self.split_rows and not caps.context_parallel:
-            return False
-        if self.device == "cuda" and caps.min_cuda_capability is not None:
-            if not torch.cuda.is_available():
-                return False
-            if torch.cuda.get_device_capability() < caps.min_cuda_capability:
-                return False
-        return backend().unavailable_reason() is None
 
 
 def get_attention_backend(name: str, key: str = ATTENTION_KEY) -> AttentionBackend:
@@ -256,8 +226,6 @@ def choose_attention(
     local: str | None = None,
     global_: str | None = None,
     document_mask: bool = False,
-    sinks: bool = False,
-    placement: Placement | None = None,
 ) -> AttentionChoice:
     """The backend of each kind of layer, as the keys name them (see the module docstring).
 
@@ -267,10 +235,6 @@ def choose_attention(
         global_: ``kernels.attention_global``; None: as ``attention``.
         document_mask: rows are packed with a document mask (``data.document_mask``):
             ``auto`` takes a backend that can apply it.
-        sinks: the model's attention has sinks (``model.attention_sinks``): ``auto``
-            takes a backend that adds them.
-        placement: where attention computes (default: the CPU in fp32): ``auto`` takes
-            a backend that runs there.
 
     Raises:
         ConfigError: a name that is not one of :data:`ATTENTION_CHOICES`, naming its key.
@@ -287,25 +251,15 @@ def choose_attention(
                 f"{key}={value!r} is not an attention backend; choose one of: "
                 f"{' | '.join(ATTENTION_CHOICES)} (e.g. {key}=sdpa)"
             )
-        where = placement or Placement()
-        names[kind] = _auto(kind, document_mask, sinks, where) if value == AUTO else value
+        names[kind] = _auto(kind, document_mask) if value == AUTO else value
         keys[kind] = f"{key}={value}"
     instances = {name: _BACKENDS[name]() for name in dict.fromkeys(names.values())}
     return AttentionChoice({kind: instances[name] for kind, name in names.items()}, keys)
 
 
-def _auto(kind: str, document_mask: bool, sinks: bool, placement: Placement) -> str:
-    """``auto``'s backend for ``kind``: the first of :data:`AUTO_ORDER` that can do it
-    at ``placement``."""
-
-    def can(name: str) -> bool:
-        caps = _BACKENDS[name].capabilities
-        return (caps.document_mask or not document_mask) and (caps.sinks or not sinks)
-
+def _auto(kind: str, document_mask: bool) -> str:
+    """``auto``'s backend for ``kind``: the first of :data:`AUTO_ORDER` that can do it."""
     for name in AUTO_ORDER[kind]:
-        if can(name) and placement.takes(_BACKENDS[name]):
+        if not document_mask or _BACKENDS[name].capabilities.document_mask:
             return name
-    for name in AUTO_ORDER[kind]:  # none runs there: the run's check names why
-        if can(name):
-            return name
-    raise AssertionError(f"no backend of {AUTO_ORDER[kind]} can do it")  # flex can
+    raise AssertionError(f"no backend of {AUTO_ORDER[kind]} masks documents")  # flex does

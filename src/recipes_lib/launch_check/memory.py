@@ -78,7 +78,7 @@ from recipes_lib.launch_check.parameters import (
 )
 from recipes_lib.models.windows import attention_choice, layer_window
 from recipes_lib.objectives import objective_of
-from recipes_lib.parallel.precision import attention_placement, device_type
+from recipes_lib.parallel.precision import device_type
 from recipes_lib.parallel.strategy import StrategySpec, get_strategy
 
 GIB = 2**30
@@ -405,12 +405,7 @@ def _sharded_attention(
     None with a flex BlockMask (its block tables are small)."""
     seq_len = cfg.data.seq_len
     on = "cuda" if _on_cuda(cfg) else "cpu"
-    choice = attention_choice(
-        cfg.kernels,
-        cfg.model,
-        document_mask=cfg.data.document_mask,
-        placement=attention_placement(cfg),
-    )
+    choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
     windows = {layer_window(cfg.model, i) for i in range(shape.n_layers)}
     dense = {
         w for w in windows if not uses_block_mask(choice.for_window(w).name, on, seq_len, degree)

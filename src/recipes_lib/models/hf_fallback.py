@@ -58,12 +58,13 @@ log = logging.getLogger(__name__)
 
 FALLBACK_FAMILY = "hf"
 # the attention implementation transformers runs for each kernels.attention it takes
-# (auto: its SDPA, one attention for every layer; varlen runs in native decoders only)
+# (auto, the post-training recipes' setting: flex, which keeps the documents of packed
+# rows apart, in every layer; varlen runs in the native decoders only)
 ATTENTION_IMPLEMENTATIONS = {
     "sdpa": "sdpa",
     "flex": "flex_attention",
     "flash_attn": "flash_attention_2",
-    "auto": "sdpa",
+    "auto": "flex_attention",
 }
 _PROBE_TOKENS = 12  # tokens of the build-time probes (causality, head, packing)
 _PROBE_TOLERANCE = 1e-4

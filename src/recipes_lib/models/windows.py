@@ -19,13 +19,7 @@ from typing import TYPE_CHECKING
 
 from recipes_lib.config.model import is_layer_list
 from recipes_lib.errors import ConfigError
-from recipes_lib.kernels.choice import (
-    LAYER_KINDS,
-    AttentionChoice,
-    Placement,
-    choose_attention,
-    layer_kind,
-)
+from recipes_lib.kernels.choice import LAYER_KINDS, AttentionChoice, choose_attention, layer_kind
 
 if TYPE_CHECKING:
     from recipes_lib.config.schema import KernelsConfig, ModelConfig
@@ -49,15 +43,10 @@ def attention_kinds(config: ModelConfig) -> tuple[str, ...]:
 
 
 def attention_choice(
-    kernels: KernelsConfig,
-    config: ModelConfig,
-    *,
-    document_mask: bool,
-    placement: Placement | None = None,
+    kernels: KernelsConfig, config: ModelConfig, *, document_mask: bool
 ) -> AttentionChoice:
     """The backend of each kind of the model's attention layers, as ``kernels`` names them
-    (``kernels.attention``, ``kernels.attention_local``, ``kernels.attention_global``);
-    ``auto`` takes what runs at ``placement`` (default: the CPU in fp32).
+    (``kernels.attention``, ``kernels.attention_local``, ``kernels.attention_global``).
 
     Raises:
         ConfigError: a name that is no backend, naming its key.
@@ -67,8 +56,6 @@ def attention_choice(
         local=kernels.attention_local,
         global_=kernels.attention_global,
         document_mask=document_mask,
-        sinks=bool(config.attention_sinks),
-        placement=placement,
     )
     return choice.for_kinds(attention_kinds(config))
 

@@ -22,7 +22,6 @@ import torch
 
 from recipes_lib.config.schema import PrecisionConfig, RunConfig
 from recipes_lib.errors import ConfigError
-from recipes_lib.kernels.choice import Placement
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "fp8")
 AUTO = "auto"  # resolved by resolve_device_choices before anything else reads it
@@ -123,23 +122,3 @@ def compute_dtype(precision: str | int | None) -> torch.dtype:
     if text.startswith("64"):
         return torch.float64
     return torch.float32
-
-
-def attention_placement(cfg: RunConfig, *, gpu_visible: bool | None = None) -> Placement:
-    """Where a run's attention computes, which ``kernels.attention=auto`` chooses for:
-    the device type, the dtype of its matmuls and whether each row is split over ranks
-    (``strategy.context_parallel``).
-
-    Args:
-        cfg: the typed run config (``precision=auto`` is resolved here as it will be).
-        gpu_visible: whether a CUDA GPU is visible; detected unless given.
-    """
-    if gpu_visible is None:
-        gpu_visible = torch.cuda.is_available()
-    cfg = resolve_device_choices(cfg, gpu_visible=gpu_visible)
-    return Placement(
-        device=device_type(cfg.trainer.accelerator, gpu_visible),
-        # a name that is no precision is refused by the run's checks, not here
-        dtype=compute_dtype(_LIGHTNING_PRECISION.get(cfg.precision.name, "32-true")),
-        split_rows=cfg.strategy.context_parallel > 1,
-    )

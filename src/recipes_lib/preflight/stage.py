@@ -22,7 +22,6 @@ from recipes_lib.models.windows import attention_choice
 from recipes_lib.objectives import objective_of
 from recipes_lib.optim.batch_ramp import check_batch_ramp as check_ramp_config
 from recipes_lib.parallel.context import check_context_parallel
-from recipes_lib.parallel.precision import attention_placement
 from recipes_lib.parallel.strategy import (
     STRATEGIES,
     get_strategy,
@@ -107,9 +106,7 @@ def check_data_and_kernels(cfg: RunConfig) -> None:
     if is_fallback(cfg.model):
         _check_one_attention(kernels)
     # every kind of layer the model has, on the backend its key names
-    choice = attention_choice(
-        kernels, cfg.model, document_mask=cfg.data.document_mask, placement=attention_placement(cfg)
-    )
+    choice = attention_choice(kernels, cfg.model, document_mask=cfg.data.document_mask)
     for kind in choice.kinds:
         backend, key = choice.backends[kind], choice.key(kind)
         if cfg.data.document_mask and not backend.capabilities.document_mask:
@@ -127,7 +124,7 @@ def check_data_and_kernels(cfg: RunConfig) -> None:
 
 def _check_one_attention(kernels: KernelsConfig) -> None:
     """The transformers fallback runs one attention of its own in every layer (``auto``
-    takes its SDPA): refuse a backend per kind of layer, and a backend transformers has
+    takes its flex attention): refuse a backend per kind of layer, and a backend transformers has
     none of, naming the key."""
     for key, value in (
         ("kernels.attention_local", kernels.attention_local),
@@ -242,12 +239,7 @@ def check_objective(cfg: RunConfig) -> None:
             f"sinks, which model.family={cfg.model.family} has (model.attention_sinks=true)"
         )
     if degree != 1:
-        choice = attention_choice(
-            cfg.kernels,
-            cfg.model,
-            document_mask=cfg.data.document_mask,
-            placement=attention_placement(cfg),
-        )
+        choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
         for kind in choice.kinds:  # each kind's backend splits rows, or the key is named
             backend, key = choice.backends[kind], choice.key(kind)
             if key != "kernels.attention" and not backend.capabilities.context_parallel:

@@ -27,7 +27,7 @@ its decoder layers, sharding per decoder layer.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
@@ -47,7 +47,6 @@ from recipes_lib.config.schema import (
 )
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.kernels import AttentionChoice
-from recipes_lib.kernels.choice import Placement
 from recipes_lib.kernels.compiled import compile_blocks
 from recipes_lib.kernels.offload import ActivationOffload
 from recipes_lib.models import Transformer, TransformerBlock
@@ -71,8 +70,6 @@ class ModelBuild:
             graphs (:func:`recipes_lib.kernels.compiled.compile_blocks`).
         document_mask: its rows are packed with a document mask (``data.document_mask``),
             which ``kernels.attention=auto`` gives every layer a backend for.
-        placement: where its attention computes, which ``kernels.attention=auto``
-            chooses for (default: the CPU in fp32).
     """
 
     model: ModelConfig
@@ -86,7 +83,6 @@ class ModelBuild:
     trains: bool = True
     varying_shapes: bool = False  # batches vary in shape (recipes_lib.kernels.compiled)
     document_mask: bool = False  # rows packed with a document mask (data.document_mask)
-    placement: Placement = field(default_factory=Placement)
 
 
 def _seeded_decoder(config: ModelConfig, backend: AttentionChoice) -> Transformer:
@@ -125,7 +121,7 @@ def build_model(
     if is_fallback(plan.model):  # the native decoder's interface, transformers' model
         return cast(Transformer, _build_fallback(plan, device=device, mesh=mesh))
     backend = attention or attention_choice(
-        plan.kernels, plan.model, document_mask=plan.document_mask, placement=plan.placement
+        plan.kernels, plan.model, document_mask=plan.document_mask
     )
     with torch.device(device):
         model = _seeded_decoder(plan.model, backend)  # 1

@@ -45,7 +45,6 @@ from recipes_lib.config.schema import (
 )
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
-from recipes_lib.kernels.choice import Placement
 from recipes_lib.losses import causal_lm_loss
 from recipes_lib.models import Transformer
 from recipes_lib.models.hf_fallback import model_shapes
@@ -236,16 +235,7 @@ class CausalLMModule(L.LightningModule):
             upcycle=self.upcycle,
             varying_shapes=self.varying_shapes,
             document_mask=self.document_mask,
-            placement=self.attention_placement(),
         )
-
-    def attention_placement(self) -> Placement:
-        """Where the model's attention computes, which ``kernels.attention=auto`` chooses
-        for: the module's device, the trainer's compute dtype (fp32 before one is
-        attached) and whether rows are split over ranks."""
-        trainer = self._attached()
-        dtype = compute_dtype(trainer.precision) if trainer is not None else torch.float32
-        return Placement(self.device.type, dtype, split_rows=self.context_parallel > 1)
 
     def placement(self) -> tuple[torch.device, Any]:
         """Where a model is built, and the data-parallel mesh under FSDP2 (else None): the

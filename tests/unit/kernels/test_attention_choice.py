@@ -192,7 +192,7 @@ def test_the_transformers_fallback_refuses_a_backend_per_kind(tmp_path, override
         check_data_and_kernels(fallback)
 
 
-def test_the_transformers_fallback_takes_auto_as_its_sdpa(tmp_path):
+def test_the_transformers_fallback_takes_auto_as_its_flex(tmp_path):
     import dataclasses
 
     from recipes_lib.config import to_run_config
@@ -202,7 +202,7 @@ def test_the_transformers_fallback_takes_auto_as_its_sdpa(tmp_path):
     cfg = to_run_config(_compose(tmp_path, "kernels.attention=auto"))
     fallback = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, family="hf"))
     check_data_and_kernels(fallback)  # the post-training recipes' default
-    assert ATTENTION_IMPLEMENTATIONS["auto"] == "sdpa"
+    assert ATTENTION_IMPLEMENTATIONS["auto"] == "flex_attention"
 
 
 def test_a_run_prints_and_keeps_each_kinds_backend(tmp_path, caplog):
@@ -286,72 +286,3 @@ def test_flash_attn_for_one_kind_on_a_cpu_is_refused_before_the_first_step(tmp_p
     assert "'cpu'" in message and "\n" not in message
     assert not list((tmp_path / "run").rglob("*.ckpt"))  # no step was taken
     assert not (tmp_path / "run" / "model.safetensors").exists()
-
-
-@pytest.fixture
-def cuda_with_varlen(monkeypatch):
-    """A CUDA GPU of compute capability 9.0 whose torch has its varlen kernel, as the
-    choice sees it (nothing runs on it)."""
-    from recipes_lib.kernels import flash
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(flash, "_torch_varlen_reason", lambda: None)
-
-
-def test_auto_takes_torch_varlen_where_it_runs(cuda_with_varlen):
-    from recipes_lib.kernels.choice import Placement
-
-    gpu = Placement("cuda", torch.bfloat16)
-    packed = choose_attention("auto", document_mask=True, placement=gpu)
-    # documents and windows on the flash kernel: no mask to build or compile
-    assert packed.names() == {"global": "varlen", "local": "varlen"}
-    assert packed.backends["global"] is packed.backends["local"]
-    assert packed.line() == (
-        "attention: global layers varlen, local layers varlen (kernels.attention=auto)"
-    )
-    # whole rows: SDPA's own flash kernel for the global layers
-    whole = choose_attention("auto", placement=gpu)
-    assert whole.names() == {"global": "sdpa", "local": "varlen"}
-    # where varlen cannot: fp32, the CPU, rows split over ranks, attention sinks
-    for placement in (
-        Placement("cuda", torch.float32),
-        Placement("cpu", torch.bfloat16),
-        Placement("cuda", torch.bfloat16, split_rows=True),
-    ):
-        choice = choose_attention("auto", document_mask=True, placement=placement)
-        assert choice.names() == {"global": "flex", "local": "flex"}, placement
-    sinks = choose_attention("auto", sinks=True, placement=gpu)
-    assert sinks.names() == {"global": "sdpa", "local": "flex"}
-    # an explicit key is never second-guessed
-    assert choose_attention("flex", placement=gpu).names() == {"global": "flex", "local": "flex"}
-
-
-def test_auto_passes_over_varlen_on_an_older_gpu_or_torch(cuda_with_varlen, monkeypatch):
-    from recipes_lib.kernels import flash
-    from recipes_lib.kernels.choice import Placement
-
-    gpu = Placement("cuda", torch.bfloat16)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert choose_attention("auto", document_mask=True, placement=gpu).name == "flex"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(flash, "_torch_varlen_reason", lambda: "no varlen in this torch")
-    assert choose_attention("auto", document_mask=True, placement=gpu).name == "flex"
-
-
-def test_a_runs_placement_comes_from_its_accelerator_precision_and_context_parallel():
-    from recipes_lib.config import to_run_config
-    from recipes_lib.parallel.precision import attention_placement
-
-    def placement(*overrides, gpu=True):
-        cfg = to_run_config(compose_config(["model=tiny", *overrides]))
-        return attention_placement(cfg, gpu_visible=gpu)
-
-    assert placement("precision=bf16-mixed") == placement("precision=fp8")
-    got = placement("precision=bf16-mixed")
-    assert (got.device, got.dtype, got.split_rows) == ("cuda", torch.bfloat16, False)
-    assert placement("precision=bf16-mixed", gpu=False).device == "cpu"
-    assert placement("precision=bf16-mixed", "trainer.accelerator=cpu").device == "cpu"
-    assert placement("precision=32-true").dtype == torch.float32
-    assert placement("precision=auto", gpu=False).dtype == torch.float32
-    assert placement("strategy.context_parallel=2").split_rows
