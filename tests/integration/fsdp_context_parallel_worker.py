@@ -155,7 +155,9 @@ def check(case: list[str]) -> bool:
     if mode == "sum":
         ok = same_loss and worst < tolerance
     else:  # the comparison must catch it: gradients 1 / degree of the reference's
-        ok = worst > 10 * tolerance and all(abs(r - 1 / degree) < tolerance for r in ratios)
+        # (the sum check's absolute bound fails; the reference's largest entry sets the
+        # size of the miss, small on a tiny GPU model's 1,024-token rows)
+        ok = worst > tolerance and all(abs(r - 1 / degree) < tolerance for r in ratios)
     return ok
 
 
