@@ -2,8 +2,9 @@
 the one-process loss and gradients of a tiny decoder (fp32, within 1e-5), with plain
 causal rows, packed rows whose documents cross the shards, and local-window layers.
 The comparison runs inside each process (``context_parallel_worker.py``). Whole runs
-(pretraining, SFT with LoRA on packed conversations, SFT on padded ones) over two
-processes follow the one-process run's loss curve and reach its weights."""
+(pretraining, SFT with LoRA on packed conversations, SFT on padded ones, DPO with a
+reference of its own and with LoRA's) over two processes follow the one-process run's
+loss curve and reach its weights."""
 
 from __future__ import annotations
 
@@ -119,10 +120,12 @@ def on_two(root) -> Path:
     the pretraining run (``split``) and each SFT case's (``<recipe>/split``, beside the
     data cache its one-process run shares), under ``root``."""
     runs = [_split_overrides(root, "split", processes=2, batch_size=2)]
+    split = ("strategy=ddp", "strategy.context_parallel=2", "trainer.devices=2")
     for recipe, rows in SFT_CASES.items():
         folder = _sft_folder(root, recipe)
-        split = ("strategy=ddp", "strategy.context_parallel=2", "trainer.devices=2")
         runs.append(_sft_overrides(folder, "split", recipe, *_sft_rows(rows), *split))
+    for recipe in DPO_CASES:
+        runs.append(_dpo_overrides(root, recipe, "split", *split))
     _one_job(2, *runs)
     return root
 
@@ -212,4 +215,56 @@ def test_an_sft_run_with_split_rows_follows_the_one_process_run(on_two, recipe, 
         ones, twos = metric_series(single, name), metric_series(split, name)
         assert ones and [s for s, _ in twos] == [s for s, _ in ones]
         assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4)
+    assert _largest_weight_difference(folder / "single", folder / "split") < 1e-4
+
+
+# a separate frozen reference, and LoRA's: the policy with its adapters bypassed
+DPO_CASES = ("dpo/tiny", "dpo/lora_tiny")
+
+
+def _dpo_overrides(root: Path, recipe: str, name: str, *extra: str) -> list[str]:
+    """DPO from the one-process pretraining run's weights and tokenizer, on pairs packed
+    into rows of 64 tokens with their documents masked, four pairs a step."""
+    return [
+        f"recipe={recipe}",
+        f"run.dir={_sft_folder(root, recipe) / name}",
+        f"data.cache_dir={root / 'cache'}",
+        f"stage.init_from={root / 'single' / 'model.safetensors'}",
+        f"data.tokenizer.path={root / 'single' / 'tokenizer.json'}",
+        *SMALL_VOCAB_OVERRIDES,
+        "data.seq_len=64",
+        "data.batch_size=4",
+        "data.sources.stdlib_dpo.max_documents=100",
+        "data.document_mask=true",
+        "kernels.attention=flex",
+        "trainer.max_steps=3",
+        "trainer.val_check_interval=3",
+        "trainer.limit_val_batches=2",
+        "trainer.log_every_n_steps=1",
+        "scheduler.warmup=1",
+        "optim.lr=1e-3",  # the policy moves off the reference within the three steps
+        *QUIET_OVERRIDES,
+        "callbacks=minimal",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", DPO_CASES)
+def test_a_dpo_run_with_split_rows_follows_the_one_process_run(on_two, recipe):
+    """DPO over two gloo processes at strategy.context_parallel=2 (one replica): each
+    rank runs the policy and the reference on half of every packed row, each sequence's
+    log-probs are summed over the two halves, and the loss, reward margins and weights
+    follow the one-process run (fp32, within 1e-4)."""
+    folder = _sft_folder(on_two, recipe)
+    run(compose_config(_dpo_overrides(on_two, recipe, "single")))
+    for rank in range(2):
+        spied = json.loads((folder / "split" / f"sharded_rank{rank}.json").read_text())
+        assert spied["calls"] > 0 and spied["lengths"] == [32]  # half of each row
+    single = read_metrics(folder / "single")
+    split = read_metrics(folder / "split")
+    for name in ("train/loss", "train/rewards/margin", "val/loss", "val/rewards/accuracy"):
+        ones, twos = metric_series(single, name), metric_series(split, name)
+        assert ones and [s for s, _ in twos] == [s for s, _ in ones], name
+        assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4), name
     assert _largest_weight_difference(folder / "single", folder / "split") < 1e-4

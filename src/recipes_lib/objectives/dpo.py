@@ -52,5 +52,6 @@ DPO = register_objective(
         example_noun="pairs",
         batches_vary=shapes_vary,
         frozen_models=_reference,
+        context_parallel=True,
     )
 )

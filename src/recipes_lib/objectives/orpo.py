@@ -33,5 +33,6 @@ ORPO = register_objective(
         sequences_per_example=2,
         example_noun="pairs",
         batches_vary=shapes_vary,
+        context_parallel=True,
     )
 )

@@ -22,16 +22,19 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.kernels.sharded import ContextShard
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.logprobs import token_logprobs
 from recipes_lib.objectives.registry import FrozenModel
+from recipes_lib.parallel.context import group_sum
 from recipes_lib.training.module import Batch, CausalLMModule
 from recipes_lib.training.reference import (
     REFERENCE_SOURCE_KEY,
@@ -39,6 +42,9 @@ from recipes_lib.training.reference import (
     build_reference,
     restore_reference,
 )
+
+if TYPE_CHECKING:
+    from recipes_lib.models import Transformer
 
 SPLITS = ("train", "val")
 
@@ -78,13 +84,32 @@ def label_logprobs(module: CausalLMModule, model: Any, batch: Batch) -> Tensor:
     ignored), through the model's head, fused with the loss when
     ``kernels.loss_chunk_size`` is set: the full logits never exist then."""
     input_ids, doc_ids = module.model_inputs(batch)
+    token_mask = module.expert_load.token_mask(batch)
+    return rows_logprobs(module, model, RowsShare(input_ids, batch["labels"], doc_ids, token_mask))
+
+
+@dataclass(frozen=True)
+class RowsShare:
+    """The rows a rank runs a model on: a batch's, or its share of them under context
+    parallelism (:func:`recipes_lib.parallel.context.split_rows`), with each token's
+    sequence (``sequence_ids``; None where not needed)."""
+
+    input_ids: Tensor
+    labels: Tensor
+    doc_ids: Tensor | None
+    token_mask: Tensor | None
+    sequence_ids: Tensor | None = None
+
+
+def rows_logprobs(module: CausalLMModule, model: Any, rows: RowsShare) -> Tensor:
+    """:func:`label_logprobs` of ``rows``."""
     return model(
-        input_ids,
-        doc_ids,
-        labels=batch["labels"],
+        rows.input_ids,
+        rows.doc_ids,
+        labels=rows.labels,
         per_token=True,
         loss_chunk_size=module.kernels_config.loss_chunk_size,
-        token_mask=module.expert_load.token_mask(batch),
+        token_mask=rows.token_mask,
     )
 
 
@@ -166,6 +191,25 @@ class PairedReference:
         """``(P, 2)`` reference log-probs of the batch's examples, computed now."""
         per_token = label_logprobs(module, self.built(), batch)
         return pair_sums(per_token, batch["sequence_ids"], batch["pair_index"].numel())
+
+    @torch.no_grad()
+    def share_logprobs(
+        self, module: CausalLMModule, rows: RowsShare, shard: ContextShard, n_pairs: int
+    ) -> Tensor:
+        """``(P, 2)`` reference log-probs of whole sequences from this rank's ``rows`` of
+        them, summed over the context-parallel group of ``shard``."""
+        reference = self.built()
+        # a model of its own takes the shard; the adapted policy has it set already
+        separate = cast("Transformer | None", reference.model)
+        if separate is not None:
+            separate.set_context_shard(shard)
+        try:
+            per_token = rows_logprobs(module, reference, rows)
+        finally:
+            if separate is not None:
+                separate.set_context_shard(None)
+        assert rows.sequence_ids is not None
+        return group_sum(pair_sums(per_token, rows.sequence_ids, n_pairs), shard)
 
     def of_batch(self, module: CausalLMModule, batch: Batch) -> Tensor:
         """The batch's precomputed reference log-probs, else computed now."""

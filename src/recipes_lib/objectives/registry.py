@@ -102,9 +102,11 @@ class ObjectiveSpec:
         frozen_models: ``frozen_models(cfg, settings)``: the frozen models a run runs
             through training (what the memory estimate and the step's FLOPs count).
         check: ``check(cfg, settings)``: its cross-key rules, raising ConfigError.
-        context_parallel: its loss is the module's next-token loss (a sum over the
-            tokens its labels train, over their count), so its rows may be split over
-            ranks (``strategy.context_parallel``).
+        context_parallel: its rows may be split over ranks
+            (``strategy.context_parallel``): its loss is the module's next-token loss (a
+            sum over the tokens its labels train, over their count), or is computed from
+            sums over whole sequences that the ranks add up (the preference objectives:
+            :func:`recipes_lib.parallel.context.group_sum`).
     """
 
     name: str

@@ -17,6 +17,11 @@ therefore scaled by ``N``: the world's average is then the sum over each group's
 (the whole rows' gradient) averaged over the ``world / N`` data-parallel replicas, and
 parameters stay equal on every rank.
 
+A loss that takes whole sequences' sums (a preference pair's log-probs) has each rank
+sum over its share of every sequence and the group add the shares first
+(:func:`group_sum`); every rank of the group then computes the same loss, scaled by
+``N`` in the same way (:func:`group_loss`).
+
 :class:`ContextParallelDDP` is DDP with those groups; FSDP2's strategy
 (:class:`recipes_lib.parallel.engines.FSDP2Strategy`) makes the same groups with
 :func:`new_context_group`. The checks of :func:`check_context_parallel` run in the
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.strategies import DDPStrategy
@@ -138,6 +144,48 @@ def sharded_loss(token_loss_sum: Tensor, tokens: Tensor, shard: ContextShard) ->
     return share + (summed / total - share).detach()
 
 
+class _GroupSum(torch.autograd.Function):
+    """A sum over a process group whose backward keeps each rank's own gradient (see
+    :func:`group_sum`)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+def group_sum(x: Tensor, shard: ContextShard) -> Tensor:
+    """``x`` summed over the ranks of ``shard``'s group: whole sequences' sums from each
+    rank's share of their tokens (a pair's log-probs). Every rank then computes the same
+    loss from the sum, so in the backward each keeps the gradient of its own share; the
+    group's shares add up in the data-parallel reduction once the loss is scaled by the
+    degree, as :func:`sharded_loss` scales it (:func:`group_loss`)."""
+    if shard.degree == 1:
+        return x
+    return _GroupSum.apply(x, shard.group)
+
+
+def group_loss(loss: Tensor, shard: ContextShard) -> Tensor:
+    """The loss a rank backpropagates when every rank of the group computed ``loss`` from
+    :func:`group_sum`'s sums: scaled by the degree (DDP and FSDP2 average over the whole
+    world, where the group's shares must add up), valued as ``loss``."""
+    return loss * shard.degree - (loss * (shard.degree - 1)).detach()
+
+
+def shard_padded(shard: ContextShard, rows: Tensor, value: int) -> Tensor:
+    """This rank's share of ``rows`` (``(B, T)``), first widened on the right with
+    ``value`` to the shard's row length as :func:`split_rows` widens a batch."""
+    extra = shard.seq_len - rows.shape[1]
+    if extra:
+        rows = F.pad(rows, (0, extra), value=value)
+    return shard.shard(rows)
+
+
 def check_context_parallel(
     degree: int,
     *,
@@ -201,9 +249,9 @@ def check_context_parallel(
         )
     if not objective_supports:
         raise ConfigError(
-            f"stage.objective={objective} does not train on plain sequences; "
+            f"stage.objective={objective} cannot split its rows over ranks; "
             f"strategy.context_parallel={degree} works with pretraining, continued "
-            "pretraining and SFT (LoRA included) for now"
+            "pretraining, SFT (LoRA included), DPO, SimPO and ORPO"
         )
 
 
@@ -212,7 +260,10 @@ __all__ = [
     "check_context_parallel",
     "context_shard",
     "data_parallel_size",
+    "group_loss",
+    "group_sum",
     "new_context_group",
+    "shard_padded",
     "sharded_loss",
     "split_rows",
 ]

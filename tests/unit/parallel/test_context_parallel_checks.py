@@ -58,14 +58,16 @@ def test_a_degree_the_run_cannot_use_is_refused(overrides, match):
     assert "\n" not in str(refused.value)
 
 
-def test_an_objective_without_plain_sequences_is_refused():
-    cfg = to_run_config(compose_config(["recipe=dpo/tiny", *SPLIT, "strategy.context_parallel=2"]))
-    with pytest.raises(ConfigError, match=r"does not train on plain sequences; strategy.cont"):
+def test_an_objective_that_cannot_split_its_rows_is_refused():
+    cfg = to_run_config(compose_config(["recipe=kto/tiny", *SPLIT, "strategy.context_parallel=2"]))
+    with pytest.raises(ConfigError, match=r"^stage.objective=kto cannot split its rows over"):
         check_run(cfg, (cfg.stage.objective,))
 
 
-@pytest.mark.parametrize("recipe", ["sft/tiny", "sft/lora_tiny"])
-def test_sft_and_lora_split_their_rows(recipe):
+@pytest.mark.parametrize(
+    "recipe", ["sft/tiny", "sft/lora_tiny", "dpo/tiny", "dpo/lora_tiny", "simpo/tiny", "orpo/tiny"]
+)
+def test_sequence_and_pair_objectives_split_their_rows(recipe):
     cfg = to_run_config(compose_config([f"recipe={recipe}", *SPLIT, "strategy.context_parallel=2"]))
     check_run(cfg, (cfg.stage.objective,))
 
