@@ -124,7 +124,7 @@ def on_two(root) -> Path:
     for recipe, rows in SFT_CASES.items():
         folder = _sft_folder(root, recipe)
         runs.append(_sft_overrides(folder, "split", recipe, *_sft_rows(rows), *split))
-    for recipe in DPO_CASES:
+    for recipe in PAIR_CASES:
         runs.append(_dpo_overrides(root, recipe, "split", *split))
     _one_job(2, *runs)
     return root
@@ -218,8 +218,9 @@ def test_an_sft_run_with_split_rows_follows_the_one_process_run(on_two, recipe, 
     assert _largest_weight_difference(folder / "single", folder / "split") < 1e-4
 
 
-# a separate frozen reference, and LoRA's: the policy with its adapters bypassed
-DPO_CASES = ("dpo/tiny", "dpo/lora_tiny")
+# DPO with a separate frozen reference, and with LoRA's (the policy with its adapters
+# bypassed); a reward model, whose scores are read at one position of each sequence
+PAIR_CASES = ("dpo/tiny", "dpo/lora_tiny", "reward/tiny")
 
 
 def _dpo_overrides(root: Path, recipe: str, name: str, *extra: str) -> list[str]:
@@ -250,12 +251,13 @@ def _dpo_overrides(root: Path, recipe: str, name: str, *extra: str) -> list[str]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", DPO_CASES)
-def test_a_dpo_run_with_split_rows_follows_the_one_process_run(on_two, recipe):
-    """DPO over two gloo processes at strategy.context_parallel=2 (one replica): each
-    rank runs the policy and the reference on half of every packed row, each sequence's
-    log-probs are summed over the two halves, and the loss, reward margins and weights
-    follow the one-process run (fp32, within 1e-4)."""
+@pytest.mark.parametrize("recipe", PAIR_CASES)
+def test_a_pair_run_with_split_rows_follows_the_one_process_run(on_two, recipe):
+    """DPO and reward modelling over two gloo processes at strategy.context_parallel=2
+    (one replica): each rank runs the policy (and DPO's reference) on half of every
+    packed row, each sequence's log-probs are summed over the two halves (a reward
+    model's score is read on the rank holding its position), and the loss, reward
+    margins and weights follow the one-process run (fp32, within 1e-4)."""
     folder = _sft_folder(on_two, recipe)
     run(compose_config(_dpo_overrides(on_two, recipe, "single")))
     for rank in range(2):

@@ -21,15 +21,19 @@ from dataclasses import asdict
 from typing import Any
 
 import lightning as L
+import torch
 from torch import Tensor, nn
 
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.data.preference.module import build_preference_data
 from recipes_lib.errors import ConfigError
+from recipes_lib.kernels.sharded import ContextShard
+from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.reward import bradley_terry_loss
 from recipes_lib.objectives.registry import ObjectiveSpec, register_objective, shapes_vary
 from recipes_lib.objectives.settings import RewardSettings
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
+from recipes_lib.parallel.context import group_loss, group_sum, split_rows
 from recipes_lib.training.module import Batch, CausalLMModule
 
 
@@ -79,15 +83,19 @@ class RewardModule(CausalLMModule):
             )
         n_pairs = batch["pair_index"].numel()
         input_ids, doc_ids = self.model_inputs(batch)
-        scores = sequence_scores(
-            self.built_model(),
-            input_ids,
-            doc_ids,
-            batch["score_index"],
-            self.expert_load.token_mask(batch),
-        )
+        token_mask = self.expert_load.token_mask(batch)
+        trainer = self._attached()
+        shard = None
+        if trainer is not None and getattr(trainer.strategy, "context_parallel", 1) > 1:
+            scores, shard = self._shared_scores(trainer.strategy, batch, doc_ids, token_mask)
+        else:
+            scores = sequence_scores(
+                self.built_model(), input_ids, doc_ids, batch["score_index"], token_mask
+            )
         chosen, rejected = scores[:n_pairs], scores[n_pairs:]
         loss = bradley_terry_loss(chosen, rejected, self.settings.center_coef)
+        if shard is not None:
+            loss = group_loss(loss, shard)
         chosen, rejected = chosen.detach(), rejected.detach()
         metrics = {
             "rewards/chosen": chosen.mean(),
@@ -96,6 +104,38 @@ class RewardModule(CausalLMModule):
             "rewards/accuracy": (chosen > rejected).float().mean(),
         }
         return loss, metrics
+
+    def _shared_scores(
+        self, strategy: object, batch: Batch, doc_ids: Tensor | None, token_mask: Tensor | None
+    ) -> tuple[Tensor, ContextShard]:
+        """Each sequence's score under ``strategy.context_parallel``: each rank runs its
+        share of every row and reads the scores whose positions it holds; the group adds
+        them up (a score is on one rank, zero on the others). The model keeps its shard
+        until the backward has run, as the base module's does."""
+        input_ids = batch["input_ids"]
+        score_index = batch["score_index"].to(input_ids.device)
+        # each position's sequence where a score is read, IGNORE_INDEX elsewhere (what
+        # split_rows pads labels with)
+        score_at = torch.full_like(input_ids, IGNORE_INDEX)
+        score_at.view(-1)[score_index] = torch.arange(
+            score_index.numel(), device=input_ids.device, dtype=input_ids.dtype
+        )
+        split = split_rows(strategy, input_ids, score_at, doc_ids, token_mask)
+        assert split is not None  # context_parallel > 1
+        shard, (ids, at, docs, mask) = split
+        model = self.built_model()
+        model.set_context_shard(shard)
+        try:
+            local = model(ids, docs, token_mask=mask).flatten().float()  # (R * T / N,)
+        except BaseException:
+            model.set_context_shard(None)
+            raise
+        if not torch.is_grad_enabled():
+            model.set_context_shard(None)
+        at = at.flatten()
+        held = torch.zeros(score_index.numel(), dtype=local.dtype, device=local.device)
+        held = held.index_add(0, at.clamp(min=0), local * (at >= 0))
+        return group_sum(held, shard), shard
 
     def count_tokens(self, batch: Batch) -> int:
         """Real (non-padding) tokens of both sequences of every pair."""
@@ -129,5 +169,6 @@ REWARD = register_objective(
         example_noun="pairs",
         head="score",
         batches_vary=shapes_vary,
+        context_parallel=True,
     )
 )
