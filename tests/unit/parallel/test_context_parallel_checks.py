@@ -66,7 +66,8 @@ def test_an_objective_that_cannot_split_its_rows_is_refused():
 
 @pytest.mark.parametrize(
     "recipe",
-    ["sft/tiny", "sft/lora_tiny", "dpo/tiny", "dpo/lora_tiny", "simpo/tiny", "orpo/tiny", "reward/tiny"],
+    ["sft/tiny", "sft/lora_tiny", "dpo/tiny", "dpo/lora_tiny", "simpo/tiny", "orpo/tiny"]
+    + ["reward/tiny"],
 )
 def test_sequence_and_pair_objectives_split_their_rows(recipe):
     cfg = to_run_config(compose_config([f"recipe={recipe}", *SPLIT, "strategy.context_parallel=2"]))
