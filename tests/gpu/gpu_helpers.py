@@ -1,5 +1,5 @@
 """Helpers shared by the GPU tests: CSV metrics of a run, ``torchrun`` jobs, peak
-training memory and the small QLoRA runs."""
+training memory, the small QLoRA runs and a Gemma-like model on two attention backends."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 from run_helpers import metric_series, read_metrics, torchrun
+from tiny import family_overrides
 
 __all__ = [
+    "GEMMA_LIKE_SEQ",
     "WORKER",
     "PeakTrainingMemory",
+    "gemma_like_pair",
     "metric_series",
     "qlora_overrides",
     "read_metrics",
@@ -60,3 +63,39 @@ def qlora_overrides(recipe: str, source: str, run_dir: Path, cache_dir: Path, *e
         "callbacks=minimal",
         *extra,
     ]
+
+
+GEMMA_LIKE_SEQ = 512
+# the `small` decoder (6 layers, dim 384, 6:2 heads) as Gemma 3: five local layers of a
+# 128-key window, one global layer
+GEMMA_LIKE = (
+    "model=small",
+    *family_overrides("gemma3"),
+    "model.query_pre_attn_scalar=64",
+    "model.sliding_window=128",
+    "model.window_layers=[0,1,2,3,4]",
+    "model.local_rope_theta=10000",
+    f"model.max_seq_len={GEMMA_LIKE_SEQ}",
+)
+
+
+def gemma_like_pair(attention, *, compiled: bool, varying: bool = False):
+    """A Gemma-like model on ``attention`` (a backend's name or an AttentionChoice) and
+    the same weights on flex in every layer, both bf16 on CUDA, their blocks compiled
+    when ``compiled`` (for batches of varying shape with ``varying``)."""
+    from recipes_lib.config import compose_config, to_run_config
+    from recipes_lib.kernels.compiled import compile_blocks
+    from recipes_lib.models import Transformer
+
+    config = to_run_config(compose_config(list(GEMMA_LIKE))).model
+    torch.manual_seed(0)
+    flex = Transformer(config, "flex")
+    other = Transformer(config, attention)
+    other.load_state_dict(flex.state_dict())
+    models = []
+    for model in (other, flex):
+        model = model.cuda().to(torch.bfloat16)
+        if compiled:
+            compile_blocks(model.layers, varying_shapes=varying)
+        models.append(model)
+    return models[0], models[1]

@@ -8,43 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny import family_overrides
+from gpu_helpers import GEMMA_LIKE_SEQ, gemma_like_pair
 
-from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.kernels import choose_attention
-from recipes_lib.kernels.compiled import compile_blocks
 from recipes_lib.models import Transformer
 
 pytestmark = pytest.mark.gpu
 
-SEQ = 512
-# the `small` decoder (6 layers, dim 384, 6:2 heads) as Gemma 3: five local layers of a
-# 128-key window, one global layer
-GEMMA_LIKE = (
-    "model=small",
-    *family_overrides("gemma3"),
-    "model.query_pre_attn_scalar=64",
-    "model.sliding_window=128",
-    "model.window_layers=[0,1,2,3,4]",
-    "model.local_rope_theta=10000",
-    f"model.max_seq_len={SEQ}",
-)
+SEQ = GEMMA_LIKE_SEQ
 
 
 def _models(attention, compiled: bool) -> tuple[Transformer, Transformer]:
-    """The model on ``attention`` and the same weights on flex alone, bf16 on CUDA."""
-    config = to_run_config(compose_config(list(GEMMA_LIKE))).model
-    torch.manual_seed(0)
-    flex = Transformer(config, "flex")
-    mixed = Transformer(config, attention)
-    mixed.load_state_dict(flex.state_dict())
-    models = []
-    for model in (mixed, flex):
-        model = model.cuda().to(torch.bfloat16)
-        if compiled:
-            compile_blocks(model.layers, varying_shapes=False)
-        models.append(model)
-    return models[0], models[1]
+    """The Gemma-like model on ``attention`` and the same weights on flex alone."""
+    return gemma_like_pair(attention, compiled=compiled)
 
 
 def _loss_and_grad_norm(model: Transformer, x: torch.Tensor, doc_ids=None):

@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny import family_overrides
+from gpu_helpers import GEMMA_LIKE_SEQ, gemma_like_pair
 
-from recipes_lib.config import compose_config, to_run_config
 from recipes_lib.kernels import get_attention_backend
-from recipes_lib.kernels.compiled import compile_blocks, watch_compiles
+from recipes_lib.kernels.compiled import watch_compiles
 from recipes_lib.models import Transformer
 
 pytestmark = pytest.mark.gpu
@@ -73,32 +72,12 @@ def test_varlen_matches_fp32_attention_forward_and_backward(window, packed):
         torch.testing.assert_close(a.float(), b, atol=5e-2, rtol=5e-2, msg=f"grad of {name}")
 
 
-SEQ = 512
-GEMMA_LIKE = (  # six layers: five local ones of a 128-key window, one global
-    "model=small",
-    *family_overrides("gemma3"),
-    "model.query_pre_attn_scalar=64",
-    "model.sliding_window=128",
-    "model.window_layers=[0,1,2,3,4]",
-    "model.local_rope_theta=10000",
-    f"model.max_seq_len={SEQ}",
-)
+SEQ = GEMMA_LIKE_SEQ
 
 
 def _pair(compiled: bool, varying: bool = False) -> tuple[Transformer, Transformer]:
-    """A Gemma-like model on varlen, and the same weights on flex, bf16 on CUDA."""
-    config = to_run_config(compose_config(list(GEMMA_LIKE))).model
-    torch.manual_seed(0)
-    flex = Transformer(config, "flex")
-    varlen_model = Transformer(config, "varlen")
-    varlen_model.load_state_dict(flex.state_dict())
-    models = []
-    for model in (varlen_model, flex):
-        model = model.cuda().to(torch.bfloat16)
-        if compiled:
-            compile_blocks(model.layers, varying_shapes=varying)
-        models.append(model)
-    return models[0], models[1]
+    """The Gemma-like model on varlen, and the same weights on flex."""
+    return gemma_like_pair("varlen", compiled=compiled, varying=varying)
 
 
 def _loss_and_grads(model, x, doc_ids):
