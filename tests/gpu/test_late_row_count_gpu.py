@@ -8,6 +8,13 @@ came from a compiled ``create_block_mask``, dynamo had specialised it on the fir
 batch's row count and compiled again at that step, inside the measured steps: 815 and
 762 tok/s instead of about 15,000 on an H200. ``tests/unit/kernels/test_late_row_count.py``
 checks the same on a CPU with dynamo's eager backend.
+
+The model has the matrix's row width and hidden size (1,152 x 2,048): a two-row batch
+is below, a three-row one above, the size at which inductor's mix-order reduction (a
+norm's backward) decides to fuse. Inductor guarded the graph on that comparison, so the
+three-row batch compiled again (SimPO on heavy-tailed pairs, an H200, torch 2.11);
+varying-shape blocks now compile without that fusion
+(:func:`recipes_lib.kernels.compiled.set_row_count_fusion`).
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ from recipes_lib.models import Transformer
 
 pytestmark = pytest.mark.gpu
 
-WIDTH = 512
+WIDTH = 1152
 SHORT = [(60, 50)] * 4  # two rows (one of them padding)
-LONG = [(400, 40), (400, 40), (400, 40), (40, 40)]  # first fit needs a third row
+LONG = [(800, 40), (800, 40), (800, 40), (40, 40)]  # first fit needs a third row
 
 
 def _batch(lengths: list[tuple[int, int]], seed: int) -> dict:
@@ -50,7 +57,9 @@ def _batch(lengths: list[tuple[int, int]], seed: int) -> dict:
 def test_a_batch_that_first_needs_a_third_row_late_compiles_nothing_on_cuda():
     torch._dynamo.reset()
     torch.manual_seed(0)
-    config = tiny_model_config(vocab_size=256, dim=128, n_heads=4, max_seq_len=WIDTH)
+    config = tiny_model_config(
+        vocab_size=256, dim=2048, n_heads=16, n_kv_heads=4, ffn_dim=512, max_seq_len=WIDTH
+    )
     model = Transformer(config, attention="flex").cuda()
     compile_blocks(model.layers, varying_shapes=True)
     batches = [_batch(lengths, seed) for seed, lengths in enumerate([SHORT] * 5 + [LONG, SHORT])]

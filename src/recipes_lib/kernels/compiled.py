@@ -89,11 +89,47 @@ def compile_blocks(blocks: Iterable[nn.Module], *, varying_shapes: bool) -> None
         # the bound is structural (kinds of call x their graphs), not a guess;
         # watch_compiles puts the process's own limit back when the run ends
         setattr(_config(), _LIMIT_NAME, max(recompile_limit(), GRAPH_BOUND))
+        set_row_count_fusion(False)
     for block in blocks:
         block.compile()
         # read by mark_varying and call_block; torch types a module's attributes as
         # tensors or modules: a flag is neither
         block.varying_shapes = varying_shapes  # type: ignore[assignment]
+
+
+# inductor's setting of its mix-order reduction (see set_row_count_fusion)
+_FUSION_NAME = "mix_order_reduction"
+
+
+def _inductor_triton():
+    import torch._inductor.config as inductor
+
+    return inductor.triton
+
+
+def row_count_fusion() -> bool | None:
+    """Whether inductor fuses a norm's backward reductions across rows and columns
+    (None: this torch has no such fusion)."""
+    return getattr(_inductor_triton(), _FUSION_NAME, None)
+
+
+def set_row_count_fusion(on: bool | None) -> None:
+    """Turn inductor's mix-order reduction on or off, for the process (None: leave it).
+
+    That fusion (a norm's backward reducing over rows and columns in one kernel) is
+    decided by comparing rows x width, and the rows alone, with fixed sizes, and the
+    graph is guarded on the outcome. Batches of packed pairs two rows wide traced
+    ``rows < 2.2`` into the guards, and the first three-row batch, at about step ten of
+    SimPO on heavy-tailed pairs, compiled the blocks again inside the timed steps (an
+    H200, torch 2.11; found with ``TORCH_LOGS=recompiles``). So a run whose blocks take
+    varying rows compiles without it (:func:`compile_blocks`), as inductor did before
+    it had it; :func:`watch_compiles` puts the process's setting back when the run ends.
+    The backward graphs are compiled when the first backward runs, so the setting holds
+    for the run, not only around the blocks' compile.
+    """
+    triton = _inductor_triton()
+    if on is not None and hasattr(triton, _FUSION_NAME):
+        setattr(triton, _FUSION_NAME, on)
 
 
 # the environment variables torch's compile caches read, with the folder each takes
@@ -270,6 +306,7 @@ def watch_compiles() -> Iterator[CompileStats]:
     stats = CompileStats()
     graphs, hits, cached = _counts()
     limit = recompile_limit()  # what compile_blocks may raise for the run, restored after
+    fusion = row_count_fusion()  # what compile_blocks may turn off, restored after
     handler = _LimitWarning(level=logging.WARNING)
     dynamo_log = logging.getLogger("torch._dynamo")
     dynamo_log.addHandler(handler)
@@ -278,6 +315,7 @@ def watch_compiles() -> Iterator[CompileStats]:
     finally:
         dynamo_log.removeHandler(handler)
         setattr(_config(), _LIMIT_NAME, limit)
+        set_row_count_fusion(fusion)
         now_graphs, now_hits, now_cached = _counts()
         stats.graphs = now_graphs - graphs
         stats.recompile_limit_hits = now_hits - hits

@@ -177,3 +177,20 @@ def test_padded_rows_for_compiled_blocks_are_a_bucket_wide():
     items = [{"input_ids": torch.arange(n), "labels": torch.arange(n)} for n in (5, 70)]
     assert pad_collate(0)(items)["input_ids"].shape[1] == 70
     assert pad_collate(0, bucket_within=96)(items)["input_ids"].shape[1] == 96
+
+
+def test_varying_shape_blocks_compile_without_inductors_row_count_guard(monkeypatch):
+    """Inductor's mix-order reduction guards a graph on rows x width against a fixed
+    size: a run whose blocks take varying rows turns it off, a fixed-shape run leaves it,
+    and the run's end puts the process's setting back."""
+    from recipes_lib.kernels.compiled import row_count_fusion
+
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: None)
+    before = row_count_fusion()
+    assert before is not None  # this torch has the fusion
+    with watch_compiles():
+        compile_blocks([torch.nn.Linear(2, 2)], varying_shapes=False)
+        assert row_count_fusion() == before
+        compile_blocks([torch.nn.Linear(2, 2)], varying_shapes=True)
+        assert row_count_fusion() is False
+    assert row_count_fusion() == before
