@@ -15,6 +15,12 @@ norm's backward) decides to fuse. Inductor guarded the graph on that comparison,
 three-row batch compiled again (SimPO on heavy-tailed pairs, an H200, torch 2.11);
 varying-shape blocks now compile without that fusion
 (:func:`recipes_lib.kernels.compiled.set_row_count_fusion`).
+
+With that fixed, the three-row batch still compiled twice on an H200 (torch 2.11): the
+blocks called flex compiled on its own, which broke their graph at the attention, and
+the frames after it were traced with the rows static. Inside a compiled block flex is
+now the operator itself (:func:`recipes_lib.kernels.attention.compiled_flex`), and
+this test passed.
 """
 
 from __future__ import annotations

@@ -37,6 +37,11 @@ from torch.nn.attention.flex_attention import (
 from recipes_lib.errors import UnsupportedKernelError
 from recipes_lib.kernels.block_masks import BLOCK, block_mask, pad_documents
 
+try:  # what flex_attention returns besides its output, since torch 2.9
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # an import inside a compiled region would break its graph
+    AuxRequest = None  # type: ignore[assignment,misc]
+
 _ALL_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -289,9 +294,7 @@ def flex_with_sinks(flex, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, **kwar
     """``flex(q, k, v, **kwargs)`` (flex_attention, compiled or not) with a sink per query
     head, through the log-sum-exp it returns: ``out * sigmoid(lse - sink)``, which flex's
     backward differentiates (its gradient of the log-sum-exp)."""
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-    except ImportError:  # torch before 2.9 asks for it with a flag
+    if AuxRequest is None:  # torch before 2.9 asks for it with a flag
         y, lse = flex(q, k, v, return_lse=True, **kwargs)
     else:
         y, aux = flex(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
@@ -306,8 +309,19 @@ _compiled_flex_attention = None
 
 
 def compiled_flex():
-    """``flex_attention`` compiled, once per process (shared by the sharded attention)."""
+    """``flex_attention`` as the caller runs: inside a compiled region (a compiled
+    block) the operator itself, which that region's graph takes in and compiles with
+    it; in eager code, ``flex_attention`` compiled once per process (shared by the
+    sharded attention).
+
+    A compiled block calling the separately compiled function instead broke its graph
+    there (torch 2.11 on an H200, ``tests/gpu/test_late_row_count_gpu.py``): the code
+    after the attention ran as frames of their own, traced with the rows static, and
+    the first batch with more rows compiled them again inside the training steps.
+    """
     global _compiled_flex_attention
+    if torch.compiler.is_compiling():
+        return flex_attention
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention)
     return _compiled_flex_attention

@@ -103,6 +103,26 @@ def test_flex_block_mask_drives_torch_flex_attention():
     torch.testing.assert_close(backend(q, k, v, mask), reference, atol=1e-5, rtol=1e-5)
 
 
+def test_a_compiled_region_calls_flex_itself_and_eager_code_the_compiled_one():
+    # A compiled block that called the separately compiled flex broke its graph at the
+    # attention (torch 2.11 on a GPU): the rest of the block ran as frames traced with
+    # static rows, and a batch with more rows compiled them again mid-run.
+    from recipes_lib.kernels.attention import compiled_flex
+
+    inside = []
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def block(x):
+        inside.append(compiled_flex())
+        return x * 2
+
+    block(torch.ones(2))
+    torch._dynamo.reset()
+    assert inside == [flex_attention]
+    assert compiled_flex() is not flex_attention  # eager code: flex compiled once
+    assert compiled_flex() is compiled_flex()
+
+
 def test_flex_reuses_the_causal_block_mask():
     backend = get_attention_backend("flex")
     assert backend.build_mask(None, 64) is backend.build_mask(None, 64)
