@@ -33,7 +33,7 @@ from recipes_lib.data.records import split_records
 ROOT = Path(__file__).resolve().parents[2]
 SFT_MIN_DROP = 0.3  # held-out SFT loss: start (the annealed weights) minus end, at least
 DPO_MIN_ACCURACY = 0.7  # held-out DPO preference accuracy at the end, at least
-DOWNSTREAM_MIN_ACCURACY = 0.3  # stdlib_bodies after pretraining (chance: 0.25; 0.38 seen)
+DOWNSTREAM_MIN_ACCURACY = 0.3  # stdlib_bodies after pretraining (chance: 0.25; 0.40 seen)
 
 
 def readme_command(marker: str) -> str:
@@ -74,7 +74,7 @@ def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     train = metric_series(rows, "train/loss")
     val = metric_series(rows, "val/loss")
     ppl = metric_series(rows, "val/ppl")
-    assert train[-1][0] == 299  # 300 optimizer steps
+    assert train[-1][0] == 199  # the demo's 200 optimizer steps
     start = train[0][1]
     assert start > 7.0  # close to ln(4096) = 8.3 at the start
     assert val[-1][1] < start - 3.0, (start, val)
@@ -85,12 +85,12 @@ def test_main_command_runs_the_demo_pipeline_on_embedded_corpus(tmp_path):
     assert tokens and all(t > 0 for _, t in tokens)
     # the downstream task in the loop: above chance (0.25) once pretrained
     downstream = metric_series(rows, "eval/stdlib_bodies/acc")
-    assert [step for step, _ in downstream] == [0, 100, 200, 300]
+    assert [step for step, _ in downstream] == [0, 100, 200]
     assert downstream[-1][1] >= DOWNSTREAM_MIN_ACCURACY > downstream[0][1], downstream
 
     # the anneal continues from the pretrained weights and lowers the validation loss
     anneal = read_metrics(out / "anneal")
-    assert metric_series(anneal, "train/loss")[-1][0] == 99  # 100 more steps
+    assert metric_series(anneal, "train/loss")[-1][0] == 49  # 50 more steps
     assert metric_series(anneal, "val/loss")[-1][1] < val[-1][1]
     for stage in ("pretrain", "anneal", "sft", "dpo"):
         assert (out / stage / "manifest.json").is_file()
