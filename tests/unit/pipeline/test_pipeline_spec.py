@@ -53,7 +53,8 @@ def test_stage_keys_from_the_command_line_reach_the_stage_config(tmp_path):
         )
     )
     anneal = spec.stages[1]
-    assert anneal.settings == {"optim": {"weight_decay": 0.05}}
+    # the command line's key beside the demo's own length for the stage
+    assert anneal.settings == {"trainer": {"max_steps": 50}, "optim": {"weight_decay": 0.05}}
     cfg = compose_stage(spec, anneal)
     assert cfg.optim.weight_decay == 0.05
     assert cfg.scheduler.name == "linear"  # the recipe's own choices stay
