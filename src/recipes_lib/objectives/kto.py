@@ -36,6 +36,8 @@ from recipes_lib.objectives.pairs import (
     label_logprobs,
     pair_sums,
     reference_models,
+    shared_pair_logps,
+    split_pair_rows,
 )
 from recipes_lib.objectives.registry import (
     FrozenModel,
@@ -46,6 +48,7 @@ from recipes_lib.objectives.registry import (
 from recipes_lib.objectives.settings import KTOSettings
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
 from recipes_lib.parallel.collectives import summed_over_ranks
+from recipes_lib.parallel.context import group_loss
 from recipes_lib.training.module import Batch, CausalLMModule
 
 
@@ -128,9 +131,21 @@ class KTOModule(CausalLMModule):
                 "gives them: data=stdlib_kto or data=unpaired)"
             )
         n = batch["pair_index"].numel()
-        per_token = self.policy_logprobs(batch)
-        policy = pair_sums(per_token, batch["sequence_ids"], n)  # (N, 2): completion, twin
-        reference = self.reference.of_batch(self, batch).to(policy.dtype)
+        shared = split_pair_rows(self, batch)  # strategy.context_parallel: a share of each row
+        if shared is None:
+            per_token = self.policy_logprobs(batch)
+            policy = pair_sums(per_token, batch["sequence_ids"], n)  # (N, 2): completion, twin
+            reference = self.reference.of_batch(self, batch)
+        else:
+            shard, rows = shared
+            split = batch.get("twin_rows")  # an int: the first row of the twins
+            twin_rows = None if split is None or self.model_config.moe_experts else int(split)
+            policy, shared_reference, _ = shared_pair_logps(
+                self, batch, shard, rows, n, self.reference, twin_rows=twin_rows
+            )
+            assert shared_reference is not None  # KTO always has a reference
+            reference = shared_reference
+        reference = reference.to(policy.dtype)
         settings = self.settings
         desirable = batch["desirable"].to(policy.device)
         twins = policy[:, 1].detach() - reference[:, 1]  # mismatched completions' log-ratios
@@ -155,6 +170,8 @@ class KTOModule(CausalLMModule):
             "logps/undesirable": _masked_mean(logps, unwanted),
         }
         metrics["rewards/margin"] = metrics["rewards/desirable"] - metrics["rewards/undesirable"]
+        if shared is not None:  # every rank of the group computed the same loss
+            loss = group_loss(loss, shared[0])
         return loss, metrics
 
     def count_tokens(self, batch: Batch) -> int:
@@ -189,5 +206,6 @@ KTO = register_objective(
         example_noun="completions",
         batches_vary=shapes_vary,
         frozen_models=_reference,
+        context_parallel=True,
     )
 )

@@ -34,7 +34,7 @@ from recipes_lib.kernels.sharded import ContextShard
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.logprobs import token_logprobs
 from recipes_lib.objectives.registry import FrozenModel
-from recipes_lib.parallel.context import group_sum
+from recipes_lib.parallel.context import group_sum, shard_padded, split_rows
 from recipes_lib.training.module import Batch, CausalLMModule
 from recipes_lib.training.reference import (
     REFERENCE_SOURCE_KEY,
@@ -100,6 +100,36 @@ class RowsShare:
     token_mask: Tensor | None
     sequence_ids: Tensor | None = None
 
+    def rows(self, which: slice) -> RowsShare:
+        """Only ``which`` of the rows (KTO's completions, or their twins)."""
+
+        def part(tensor: Tensor | None) -> Tensor | None:
+            return None if tensor is None else tensor[which]
+
+        return RowsShare(
+            self.input_ids[which],
+            self.labels[which],
+            part(self.doc_ids),
+            part(self.token_mask),
+            part(self.sequence_ids),
+        )
+
+
+def split_pair_rows(module: CausalLMModule, batch: Batch) -> tuple[ContextShard, RowsShare] | None:
+    """This rank's share of a batch's rows under ``strategy.context_parallel``, with
+    each token's sequence (None: whole rows, as without it)."""
+    trainer = module._attached()
+    if trainer is None:
+        return None
+    input_ids, doc_ids = module.model_inputs(batch)
+    token_mask = module.expert_load.token_mask(batch)
+    split = split_rows(trainer.strategy, input_ids, batch["labels"], doc_ids, token_mask)
+    if split is None:
+        return None
+    shard, (ids, labels, docs, mask) = split
+    sequences = shard_padded(shard, batch["sequence_ids"], -1)
+    return shard, RowsShare(ids, labels, docs, mask, sequences)
+
 
 def rows_logprobs(module: CausalLMModule, model: Any, rows: RowsShare) -> Tensor:
     """:func:`label_logprobs` of ``rows``."""
@@ -111,6 +141,49 @@ def rows_logprobs(module: CausalLMModule, model: Any, rows: RowsShare) -> Tensor
         loss_chunk_size=module.kernels_config.loss_chunk_size,
         token_mask=rows.token_mask,
     )
+
+
+def shared_pair_logps(
+    module: CausalLMModule,
+    batch: Batch,
+    shard: ContextShard,
+    rows: RowsShare,
+    n_pairs: int,
+    reference: PairedReference | None,
+    *,
+    twin_rows: int | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor]:
+    """The policy's and the reference's ``(P, 2)`` log-probs and the token counts of
+    whole sequences, each rank of a context-parallel group running its share of every
+    row: the sums over the shares of each sequence add up over the group
+    (:func:`group_sum`). Rows from ``twin_rows`` on run without a gradient (KTO's
+    mismatched twins). The policy keeps its shard until the backward has run, as the
+    base module's ``compute_loss`` does; a precomputed reference was run on whole rows.
+    """
+    assert rows.sequence_ids is not None
+    model = module.built_model()
+    model.set_context_shard(shard)
+    try:
+        if twin_rows is None:
+            per_token = rows_logprobs(module, model, rows)
+        else:
+            trained = rows_logprobs(module, model, rows.rows(slice(0, twin_rows)))
+            with torch.no_grad():
+                twins = rows_logprobs(module, model, rows.rows(slice(twin_rows, None)))
+            per_token = torch.cat([trained, twins])
+        logps = None
+        if reference is not None:
+            logps = batch.get("reference_logps")  # precomputed on whole rows
+            if logps is None:
+                logps = reference.share_logprobs(module, rows, shard, n_pairs)
+    except BaseException:
+        model.set_context_shard(None)
+        raise
+    if not torch.is_grad_enabled():
+        model.set_context_shard(None)
+    policy = group_sum(pair_sums(per_token, rows.sequence_ids, n_pairs), shard)
+    tokens = group_sum(pair_token_counts(rows.labels, rows.sequence_ids, n_pairs), shard)
+    return policy, logps, tokens
 
 
 def count_pair_tokens(batch: Batch) -> int:

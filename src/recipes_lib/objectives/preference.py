@@ -24,22 +24,20 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from recipes_lib.kernels.sharded import ContextShard
 from recipes_lib.losses.preference import PairLogps, PreferenceLoss
 from recipes_lib.objectives.pairs import (
     PairedReference,
-    RowsShare,
     count_pair_tokens,
     label_logprobs,
     pair_sums,
     pair_token_counts,
-    rows_logprobs,
+    shared_pair_logps,
+    split_pair_rows,
 )
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
-from recipes_lib.parallel.context import group_loss, group_sum, shard_padded, split_rows
+from recipes_lib.parallel.context import group_loss
 from recipes_lib.training.module import Batch, CausalLMModule
 
 
@@ -99,7 +97,7 @@ class PreferenceModule(CausalLMModule):
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """The preference loss of a batch of pairs, and the reward metrics."""
         n_pairs = batch["pair_index"].numel()
-        shared = self._split_pairs(batch)
+        shared = split_pair_rows(self, batch)
         if shared is None:
             per_token = label_logprobs(self, self.built_model(), batch)  # both sequences
             policy = pair_sums(per_token, batch["sequence_ids"], n_pairs)
@@ -107,7 +105,9 @@ class PreferenceModule(CausalLMModule):
             tokens = pair_token_counts(batch["labels"], batch["sequence_ids"], n_pairs)
         else:
             shard, rows = shared
-            policy, reference, tokens = self._shared_pair_logps(batch, shard, rows, n_pairs)
+            policy, reference, tokens = shared_pair_logps(
+                self, batch, shard, rows, n_pairs, self.reference
+            )
         loss, chosen_rewards, rejected_rewards = self.pair_loss.loss(
             PairLogps(policy, tokens, reference), self.pair_loss.beta, self.pair_loss.gamma
         )
@@ -122,48 +122,6 @@ class PreferenceModule(CausalLMModule):
             "logps/rejected": policy[:, 1].detach().mean(),
         }
         return loss, metrics
-
-    def _split_pairs(self, batch: Batch) -> tuple[ContextShard, RowsShare] | None:
-        """This rank's share of the batch's rows under ``strategy.context_parallel``
-        (None: whole rows), with each token's sequence."""
-        trainer = self._attached()
-        if trainer is None:
-            return None
-        input_ids, doc_ids = self.model_inputs(batch)
-        token_mask = self.expert_load.token_mask(batch)
-        split = split_rows(trainer.strategy, input_ids, batch["labels"], doc_ids, token_mask)
-        if split is None:
-            return None
-        shard, (ids, labels, docs, mask) = split
-        sequences = shard_padded(shard, batch["sequence_ids"], -1)
-        return shard, RowsShare(ids, labels, docs, mask, sequences)
-
-    def _shared_pair_logps(
-        self, batch: Batch, shard: ContextShard, rows: RowsShare, n_pairs: int
-    ) -> tuple[Tensor, Tensor | None, Tensor]:
-        """The policy's and the reference's ``(P, 2)`` log-probs and the token counts of
-        whole sequences, each rank running its share of every row: the sums over the
-        shares of each sequence add up over the group (:func:`group_sum`). The policy
-        keeps its shard until the backward has run, as :meth:`compute_loss` of the base
-        module does."""
-        assert rows.sequence_ids is not None
-        model = self.built_model()
-        model.set_context_shard(shard)
-        try:
-            per_token = rows_logprobs(self, model, rows)
-            reference = None
-            if self.reference is not None:
-                reference = batch.get("reference_logps")  # precomputed on whole rows
-                if reference is None:
-                    reference = self.reference.share_logprobs(self, rows, shard, n_pairs)
-        except BaseException:
-            model.set_context_shard(None)
-            raise
-        if not torch.is_grad_enabled():
-            model.set_context_shard(None)
-        policy = group_sum(pair_sums(per_token, rows.sequence_ids, n_pairs), shard)
-        tokens = group_sum(pair_token_counts(rows.labels, rows.sequence_ids, n_pairs), shard)
-        return policy, reference, tokens
 
     def count_tokens(self, batch: Batch) -> int:
         """Real (non-padding) tokens of both sequences of every pair."""

@@ -59,15 +59,17 @@ def test_a_degree_the_run_cannot_use_is_refused(overrides, match):
 
 
 def test_an_objective_that_cannot_split_its_rows_is_refused():
-    cfg = to_run_config(compose_config(["recipe=kto/tiny", *SPLIT, "strategy.context_parallel=2"]))
-    with pytest.raises(ConfigError, match=r"^stage.objective=kto cannot split its rows over"):
+    cfg = to_run_config(
+        compose_config(["recipe=distill/tiny", *SPLIT, "strategy.context_parallel=2"])
+    )
+    with pytest.raises(ConfigError, match=r"^stage.objective=distill cannot split its rows"):
         check_run(cfg, (cfg.stage.objective,))
 
 
 @pytest.mark.parametrize(
     "recipe",
     ["sft/tiny", "sft/lora_tiny", "dpo/tiny", "dpo/lora_tiny", "simpo/tiny", "orpo/tiny"]
-    + ["reward/tiny"],
+    + ["kto/tiny", "reward/tiny"],
 )
 def test_sequence_and_pair_objectives_split_their_rows(recipe):
     cfg = to_run_config(compose_config([f"recipe={recipe}", *SPLIT, "strategy.context_parallel=2"]))
