@@ -215,9 +215,26 @@ class ShardedAttention(AttentionBackend):
                 allowed = allowed & (doc_ids[b, q_idx] == key_docs[b, kv_idx])
             return allowed
 
+        # what the mask_mod reads per row, traced dynamic with the rows (row_tensors)
+        sharded_causal.row_tensors = [  # type: ignore[attr-defined]
+            t for t in (doc_ids, key_docs) if t is not None
+        ]
         return block_masks.block_mask(
             sharded_causal, q_pos, k_pos, q_docs=doc_ids, k_docs=key_docs, window=window
         )
+
+    def row_tensors(self, mask: object | None) -> list[Tensor]:
+        """Per-row tensors of a mask from :meth:`build_mask`: a block mask's tables and the
+        document ids its ``mask_mod`` reads (compiled blocks take flex into their graph,
+        so these are traced there), or a dense mask with a row each."""
+        if isinstance(mask, BlockMask):
+            if mask.kv_num_blocks.shape[0] < 2:
+                return []  # one mask for every row
+            tables = [t for t in mask.as_tuple() if isinstance(t, Tensor) and t.ndim >= 3]
+            return tables + list(getattr(mask.mask_mod, "row_tensors", []))
+        if isinstance(mask, Tensor) and mask.shape[0] >= 2:
+            return [mask]
+        return []
 
     def __call__(
         self,

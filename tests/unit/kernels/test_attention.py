@@ -104,9 +104,11 @@ def test_flex_block_mask_drives_torch_flex_attention():
 
 
 def test_a_compiled_region_calls_flex_itself_and_eager_code_the_compiled_one():
-    # A compiled block that called the separately compiled flex broke its graph at the
-    # attention (torch 2.11 on a GPU): the rest of the block ran as frames traced with
-    # static rows, and a batch with more rows compiled them again mid-run.
+    # Inside a compiled region flex is the operator itself, which the region's graph
+    # takes in: calling flex compiled on its own there broke a block's graph (torch 2.11
+    # on a GPU, which tests/gpu/test_late_row_count_gpu.py checks). And when the first
+    # call came from there, the old code stored the plain operator as the compiled one,
+    # so every later eager call ran flex uncompiled: the last two lines fail on it.
     from recipes_lib.kernels.attention import compiled_flex
 
     inside = []

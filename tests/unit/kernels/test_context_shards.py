@@ -65,3 +65,24 @@ def test_split_rows_use_the_block_mask_only_for_flex_on_cuda_in_whole_blocks():
     assert not uses_block_mask("flex", "cpu", 131072, 4)
     assert not uses_block_mask("sdpa", "cuda", 131072, 4)
     assert not uses_block_mask("flex", "cuda", 1000, 2)  # chunks of 250 tokens
+
+
+def test_the_per_row_tensors_of_split_rows_masks_are_named():
+    """Compiled blocks take flex into their graph, the mask's tensors with it: those with
+    a row each (the block tables, the documents the mask_mod reads, a dense mask) are
+    what the rows' dynamic dimension must cover, or a batch with more rows compiles the
+    blocks again."""
+    T, degree = 512, 2
+    shard = ContextShard(seq_len=T, degree=degree, rank=0)
+    attention = ShardedAttention(FlexAttention(), shard)
+    docs = torch.tensor([[0] * 100 + [1] * 412, [0] * 512])  # (B, T)
+    local, gathered = shard.shard(docs), docs[:, shard.key_positions]
+    block = attention.block_mask(local, gathered, torch.device("cpu"), None)
+    named = attention.row_tensors(block)
+    assert any(t is local for t in named) and any(t is gathered for t in named)
+    assert all(t.shape[0] == 2 for t in named) and len(named) > 2  # the tables too
+    one_row = attention.block_mask(None, None, torch.device("cpu"), None)
+    assert attention.row_tensors(one_row) == []  # one mask for every row
+    alone = ShardedAttention(FlexAttention(), ContextShard(seq_len=64, degree=1, rank=0))
+    dense = alone.build_mask(docs[:, :64], 64)  # the CPU's mask: (B, 1, T / N, T)
+    assert [t.shape for t in alone.row_tensors(dense)] == [(2, 1, 64, 64)]
