@@ -330,6 +330,17 @@ def compiled_flex():
 FLEX_BLOCK = BLOCK  # flex_attention's default block size
 
 
+def block_mask_row_tensors(mask: BlockMask) -> list[Tensor]:
+    """The tensors of a per-row BlockMask with a row each, which compiled blocks trace
+    dynamic with the rows: its block tables ``(B, H, ...)`` and what its ``mask_mod``
+    reads per row (the list its builder hangs on it as ``row_tensors``: document ids).
+    None for a mask shared by every row (``B`` of 1)."""
+    if mask.kv_num_blocks.shape[0] < 2:
+        return []
+    tables = [t for t in mask.as_tuple() if isinstance(t, Tensor) and t.ndim >= 3]
+    return tables + list(getattr(mask.mask_mod, "row_tensors", []))
+
+
 def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return q_idx >= kv_idx
 
@@ -398,18 +409,13 @@ class FlexAttention(AttentionBackend):
             return causal(b, h, q_idx, kv_idx) & same_document
 
         # The mask differs per row, so B is the batch size (H broadcasts).
-        document_causal.doc_ids = doc_ids  # type: ignore[attr-defined]  # see row_tensors
+        document_causal.row_tensors = [doc_ids]  # type: ignore[attr-defined]  # see row_tensors
         return block_mask(
             document_causal, positions, positions, q_docs=doc_ids, k_docs=doc_ids, window=window
         )
 
     def row_tensors(self, mask: object | None) -> list[Tensor]:
-        if not isinstance(mask, BlockMask) or mask.kv_num_blocks.shape[0] < 2:
-            return []  # a causal mask: one for every row
-        # the block tables (B, H, ...) and the document ids the mask_mod reads
-        tables = [t for t in mask.as_tuple() if isinstance(t, Tensor) and t.ndim >= 3]
-        doc_ids = getattr(mask.mask_mod, "doc_ids", None)
-        return tables + ([doc_ids] if doc_ids is not None else [])
+        return block_mask_row_tensors(mask) if isinstance(mask, BlockMask) else []
 
     def __call__(
         self,

@@ -40,6 +40,7 @@ from recipes_lib.kernels.attention import (
     FLEX_BLOCK,
     AttentionBackend,
     FlexAttention,
+    block_mask_row_tensors,
     compiled_flex,
 )
 
@@ -228,10 +229,7 @@ class ShardedAttention(AttentionBackend):
         document ids its ``mask_mod`` reads (compiled blocks take flex into their graph,
         so these are traced there), or a dense mask with a row each."""
         if isinstance(mask, BlockMask):
-            if mask.kv_num_blocks.shape[0] < 2:
-                return []  # one mask for every row
-            tables = [t for t in mask.as_tuple() if isinstance(t, Tensor) and t.ndim >= 3]
-            return tables + list(getattr(mask.mask_mod, "row_tensors", []))
+            return block_mask_row_tensors(mask)
         if isinstance(mask, Tensor) and mask.shape[0] >= 2:
             return [mask]
         return []

@@ -32,12 +32,13 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import kto_loss
 from recipes_lib.objectives.pairs import (
     PairedReference,
+    RowsShare,
     count_pair_tokens,
-    label_logprobs,
     pair_sums,
     reference_models,
     shared_pair_logps,
     split_pair_rows,
+    split_rows_logprobs,
 )
 from recipes_lib.objectives.registry import (
     FrozenModel,
@@ -54,15 +55,6 @@ from recipes_lib.training.module import Batch, CausalLMModule
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-def _rows(batch: Batch, rows: slice) -> Batch:
-    """``batch`` with only ``rows`` of its ``(R, T)`` tensors (the rest as they are)."""
-    height = batch["input_ids"].shape[0]
-    return {
-        k: v[rows] if isinstance(v, Tensor) and v.dim() == 2 and v.shape[0] == height else v
-        for k, v in batch.items()
-    }
 
 
 def mean_over_ranks(values: Tensor) -> Tensor:
@@ -110,18 +102,20 @@ class KTOModule(CausalLMModule):
         super().on_fit_start()
         self.reference.on_fit_start(self)
 
+    def twin_rows(self, batch: Batch) -> int | None:
+        """Where the batch's twins' rows start, which run without a gradient; None: one
+        pass over every row (a mixture of experts reads its balance loss from the last
+        forward)."""
+        split = batch.get("twin_rows")  # an int: the first row of the twins
+        return None if split is None or self.model_config.moe_experts else int(split)
+
     def policy_logprobs(self, batch: Batch) -> Tensor:
         """``(R, T)`` label log-probs under the policy: the completions' rows with a
-        gradient, then the twins' rows (``twin_rows`` on) without one, which spares the
-        backward pass half the rows. A mixture of experts runs them in one pass (its
-        balance loss is read from the last forward)."""
-        model, split = self.built_model(), batch.get("twin_rows")
-        if split is None or self.model_config.moe_experts:
-            return label_logprobs(self, model, batch)
-        completions = label_logprobs(self, model, _rows(batch, slice(0, split)))
-        with torch.no_grad():
-            twins = label_logprobs(self, model, _rows(batch, slice(split, None)))
-        return torch.cat([completions, twins])
+        gradient, then the twins' rows without one (:meth:`twin_rows`)."""
+        input_ids, doc_ids = self.model_inputs(batch)
+        token_mask = self.expert_load.token_mask(batch)
+        rows = RowsShare(input_ids, batch["labels"], doc_ids, token_mask)
+        return split_rows_logprobs(self, self.built_model(), rows, self.twin_rows(batch))
 
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
         """KTO's loss of a batch of labelled completions, and its reward metrics."""
@@ -138,10 +132,8 @@ class KTOModule(CausalLMModule):
             reference = self.reference.of_batch(self, batch)
         else:
             shard, rows = shared
-            split = batch.get("twin_rows")  # an int: the first row of the twins
-            twin_rows = None if split is None or self.model_config.moe_experts else int(split)
-            policy, shared_reference, _ = shared_pair_logps(
-                self, batch, shard, rows, n, self.reference, twin_rows=twin_rows
+            policy, shared_reference = shared_pair_logps(
+                self, batch, shard, rows, n, self.reference, twin_rows=self.twin_rows(batch)
             )
             assert shared_reference is not None  # KTO always has a reference
             reference = shared_reference

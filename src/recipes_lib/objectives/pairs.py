@@ -143,6 +143,20 @@ def rows_logprobs(module: CausalLMModule, model: Any, rows: RowsShare) -> Tensor
     )
 
 
+def split_rows_logprobs(
+    module: CausalLMModule, model: Any, rows: RowsShare, twin_rows: int | None
+) -> Tensor:
+    """:func:`rows_logprobs` of ``rows``, those from ``twin_rows`` on (KTO's mismatched
+    twins, rows of their own) without a gradient, which spares the backward pass their
+    rows; None: every row in one pass."""
+    if twin_rows is None:
+        return rows_logprobs(module, model, rows)
+    trained = rows_logprobs(module, model, rows.rows(slice(0, twin_rows)))
+    with torch.no_grad():
+        twins = rows_logprobs(module, model, rows.rows(slice(twin_rows, None)))
+    return torch.cat([trained, twins])
+
+
 def shared_pair_logps(
     module: CausalLMModule,
     batch: Batch,
@@ -152,25 +166,19 @@ def shared_pair_logps(
     reference: PairedReference | None,
     *,
     twin_rows: int | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor]:
-    """The policy's and the reference's ``(P, 2)`` log-probs and the token counts of
-    whole sequences, each rank of a context-parallel group running its share of every
-    row: the sums over the shares of each sequence add up over the group
-    (:func:`group_sum`). Rows from ``twin_rows`` on run without a gradient (KTO's
-    mismatched twins). The policy keeps its shard until the backward has run, as the
-    base module's ``compute_loss`` does; a precomputed reference was run on whole rows.
+) -> tuple[Tensor, Tensor | None]:
+    """The policy's and the reference's ``(P, 2)`` log-probs of whole sequences, each
+    rank of a context-parallel group running its share of every row: the sums over the
+    shares of each sequence add up over the group (:func:`group_sum`). Rows from
+    ``twin_rows`` on run without a gradient (:func:`split_rows_logprobs`). The policy
+    keeps its shard until the backward has run, as the base module's ``compute_loss``
+    does; a precomputed reference was run on whole rows.
     """
     assert rows.sequence_ids is not None
     model = module.built_model()
     model.set_context_shard(shard)
     try:
-        if twin_rows is None:
-            per_token = rows_logprobs(module, model, rows)
-        else:
-            trained = rows_logprobs(module, model, rows.rows(slice(0, twin_rows)))
-            with torch.no_grad():
-                twins = rows_logprobs(module, model, rows.rows(slice(twin_rows, None)))
-            per_token = torch.cat([trained, twins])
+        per_token = split_rows_logprobs(module, model, rows, twin_rows)
         logps = None
         if reference is not None:
             logps = batch.get("reference_logps")  # precomputed on whole rows
@@ -181,9 +189,7 @@ def shared_pair_logps(
         raise
     if not torch.is_grad_enabled():
         model.set_context_shard(None)
-    policy = group_sum(pair_sums(per_token, rows.sequence_ids, n_pairs), shard)
-    tokens = group_sum(pair_token_counts(rows.labels, rows.sequence_ids, n_pairs), shard)
-    return policy, logps, tokens
+    return group_sum(pair_sums(per_token, rows.sequence_ids, n_pairs), shard), logps
 
 
 def count_pair_tokens(batch: Batch) -> int:

@@ -37,7 +37,7 @@ from recipes_lib.objectives.pairs import (
     split_pair_rows,
 )
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
-from recipes_lib.parallel.context import group_loss
+from recipes_lib.parallel.context import group_loss, group_sum
 from recipes_lib.training.module import Batch, CausalLMModule
 
 
@@ -105,9 +105,9 @@ class PreferenceModule(CausalLMModule):
             tokens = pair_token_counts(batch["labels"], batch["sequence_ids"], n_pairs)
         else:
             shard, rows = shared
-            policy, reference, tokens = shared_pair_logps(
-                self, batch, shard, rows, n_pairs, self.reference
-            )
+            policy, reference = shared_pair_logps(self, batch, shard, rows, n_pairs, self.reference)
+            assert rows.sequence_ids is not None
+            tokens = group_sum(pair_token_counts(rows.labels, rows.sequence_ids, n_pairs), shard)
         loss, chosen_rewards, rejected_rewards = self.pair_loss.loss(
             PairLogps(policy, tokens, reference), self.pair_loss.beta, self.pair_loss.gamma
         )

@@ -27,7 +27,6 @@ from recipes_lib.data.preference.module import PreferenceDataModule
 from recipes_lib.data.tokenizer import save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import ConfigError
 from recipes_lib.models import Transformer
-from recipes_lib.objectives import kto as kto_objective
 from recipes_lib.objectives import pairs as pair_parts
 from recipes_lib.objectives.dpo import DPOSettings
 from recipes_lib.objectives.kto import KTOModule, KTOSettings
@@ -430,14 +429,14 @@ def test_kto_runs_the_twins_apart_without_a_gradient_and_trains_as_one_pass_does
     module.configure_model()
     perturb(module.model)
     calls = []
-    label_logprobs = kto_objective.label_logprobs
+    rows_logprobs = pair_parts.rows_logprobs
 
     def recorded(owner, model, rows):
-        calls.append((rows["input_ids"].shape[0], torch.is_grad_enabled()))
-        return label_logprobs(owner, model, rows)
+        calls.append((rows.input_ids.shape[0], torch.is_grad_enabled()))
+        return rows_logprobs(owner, model, rows)
 
-    monkeypatch.setattr(kto_objective, "label_logprobs", recorded)  # the policy's passes
-    monkeypatch.setattr(pair_parts, "label_logprobs", recorded)  # the reference's
+    # every pass, the policy's and the reference's, runs the model through it
+    monkeypatch.setattr(pair_parts, "rows_logprobs", recorded)
 
     def step(b: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         module.model.zero_grad()
