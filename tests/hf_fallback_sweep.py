@@ -22,6 +22,9 @@ from tiny import QUIET_OVERRIDES
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.models.families import FAMILIES
 
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
 # small dims under every name configs use for them; only names a config has are set
 TINY_DIMS: dict[str, Any] = {
     "vocab_size": VOCAB,
@@ -287,8 +290,16 @@ state-space or linear-attention model, and trains one example per row with
 **{ok} of {total} types pass both recipes**, {partial} pass one, {failed} fail, {skipped}
 cannot be made tiny here (extra dependencies or a config that does not shrink).
 
-| model type | path | sft/lora | dpo/full | load check | packing | note |
-|---|---|---|---|---|---|---|
+*speed*, for a type with a native family: the native path's training tokens/s over
+transformers' own model's, each measured on the GPU named, in one call, on a preset of
+that family (`benchmarks/results/pretrain_throughput_*.json`); and the fallback's over
+the native path's where both were measured (`benchmarks/results/hf_fallback_*.json`).
+Empty: not measured on a GPU yet. The page is written again from the rows of its last
+sweep and the result files by `python tests/hf_fallback_sweep.py`; a test fails when it
+is stale.
+
+| model type | path | sft/lora | dpo/full | load check | packing | speed | note |
+|---|---|---|---|---|---|---|---|
 """
 
 
@@ -300,16 +311,87 @@ def _cell(value: Any) -> str:
     return "no"
 
 
-def write_table(rows: list[Mapping[str, Any]], path: Path) -> dict[str, int]:
-    """Write the docs page of ``rows``; return the counts by status."""
-    import transformers
+def _card(device: str) -> str:
+    """``H100`` of ``NVIDIA H100 80GB HBM3``: the card's model name."""
+    return next((w for w in device.split() if w[:1] == "H" and w[1:].isdigit()), device)
 
-    counts = {
-        s: sum(r["status"] == s for r in rows) for s in ("ok", "partial", "failed", "skipped")
-    }
-    lines = [
-        HEADER.format(version=transformers.__version__, total=len(rows), **counts),
-    ]
+
+def _family_of(preset: str) -> str:
+    from omegaconf import OmegaConf
+
+    return str(OmegaConf.load(ROOT / "conf" / "model" / f"{preset}.yaml").get("family", "llama"))
+
+
+def measured_speeds(results: Path = RESULTS) -> dict[str, list[str]]:
+    """Each native family's measured speed ratios, as the page writes them: the native
+    path against transformers' own model (``pretrain_throughput_*.json`` files holding
+    both), and the fallback against the native path (``hf_fallback_*.json``)."""
+    speeds: dict[str, list[str]] = {}
+    for file in sorted(results.glob("pretrain_throughput_*.json")):
+        report = json.loads(file.read_text())
+        for preset, entry in report.get("models", {}).items():
+            trainers = entry.get("trainers", {})
+            ours, theirs = (
+                (trainers.get(k) or {}).get("tokens_per_sec")
+                for k in ("recipes_lib", "hf_transformers")
+            )
+            if ours and theirs:
+                speeds.setdefault(_family_of(preset), []).append(
+                    f"{ours / theirs:.2f}x transformers ({preset}, {_card(report['device'])})"
+                )
+    for file in sorted(results.glob("hf_fallback_*.json")):
+        report = json.loads(file.read_text())
+        for family, entry in report.get("families", {}).items():
+            if entry.get("ratio"):
+                speeds.setdefault(family, []).append(
+                    f"fallback {entry['ratio']:.2f}x native ({_card(report['device'])})"
+                )
+    return speeds
+
+
+def type_speeds(results: Path = RESULTS) -> dict[str, str]:
+    """The *speed* cell of each model type a measured native family reads."""
+    by_family = measured_speeds(results)
+    cells: dict[str, str] = {}
+    for name, family in FAMILIES.items():
+        types = list(family.hf_model_types)
+        if family.image_text:
+            types.append(family.image_text.model_type)
+        for model_type in types:
+            if by_family.get(name):
+                cells[model_type] = "; ".join(by_family[name])
+    return cells
+
+
+def write_table(
+    rows: list[Mapping[str, Any]], path: Path, version: str, results: Path = RESULTS
+) -> dict[str, int]:
+    """Write the docs page of a sweep's ``rows`` under transformers ``version``, with the
+    speeds of the result files in ``results``, and the rows beside it (``.json``);
+    return the counts by status."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_table(rows, version, results))
+    sweep = {"transformers": version, "rows": list(rows)}
+    path.with_suffix(".json").write_text(json.dumps(sweep, indent=1) + "\n")
+    return status_counts(rows)
+
+
+def read_sweep(path: Path) -> tuple[list[dict[str, Any]], str]:
+    """The rows and transformers version of the sweep written beside the page ``path``."""
+    sweep = json.loads(path.with_suffix(".json").read_text())
+    return sweep["rows"], sweep["transformers"]
+
+
+def status_counts(rows: list[Mapping[str, Any]]) -> dict[str, int]:
+    return {s: sum(r["status"] == s for r in rows) for s in ("ok", "partial", "failed", "skipped")}
+
+
+def render_table(rows: list[Mapping[str, Any]], version: str, results: Path = RESULTS) -> str:
+    """The docs page of a sweep's ``rows`` under transformers ``version``, with the speeds
+    of the result files in ``results``."""
+    counts = status_counts(rows)
+    speeds = type_speeds(results)
+    lines = [HEADER.format(version=version, total=len(rows), **counts)]
     for r in sorted(rows, key=lambda r: r["model_type"]):
         checks = [r.get("sft_lora_load_check"), r.get("dpo_full_load_check")]
         worst = max((c for c in checks if c is not None), default=None)
@@ -322,9 +404,13 @@ def write_table(rows: list[Mapping[str, Any]], path: Path) -> dict[str, int]:
         lines.append(
             f"| `{r['model_type']}` | {r['path']} | {_cell(r.get('sft_lora'))} | "
             f"{_cell(r.get('dpo_full'))} | {'' if worst is None else f'{worst:.0e}'} | "
-            f"{r.get('packing', '')} | {note} |\n"
+            f"{r.get('packing', '')} | {speeds.get(r['model_type'], '')} | {note} |\n"
         )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(lines))
-    path.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    return counts
+    return "".join(lines)
+
+
+if __name__ == "__main__":  # the page again from its last sweep's rows and the result files
+    page = ROOT / "docs" / "models" / "fallback.md"
+    sweep_rows, sweep_version = read_sweep(page)
+    write_table(sweep_rows, page, sweep_version)
+    print(f"wrote {page}")

@@ -4,6 +4,7 @@ docs/models/fallback.md (``RECIPES_HF_SWEEP=1 pytest -m slow -k every_causal_lm_
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -12,7 +13,15 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from hf_fallback_sweep import causal_lm_types, sweep_type, write_table  # noqa: E402
+import transformers  # noqa: E402
+from hf_fallback_sweep import (  # noqa: E402
+    causal_lm_types,
+    read_sweep,
+    render_table,
+    sweep_type,
+    type_speeds,
+    write_table,
+)
 
 DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models" / "fallback.md"
 
@@ -40,5 +49,27 @@ def test_a_type_trains_both_recipes_and_reloads(tmp_path, model_type, packing):
 )
 def test_every_causal_lm_type_and_the_docs_table(tmp_path):
     rows = [sweep_type(t, tmp_path / "sweep") for t in causal_lm_types()]
-    counts = write_table(rows, DOCS_PAGE)
+    counts = write_table(rows, DOCS_PAGE, transformers.__version__)
     assert counts["ok"] >= 0.7 * (len(rows) - counts["skipped"]), counts
+
+
+def test_the_docs_table_holds_its_sweep_and_the_measured_speeds():
+    """The page is its last sweep's rows with the speeds of today's result files: a new
+    throughput file changes it (``python tests/hf_fallback_sweep.py`` writes it again)."""
+    rows, version = read_sweep(DOCS_PAGE)
+    assert DOCS_PAGE.read_text() == render_table(rows, version), (
+        "docs/models/fallback.md is stale: run python tests/hf_fallback_sweep.py"
+    )
+    speeds = type_speeds()
+    assert "1.60x transformers (gpt_oss_20b, H200)" in speeds["gpt_oss"]
+    assert "fallback 0.88x native (H100)" in speeds["llama"]
+
+
+def test_a_speed_is_read_from_a_file_that_measured_both_sides(tmp_path):
+    both = {"recipes_lib": {"tokens_per_sec": 300.0}, "hf_transformers": {"tokens_per_sec": 200.0}}
+    one = {"recipes_lib": {"tokens_per_sec": 300.0}}
+    for name, trainers in (("a", both), ("b", one)):
+        report = {"device": "NVIDIA H100 80GB HBM3", "models": {"olmo3_7b": {"trainers": trainers}}}
+        (tmp_path / f"pretrain_throughput_{name}_h100.json").write_text(json.dumps(report))
+    speeds = type_speeds(tmp_path)
+    assert speeds == {"olmo3": "1.50x transformers (olmo3_7b, H100)"}
