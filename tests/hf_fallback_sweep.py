@@ -55,7 +55,17 @@ TINY_DIMS: dict[str, Any] = {
     "qk_rope_head_dim": 8,
     "qk_nope_head_dim": 8,
     "v_head_dim": 16,
+    "qk_head_dim": 16,  # qk_nope_head_dim + qk_rope_head_dim
     "rotary_dim": 8,
+    # grouped routing over the few experts left, and another name of the top-k
+    "num_expert_group": 1,
+    "num_experts_per_token": 2,
+    # the key selector of sparse attention (DeepSeek-V3.2, GLM-5), linear-attention heads
+    "index_head_dim": 16,
+    "index_n_heads": 4,
+    "index_topk": 8,
+    "linear_head_dim": 16,
+    "embedding_dim": 64,  # xLSTM's width
     "n_group": 1,
     "topk_group": 1,
     "shared_expert_intermediate_size": 32,
@@ -105,6 +115,11 @@ def _shrink(values: dict[str, Any]) -> dict[str, Any]:
             out[key] = TINY_DIMS[key]
         elif isinstance(value, list) and depth and len(value) == depth and depth > 2:
             out[key] = _per_layer(value, 2)  # layer_types and its kin
+    if "kv_lora_rank" in values:  # latent attention: a key and value per query head
+        if "qk_rope_head_dim" in values and "head_dim" in values:  # its RoPE width
+            out["head_dim"] = TINY_DIMS["qk_rope_head_dim"]
+        if "num_key_value_heads" in values:
+            out["num_key_value_heads"] = TINY_DIMS["num_attention_heads"]
     return out
 
 
@@ -250,13 +265,10 @@ def sweep_type(model_type: str, tmp: Path) -> dict[str, Any]:
 
 def _packs(folder: Path) -> str:
     """How the fallback keeps the documents of a packed row apart (probed at build)."""
-    from recipes_lib.models.hf_fallback import (
-        build_hf_model,
-        fallback_model_config,
-        hf_folder_config,
-    )
+    from recipes_lib.checkpoint.hf_files import read_folder_config
+    from recipes_lib.models.hf_fallback import build_hf_model, fallback_model_config
 
-    model = build_hf_model(fallback_model_config(hf_folder_config(folder)), folder=folder)
+    model = build_hf_model(fallback_model_config(read_folder_config(folder)), folder=folder)
     if not model.attention_backend.packs_documents:
         return "no"  # trained a row per example
     return "position ids" if model.packing == "positions" else "4-D mask"

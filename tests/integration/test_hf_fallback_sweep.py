@@ -1,4 +1,4 @@
-"""The transformers fallback over transformers' causal-LM model types: three types of
+"""The transformers fallback over transformers' causal-LM model types: four types of
 different shapes on every run, and every type with ``RECIPES_HF_SWEEP=1``, which writes
 docs/models/fallback.md (``RECIPES_HF_SWEEP=1 pytest -m slow -k every_causal_lm_type``)."""
 
@@ -32,6 +32,7 @@ DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models" / "fallback.
         ("gpt_neox", "position ids"),  # a fused QKV projection, parallel residual
         ("bert", "4-D mask"),  # a decoder mode of an encoder: packed by a block mask
         ("mamba", "no"),  # no attention: a row per example
+        ("deepseek_v3", "position ids"),  # latent attention, grouped routing
     ],
 )
 def test_a_type_trains_both_recipes_and_reloads(tmp_path, model_type, packing):

@@ -54,6 +54,14 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
     return folder.is_dir() and (folder / HF_CONFIG_NAME).is_file()
 
 
+def _special_float(value: dict[str, Any]) -> Any:
+    """``inf``, ``-inf`` or ``nan`` of transformers' tagged object in a ``config.json``
+    (``{"__float__": "Infinity"}``), else ``value``."""
+    if len(value) == 1 and isinstance(value.get("__float__"), str):
+        return float(value["__float__"])  # "Infinity", "-Infinity", "NaN"
+    return value
+
+
 def read_folder_config(path: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``config.json`` of a Hugging Face model folder, as it is written.
 
@@ -66,8 +74,8 @@ def read_folder_config(path: str | os.PathLike) -> dict[str, Any]:
         raise CheckpointError(f"no Hugging Face model folder at '{folder}'")
     if not file.is_file():
         raise CheckpointError(f"'{folder}' has no {HF_CONFIG_NAME}; not a Hugging Face model")
-    try:
-        config = json.loads(file.read_text())
+    try:  # the floats JSON cannot spell come tagged: {"__float__": "Infinity"}
+        config = json.loads(file.read_text(), object_hook=_special_float)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
     if not isinstance(config, dict):

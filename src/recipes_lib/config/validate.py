@@ -21,8 +21,15 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
 
 
+# a folder's own config.json (the transformers fallback's), whose infinite values are
+# meant: Falcon-H1's time_step_limit is (0.0, inf)
+FOLDER_VALUES = ("model.hf_config",)
+
+
 def _non_finite(value: Any, key: str) -> Iterator[tuple[str, Any]]:
     """``(key, value)`` of every nan or infinite float in a config subtree."""
+    if key in FOLDER_VALUES:
+        return
     if is_dataclass(value):
         for f in fields(value):
             yield from _non_finite(getattr(value, f.name), f"{key}.{f.name}")

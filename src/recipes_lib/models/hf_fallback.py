@@ -35,7 +35,6 @@ all answer to the one wrapper and change with it.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import sys
 from collections.abc import Callable, Mapping
@@ -948,11 +947,6 @@ def model_shapes(config: ModelConfig) -> Transformer | HFCausalLM:
         from recipes_lib.models.transformer import Transformer
 
         return Transformer(config)
-
-
-def hf_folder_config(folder: Path) -> dict[str, Any]:
-    """The parsed ``config.json`` of ``folder``."""
-    return json.loads((folder / "config.json").read_text())
 
 
 def fallback_line(where: str, model_type: object) -> str:

@@ -11,6 +11,7 @@ import torch
 from hf_folders import write_tokenizer
 from safetensors.torch import load_file, save_file
 
+from recipes_lib.checkpoint.hf_files import read_folder_config
 from recipes_lib.checkpoint.source import read_init_source
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.errors import ConfigError
@@ -20,7 +21,6 @@ from recipes_lib.models.hf_fallback import (
     build_hf_model,
     document_positions,
     fallback_model_config,
-    hf_folder_config,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -49,7 +49,7 @@ def tiny_folder(path, model_type="gpt_neox", tokenizer=False, **config):
 
 
 def built(folder) -> HFCausalLM:
-    return build_hf_model(fallback_model_config(hf_folder_config(folder)), folder=folder).eval()
+    return build_hf_model(fallback_model_config(read_folder_config(folder)), folder=folder).eval()
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,7 @@ def test_a_tokenizer_larger_than_the_embeddings_is_refused(tmp_path):
 
 def test_remote_code_is_refused_without_the_flag(tmp_path):
     folder = tiny_folder(tmp_path)
-    config = hf_folder_config(folder)
+    config = read_folder_config(folder)
     config["auto_map"] = {"AutoModelForCausalLM": "modeling_mine.MyForCausalLM"}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
@@ -228,7 +228,7 @@ def test_remote_code_runs_with_the_flag_and_is_recorded(tmp_path):
         "from .configuration_mine import MyConfig\n\n\n"
         "class MyForCausalLM(LlamaForCausalLM):\n    config_class = MyConfig\n"
     )
-    config = hf_folder_config(folder)
+    config = read_folder_config(folder)
     config["model_type"] = "mine"
     config["auto_map"] = {
         "AutoConfig": "configuration_mine.MyConfig",
@@ -248,3 +248,25 @@ def test_the_estimates_count_transformers_model_on_the_meta_device(neox):
     assert isinstance(shapes, HFCausalLM) and all(p.is_meta for p in shapes.parameters())
     assert shapes.num_params() == neox.num_params() == neox.hf.num_parameters()
     assert shapes.flops_per_token(64) == neox.flops_per_token(64) > 6 * neox.num_params(True)
+
+
+def test_a_folder_whose_config_holds_an_infinite_value_builds_and_passes_the_checks(tmp_path):
+    """transformers writes Falcon-H1's ``time_step_limit`` ``(0.0, inf)`` as a tagged
+    object in config.json; the folder's own values are not the user's to keep finite."""
+    import math
+
+    from recipes_lib.assembly import check_run_config
+    from recipes_lib.checkpoint.source import fill_model_from_init
+    from recipes_lib.config import compose_config, to_run_config
+    from recipes_lib.models.hf_fallback import hf_config_object
+    from recipes_lib.parallel.precision import resolve_device_choices
+
+    tiny = dict(TINY, mamba_d_state=8, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32)
+    transformers.AutoConfig.for_model("falcon_h1", **tiny).save_pretrained(tmp_path)
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    values = read_folder_config(tmp_path)
+    assert values["time_step_limit"] == [0.0, math.inf]
+    assert tuple(hf_config_object(fallback_model_config(values)).time_step_limit) == (0.0, math.inf)
+    cfg = compose_config(["recipe=sft/lora", "model=hf", f"stage.init_from={tmp_path}"])
+    # as a run checks it: no "model.hf_config.time_step_limit=[0.0, inf] must hold finite numbers"
+    check_run_config(resolve_device_choices(to_run_config(fill_model_from_init(cfg))))

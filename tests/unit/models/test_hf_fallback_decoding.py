@@ -8,6 +8,7 @@ import torch
 from hf_folders import write_tokenizer
 from safetensors.torch import load_file
 
+from recipes_lib.checkpoint.hf_files import read_folder_config
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.errors import ConfigError
 from recipes_lib.generate import generate, load_for_generation
@@ -16,7 +17,6 @@ from recipes_lib.models.hf_fallback import (
     HFCausalLM,
     build_hf_model,
     fallback_model_config,
-    hf_folder_config,
 )
 from recipes_lib.models.sampling import sample_completions
 
@@ -52,7 +52,7 @@ def tiny_folder(path, model_type, vocab_size=256, **config):
 
 
 def built(folder) -> HFCausalLM:
-    return build_hf_model(fallback_model_config(hf_folder_config(folder)), folder=folder).eval()
+    return build_hf_model(fallback_model_config(read_folder_config(folder)), folder=folder).eval()
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ import logging
 import pytest
 import torch
 
+from recipes_lib.checkpoint.hf_files import read_folder_config
 from recipes_lib.models.hf_fallback import (
     HFCausalLM,
     build_hf_model,
     fallback_model_config,
-    hf_folder_config,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ def built(path, model_type, **config) -> HFCausalLM:
     cfg = transformers.AutoConfig.for_model(model_type, **{**TINY_MOE, **config})
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    model = build_hf_model(fallback_model_config(hf_folder_config(path)), folder=path)
+    model = build_hf_model(fallback_model_config(read_folder_config(path)), folder=path)
     for module in model.modules():  # the same numbers in training mode as in eval
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
