@@ -246,43 +246,62 @@ def _torch_rule(
     with them. A document starting inside the chunk cuts every term that reaches
     across its start: the state reaches only the positions before the chunk's first
     start, a write only the positions of its own document.
+
+    The writes are linear in ``S0``: ``u = W_v - W_k S0``. Everything but ``S0`` is
+    known for all chunks at once, so the triangular systems are solved for every chunk
+    in one call, and only the passing of the state from chunk to chunk (two small
+    products a chunk) runs in order.
     """
     B, T, Hk, dk = k.shape
-    H = v.shape[2]
+    H, dv = v.shape[2], v.shape[3]
     groups = H // Hk  # value heads per query/key head, consecutive
     q = l2_normalize(q.float()).repeat_interleave(groups, dim=2) * dk**-0.5
     k = l2_normalize(k.float()).repeat_interleave(groups, dim=2)
     q, k, values = (t.transpose(1, 2) for t in (q, k, v.float()))  # (B, H, T, dk / dv)
     g, beta = g.float().transpose(1, 2), beta.float().transpose(1, 2)  # (B, H, T)
-    starts = doc = None
+    L = min(CHUNK, T)
+    N = -(-T // L)  # chunks; the last one padded with positions that change nothing
+    pad = N * L - T  # zero keys, values and beta write nothing; zero g decays nothing
+    if pad:
+        q, k, values = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, values))
+        g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
+    q, k, values = (t.reshape(B, H, N, L, t.shape[-1]) for t in (q, k, values))
+    g, beta = g.reshape(B, H, N, L), beta.reshape(B, H, N, L)
+    keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # s <= t
+    carried = torch.ones_like(g, dtype=torch.bool)  # the state reaches t
     if segments is not None:
-        starts, doc = segments.starts[:, None], segments.doc[:, None]  # (B, 1, T)
+        starts, doc = segments.starts, segments.doc  # (B, T)
+        if pad:  # the padding continues the last document
+            starts = F.pad(starts, (0, pad), value=False)
+            doc = torch.cat([doc, doc[:, -1:].expand(B, pad)], dim=1)
+        starts, doc = starts.view(B, 1, N, L), doc.view(B, 1, N, L)
         g = g.masked_fill(starts, 0.0)  # what a start would decay is cut anyway
-    S = q.new_zeros(B, H, dk, v.shape[3]) if state is None else state.float()
+        keep = keep & (doc[..., :, None] == doc[..., None, :])  # (B, 1, N, L, L)
+        carried = (starts.cumsum(-1) == 0).expand_as(g)
+    G = g.cumsum(-1)  # (B, H, N, L)
+    decay = (G[..., :, None] - G[..., None, :]).masked_fill(~keep, float("-inf")).exp()
+    from_state = G.exp() * carried  # (B, H, N, L): the state's weight at each t
+    A = (beta[..., :, None] * decay * (k @ k.transpose(-1, -2))).tril(-1)  # (B, H, N, L, L)
+    eye = torch.eye(L, device=q.device)
+    rhs = torch.cat([beta[..., None] * values, (beta * from_state)[..., None] * k], dim=-1)
+    W = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    W_v, W_k = W.split([dv, dk], dim=-1)  # u = W_v - W_k S0
+    reads = (q @ k.transpose(-1, -2)) * decay  # (B, H, N, L, L)
+    out_v = reads @ W_v  # (B, H, N, L, dv): the outputs without S0
+    q_state = from_state[..., None] * q - reads @ W_k  # (B, H, N, L, dk): S0's reader
+    k_last = (k * decay[..., -1, :, None]).transpose(-1, -2)  # (B, H, N, dk, L)
+    to_state = k_last @ W_v  # (B, H, N, dk, dv): what a chunk writes
+    through = k_last @ W_k  # (B, H, N, dk, dk): how its writes read S0
+    keep_last = from_state[..., -1, None, None]  # (B, H, N, 1, 1)
+    S = q.new_zeros(B, H, dk, dv) if state is None else state.float()
     outs = []
-    for lo in range(0, T, CHUNK):
-        hi = min(lo + CHUNK, T)
-        qc, kc, vc, gc, bc = (t[:, :, lo:hi] for t in (q, k, values, g, beta))
-        L = hi - lo
-        G = gc.cumsum(-1)  # (B, H, L)
-        keep = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # s <= t
-        carried = torch.ones_like(G, dtype=torch.bool)  # the state reaches t
-        if starts is not None and doc is not None:
-            dc = doc[..., lo:hi]
-            keep = keep & (dc[..., :, None] == dc[..., None, :])  # (B, 1, L, L)
-            carried = (starts[..., lo:hi].cumsum(-1) == 0).expand_as(G)
-        decay = (G[..., :, None] - G[..., None, :]).masked_fill(~keep, float("-inf")).exp()
-        from_state = G.exp() * carried  # (B, H, L): the state's weight at each t
-        A = (bc[..., :, None] * decay * (kc @ kc.transpose(-1, -2))).tril(-1)  # (B, H, L, L)
-        rhs = bc[..., None] * (vc - from_state[..., None] * (kc @ S))  # (B, H, L, dv)
-        eye = torch.eye(L, device=q.device)
-        u = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        reads = (qc @ kc.transpose(-1, -2)) * decay  # (B, H, L, L)
-        outs.append(from_state[..., None] * (qc @ S) + reads @ u)  # (B, H, L, dv)
-        last = decay[..., -1, :]  # (B, H, L): each write's weight at the chunk's end
-        S = from_state[..., -1, None, None] * S + (kc * last[..., None]).transpose(-1, -2) @ u
-    out = torch.cat(outs, dim=2).transpose(1, 2).to(v.dtype)  # (B, T, H, dv)
-    return out, (S if state is not None else None)
+    # by chunk, unbound once: a slice a chunk would cost a whole-size gradient each
+    by_chunk = (t.unbind(2) for t in (out_v, q_state, keep_last, through, to_state))
+    for out_n, reader, kept, passes, written in zip(*by_chunk, strict=True):
+        outs.append(out_n + reader @ S)  # (B, H, L, dv)
+        S = kept * S - passes @ S + written
+    out = torch.stack(outs, dim=2).reshape(B, H, N * L, dv)[:, :, :T]
+    return out.transpose(1, 2).to(v.dtype), (S if state is not None else None)
 
 
 @torch.compiler.disable  # Triton kernels of their own, launched as they are

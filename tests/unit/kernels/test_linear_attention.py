@@ -69,6 +69,53 @@ def test_the_rule_is_transformers_token_by_token_reference(length):
     torch.testing.assert_close(ours_after, after, atol=1e-5, rtol=1e-4)
 
 
+def test_the_gradients_are_the_token_by_token_references_with_documents_apart():
+    """Two rows of 150 positions (chunks and a part), the second packing documents of
+    70, 2 and 78 tokens: each input's gradient matches transformers' recurrent rule run
+    over each document alone."""
+    gen = torch.Generator().manual_seed(7)
+    length = 150
+    q, k = (torch.randn(2, length, HK, DK, generator=gen) for _ in range(2))
+    v = torch.randn(2, length, H, DV, generator=gen)
+    g, beta = -torch.rand(2, length, H, generator=gen), torch.rand(2, length, H, generator=gen)
+    doc_ids = torch.zeros(2, length, dtype=torch.long)
+    doc_ids[1, 70:72], doc_ids[1, 72:] = 1, 2
+    weights = torch.randn(2, length, H, DV, generator=gen)
+
+    def grads(rule):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+        (rule(*leaves) * weights).sum().backward()
+        return [t.grad for t in leaves]
+
+    def reference(*tensors):
+        rows = []
+        for row in range(2):
+            bounds = torch.nonzero(Segments.of(doc_ids[row : row + 1]).starts[0]).flatten()
+            ends = [*bounds[1:].tolist(), length]
+            rows.append(
+                torch.cat(
+                    [
+                        qwen3_5.torch_recurrent_gated_delta_rule(
+                            *(t[row : row + 1, lo:hi] for t in tensors[:3]),
+                            g=tensors[3][row : row + 1, lo:hi],
+                            beta=tensors[4][row : row + 1, lo:hi],
+                            initial_state=None,
+                            output_final_state=False,
+                            use_qk_l2norm_in_kernel=True,
+                        )[0]
+                        for lo, hi in zip(bounds.tolist(), ends, strict=True)
+                    ],
+                    dim=1,
+                )
+            )
+        return torch.cat(rows)
+
+    segments = Segments.of(doc_ids)
+    ours = grads(lambda *t: gated_delta_rule(*t, segments=segments)[0])
+    for mine, theirs in zip(ours, grads(reference), strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-3)
+
+
 def test_the_convolution_is_a_causal_depthwise_conv1d_with_silu():
     gen = torch.Generator().manual_seed(2)
     x, weight = torch.randn(B, T, 6, generator=gen), torch.randn(6, 4, generator=gen)
