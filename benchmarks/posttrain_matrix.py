@@ -555,11 +555,20 @@ def _range(values: list) -> list | None:
     return [min(known), max(known)] if known else None
 
 
-def summarise(cell: Cell, runs: dict[str, list[dict]], sides=SIDES) -> dict:
+def settings_label(settings: str, overrides: list[str]) -> str:
+    """A cell's ``settings`` with the ``--override`` our side ran under: a cell run
+    with overrides is a cell of its own, never the plain one's replacement."""
+    return ", ".join([settings, *overrides])
+
+
+def summarise(
+    cell: Cell, runs: dict[str, list[dict]], sides=SIDES, overrides: list[str] = ()
+) -> dict:
     """The matrix's entry for ``cell`` from each side's reports (one per repeat): the
     mean of each figure, ``null`` with a note for a side that has none, and the
     [min, max] of each figure under ``spread`` when a side ran more than once."""
-    entry: dict = {"objective": cell.objective, "data": cell.data, "settings": cell.settings}
+    label = settings_label(cell.settings, list(overrides))
+    entry: dict = {"objective": cell.objective, "data": cell.data, "settings": label}
     notes: list[str] = []
     spread: dict = {}
     for side in SIDES:
@@ -763,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
         for job in sorted(cell_results, key=lambda j: j.tag):
             runs.setdefault(job.side, []).append(cell_results[job])
         if started(runs):
-            write_json(path, merge(path, card, command_line(), [summarise(cell, runs, sides)]))
+            entry = summarise(cell, runs, sides, args.override)
+            write_json(path, merge(path, card, command_line(), [entry]))
 
     with tempfile.TemporaryDirectory(prefix="posttrain-matrix-") as tmp:
         root = Path(tmp)

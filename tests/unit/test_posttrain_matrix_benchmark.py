@@ -97,6 +97,23 @@ def test_the_file_has_the_declared_keys_for_every_side(tmp_path):
             assert case[side] is None or set(case[side]) == set(FIGURES)
 
 
+def test_a_cell_run_with_overrides_is_kept_beside_the_plain_one(tmp_path):
+    path = tmp_path / "posttrain_matrix_h200.json"
+    cell = Cell("sft_full", "long", "defaults")
+    plain = summarise(cell, {s: [figures(9.0)] for s in SIDES})
+    fitted = summarise(
+        cell, {s: [figures(7.0)] for s in SIDES}, overrides=["run.memory_budget_gib=16.2"]
+    )
+    assert fitted["settings"] == "defaults, run.memory_budget_gib=16.2"
+    write_json(path, merge(path, "h200", "plain", [plain]))
+    write_json(path, merge(path, "h200", "fitted", [fitted]))
+    cases = json.loads(path.read_text())["cases"]
+    assert sorted(c["settings"] for c in cases) == [
+        "defaults",
+        "defaults, run.memory_budget_gib=16.2",
+    ]
+
+
 def test_repeats_report_the_mean_and_the_spread():
     runs = {side: [figures(100.0), figures(300.0, None)] for side in SIDES}
     entry = summarise(Cell("kto", "short", "defaults"), runs)
