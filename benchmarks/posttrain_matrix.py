@@ -604,18 +604,22 @@ def summarise(
 
 def merge(path: Path, card: str, command: str, entries: list[dict]) -> dict:
     """The file's matrix with ``entries`` in place of the cells they name (the others
-    kept, from an earlier call on the same card), in the matrix's order."""
+    kept, from an earlier call on the same card), in the matrix's order; the file's
+    other keys (a ``notes`` written by hand) kept too."""
+    kept: dict = {}
     cases: dict[tuple, dict] = {}
     commands: list[str] = []
     if path.is_file():
         old = json.loads(path.read_text())
         if old.get("card") == card:
+            kept = old
             cases = {(c["objective"], c["data"], c["settings"]): c for c in old["cases"]}
             commands = [c for c in old.get("command", "").split(" ; ") if c]
     for entry in entries:
         cases[entry["objective"], entry["data"], entry["settings"]] = entry
     order = {name: i for i, name in enumerate(OBJECTIVES + DATA + SETTINGS)}
     return {
+        **kept,
         "card": card,
         "date": datetime.date.today().isoformat(),
         "command": " ; ".join([*[c for c in commands if c != command], command]),

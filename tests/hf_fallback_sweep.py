@@ -328,10 +328,12 @@ def _card(device: str) -> str:
     return next((w for w in device.split() if w[:1] == "H" and w[1:].isdigit()), device)
 
 
-def _family_of(preset: str) -> str:
+def _family_of(preset: str) -> str | None:
+    """The family of ``conf/model/<preset>.yaml`` (None: no such preset here)."""
     from omegaconf import OmegaConf
 
-    return str(OmegaConf.load(ROOT / "conf" / "model" / f"{preset}.yaml").get("family", "llama"))
+    file = ROOT / "conf" / "model" / f"{preset}.yaml"
+    return str(OmegaConf.load(file).get("family", "llama")) if file.is_file() else None
 
 
 def measured_speeds(results: Path = RESULTS) -> dict[str, list[str]]:
@@ -347,8 +349,9 @@ def measured_speeds(results: Path = RESULTS) -> dict[str, list[str]]:
                 (trainers.get(k) or {}).get("tokens_per_sec")
                 for k in ("recipes_lib", "hf_transformers")
             )
-            if ours and theirs:
-                speeds.setdefault(_family_of(preset), []).append(
+            family = _family_of(preset)
+            if ours and theirs and family is not None:
+                speeds.setdefault(family, []).append(
                     f"{ours / theirs:.2f}x transformers ({preset}, {_card(report['device'])})"
                 )
     for file in sorted(results.glob("hf_fallback_*.json")):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
 import secrets
 import shutil
@@ -143,6 +144,34 @@ def write_json_atomic(path: str | os.PathLike, data: Any, **dumps: Any) -> Path:
     """:func:`write_atomic` of ``data`` as indented JSON and a final newline; ``dumps``
     are :func:`json.dumps` arguments (``default=str``, ``allow_nan=False``...)."""
     return write_text_atomic(path, json.dumps(data, indent=2, **dumps) + "\n")
+
+
+# how transformers' config.json spells the floats JSON has no literal for
+FLOAT_TAG = "__float__"
+_TAGGED = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def tag_floats(value: Any) -> Any:
+    """``value`` with every infinite or nan float (inside dicts, lists and tuples) as
+    ``{"__float__": "Infinity"}`` (``-Infinity``, ``NaN``): strict JSON, read back by
+    :func:`untag_float`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return {
+            FLOAT_TAG: "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+        }
+    if isinstance(value, dict):
+        return {key: tag_floats(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [tag_floats(item) for item in value]
+    return value
+
+
+def untag_float(value: dict[str, Any]) -> Any:
+    """A ``json.loads`` ``object_hook``: the float of a ``{"__float__": ...}`` object
+    (transformers' and :func:`tag_floats`'), every other object as it is."""
+    if len(value) == 1 and value.get(FLOAT_TAG) in _TAGGED:
+        return _TAGGED[value[FLOAT_TAG]]
+    return value
 
 
 def copy_atomic(source: str | os.PathLike, path: str | os.PathLike) -> Path:

@@ -62,8 +62,13 @@ def test_the_docs_table_holds_its_sweep_and_the_measured_speeds():
         "docs/models/fallback.md is stale: run python tests/hf_fallback_sweep.py"
     )
     speeds = type_speeds()
-    assert "1.60x transformers (gpt_oss_20b, H200)" in speeds["gpt_oss"]
-    assert "fallback 0.88x native (H100)" in speeds["llama"]
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    oss = json.loads((results / "pretrain_throughput_gpt_oss_4l_h200.json").read_text())
+    sides = oss["models"]["gpt_oss_20b"]["trainers"]
+    ratio = sides["recipes_lib"]["tokens_per_sec"] / sides["hf_transformers"]["tokens_per_sec"]
+    assert f"{ratio:.2f}x transformers (gpt_oss_20b, H200)" in speeds["gpt_oss"]
+    fallback = json.loads((results / "hf_fallback_h100.json").read_text())
+    assert f"fallback {fallback['families']['llama']['ratio']:.2f}x native" in speeds["llama"]
 
 
 def test_a_speed_is_read_from_a_file_that_measured_both_sides(tmp_path):

@@ -106,8 +106,12 @@ def test_a_cell_run_with_overrides_is_kept_beside_the_plain_one(tmp_path):
     )
     assert fitted["settings"] == "defaults, run.memory_budget_gib=16.2"
     write_json(path, merge(path, "h200", "plain", [plain]))
+    by_hand = {**json.loads(path.read_text()), "notes": ["what the budgets are"]}
+    path.write_text(json.dumps(by_hand))
     write_json(path, merge(path, "h200", "fitted", [fitted]))
-    cases = json.loads(path.read_text())["cases"]
+    result = json.loads(path.read_text())
+    assert result["notes"] == ["what the budgets are"]  # a note by hand stays
+    cases = result["cases"]
     assert sorted(c["settings"] for c in cases) == [
         "defaults",
         "defaults, run.memory_budget_gib=16.2",

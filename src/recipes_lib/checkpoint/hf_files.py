@@ -31,7 +31,7 @@ from recipes_lib.checkpoint.dequantize import (
 )
 from recipes_lib.checkpoint.weights import mismatch_lines
 from recipes_lib.errors import CheckpointError, ConfigError
-from recipes_lib.files import chmod_as_umask
+from recipes_lib.files import chmod_as_umask, untag_float
 from recipes_lib.models.families import FAMILIES, TensorNames
 from recipes_lib.models.families.base import Rearranged, expert_slice, split_expert_slice
 from recipes_lib.models.families.image_text import ImageText
@@ -54,14 +54,6 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
     return folder.is_dir() and (folder / HF_CONFIG_NAME).is_file()
 
 
-def _special_float(value: dict[str, Any]) -> Any:
-    """``inf``, ``-inf`` or ``nan`` of transformers' tagged object in a ``config.json``
-    (``{"__float__": "Infinity"}``), else ``value``."""
-    if len(value) == 1 and isinstance(value.get("__float__"), str):
-        return float(value["__float__"])  # "Infinity", "-Infinity", "NaN"
-    return value
-
-
 def read_folder_config(path: str | os.PathLike) -> dict[str, Any]:
     """The parsed ``config.json`` of a Hugging Face model folder, as it is written.
 
@@ -75,7 +67,7 @@ def read_folder_config(path: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise CheckpointError(f"'{folder}' has no {HF_CONFIG_NAME}; not a Hugging Face model")
     try:  # the floats JSON cannot spell come tagged: {"__float__": "Infinity"}
-        config = json.loads(file.read_text(), object_hook=_special_float)
+        config = json.loads(file.read_text(), object_hook=untag_float)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"'{file}' is not readable JSON: {err}") from err
     if not isinstance(config, dict):

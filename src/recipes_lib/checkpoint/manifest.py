@@ -25,7 +25,7 @@ from typing import Any
 from recipes_lib.checkpoint.layout import MANIFEST_NAME, RunDir
 from recipes_lib.checkpoint.weights import sha256_file
 from recipes_lib.errors import CheckpointError
-from recipes_lib.files import write_json_atomic
+from recipes_lib.files import tag_floats, untag_float, write_json_atomic
 
 MANIFEST_FORMAT_VERSION = 2  # 2: kind, evaluation, gates, promotion
 
@@ -169,9 +169,12 @@ class StageManifest:
         return self.resolve(self.checkpoint) if self.checkpoint is not None else None
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest as strict JSON values: a model config's infinite values (a
+        folder's own, such as Falcon-H1's ``time_step_limit``) tagged as transformers
+        tags them."""
         data = asdict(self)
         data.pop("directory")
-        return data
+        return tag_floats(data)
 
 
 def relative_to(path: str | os.PathLike, directory: Path) -> str:
@@ -300,7 +303,7 @@ def read_manifest(
     if not source.is_file():
         raise fail("no such file")
     try:
-        data = json.loads(source.read_text())
+        data = json.loads(source.read_text(), object_hook=untag_float)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise fail(f"not readable JSON ({err})") from err
     if not isinstance(data, dict):

@@ -22,14 +22,14 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 # a folder's own config.json (the transformers fallback's), whose infinite values are
-# meant: Falcon-H1's time_step_limit is (0.0, inf)
-FOLDER_VALUES = ("model.hf_config",)
+# meant (Falcon-H1's time_step_limit is (0.0, inf)); a nan is refused there too
+FOLDER_VALUES = "model.hf_config"
 
 
 def _non_finite(value: Any, key: str) -> Iterator[tuple[str, Any]]:
-    """``(key, value)`` of every nan or infinite float in a config subtree."""
-    if key in FOLDER_VALUES:
-        return
+    """``(key, value)`` of every nan or infinite float in a config subtree (of every nan
+    only, within :data:`FOLDER_VALUES`)."""
+    refused = math.isnan if key.startswith(FOLDER_VALUES) else (lambda v: not math.isfinite(v))
     if is_dataclass(value):
         for f in fields(value):
             yield from _non_finite(getattr(value, f.name), f"{key}.{f.name}")
@@ -37,9 +37,9 @@ def _non_finite(value: Any, key: str) -> Iterator[tuple[str, Any]]:
         for name, item in value.items():
             yield from _non_finite(item, f"{key}.{name}")
     elif isinstance(value, list | tuple):  # of scalars in this schema (optim.betas)
-        if any(isinstance(v, float) and not math.isfinite(v) for v in value):
+        if any(isinstance(v, float) and refused(v) for v in value):
             yield key, list(value)
-    elif isinstance(value, float) and not math.isfinite(value):
+    elif isinstance(value, float) and refused(value):
         yield key, value
 
 

@@ -269,4 +269,8 @@ def test_a_folder_whose_config_holds_an_infinite_value_builds_and_passes_the_che
     assert tuple(hf_config_object(fallback_model_config(values)).time_step_limit) == (0.0, math.inf)
     cfg = compose_config(["recipe=sft/lora", "model=hf", f"stage.init_from={tmp_path}"])
     # as a run checks it: no "model.hf_config.time_step_limit=[0.0, inf] must hold finite numbers"
-    check_run_config(resolve_device_choices(to_run_config(fill_model_from_init(cfg))))
+    checked = resolve_device_choices(to_run_config(fill_model_from_init(cfg)))
+    check_run_config(checked)
+    checked.model.hf_config["layer_norm_epsilon"] = math.nan  # a nan is refused all the same
+    with pytest.raises(ConfigError, match=r"^model\.hf_config\.layer_norm_epsilon=nan must be"):
+        check_run_config(checked)

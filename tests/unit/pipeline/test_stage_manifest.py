@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -35,6 +36,22 @@ def test_round_trip_and_relative_paths(tmp_path):
     moved = read_manifest(tmp_path / "moved" / MANIFEST_NAME)
     assert moved.weights_path == tmp_path / "moved" / "model.safetensors"
     assert moved.tokenizer_path.is_file()
+
+
+def test_a_folders_infinite_config_value_is_written_as_strict_json_and_read_back(tmp_path):
+    """A fallback stage's model config carries its folder's config.json, whose infinite
+    values (Falcon-H1's time_step_limit) the manifest tags as transformers does."""
+    from dataclasses import replace
+
+    from pipeline_helpers import tiny_model
+
+    hf_config = {"model_type": "falcon_h1", "time_step_limit": [0.0, math.inf]}
+    written = fake_manifest(tmp_path / "sft", model=replace(tiny_model(), hf_config=hf_config))
+    saved = json.loads((tmp_path / "sft" / MANIFEST_NAME).read_text())
+    assert saved["model"]["hf_config"]["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
+    read = read_manifest(tmp_path / "sft")
+    assert read.model["hf_config"]["time_step_limit"] == [0.0, math.inf]
+    assert read == written
 
 
 def test_checksum_mismatch_names_stage_file_and_reason(tmp_path):
