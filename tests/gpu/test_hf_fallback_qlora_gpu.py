@@ -10,8 +10,9 @@ import torch
 from recipes_lib.adapters import merge_adapter
 from recipes_lib.adapters.hf_fallback import apply_fallback_adapter
 from recipes_lib.adapters.lora import lora_layers
+from recipes_lib.checkpoint.hf_files import read_folder_config
 from recipes_lib.config.schema import AdapterConfig
-from recipes_lib.models.hf_fallback import build_hf_model, fallback_model_config, hf_folder_config
+from recipes_lib.models.hf_fallback import build_hf_model, fallback_model_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +34,7 @@ def test_qlora_trains_a_fallback_model_and_merges(tmp_path):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     with torch.device("cuda"):
-        model = build_hf_model(fallback_model_config(hf_folder_config(folder)), folder=folder)
+        model = build_hf_model(fallback_model_config(read_folder_config(folder)), folder=folder)
     apply_fallback_adapter(model, AdapterConfig(kind="qlora", r=8, alpha=16, dropout=0.0))
     layers = lora_layers(model)
     assert layers and all(

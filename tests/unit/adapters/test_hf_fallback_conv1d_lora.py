@@ -12,8 +12,9 @@ import torch
 from recipes_lib.adapters import merge_adapter
 from recipes_lib.adapters.hf_fallback import apply_fallback_adapter, save_fallback_adapter
 from recipes_lib.adapters.lora import lora_layers
+from recipes_lib.checkpoint.hf_files import read_folder_config
 from recipes_lib.config.schema import AdapterConfig
-from recipes_lib.models.hf_fallback import build_hf_model, fallback_model_config, hf_folder_config
+from recipes_lib.models.hf_fallback import build_hf_model, fallback_model_config
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -32,7 +33,7 @@ def folder(tmp_path):
 
 
 def adapted(folder, caplog):
-    model = build_hf_model(fallback_model_config(hf_folder_config(folder)), folder=folder)
+    model = build_hf_model(fallback_model_config(read_folder_config(folder)), folder=folder)
     config = AdapterConfig(kind="lora", r=4, alpha=8, dropout=0.0)
     with caplog.at_level(logging.WARNING):
         apply_fallback_adapter(model, config)

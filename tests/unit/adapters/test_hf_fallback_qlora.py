@@ -13,9 +13,10 @@ from recipes_lib.adapters.hf_fallback import (
     quantize_targets,
 )
 from recipes_lib.adapters.lora import lora_layers
+from recipes_lib.checkpoint.hf_files import read_folder_config
 from recipes_lib.config.schema import AdapterConfig
 from recipes_lib.errors import ConfigError
-from recipes_lib.models.hf_fallback import build_hf_model, fallback_model_config, hf_folder_config
+from recipes_lib.models.hf_fallback import build_hf_model, fallback_model_config
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -40,7 +41,7 @@ def built(path, model_type):
     cfg = transformers.AutoConfig.for_model(model_type, **TINY)
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return build_hf_model(fallback_model_config(hf_folder_config(path)), folder=path)
+    return build_hf_model(fallback_model_config(read_folder_config(path)), folder=path)
 
 
 def unchanged(model, before: dict[str, type]) -> bool:
