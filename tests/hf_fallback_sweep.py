@@ -306,9 +306,10 @@ cannot be made tiny here (extra dependencies or a config that does not shrink).
 transformers' own model's, each measured on the GPU named, in one call, on a preset of
 that family (`benchmarks/results/pretrain_throughput_*.json`); and the fallback's over
 the native path's where both were measured (`benchmarks/results/hf_fallback_*.json`).
-Empty: not measured on a GPU yet. The page is written again from the rows of its last
-sweep and the result files by `python tests/hf_fallback_sweep.py`; a test fails when it
-is stale.
+Empty: no result file holds both sides (Qwen3.5's two sides ran as two commands of one
+call, 2.17x: see `benchmarks/results/NOTES.md`). The page is written again from the rows
+of its last sweep and the result files by `python tests/hf_fallback_sweep.py`; a test
+fails when it is stale.
 
 | model type | path | sft/lora | dpo/full | load check | packing | speed | note |
 |---|---|---|---|---|---|---|---|
