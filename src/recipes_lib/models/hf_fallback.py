@@ -391,6 +391,13 @@ class HFCausalLM(nn.Module):
         # module's own, so the state dict has transformers' names
         self.__dict__["hf"] = hf_model
         for name, child in hf_model.named_children():
+            if hasattr(type(self), name):  # its name would hide the interface's own
+                model_type = (config.hf_config or {}).get("model_type")
+                raise ConfigError(
+                    f"model_type={model_type!r}: its module {name!r} has the name of the "
+                    f"fallback's own {type(self).__name__}.{name}, so the fallback cannot "
+                    "hold it under transformers' name; this model type is not supported"
+                )
             self.add_module(name, child)
         for name, param in hf_model.named_parameters(recurse=False):
             self.register_parameter(name, param)

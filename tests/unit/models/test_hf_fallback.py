@@ -274,3 +274,10 @@ def test_a_folder_whose_config_holds_an_infinite_value_builds_and_passes_the_che
     checked.model.hf_config["layer_norm_epsilon"] = math.nan  # a nan is refused all the same
     with pytest.raises(ConfigError, match=r"^model\.hf_config\.layer_norm_epsilon=nan must be"):
         check_run_config(checked)
+
+
+def test_a_module_named_as_the_fallbacks_own_attribute_is_refused_in_one_line(tmp_path):
+    """GIT's head is a child named ``output``, the fallback's own method."""
+    folder = tiny_folder(tmp_path, "git", num_attention_heads=4)
+    with pytest.raises(ConfigError, match=r"model_type='git': its module 'output' has the name"):
+        built(folder)
