@@ -32,7 +32,7 @@ from recipes_lib.errors import ConfigError
 from recipes_lib.losses.preference import kto_loss
 from recipes_lib.objectives.pairs import (
     PairedReference,
-    RowsShare,
+    batch_rows,
     count_pair_tokens,
     pair_sums,
     reference_models,
@@ -112,9 +112,7 @@ class KTOModule(CausalLMModule):
     def policy_logprobs(self, batch: Batch) -> Tensor:
         """``(R, T)`` label log-probs under the policy: the completions' rows with a
         gradient, then the twins' rows without one (:meth:`twin_rows`)."""
-        input_ids, doc_ids = self.model_inputs(batch)
-        token_mask = self.expert_load.token_mask(batch)
-        rows = RowsShare(input_ids, batch["labels"], doc_ids, token_mask)
+        rows = batch_rows(self, batch)
         return split_rows_logprobs(self, self.built_model(), rows, self.twin_rows(batch))
 
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:

@@ -83,9 +83,7 @@ def label_logprobs(module: CausalLMModule, model: Any, batch: Batch) -> Tensor:
     """``(R, T)`` fp32 log-probs of the batch's labels under ``model`` (0 where
     ignored), through the model's head, fused with the loss when
     ``kernels.loss_chunk_size`` is set: the full logits never exist then."""
-    input_ids, doc_ids = module.model_inputs(batch)
-    token_mask = module.expert_load.token_mask(batch)
-    return rows_logprobs(module, model, RowsShare(input_ids, batch["labels"], doc_ids, token_mask))
+    return rows_logprobs(module, model, batch_rows(module, batch))
 
 
 @dataclass(frozen=True)
@@ -115,15 +113,24 @@ class RowsShare:
         )
 
 
+def batch_rows(module: CausalLMModule, batch: Batch) -> RowsShare:
+    """A batch's whole rows: its inputs as ``module`` reads them (document ids when it
+    masks documents), labels and the tokens its expert load counts."""
+    input_ids, doc_ids = module.model_inputs(batch)
+    token_mask = module.expert_load.token_mask(batch)
+    return RowsShare(input_ids, batch["labels"], doc_ids, token_mask)
+
+
 def split_pair_rows(module: CausalLMModule, batch: Batch) -> tuple[ContextShard, RowsShare] | None:
     """This rank's share of a batch's rows under ``strategy.context_parallel``, with
     each token's sequence (None: whole rows, as without it)."""
     trainer = module._attached()
     if trainer is None:
         return None
-    input_ids, doc_ids = module.model_inputs(batch)
-    token_mask = module.expert_load.token_mask(batch)
-    split = split_rows(trainer.strategy, input_ids, batch["labels"], doc_ids, token_mask)
+    whole = batch_rows(module, batch)
+    split = split_rows(
+        trainer.strategy, whole.input_ids, whole.labels, whole.doc_ids, whole.token_mask
+    )
     if split is None:
         return None
     shard, (ids, labels, docs, mask) = split
