@@ -44,14 +44,6 @@ LINEAR_PATHS = ("auto", "fla", "torch")
 
 
 @functools.cache
-def _warn_slow_path() -> None:
-    log.warning(
-        "linear attention on CUDA without flash-linear-attention: the torch path is "
-        "much slower (pip install 'recipes-lib[linear]')"
-    )
-
-
-@functools.cache
 def fla_available() -> bool:
     """Whether flash-linear-attention's gated delta rule imports (it needs Triton)."""
     try:
@@ -104,15 +96,32 @@ def pick_path(path: str, x: Tensor) -> str:
             f"linear attention path {path!r} is not one of {' | '.join(LINEAR_PATHS)}"
         )
     if path == "auto":
-        if x.is_cuda and not fla_available():
-            _warn_slow_path()  # once
-        return "fla" if x.is_cuda and fla_available() else "torch"
-    if path == "fla" and not (x.is_cuda and fla_available()):
+        return _cuda_auto_path() if x.is_cuda else "torch"
+    if path == "fla" and not (x.is_cuda and _cuda_auto_path() == "fla"):
         raise ConfigError(
             "the fla linear attention path needs CUDA and flash-linear-attention "
             "(pip install 'recipes-lib[linear]')"
         )
     return path
+
+
+@functools.cache
+def _warn_slow_path() -> None:
+    log.warning(
+        "linear attention on CUDA without flash-linear-attention: the torch path is "
+        "much slower (pip install 'recipes-lib[linear]')"
+    )
+
+
+@torch.compiler.assume_constant_result
+def _cuda_auto_path() -> str:
+    """``fla`` where it imports, else ``torch`` with one warning a process. A compiled
+    block calls this once while tracing and keeps the answer as a constant: traced, the
+    import attempt and the warning would each break its graph."""
+    if fla_available():
+        return "fla"
+    _warn_slow_path()
+    return "torch"
 
 
 @dataclass(frozen=True)

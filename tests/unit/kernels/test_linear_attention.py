@@ -181,3 +181,23 @@ def test_a_pass_whose_backward_fla_refuses_takes_the_torch_rule_with_one_warning
     assert all(g is not None and g.abs().sum() > 0 for g in grads)
     warned = [r for r in caplog.records if reason in r.getMessage()]
     assert len(warned) == 1 and "torch path" in warned[0].getMessage()
+
+
+def test_a_compiled_block_takes_the_cuda_path_choice_as_a_constant(monkeypatch, caplog):
+    """The choice tries an import and may warn: inside a compiled block both would break
+    the graph (on the GPU, a resumed frame for every linear layer). Found once, it is a
+    constant to dynamo, so a whole-graph compile of a caller succeeds."""
+    import recipes_lib.kernels.linear_attention as linear
+
+    linear._warn_slow_path.cache_clear()
+    monkeypatch.setattr(linear, "fla_available", lambda: False)
+
+    def block(x):
+        return x * (2.0 if linear._cuda_auto_path() == "torch" else 3.0)
+
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger=linear.__name__):
+        out = torch.compile(block, fullgraph=True, backend="eager")(torch.ones(3))
+        assert linear._cuda_auto_path() == "torch"
+    torch.testing.assert_close(out, torch.full((3,), 2.0))
+    assert sum("torch path is much slower" in r.getMessage() for r in caplog.records) == 1
