@@ -306,8 +306,9 @@ cannot be made tiny here (extra dependencies or a config that does not shrink).
 transformers' own model's, each measured on the GPU named, in one call, on a preset of
 that family (`benchmarks/results/pretrain_throughput_*.json`); and the fallback's over
 the native path's where both were measured (`benchmarks/results/hf_fallback_*.json`).
-Empty: no result file holds both sides (Qwen3.5's two sides ran as two commands of one
-call, 2.17x: see `benchmarks/results/NOTES.md`). The page is written again from the rows
+*transformers eager*: transformers' side ran uncompiled, as a second command of the same
+call (`<file>_hf_eager_<card>.json`; compiling Qwen3.5 per layer outlasts a call). Empty:
+no result file holds both sides. The page is written again from the rows
 of its last sweep and the result files by `python tests/hf_fallback_sweep.py`; a test
 fails when it is stale.
 
@@ -337,23 +338,51 @@ def _family_of(preset: str) -> str | None:
     return str(OmegaConf.load(file).get("family", "llama")) if file.is_file() else None
 
 
+EAGER_SIDE = "_hf_eager_"  # <stem>_hf_eager_<card>.json: transformers' side, eager
+
+
+def _sides(file: Path) -> list[tuple[str, float, float, str]]:
+    """``(preset, ours, theirs, label)`` of each model that ``file`` measured on both
+    sides. A file of the library's side alone reads transformers' side from its sibling
+    ``<stem>_hf_eager_<card>.json``, when that exists and ran on the same card: the two
+    commands of one call, transformers' model uncompiled (where compiling it per layer
+    takes longer than a call, as Qwen3.5's torch rule does)."""
+    report = json.loads(file.read_text())
+    stem, _, card = file.stem.rpartition("_")
+    sibling = file.with_name(f"{stem}{EAGER_SIDE}{card}.json")
+    eager = json.loads(sibling.read_text()) if sibling.is_file() else {}
+    if eager.get("device") not in (None, report["device"]):
+        eager = {}
+    found = []
+    for preset, entry in report.get("models", {}).items():
+        trainers = entry.get("trainers", {})
+        ours = (trainers.get("recipes_lib") or {}).get("tokens_per_sec")
+        theirs = (trainers.get("hf_transformers") or {}).get("tokens_per_sec")
+        label = "transformers"
+        if not theirs:
+            eager_trainers = eager.get("models", {}).get(preset, {}).get("trainers", {})
+            theirs = (eager_trainers.get("hf_transformers") or {}).get("tokens_per_sec")
+            label = "transformers eager"
+        if ours and theirs:
+            found.append((preset, ours, theirs, label))
+    return found
+
+
 def measured_speeds(results: Path = RESULTS) -> dict[str, list[str]]:
     """Each native family's measured speed ratios, as the page writes them: the native
     path against transformers' own model (``pretrain_throughput_*.json`` files holding
-    both), and the fallback against the native path (``hf_fallback_*.json``)."""
+    both, or a file and its ``_hf_eager_`` sibling), and the fallback against the native
+    path (``hf_fallback_*.json``)."""
     speeds: dict[str, list[str]] = {}
     for file in sorted(results.glob("pretrain_throughput_*.json")):
-        report = json.loads(file.read_text())
-        for preset, entry in report.get("models", {}).items():
-            trainers = entry.get("trainers", {})
-            ours, theirs = (
-                (trainers.get(k) or {}).get("tokens_per_sec")
-                for k in ("recipes_lib", "hf_transformers")
-            )
+        if EAGER_SIDE in file.name:
+            continue
+        device = json.loads(file.read_text())["device"]
+        for preset, ours, theirs, label in _sides(file):
             family = _family_of(preset)
-            if ours and theirs and family is not None:
+            if family is not None:
                 speeds.setdefault(family, []).append(
-                    f"{ours / theirs:.2f}x transformers ({preset}, {_card(report['device'])})"
+                    f"{ours / theirs:.2f}x {label} ({preset}, {_card(device)})"
                 )
     for file in sorted(results.glob("hf_fallback_*.json")):
         report = json.loads(file.read_text())

@@ -79,3 +79,15 @@ def test_a_speed_is_read_from_a_file_that_measured_both_sides(tmp_path):
         (tmp_path / f"pretrain_throughput_{name}_h100.json").write_text(json.dumps(report))
     speeds = type_speeds(tmp_path)
     assert speeds == {"olmo3": "1.50x transformers (olmo3_7b, H100)"}
+
+
+def test_an_eager_sibling_file_gives_transformers_side_on_the_same_card_only(tmp_path):
+    def write(name, trainers, device="NVIDIA H200"):
+        report = {"device": device, "models": {"qwen3_5_0_8b": {"trainers": trainers}}}
+        (tmp_path / f"pretrain_throughput_{name}.json").write_text(json.dumps(report))
+
+    write("q_h200", {"recipes_lib": {"tokens_per_sec": 400.0}})
+    write("q_hf_eager_h200", {"hf_transformers": {"tokens_per_sec": 200.0}})
+    write("r_h100", {"recipes_lib": {"tokens_per_sec": 400.0}}, "NVIDIA H100 80GB HBM3")
+    write("r_hf_eager_h100", {"hf_transformers": {"tokens_per_sec": 100.0}}, "NVIDIA H200")
+    assert type_speeds(tmp_path)["qwen3_5"] == "2.00x transformers eager (qwen3_5_0_8b, H200)"
