@@ -33,6 +33,7 @@ DOCS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "models" / "fallback.
         ("bert", "4-D mask"),  # a decoder mode of an encoder: packed by a block mask
         ("mamba", "no"),  # no attention: a row per example
         ("deepseek_v3", "position ids"),  # latent attention, grouped routing
+        ("fuyu", "position ids"),  # image-text: the language shape in its text_config
     ],
 )
 def test_a_type_trains_both_recipes_and_reloads(tmp_path, model_type, packing):

@@ -84,6 +84,18 @@ def _first(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
     return default
 
 
+HIDDEN_SIZE_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
+
+
+def _language_shape(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Where a config keeps its language model's shape: at its top, or, for a model
+    that reads images or audio too (Gemma 3's and Fuyu's image-text folders), in its
+    ``text_config``, as transformers' ``get_text_config`` finds it."""
+    text = config.get("text_config")
+    has_top = config.get("vocab_size") and _first(config, *HIDDEN_SIZE_KEYS)
+    return text if isinstance(text, Mapping) and not has_top else config
+
+
 def fallback_model_config(
     hf_config: Mapping[str, Any],
     *,
@@ -99,17 +111,19 @@ def fallback_model_config(
         CheckpointError: the config names no ``vocab_size`` or hidden size.
     """
     config = dict(hf_config)
-    vocab = config.get("vocab_size")
-    dim = _first(config, "hidden_size", "n_embd", "d_model", "dim")
+    shape = _language_shape(config)
+    vocab = shape.get("vocab_size")
+    dim = _first(shape, *HIDDEN_SIZE_KEYS)
     if not vocab or not dim:
         raise CheckpointError(
             f"model_type={config.get('model_type')!r}: its config.json names no vocab_size or "
-            "hidden size (hidden_size, n_embd, d_model), so it is not a language model's"
+            "hidden size (hidden_size, n_embd, d_model), at its top or in its text_config, "
+            "so it is not a language model's"
         )
-    n_heads = int(_first(config, "num_attention_heads", "n_head", "num_heads", default=1))
-    head_dim = _first(config, "head_dim")
+    n_heads = int(_first(shape, "num_attention_heads", "n_head", "num_heads", default=1))
+    head_dim = _first(shape, "head_dim")
     positions = _first(
-        config, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"
+        shape, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"
     )
     context = int(max_seq_len or positions or 2048)
     return ModelConfig(
@@ -117,13 +131,15 @@ def fallback_model_config(
         family=FALLBACK_FAMILY,
         vocab_size=int(vocab),
         dim=int(dim),
-        n_layers=int(_first(config, "num_hidden_layers", "n_layer", "num_layers", default=1)),
+        n_layers=int(_first(shape, "num_hidden_layers", "n_layer", "num_layers", default=1)),
         n_heads=n_heads,
-        n_kv_heads=_first(config, "num_key_value_heads"),
+        n_kv_heads=_first(shape, "num_key_value_heads"),
         head_dim=int(head_dim) if head_dim else None,
-        ffn_dim=int(_first(config, "intermediate_size", "n_inner", "ffn_dim", default=4 * dim)),
+        ffn_dim=int(_first(shape, "intermediate_size", "n_inner", "ffn_dim", default=4 * dim)),
         max_seq_len=context,
-        tie_embeddings=bool(config.get("tie_word_embeddings", True)),
+        tie_embeddings=bool(
+            config.get("tie_word_embeddings", shape.get("tie_word_embeddings", True))
+        ),
         hf_config=config,
         trust_remote_code=trust_remote_code,
     )

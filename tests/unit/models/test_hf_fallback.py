@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from recipes_lib.checkpoint.hf_files import read_folder_config
 from recipes_lib.checkpoint.source import read_init_source
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
-from recipes_lib.errors import ConfigError
+from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.losses import causal_lm_loss
 from recipes_lib.models.hf_fallback import (
     HFCausalLM,
@@ -281,3 +281,15 @@ def test_a_module_named_as_the_fallbacks_own_attribute_is_refused_in_one_line(tm
     folder = tiny_folder(tmp_path, "git", num_attention_heads=4)
     with pytest.raises(ConfigError, match=r"model_type='git': its module 'output' has the name"):
         built(folder)
+
+
+def test_an_image_text_config_gives_its_text_models_shape():
+    """Gemma 3's and Fuyu's image-text folders keep the language model's shape in
+    ``text_config``; the whole config is still what the model is built from."""
+    text = {"vocab_size": 300, "hidden_size": 48, "num_hidden_layers": 3, "intermediate_size": 96}
+    config = {"model_type": "gemma3", "text_config": text, "vision_config": {"hidden_size": 16}}
+    model = fallback_model_config(config)
+    assert (model.vocab_size, model.dim, model.n_layers, model.ffn_dim) == (300, 48, 3, 96)
+    assert model.hf_config == config
+    with pytest.raises(CheckpointError, match="at its top or in its text_config"):
+        fallback_model_config({"model_type": "gemma3", "vision_config": {"hidden_size": 16}})
