@@ -274,10 +274,23 @@ def test_a_folder_without_a_gemma3_text_tower_is_one_config_error(
         assert not (tmp_path / "run").exists()
 
 
-def test_the_transformers_fallback_reads_the_folders_own_config(image_text_folder):
-    """``model=hf`` builds from the folder's own config.json, which names no causal LM:
-    refused as before, instead of a text config whose model the folder's weights miss."""
-    folder, _ = image_text_folder
-    with pytest.raises(CheckpointError, match="model_type='gemma3'.*not a language model"):
-        read_init_source(folder, fallback=True)
+def test_the_transformers_fallback_builds_the_whole_image_text_model(image_text_folder):
+    """``model=hf`` builds transformers' own image-text model from the folder's whole
+    config.json (its weights are that model's), reading the language shape from its
+    ``text_config``; on text alone it gives transformers' logits."""
+    from recipes_lib.checkpoint.hf_files import read_folder_config
+    from recipes_lib.models.hf_fallback import build_hf_model, fallback_model_config
+
+    folder, hf_model = image_text_folder
+    source = read_init_source(folder, fallback=True)
+    assert source.model["family"] == "hf"
+    assert (source.model["vocab_size"], source.model["dim"]) == (
+        TEXT["vocab_size"],
+        TEXT["hidden_size"],
+    )
+    model = build_hf_model(fallback_model_config(read_folder_config(folder)), folder=folder)
+    model.eval()
+    x = text_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), hf_model(input_ids=x).logits, atol=1e-4, rtol=1e-4)
     assert read_init_source(folder).model["family"] == "gemma3"  # natively: its text tower
