@@ -75,6 +75,38 @@ TINY_DIMS: dict[str, Any] = {
     "is_decoder": True,
     "tie_word_embeddings": True,
 }
+# what a type's default config needs besides the common dims to build tiny: sizes
+# its own checks tie together, and a hybrid's layer of each kind within two layers
+TYPE_TINY: dict[str, dict[str, Any]] = {
+    "mamba2": {"num_heads": 8, "head_dim": 16, "state_size": 16, "n_groups": 1},
+    "bamba": {
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_d_state": 16,
+        "attn_layer_indices": [1],
+    },
+    "granitemoehybrid": {
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_d_state": 16,
+        "layer_types": ["mamba", "attention"],
+    },
+    "zaya": {"num_experts_per_tok": 1},  # its only routing
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    "dots1": {"n_shared_experts": 1},
+    "qwen4_exp": {
+        "indexer_n_heads": 4,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 2,
+    },
+    "gemma4": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 16},
+}
+TYPE_TINY["dots3_note"] = {"head_dim": 16}  # its windowed layers' nope + rope widths
+TYPE_TINY["dots3_note_text"] = TYPE_TINY["dots3_note"]
+TYPE_TINY["qwen4_exp_text"] = TYPE_TINY["qwen4_exp"]
+TYPE_TINY["gemma4_text"] = TYPE_TINY["gemma4"]
 MAX_TINY_PARAMS = 5_000_000  # a type whose default config does not shrink is skipped
 SECONDS_PER_TYPE = 240
 UNPACKED = ["data.document_mask=false", "data.chat.packing=false"]  # a row each
@@ -93,21 +125,45 @@ class Skip(Exception):
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
 
-def _per_layer(values: list[Any], layers: int) -> list[Any]:
-    """A per-layer list of a deeper model for ``layers`` layers: one layer of each kind
-    it holds first (a hybrid keeps both kinds), then as the list goes on."""
+def _kept_layers(values: list[Any], layers: int) -> list[int]:
+    """Which layers of a deeper model's per-layer list ``values`` a model of ``layers``
+    layers keeps: the first of each kind it holds first (a hybrid keeps both kinds),
+    then as the list goes on."""
     if not all(isinstance(v, str | int | float | bool) for v in values):
-        return list(values[:layers])
-    kinds = list(dict.fromkeys(values))
-    if len(kinds) == len(values):  # every entry its own (indices): the first ones
-        return list(values[:layers])
-    chosen = kinds[:layers]
+        return list(range(min(layers, len(values))))
+    firsts = sorted({v: i for i, v in reversed(list(enumerate(values)))}.values())
+    if len(firsts) == len(values):  # every entry its own (indices): the first ones
+        return list(range(min(layers, len(values))))
+    chosen = firsts[:layers]
     return chosen + [chosen[-1]] * (layers - len(chosen))
+
+
+def _per_layer(values: list[Any], layers: int) -> list[Any]:
+    """A per-layer list of a deeper model for ``layers`` layers (:func:`_kept_layers`)."""
+    return [values[i] for i in _kept_layers(values, layers)]
+
+
+def _per_layer_config(entries: dict[str, Any], kept: list[int]) -> dict[str, Any]:
+    """A deeper model's ``per_layer_config`` (overrides keyed by layer index, Gemma 4's
+    wider global heads) for the layers ``kept``, renumbered, its sizes made tiny."""
+    out = {}
+    for new, old in enumerate(kept):
+        entry = entries.get(f"{old:02d}", entries.get(str(old)))
+        if isinstance(entry, dict):
+            tiny = {k: TINY_DIMS.get(k, v) for k, v in entry.items()}
+            if "kv_lora_rank" in entry and "num_key_value_heads" in entry:  # latent
+                tiny["num_key_value_heads"] = TINY_DIMS["num_attention_heads"]
+            out[f"{new:02d}"] = tiny
+    return out
 
 
 def _shrink(values: dict[str, Any]) -> dict[str, Any]:
     out = dict(values)
     depth = next((values[k] for k in LAYER_COUNT_KEYS if isinstance(values.get(k), int)), None)
+    kinds = values.get("layer_types")
+    kept = _kept_layers(kinds, 2) if isinstance(kinds, list) and len(kinds) > 2 else [0, 1]
+    if isinstance(values.get("per_layer_config"), dict):
+        out["per_layer_config"] = _per_layer_config(values["per_layer_config"], kept)
     for key, value in values.items():
         if isinstance(value, dict) and ("hidden_size" in value or "vocab_size" in value):
             out[key] = _shrink(value)  # a text or vision tower's own config
@@ -134,6 +190,9 @@ def tiny_config(model_type: str):
     try:
         default = transformers.AutoConfig.for_model(model_type).to_dict()
         values = _shrink(default)
+        text = values.get("text_config")
+        shape = text if isinstance(text, dict) and "vocab_size" not in values else values
+        shape.update(TYPE_TINY.get(model_type, {}))
         values.pop("model_type", None)
         for key in ("transformers_version", "architectures", "_name_or_path"):
             values.pop(key, None)
@@ -289,7 +348,8 @@ A Hugging Face folder whose `model_type` has no native family trains as transfor
 `model=hf` chooses it for any folder. See [Models](../models.md#the-transformers-fallback).
 
 Each model type of transformers {version}'s `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` was made tiny
-(its default config with 2 layers of width 64, a 512-token vocabulary), saved with a
+(its default config with 2 layers of width 64, a 512-token vocabulary; for a few types also
+the sizes their own checks tie together, `TYPE_TINY`), saved with a
 tokenizer, then trained through the fallback (`model=hf`) 5 steps of `recipe=sft/lora` and
 5 of `recipe=dpo/full` on the CPU; each run exported `hf/` with `save_pretrained`, and
 transformers' reload of it gave the run's own logits within 1e-4. *load check*: the
