@@ -1,5 +1,6 @@
-"""Shared by the tests: the CSV metrics a run logs, ``torchrun`` jobs, a script run in
-this process as its command line runs it, and a benchmark's ``--smoke`` run."""
+"""Shared by the tests: the CSV metrics a run logs, ``torchrun`` jobs, runs that
+pytest-xdist's workers build once between them, a script run in this process as its
+command line runs it, and a benchmark's ``--smoke`` run."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ import io
 import json
 import os
 import runpy
+import shutil
 import signal
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+from filelock import FileLock
+
+Built = TypeVar("Built", Path, dict[str, Path])
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, str]]:
@@ -72,6 +80,32 @@ def torchrun(
             f"--- stdout ---\n{stdout[-3000:]}\n--- stderr ---\n{stderr[-8000:]}"
         )
     return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], Built]) -> Built:
+    """``build(folder)`` (the runs a module's tests read: a folder, or folders by name)
+    once for the whole session, whichever pytest-xdist worker asks first.
+
+    A module-scoped fixture runs again on every worker that runs one of its tests, and
+    again on a worker that leaves the module and comes back; pytest-xdist's work
+    stealing does both, to the minute-long multi-process fixtures too. Here the first
+    asker builds into a folder the workers share (under the session's common temporary
+    root) while holding its lock; the others wait for it, then read what it wrote. A
+    build that fails leaves nothing, so the next asker builds again.
+    """
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:  # one process: a folder of its own
+        return build(tmp_path_factory.mktemp(name))
+    shared = tmp_path_factory.getbasetemp().parent / f"built-{name}"
+    done = shared / "built.json"
+    with FileLock(f"{shared}.lock"):
+        if not done.is_file():
+            shutil.rmtree(shared, ignore_errors=True)  # a failed build's leftovers
+            shared.mkdir()
+            result = build(shared)
+            paths = {"": str(result)} if isinstance(result, Path) else result
+            done.write_text(json.dumps({k: str(v) for k, v in paths.items()}))
+    read = {k: Path(v) for k, v in json.loads(done.read_text()).items()}
+    return read[""] if list(read) == [""] else read  # type: ignore[return-value]
 
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"

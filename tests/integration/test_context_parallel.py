@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from integration_helpers import metric_series, read_metrics, tiny_overrides
-from run_helpers import torchrun
+from run_helpers import built_once, torchrun
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES
 
 from recipes_lib.checkpoint.weights import load_weights
@@ -109,25 +109,32 @@ def _largest_weight_difference(a: Path, b: Path) -> float:
 def root(tmp_path_factory) -> Path:
     """A folder holding the one-process pretraining run (``single``, two rows a step)
     that the split runs below follow, and the data cache they share."""
-    folder = tmp_path_factory.mktemp("cp")
-    run(compose_config(_overrides(folder, "single", "data.batch_size=2")))
-    return folder
+
+    def build(folder: Path) -> Path:
+        run(compose_config(_overrides(folder, "single", "data.batch_size=2")))
+        return folder
+
+    return built_once(tmp_path_factory, "cp-root", build)
 
 
 @pytest.fixture(scope="module")
-def on_two(root) -> Path:
+def on_two(root, tmp_path_factory) -> Path:
     """The two-process runs with split rows, one after another in one ``torchrun`` job:
     the pretraining run (``split``) and each SFT case's (``<recipe>/split``, beside the
     data cache its one-process run shares), under ``root``."""
-    runs = [_split_overrides(root, "split", processes=2, batch_size=2)]
-    split = ("strategy=ddp", "strategy.context_parallel=2", "trainer.devices=2")
-    for recipe, rows in SFT_CASES.items():
-        folder = _sft_folder(root, recipe)
-        runs.append(_sft_overrides(folder, "split", recipe, *_sft_rows(rows), *split))
-    for recipe in PAIR_CASES:
-        runs.append(_dpo_overrides(root, recipe, "split", *split))
-    _one_job(2, *runs)
-    return root
+
+    def build(_: Path) -> Path:
+        runs = [_split_overrides(root, "split", processes=2, batch_size=2)]
+        split = ("strategy=ddp", "strategy.context_parallel=2", "trainer.devices=2")
+        for recipe, rows in SFT_CASES.items():
+            folder = _sft_folder(root, recipe)
+            runs.append(_sft_overrides(folder, "split", recipe, *_sft_rows(rows), *split))
+        for recipe in PAIR_CASES:
+            runs.append(_dpo_overrides(root, recipe, "split", *split))
+        _one_job(2, *runs)
+        return root
+
+    return built_once(tmp_path_factory, "cp-on_two", build)
 
 
 def test_a_pretraining_run_with_split_rows_follows_the_one_process_run(root, on_two):

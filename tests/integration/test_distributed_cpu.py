@@ -24,7 +24,7 @@ import pytest
 import torch
 from distributed_batch import run_log
 from integration_helpers import metric_series, read_metrics, tiny_overrides
-from run_helpers import torchrun
+from run_helpers import built_once, torchrun
 from tiny import QUIET_OVERRIDES, SMALL_VOCAB_OVERRIDES, family_overrides
 
 from recipes_lib.checkpoint.sharded import (
@@ -72,7 +72,7 @@ def _recipes_train(run_dir: Path, cache: Path, *extra: str) -> None:
 def runs(tmp_path_factory) -> dict[str, Path]:
     """One single-process reference run (batch 4) and the same run on two FSDP processes
     (a ``recipes-train`` job: its console log is read)."""
-    return _reference_runs(tmp_path_factory.mktemp("distributed"))
+    return built_once(tmp_path_factory, "distributed-runs", _reference_runs)
 
 
 def _reference_runs(root: Path) -> dict[str, Path]:
@@ -98,7 +98,10 @@ def _run_batch(processes: int, jobs: dict[str, list[str]], root: Path) -> dict[s
 def batch(runs, tmp_path_factory) -> dict[str, Path]:
     """The two-process runs of the tests below, each in its own folder, run in one
     ``torchrun`` job; each test runs its one-process reference itself."""
-    root = tmp_path_factory.mktemp("batch")
+    return built_once(tmp_path_factory, "distributed-batch", lambda root: _batch(runs, root))
+
+
+def _batch(runs: dict[str, Path], root: Path) -> dict[str, Path]:
     cache = runs["cache"]
     on_two = ("data.batch_size=2", "strategy=fsdp")
     middle = f"step{STEPS // 2:06d}.ckpt"
@@ -141,7 +144,12 @@ def batch(runs, tmp_path_factory) -> dict[str, Path]:
 def batch_of_four(runs, tmp_path_factory) -> dict[str, Path]:
     """The four-process runs (HSDP: two copies, each sharded over two processes, a
     quarter of the global batch each), in one ``torchrun`` job."""
-    root = tmp_path_factory.mktemp("batch4")
+    return built_once(
+        tmp_path_factory, "distributed-batch4", lambda root: _batch_of_four(runs, root)
+    )
+
+
+def _batch_of_four(runs: dict[str, Path], root: Path) -> dict[str, Path]:
     hsdp = ("strategy=hsdp", "strategy.replicas=2", "data.batch_size=1")
     jobs = {
         "hsdp": _overrides(root / "hsdp", runs["cache"], *hsdp),
@@ -329,8 +337,12 @@ MOE = (
 @pytest.fixture(scope="module")
 def moe_single(runs, tmp_path_factory) -> Path:
     """The mixture's one-process weights, for both of its FSDP runs to reach."""
-    folder = tmp_path_factory.mktemp("moe-single")
-    return run(compose_config(_overrides(folder / "single", runs["cache"], *MOE))).weights_path
+
+    def build(folder: Path) -> Path:
+        overrides = _overrides(folder / "single", runs["cache"], *MOE)
+        return Path(run(compose_config(overrides)).weights_path)
+
+    return built_once(tmp_path_factory, "distributed-moe-single", build)
 
 
 @pytest.mark.parametrize("experts", ["gathered", "expert_parallel"])

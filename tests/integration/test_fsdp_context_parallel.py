@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from integration_helpers import metric_series, read_metrics, tiny_overrides
-from run_helpers import torchrun
+from run_helpers import built_once, torchrun
 
 from recipes_lib.checkpoint.weights import load_weights
 from recipes_lib.config import compose_config
@@ -96,9 +96,12 @@ def _overrides(root: Path, name: str, *extra: str) -> list[str]:
 def root(tmp_path_factory) -> Path:
     """A folder holding the one-process run (``single``) that the split runs below
     follow, and the data cache they share; each split run writes a folder of its own."""
-    folder = tmp_path_factory.mktemp("fsdp-cp")
-    run(compose_config(_overrides(folder, "single")))
-    return folder
+
+    def build(folder: Path) -> Path:
+        run(compose_config(_overrides(folder, "single")))
+        return folder
+
+    return built_once(tmp_path_factory, "fsdp-cp-root", build)
 
 
 SPLIT = ("strategy=fsdp", "strategy.context_parallel=2", "trainer.devices=2")
@@ -106,20 +109,24 @@ MIDDLE = "step000002.ckpt"  # the resumed run's start
 
 
 @pytest.fixture(scope="module")
-def on_two(root) -> Path:
+def on_two(root, tmp_path_factory) -> Path:
     """The two-process runs, one after another in one ``torchrun`` job: ``split`` (FSDP
     with split rows), then ``through`` (the same, checkpointed every two steps) and
     ``resumed`` (from ``through``'s step-2 sharded checkpoint); each in its folder under
     ``root``."""
-    keep = (*SPLIT, "run.checkpoint_every_n_steps=2")
-    middle = root / "through" / "checkpoints" / MIDDLE
-    runs = [
-        _overrides(root, "split", *SPLIT),
-        _overrides(root, "through", *keep),
-        _overrides(root, "resumed", *keep, f"run.ckpt_path={middle}"),
-    ]
-    torchrun(2, RUNNER, *[arg for r in runs for arg in ("+", *r)][1:], omp_threads=1)
-    return root
+
+    def build(_: Path) -> Path:
+        keep = (*SPLIT, "run.checkpoint_every_n_steps=2")
+        middle = root / "through" / "checkpoints" / MIDDLE
+        runs = [
+            _overrides(root, "split", *SPLIT),
+            _overrides(root, "through", *keep),
+            _overrides(root, "resumed", *keep, f"run.ckpt_path={middle}"),
+        ]
+        torchrun(2, RUNNER, *[arg for r in runs for arg in ("+", *r)][1:], omp_threads=1)
+        return root
+
+    return built_once(tmp_path_factory, "fsdp-cp-on_two", build)
 
 
 def test_a_pretraining_run_under_fsdp_with_split_rows_follows_the_one_process_run(root, on_two):
@@ -144,22 +151,26 @@ FOUR = {"fsdp": ("strategy=fsdp",), "hsdp": ("strategy=hsdp", "strategy.replicas
 
 
 @pytest.fixture(scope="module")
-def on_four(root) -> Path:
+def on_four(root, tmp_path_factory) -> Path:
     """The four-process runs (``split_fsdp``, ``split_hsdp``), one after the other in one
     ``torchrun`` job, each in its folder under ``root``."""
-    runs = [
-        _overrides(
-            root,
-            f"split_{name}",
-            *strategy,
-            "strategy.context_parallel=2",
-            "data.batch_size=1",
-            "trainer.devices=4",
-        )
-        for name, strategy in FOUR.items()
-    ]
-    torchrun(4, RUNNER, *[arg for r in runs for arg in ("+", *r)][1:], omp_threads=1)
-    return root
+
+    def build(_: Path) -> Path:
+        runs = [
+            _overrides(
+                root,
+                f"split_{name}",
+                *strategy,
+                "strategy.context_parallel=2",
+                "data.batch_size=1",
+                "trainer.devices=4",
+            )
+            for name, strategy in FOUR.items()
+        ]
+        torchrun(4, RUNNER, *[arg for r in runs for arg in ("+", *r)][1:], omp_threads=1)
+        return root
+
+    return built_once(tmp_path_factory, "fsdp-cp-on_four", build)
 
 
 @pytest.mark.slow
