@@ -401,6 +401,13 @@ def _family_of(preset: str) -> str | None:
 EAGER_SIDE = "_hf_eager_"  # <stem>_hf_eager_<card>.json: transformers' side, eager
 
 
+def _at(report: dict[str, Any], key: str | tuple[str, str]) -> Any:
+    """``report[key]``, or ``report[a][b]`` for ``key = (a, b)``; None where missing."""
+    if isinstance(key, str):
+        return report.get(key)
+    return (report.get(key[0]) or {}).get(key[1])
+
+
 def _sides(file: Path) -> list[tuple[str, float, float, str]]:
     """``(preset, ours, theirs, label)`` of each model that ``file`` measured on both
     sides. A file of the library's side alone reads transformers' side from its sibling
@@ -411,16 +418,18 @@ def _sides(file: Path) -> list[tuple[str, float, float, str]]:
     stem, _, card = file.stem.rpartition("_")
     sibling = file.with_name(f"{stem}{EAGER_SIDE}{card}.json")
     eager = json.loads(sibling.read_text()) if sibling.is_file() else {}
-    if eager.get("device") not in (None, report["device"]):
-        eager = {}
+    same_run = ("device", ("settings", "seq_len"))
+    if any(_at(eager, key) not in (None, _at(report, key)) for key in same_run):
+        eager = {}  # another card or length: not the same call's other side
     found = []
     for preset, entry in report.get("models", {}).items():
         trainers = entry.get("trainers", {})
         ours = (trainers.get("recipes_lib") or {}).get("tokens_per_sec")
         theirs = (trainers.get("hf_transformers") or {}).get("tokens_per_sec")
         label = "transformers"
-        if not theirs:
-            eager_trainers = eager.get("models", {}).get(preset, {}).get("trainers", {})
+        eager_entry = eager.get("models", {}).get(preset, {})
+        if not theirs and eager_entry.get("batch_size") == entry.get("batch_size"):
+            eager_trainers = eager_entry.get("trainers", {})
             theirs = (eager_trainers.get("hf_transformers") or {}).get("tokens_per_sec")
             label = "transformers eager"
         if ours and theirs:

@@ -10,7 +10,6 @@ import io
 import json
 import os
 import runpy
-import shutil
 import signal
 import subprocess
 import sys
@@ -91,17 +90,25 @@ def built_once(tmp_path_factory, name: str, build: Callable[[Path], Built]) -> B
     stealing does both, to the minute-long multi-process fixtures too. Here the first
     asker builds into a folder the workers share (under the session's common temporary
     root) while holding its lock; the others wait for it, then read what it wrote. A
-    build that fails leaves nothing, so the next asker builds again.
+    build that fails says so to the later askers, which fail at once instead of building
+    again over its half-written runs.
     """
     if os.environ.get("PYTEST_XDIST_WORKER") is None:  # one process: a folder of its own
         return build(tmp_path_factory.mktemp(name))
     shared = tmp_path_factory.getbasetemp().parent / f"built-{name}"
-    done = shared / "built.json"
+    done, failed = shared / "built.json", shared.with_name(f"built-{name}.failed")
     with FileLock(f"{shared}.lock"):
+        if failed.is_file():
+            raise AssertionError(
+                f"{name}: built on another worker, and failed: {failed.read_text()}"
+            )
         if not done.is_file():
-            shutil.rmtree(shared, ignore_errors=True)  # a failed build's leftovers
             shared.mkdir()
-            result = build(shared)
+            try:
+                result = build(shared)
+            except BaseException as err:
+                failed.write_text(f"{type(err).__name__}: {str(err)[:2000]}")
+                raise
             paths = {"": str(result)} if isinstance(result, Path) else result
             done.write_text(json.dumps({k: str(v) for k, v in paths.items()}))
     read = {k: Path(v) for k, v in json.loads(done.read_text()).items()}

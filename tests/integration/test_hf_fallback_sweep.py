@@ -92,3 +92,16 @@ def test_an_eager_sibling_file_gives_transformers_side_on_the_same_card_only(tmp
     write("r_h100", {"recipes_lib": {"tokens_per_sec": 400.0}}, "NVIDIA H100 80GB HBM3")
     write("r_hf_eager_h100", {"hf_transformers": {"tokens_per_sec": 100.0}}, "NVIDIA H200")
     assert type_speeds(tmp_path)["qwen3_5"] == "2.00x transformers eager (qwen3_5_0_8b, H200)"
+    other = tmp_path / "other_length"
+    other.mkdir()
+    for name, seq_len, trainers in (
+        ("q_h200", 2048, {"recipes_lib": {"tokens_per_sec": 400.0}}),
+        ("q_hf_eager_h200", 4096, {"hf_transformers": {"tokens_per_sec": 200.0}}),
+    ):
+        report = {
+            "device": "NVIDIA H200",
+            "settings": {"seq_len": seq_len},
+            "models": {"qwen3_5_0_8b": {"trainers": trainers}},
+        }
+        (other / f"pretrain_throughput_{name}.json").write_text(json.dumps(report))
+    assert "qwen3_5" not in type_speeds(other)  # another length: not the call's other side

@@ -97,7 +97,7 @@ def pick_path(path: str, x: Tensor) -> str:
         )
     if path == "auto":
         return _cuda_auto_path() if x.is_cuda else "torch"
-    if path == "fla" and not (x.is_cuda and _cuda_auto_path() == "fla"):
+    if path == "fla" and not (x.is_cuda and fla_available()):
         raise ConfigError(
             "the fla linear attention path needs CUDA and flash-linear-attention "
             "(pip install 'recipes-lib[linear]')"
