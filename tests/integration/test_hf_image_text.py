@@ -293,4 +293,12 @@ def test_the_transformers_fallback_builds_the_whole_image_text_model(image_text_
     x = text_ids()
     with torch.no_grad():
         torch.testing.assert_close(model(x), hf_model(input_ids=x).logits, atol=1e-4, rtol=1e-4)
+    # the vision tower and projector, which text never reaches, are frozen; everything
+    # left to train gets a gradient (what DDP needs)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and all("vision" in n or "multi_modal" in n for n in frozen)
+    model.train()
+    model(x).float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for p in trainable.values())
     assert read_init_source(folder).model["family"] == "gemma3"  # natively: its text tower

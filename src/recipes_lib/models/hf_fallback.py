@@ -87,13 +87,30 @@ def _first(config: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
 HIDDEN_SIZE_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
 
 
-def _language_shape(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Where a config keeps its language model's shape: at its top, or, for a model
-    that reads images or audio too (Gemma 3's and Fuyu's image-text folders), in its
-    ``text_config``, as transformers' ``get_text_config`` finds it."""
-    text = config.get("text_config")
+def is_multimodal(config: Mapping[str, Any]) -> bool:
+    """Whether a config keeps its language model's shape in ``text_config`` rather than
+    at its top: a causal LM that reads images or audio too (Gemma 3's and Fuyu's
+    image-text folders, an audio-text model)."""
     has_top = config.get("vocab_size") and _first(config, *HIDDEN_SIZE_KEYS)
-    return text if isinstance(text, Mapping) and not has_top else config
+    return isinstance(config.get("text_config"), Mapping) and not has_top
+
+
+def _language_shape(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config that holds the language model's shape: the whole one, or, for a
+    multimodal one, its ``text_config`` with transformers' defaults filled in, as
+    transformers' ``get_text_config`` gives it (a folder saved by transformers 4, such as
+    the published Gemma 3 ones, writes only the values that differ from them)."""
+    if not is_multimodal(config):
+        return config
+    text = dict(config["text_config"])
+    try:
+        from transformers import AutoConfig
+
+        values = {k: v for k, v in config.items() if k != "model_type"}
+        full = AutoConfig.for_model(config.get("model_type"), **values)
+        return {**full.get_text_config().to_dict(), **text}
+    except Exception:  # noqa: BLE001 - an unknown type or a config of its own code
+        return text
 
 
 def fallback_model_config(
@@ -381,6 +398,23 @@ def base_model(hf_model: nn.Module) -> nn.Module:
     return inner[0] if inner else hf_model
 
 
+def freeze_other_towers(hf_model: nn.Module) -> int:
+    """Freeze what a text-only forward of a multimodal causal LM never reaches: every
+    parameter outside its decoder (``get_decoder``, the language model) and its input
+    and output embeddings, such as a vision or audio tower and its projector. They would
+    get no gradient (DDP waits for one), are no optimizer's to keep, and are written back
+    as they came. Returns the number of parameters frozen."""
+    reached = [hf_model.get_decoder(), hf_model.get_input_embeddings()]
+    reached.append(hf_model.get_output_embeddings())
+    kept = {id(p) for module in reached if module is not None for p in module.parameters()}
+    frozen = 0
+    for param in hf_model.parameters():
+        if id(param) not in kept and param.requires_grad:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen
+
+
 class HFCausalLM(nn.Module):
     """A transformers causal LM behind the native decoder's interface.
 
@@ -419,6 +453,8 @@ class HFCausalLM(nn.Module):
             self.register_parameter(name, param)
         # not a child either: its modules would have a second name
         self.__dict__["_base"] = base_model(hf_model)
+        if is_multimodal(config.hf_config or {}):
+            freeze_other_towers(hf_model)
         self._layers = decoder_layers(hf_model)
         self.fused_head = False
         self.attention_backend = FallbackAttention(attention, packs_documents=True)

@@ -293,3 +293,21 @@ def test_an_image_text_config_gives_its_text_models_shape():
     assert model.hf_config == config
     with pytest.raises(CheckpointError, match="at its top or in its text_config"):
         fallback_model_config({"model_type": "gemma3", "vision_config": {"hidden_size": 16}})
+
+
+def test_a_published_image_text_config_takes_transformers_defaults_for_what_it_leaves_out():
+    """A folder saved by transformers 4 (the published Gemma 3 4B) writes only the text
+    values that differ from the defaults; the rest are transformers' own."""
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34}
+    config = {"model_type": "gemma3", "text_config": {**text, "model_type": "gemma3_text"}}
+    model = fallback_model_config(config)
+    defaults = transformers.Gemma3TextConfig()
+    assert (model.dim, model.n_layers, model.ffn_dim) == (2560, 34, 10240)
+    assert model.vocab_size == defaults.vocab_size
+    assert (model.n_heads, model.n_kv_heads, model.head_dim) == (
+        defaults.num_attention_heads,
+        defaults.num_key_value_heads,
+        defaults.head_dim,
+    )
+    assert model.max_seq_len == defaults.max_position_embeddings
+    assert model.hf_config == config  # built from the folder's own config
