@@ -107,7 +107,7 @@ def _language_shape(config: Mapping[str, Any]) -> Mapping[str, Any]:
         from transformers import AutoConfig
 
         values = {k: v for k, v in config.items() if k != "model_type"}
-        full = AutoConfig.for_model(config.get("model_type"), **values)
+        full = AutoConfig.for_model(str(config.get("model_type")), **values)
         return {**full.get_text_config().to_dict(), **text}
     except Exception:  # noqa: BLE001 - an unknown type or a config of its own code
         return text
@@ -398,12 +398,13 @@ def base_model(hf_model: nn.Module) -> nn.Module:
     return inner[0] if inner else hf_model
 
 
-def freeze_other_towers(hf_model: nn.Module) -> int:
+def freeze_other_towers(hf_model: Any) -> int:
     """Freeze what a text-only forward of a multimodal causal LM never reaches: every
     parameter outside its decoder (``get_decoder``, the language model) and its input
     and output embeddings, such as a vision or audio tower and its projector. They would
     get no gradient (DDP waits for one), are no optimizer's to keep, and are written back
-    as they came. Returns the number of parameters frozen."""
+    as they came. ``hf_model``: transformers' ``PreTrainedModel``. Returns the number of
+    parameters frozen."""
     reached = [hf_model.get_decoder(), hf_model.get_input_embeddings()]
     reached.append(hf_model.get_output_embeddings())
     kept = {id(p) for module in reached if module is not None for p in module.parameters()}
