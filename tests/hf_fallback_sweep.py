@@ -21,6 +21,7 @@ from tiny import QUIET_OVERRIDES
 
 from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.models.families import FAMILIES
+from recipes_lib.models.hf_fallback import is_multimodal
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -190,8 +191,7 @@ def tiny_config(model_type: str):
     try:
         default = transformers.AutoConfig.for_model(model_type).to_dict()
         values = _shrink(default)
-        text = values.get("text_config")
-        shape = text if isinstance(text, dict) and "vocab_size" not in values else values
+        shape = values["text_config"] if is_multimodal(values) else values
         shape.update(TYPE_TINY.get(model_type, {}))
         values.pop("model_type", None)
         for key in ("transformers_version", "architectures", "_name_or_path"):
@@ -408,13 +408,12 @@ def _at(report: dict[str, Any], key: str | tuple[str, str]) -> Any:
     return (report.get(key[0]) or {}).get(key[1])
 
 
-def _sides(file: Path) -> list[tuple[str, float, float, str]]:
-    """``(preset, ours, theirs, label)`` of each model that ``file`` measured on both
-    sides. A file of the library's side alone reads transformers' side from its sibling
-    ``<stem>_hf_eager_<card>.json``, when that exists and ran on the same card: the two
-    commands of one call, transformers' model uncompiled (where compiling it per layer
-    takes longer than a call, as Qwen3.5's torch rule does)."""
-    report = json.loads(file.read_text())
+def _sides(file: Path, report: dict[str, Any]) -> list[tuple[str, float, float, str]]:
+    """``(preset, ours, theirs, label)`` of each model that ``file`` (read: ``report``)
+    measured on both sides. A file of the library's side alone reads transformers' side
+    from its sibling ``<stem>_hf_eager_<card>.json``, when that exists and ran on the
+    same card: the two commands of one call, transformers' model uncompiled (where
+    compiling it per layer takes longer than a call, as Qwen3.5's torch rule does)."""
     stem, _, card = file.stem.rpartition("_")
     sibling = file.with_name(f"{stem}{EAGER_SIDE}{card}.json")
     eager = json.loads(sibling.read_text()) if sibling.is_file() else {}
@@ -446,12 +445,12 @@ def measured_speeds(results: Path = RESULTS) -> dict[str, list[str]]:
     for file in sorted(results.glob("pretrain_throughput_*.json")):
         if EAGER_SIDE in file.name:
             continue
-        device = json.loads(file.read_text())["device"]
-        for preset, ours, theirs, label in _sides(file):
+        report = json.loads(file.read_text())
+        for preset, ours, theirs, label in _sides(file, report):
             family = _family_of(preset)
             if family is not None:
                 speeds.setdefault(family, []).append(
-                    f"{ours / theirs:.2f}x {label} ({preset}, {_card(device)})"
+                    f"{ours / theirs:.2f}x {label} ({preset}, {_card(report['device'])})"
                 )
     for file in sorted(results.glob("hf_fallback_*.json")):
         report = json.loads(file.read_text())

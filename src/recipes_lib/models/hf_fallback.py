@@ -22,6 +22,9 @@ checkpointing), ``attention_backend.check`` and ``flops_per_token``.
   cross-entropy in training, as transformers' causal LM adds it to its own loss.
 - Decoding (``forward(cache=...)``) keeps transformers' own cache in a
   :class:`FallbackCache`, which answers the generation code as a ``KVCache`` does.
+- A causal LM that also reads images or audio (its shape in ``text_config``) is built
+  whole and trained on text: what a text forward never reaches (the vision or audio
+  tower) is frozen (:func:`freeze_other_towers`).
 
 :func:`fallback_model_config` reads the shape fields the rest of the library estimates
 with from any ``config.json``; :func:`check_fallback_folder` refuses, in one line, a
