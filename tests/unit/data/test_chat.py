@@ -132,6 +132,29 @@ def test_template_that_fails_to_render_names_the_record(chat_tokenizer):
         ChatRenderer(chat_tokenizer, "{% for m in messages %}{{ m }")
 
 
+def test_rendering_many_at_once_gives_each_conversations_own_tokens(chat_tokenizer):
+    failing = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('no system turns') }}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    renderer = ChatRenderer(chat_tokenizer, failing)
+    talks = [
+        [
+            {"role": "user", "content": f"question {i} " * (i + 1)},
+            {"role": "assistant", "content": f"answer {i} " * (3 * i + 1)},
+        ]
+        for i in range(5)
+    ]
+    talks[2] = [{"role": "system", "content": "be brief"}, *talks[2]]
+    together = renderer.render_many([(t, None, i) for i, t in enumerate(talks)], source="s")
+    assert isinstance(together[2], DataError) and "s: record 2" in str(together[2])
+    for i, talk in enumerate(talks):
+        if i != 2:  # the one the template fails on changes none of the others
+            alone = renderer.render(talk)
+            assert together[i] == alone and any(alone.assistant_mask)
+
+
 def test_a_template_that_rewrites_earlier_turns_still_trains_each_answer_exactly(chat_tokenizer):
     """Puts the number of turns first, so no rendering of fewer turns starts the whole
     one: the conversation is rendered once and each answer found in it."""

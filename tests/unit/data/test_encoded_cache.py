@@ -51,13 +51,13 @@ def _config(tmp_path, tokenizer_path, path: Path, **overrides):
 def count_renders(monkeypatch):
     """How many conversations the chat template rendered."""
     calls = {"n": 0}
-    render = ChatRenderer.render
+    render_many = ChatRenderer.render_many
 
-    def counted(self, *args, **kwargs):
-        calls["n"] += 1
-        return render(self, *args, **kwargs)
+    def counted(self, conversations, *args, **kwargs):
+        calls["n"] += len(conversations)
+        return render_many(self, conversations, *args, **kwargs)
 
-    monkeypatch.setattr(ChatRenderer, "render", counted)
+    monkeypatch.setattr(ChatRenderer, "render_many", counted)
     return calls
 
 

@@ -25,6 +25,8 @@ from recipes_lib.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
 _ERRORS_SHOWN = 3
+# conversations rendered and then tokenized together (one batch call of the tokenizer)
+_RENDER_BATCH = 256
 
 
 @dataclass
@@ -105,30 +107,46 @@ def tokenize_records(
     """
     chat = config.chat
     examples = []
-    for index in indices:
-        try:
-            conversation = record_conversation(records[index], index, chat, source)
-            rendered = renderer.render(
-                conversation.messages, tools=conversation.tools, index=index, source=source
-            )
-        except DataError as err:
-            if chat.on_bad_record == "error":
-                raise bad_record_error(err) from None
-            stats.skipped += 1
-            if len(stats.errors) < _ERRORS_SHOWN:
-                stats.errors.append(str(err))
-            continue
-        kept = truncate(rendered, config.seq_len, chat.truncation)
-        if kept is not None and len(kept) < len(rendered):
-            stats.truncated += 1
-        labels = next_token_labels(kept) if kept is not None else []
-        if kept is None or all(label == IGNORE_INDEX for label in labels):
-            stats.dropped += 1
-            continue
-        examples.append(
-            ChatExample(np.asarray(kept.input_ids, np.int64), np.asarray(labels, np.int64))
-        )
+    for start in range(0, len(indices), _RENDER_BATCH):
+        chunk = indices[start : start + _RENDER_BATCH]
+        conversations: list[tuple] = []
+        failed: dict[int, DataError] = {}
+        for index in chunk:
+            try:
+                conversation = record_conversation(records[index], index, chat, source)
+            except DataError as err:
+                failed[index] = err
+                continue
+            conversations.append((conversation.messages, conversation.tools, index))
+        rendered = iter(renderer.render_many(conversations, source=source))
+        for index in chunk:
+            result = failed.get(index) or next(rendered)
+            if isinstance(result, DataError):
+                if chat.on_bad_record == "error":
+                    raise bad_record_error(result) from None
+                stats.skipped += 1
+                if len(stats.errors) < _ERRORS_SHOWN:
+                    stats.errors.append(str(result))
+                continue
+            example = _example(result, config, stats)
+            if example is not None:
+                examples.append(example)
     return examples
+
+
+def _example(
+    rendered: RenderedChat, config: DataConfig, stats: ChatSourceStats
+) -> ChatExample | None:
+    """The training example of one rendered conversation, cut to ``data.seq_len``
+    (None, counted in ``stats``, where nothing of it is left to train on)."""
+    kept = truncate(rendered, config.seq_len, config.chat.truncation)
+    if kept is not None and len(kept) < len(rendered):
+        stats.truncated += 1
+    labels = next_token_labels(kept) if kept is not None else []
+    if kept is None or all(label == IGNORE_INDEX for label in labels):
+        stats.dropped += 1
+        return None
+    return ChatExample(np.asarray(kept.input_ids, np.int64), np.asarray(labels, np.int64))
 
 
 def truncate(rendered: RenderedChat, max_len: int, policy: str) -> RenderedChat | None:

@@ -451,20 +451,54 @@ class ChatRenderer:
             DataError: the template fails to render the conversation (naming record
                 ``index`` of ``source`` when given).
         """
-        messages = self.template_messages(messages)
-        try:
-            text, trained, cuts = self._layout(messages, tools)
-        except (jinja2.TemplateError, ValueError, TypeError) as err:
-            label = source if isinstance(source, str) else "data"
-            where = record_where(source, index) if index is not None else f"{label}: a conversation"
-            raise DataError(
-                f"{where}, field 'messages': the chat template "
-                f"({self.template_name}) failed to render it: {err}"
-            ) from err
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        mask = trained_tokens(encoding.offsets, trained)
-        starts = [a for a, _ in encoding.offsets]
-        return RenderedChat(list(encoding.ids), mask, tuple(bisect_left(starts, c) for c in cuts))
+        (rendered,) = self.render_many([(messages, tools, index)], source=source)
+        if isinstance(rendered, DataError):
+            raise rendered
+        return rendered
+
+    def render_many(
+        self,
+        conversations: Sequence[tuple[Sequence[Message], Sequence[Mapping] | None, int | None]],
+        *,
+        source: RecordSource = "data",
+    ) -> list[RenderedChat | DataError]:
+        """:meth:`render` of each ``(messages, tools, index)``, the texts tokenized in
+        one call (the Rust tokenizer spreads a batch over the CPU's cores, where one
+        conversation at a time kept it to one); a conversation the template fails on
+        gets its :class:`DataError` in its place, so the others are still rendered."""
+        layouts: list[tuple[str, list[tuple[int, int]], list[int]] | DataError] = []
+        for messages, tools, index in conversations:
+            try:
+                layouts.append(self._layout(self.template_messages(messages), tools))
+            except (jinja2.TemplateError, ValueError, TypeError) as err:
+                label = source if isinstance(source, str) else "data"
+                where = (
+                    record_where(source, index) if index is not None else f"{label}: a conversation"
+                )
+                failed = DataError(
+                    f"{where}, field 'messages': the chat template "
+                    f"({self.template_name}) failed to render it: {err}"
+                )
+                failed.__cause__ = err
+                layouts.append(failed)
+        texts = [layout[0] for layout in layouts if not isinstance(layout, DataError)]
+        encodings = iter(self.tokenizer.encode_batch(texts, add_special_tokens=False))
+        rendered: list[RenderedChat | DataError] = []
+        for layout in layouts:
+            if isinstance(layout, DataError):
+                rendered.append(layout)
+                continue
+            _, trained, cuts = layout
+            encoding = next(encodings)
+            starts = [a for a, _ in encoding.offsets]
+            rendered.append(
+                RenderedChat(
+                    list(encoding.ids),
+                    trained_tokens(encoding.offsets, trained),
+                    tuple(bisect_left(starts, c) for c in cuts),
+                )
+            )
+        return rendered
 
     def render_prompt(
         self, messages: Sequence[Message], tools: Sequence[Mapping] | None = None

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -160,25 +160,36 @@ class PairEncoder:
         self.chat = chat
         self.twin = twin
 
-    def _render(
-        self, messages: list[dict], where: str, tools: list[dict] | None = None
-    ) -> tuple[list[int], list[bool]]:
-        try:
-            rendered = self.renderer.render(messages, tools=tools)
-        except DataError as err:
-            raise BadRecord(f"{where}: {err}", "template failed to render") from err
-        return list(rendered.input_ids), [bool(m) for m in rendered.assistant_mask]
-
-    def split(self, record: PreferenceRecord, where: str) -> tuple[list[int], tuple, tuple]:
-        """``prompt_ids`` and, per response, ``(ids, counted_mask)`` after the prompt."""
+    def conversations(self, record: PreferenceRecord) -> list[tuple]:
+        """What :meth:`split` renders of ``record``, as :meth:`ChatRenderer.render_many`
+        takes it: the prompt, then the prompt with each response."""
         prompt = _as_messages(record.prompt, "user")
-        prompt_ids, _ = self._render(prompt, where, record.tools)
+        return [
+            (prompt, record.tools, None),
+            (prompt + _as_messages(record.chosen, "assistant"), record.tools, None),
+            (prompt + _as_messages(record.rejected, "assistant"), record.tools, None),
+        ]
+
+    def split(
+        self, record: PreferenceRecord, where: str, rendered: Sequence | None = None
+    ) -> tuple[list[int], tuple, tuple]:
+        """``prompt_ids`` and, per response, ``(ids, counted_mask)`` after the prompt.
+
+        Args:
+            rendered: :meth:`conversations` of ``record`` already rendered (None: render
+                them now).
+        """
+        if rendered is None:
+            rendered = self.renderer.render_many(self.conversations(record))
+        for result in rendered:
+            if isinstance(result, DataError):
+                raise BadRecord(f"{where}: {result}", "template failed to render") from result
+        prompt_ids = list(rendered[0].input_ids)
         responses = []
-        for field, part in (
-            (self.chat.chosen_field, record.chosen),
-            (self.chat.rejected_field, record.rejected),
+        for field, whole in zip(
+            (self.chat.chosen_field, self.chat.rejected_field), rendered[1:], strict=True
         ):
-            ids, mask = self._render(prompt + _as_messages(part, "assistant"), where, record.tools)
+            ids, mask = list(whole.input_ids), [bool(m) for m in whole.assistant_mask]
             if ids[: len(prompt_ids)] != prompt_ids:
                 raise BadRecord(
                     f"{where}: field {field!r}: the chat template renders the prompt differently "
@@ -188,7 +199,9 @@ class PairEncoder:
             responses.append((ids[len(prompt_ids) :], mask[len(prompt_ids) :]))
         return prompt_ids, responses[0], responses[1]
 
-    def encode(self, record: PreferenceRecord, where: str) -> EncodedPair:
+    def encode(
+        self, record: PreferenceRecord, where: str, rendered: Sequence | None = None
+    ) -> EncodedPair:
         """Token ids and counted-token masks of both sequences, truncated to fit.
 
         With ``twin`` (see the class), only the chosen sequence decides the truncation;
@@ -198,7 +211,9 @@ class PairEncoder:
             BadRecord: the template fails, a response has no counted token, or the pair
                 does not fit under the truncation policy.
         """
-        prompt, (chosen, chosen_mask), (rejected, rejected_mask) = self.split(record, where)
+        prompt, (chosen, chosen_mask), (rejected, rejected_mask) = self.split(
+            record, where, rendered
+        )
         if not self.twin and chosen == rejected:
             raise BadRecord(
                 f"{where}: fields {self.chat.chosen_field!r} and {self.chat.rejected_field!r} "
@@ -307,6 +322,8 @@ class EncodedPairs:
         return f"skipped {sum(self.skipped.values())} of {self.total} records: {reasons}"
 
 
+# records whose conversations are rendered, then tokenized together (one batch call)
+_RENDER_BATCH = 256
 _SEQUENCES = ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
 
 
@@ -364,23 +381,36 @@ def encode_records(
     kept: list[int] = []
     total = 0
     positions = iter(indices) if indices is not None else None
+    parsed: list[tuple[int, str, PreferenceRecord]] = []
+
+    def encode_parsed() -> None:
+        """Encode the records parsed so far, their conversations rendered together."""
+        wanted = [c for _, _, record in parsed for c in encoder.conversations(record)]
+        rendered = encoder.renderer.render_many(wanted)
+        for k, (index, where, record) in enumerate(parsed):
+            try:
+                pairs.append(encoder.encode(record, where, rendered[3 * k : 3 * k + 3]))
+                kept.append(index)
+            except BadRecord as bad:
+                truncation = "data.chat.truncation" in bad.reason
+                if chat.on_bad_record == "error" and not truncation:
+                    raise bad_record_error(bad) from None
+                skipped[bad.reason] += 1
+        parsed.clear()
+
     for count, raw in enumerate(records):
         index = next(positions) if positions is not None else count
         total += 1
         where = record_where(key, index)
         try:
-            record = parse_record(raw, chat, where)
+            parsed.append((index, where, parse_record(raw, chat, where)))
         except BadRecord as bad:
             if chat.on_bad_record == "error":
+                encode_parsed()  # an earlier record's error is the one to name
                 raise bad_record_error(bad) from None
             skipped[bad.reason] += 1
             continue
-        try:
-            pairs.append(encoder.encode(record, where))
-            kept.append(index)
-        except BadRecord as bad:
-            truncation = "data.chat.truncation" in bad.reason
-            if chat.on_bad_record == "error" and not truncation:
-                raise bad_record_error(bad) from None
-            skipped[bad.reason] += 1
+        if len(parsed) >= _RENDER_BATCH:
+            encode_parsed()
+    encode_parsed()
     return EncodedPairs(pairs=pairs, total=total, skipped=skipped, kept=kept)
