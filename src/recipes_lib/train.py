@@ -58,7 +58,11 @@ from recipes_lib.data.module import ResumableDataModule
 from recipes_lib.data.sources import resolve_cache_dir
 from recipes_lib.export import export_run
 from recipes_lib.files import global_rank, write_text_atomic
-from recipes_lib.kernels.compiled import keep_compile_caches, watch_compiles
+from recipes_lib.kernels.compiled import (
+    keep_compile_caches,
+    start_compile_workers,
+    watch_compiles,
+)
 from recipes_lib.launch_check.autofit import fit_memory
 from recipes_lib.models.hf_fallback import is_fallback
 from recipes_lib.models.windows import attention_choice
@@ -176,6 +180,8 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     if cfg.kernels.compile_cache is not None:  # before any compile (flex compiles anyway)
         cache = resolve_cache_dir(cfg.kernels.compile_cache, "kernels.compile_cache")
         keep_compile_caches(str(cache))
+    if cfg.kernels.compile:  # its workers start while the data and weights load
+        start_compile_workers()
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:
         log.info("%s", widened)  # code of the user's own, trusted on the command line
     attention = _attention_line(cfg)

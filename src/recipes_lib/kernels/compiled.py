@@ -173,6 +173,27 @@ def keep_compile_caches(directory: str | None) -> dict[str, str]:
     return chosen
 
 
+def start_compile_workers() -> bool:
+    """Start inductor's pool of compile workers now, where a run will compile on a GPU.
+
+    Inductor starts the pool (one process per CPU, each importing torch and Triton) when
+    it compiles its first graph, so a cold run waited for it inside its first step.
+    Started as a run begins, the workers come up while the data is prepared and the
+    model loaded. Call it after :func:`keep_compile_caches`: the workers read the cache
+    folders' variables from the environment they start with.
+
+    Returns:
+        Whether the pool was started (not on a machine without CUDA, where inductor
+        compiles C++ in the process, nor where ``TORCH_WARM_POOL=0`` turns it off).
+    """
+    if not torch.cuda.is_available():
+        return False
+    from torch._inductor.async_compile import maybe_warm_pool
+
+    maybe_warm_pool()
+    return os.environ.get("TORCH_WARM_POOL", "1") == "1"
+
+
 def bucketed_length(length: int, limit: int | None = None) -> int:
     """The length a padded batch is widened to under compile: ``length`` rounded up to a
     multiple of :data:`LENGTH_MULTIPLE`, but never past ``limit`` (``data.seq_len``)

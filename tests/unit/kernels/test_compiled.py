@@ -18,6 +18,7 @@ from recipes_lib.kernels.compiled import (
     MIN_ROWS,
     bucketed_length,
     compile_blocks,
+    start_compile_workers,
     watch_compiles,
 )
 from recipes_lib.models import Transformer
@@ -194,3 +195,17 @@ def test_varying_shape_blocks_compile_without_inductors_row_count_guard(monkeypa
         compile_blocks([torch.nn.Linear(2, 2)], varying_shapes=True)
         assert row_count_fusion() is False
     assert row_count_fusion() == before
+
+
+def test_the_compile_workers_start_with_the_run_only_where_a_gpu_compiles(monkeypatch):
+    import torch._inductor.async_compile as async_compile
+
+    started = []
+    monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(1))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert start_compile_workers() is False and not started  # a CPU compiles in-process
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TORCH_WARM_POOL", raising=False)
+    assert start_compile_workers() is True and started == [1]
+    monkeypatch.setenv("TORCH_WARM_POOL", "0")  # torch's own switch: the pool stays off
+    assert start_compile_workers() is False
