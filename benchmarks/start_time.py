@@ -12,10 +12,14 @@ time: no run shares the host's CPUs with another, so compile and data times comp
 
     python benchmarks/start_time.py --objectives dpo_live --data heavy --sides ours,trl_liger
 
-writes ``benchmarks/results/start_time_<card>.json``: ``{"card", "date", "command",
-"cases": [{"objective", "data", "cold": {...}, "warm": {...}}]}``, each side holding
+writes ``benchmarks/results/start_time_<card>.json``: ``{"card", "date", "cases":
+[{"objective", "data", "date", "command", "cold": {...}, "warm": {...}}]}`` (a case run now
+replaces the file's case of the same objective and data; the others are kept), each side holding
 ``first_step_s`` (process start to the end of the first step) and the run's ``start``;
 each peer's cold and warm ``first_step_s`` under ``<side>_cold`` and ``<side>_warm``.
+Our runs also keep ``compile_phases``: the seconds of each of dynamo's timed phases. With
+``START_PROFILE=FILE`` in the environment our cold run runs under cProfile, and FILE gets
+its 80 costliest functions by cumulative time.
 Objectives run one after another on GPU 0 unless ``--gpus`` spreads them.
 """
 
@@ -38,28 +42,49 @@ import posttrain_matrix as matrix  # noqa: E402
 def worker(args) -> int:
     """One run of one cell in this process; its start to ``--worker-out``."""
     start = float(os.environ["PEER_START"])
-    from recipes_lib.config import compose_config
-    from recipes_lib.train import run
-
     cell, root = matrix.Cell.parse(args.case), Path(args.root)
-    if args.side != "ours":  # a peer: only its time to the first step
+    if args.side != "ours":  # a peer: only its time to the first step, without our imports
         report = matrix.run_trl(args, cell, root, args.side, start)
         first = report.get("time_to_first_step_s")
         figures = {"first_step_s": first} if first is not None else report
         Path(args.worker_out).write_text(json.dumps(figures))
         return 0
+    from recipes_lib.config import compose_config
+    from recipes_lib.train import run
+
     # a folder of its own: the warm run must not resume the cold one's
     overrides = matrix.our_overrides(args, cell, root)
     overrides += [f"run.dir={root / 'runs' / cell.name / os.environ['START_TAG']}"]
     clock = matrix.lightning_clock()
-    result = run(compose_config(overrides), callbacks=[clock])
+    profile_to = os.environ.get("START_PROFILE") if os.environ["START_TAG"] == "cold" else None
+    if profile_to:  # where the cold run's time goes, function by function
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as profiler:
+            result = run(compose_config(overrides), callbacks=[clock])
+        with open(profile_to, "w") as sink:
+            pstats.Stats(profiler, stream=sink).sort_stats("cumulative").print_stats(80)
+    else:
+        result = run(compose_config(overrides), callbacks=[clock])
     report = {
         "first_step_s": round(clock.ends[0] - start, 1),
         "start": result.start,
         "compiled": result.compiled,
+        "compile_phases": compile_phases(),
     }
     Path(args.worker_out).write_text(json.dumps(report))
     return 0
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds of each of dynamo's timed compile phases in this process (dynamo's
+    tracing, AOTAutograd, inductor's lowering and code generation, Triton's kernels),
+    summed over the run's graphs, the longest first."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    totals = {name: round(sum(values), 2) for name, values in compilation_time_metrics.items()}
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def one_run(
@@ -80,6 +105,20 @@ def one_run(
     if out.is_file():
         return json.loads(out.read_text())
     return {"error": f"status {done.returncode}: {matrix.last_line(log.read_text())}"}
+
+
+def merged(path: Path, cases: list[dict]) -> dict:
+    """The file's ``cases`` with these replacing those of the same objective and data; the
+    others, from earlier calls, kept with the date and command they were measured by."""
+    key = ("objective", "data")
+    earlier = json.loads(path.read_text()) if path.is_file() else {"cases": []}
+    new = {tuple(c[k] for k in key) for c in cases}
+    kept = [
+        {"date": earlier.get("date"), "command": earlier.get("command"), **case}
+        for case in earlier["cases"]
+        if tuple(case[k] for k in key) not in new
+    ]
+    return {"date": max(c["date"] for c in cases), "cases": kept + cases}
 
 
 def main() -> int:
@@ -121,15 +160,11 @@ def main() -> int:
 
         with ThreadPoolExecutor(len(gpus)) as pool:
             cases = list(pool.map(both, enumerate(cells)))
-    result = {
-        "card": card,
-        "date": time.strftime("%Y-%m-%d"),
-        "command": command_line(),
-        "cases": cases,
-    }
+    date, command = time.strftime("%Y-%m-%d"), command_line()
     out = Path(args.out or Path(args.out_dir) / f"start_time_{card}.json")
+    result = merged(out, [{**case, "date": date, "command": command} for case in cases])
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out.write_text(json.dumps({"card": card, **result}, indent=1) + "\n")
     print(f"wrote {out}")
     return 0
 

@@ -227,3 +227,30 @@ def test_a_graph_compiled_in_the_timed_steps_is_named_in_the_cell():
     assert "ours: 1 graph(s) compiled during the timed steps" in entry["notes"]
     quiet = summarise(Cell("simpo", "heavy", "defaults"), {"ours": [figures(9.0)]}, ["ours"])
     assert not any("timed steps" in n for n in quiet["notes"])
+
+
+def test_the_start_time_file_keeps_other_calls_cases_with_their_dates(tmp_path):
+    from start_time import merged
+
+    path = tmp_path / "start_time_h200.json"
+    path.write_text(
+        json.dumps(
+            {
+                "card": "h200",
+                "date": "2026-11-28",
+                "command": "old",
+                "cases": [
+                    {"objective": "dpo_live", "data": "heavy", "cold": {"first_step_s": 55.2}},
+                    {"objective": "sft_lora", "data": "long", "cold": {"first_step_s": 50.2}},
+                ],
+            }
+        )
+    )
+    new = [{"objective": "sft_lora", "data": "long", "date": "2026-11-29", "command": "new"}]
+    result = merged(path, new)
+    assert result["date"] == "2026-11-29"
+    kept, replaced = result["cases"]
+    assert (kept["objective"], kept["date"], kept["command"]) == ("dpo_live", "2026-11-28", "old")
+    assert kept["cold"] == {"first_step_s": 55.2}
+    assert replaced == new[0]  # the earlier sft_lora case is gone, not kept beside it
+    assert merged(tmp_path / "none.json", new)["cases"] == new
