@@ -78,6 +78,7 @@ from _peer import (  # noqa: E402
     last_line,
     lightning_clock,
     make_folder,
+    prime_imports,
     real_tokens,
     spawn,
     synthetic_records,
@@ -782,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="posttrain-matrix-") as tmp:
         root = Path(tmp)
         make_inputs(args, root, pick["data"])
+        prime_imports(sides)  # whichever side starts first, no side imports cold
         results = run_queue(args, jobs, root, gpus, on_cell=write_cell)
     if not any(started({"-": [r]}) for r in results.values()):
         print(f"no side started within --budget-s; {path} unchanged", file=sys.stderr)
