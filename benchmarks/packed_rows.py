@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--pairs", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=4, help="pairs a micro-batch (dpo/full's)")
+    p.add_argument("--batch-size", type=int, default=8, help="pairs a micro-batch (dpo/full's)")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--seed", type=int, default=0)

@@ -14,12 +14,14 @@ time: no run shares the host's CPUs with another, so compile and data times comp
 
 writes ``benchmarks/results/start_time_<card>.json``: ``{"card", "date", "cases":
 [{"objective", "data", "date", "command", "cold": {...}, "warm": {...}}]}`` (a case run now
-replaces the file's case of the same objective and data; the others are kept), each side holding
+replaces the file's case of the same objective and data on the same card, unless every
+side of it failed; the others are kept), each side holding
 ``first_step_s`` (process start to the end of the first step) and the run's ``start``;
 each peer's cold and warm ``first_step_s`` under ``<side>_cold`` and ``<side>_warm``.
 Our runs also keep ``compile_phases``: the seconds of each of dynamo's timed phases. With
-``START_PROFILE=FILE`` in the environment our cold run runs under cProfile, and FILE gets
-its 80 costliest functions by cumulative time.
+``START_PROFILE=PREFIX`` in the environment our cold run runs under cProfile, and
+``PREFIX.<cell>.txt`` gets its 80 costliest functions by cumulative time; a profiled case
+is not a figure, and replaces no case in the file.
 Objectives run one after another on GPU 0 unless ``--gpus`` spreads them.
 """
 
@@ -57,6 +59,8 @@ def worker(args) -> int:
     overrides += [f"run.dir={root / 'runs' / cell.name / os.environ['START_TAG']}"]
     clock = matrix.lightning_clock()
     profile_to = os.environ.get("START_PROFILE") if os.environ["START_TAG"] == "cold" else None
+    if profile_to:  # one file a cell
+        profile_to = f"{profile_to}.{cell.name}.txt"
     if profile_to:  # where the cold run's time goes, function by function
         import cProfile
         import pstats
@@ -72,6 +76,7 @@ def worker(args) -> int:
         "start": result.start,
         "compiled": result.compiled,
         "compile_phases": compile_phases(),
+        **({"profiled": True} if profile_to else {}),  # slowed by cProfile: not a figure
     }
     Path(args.worker_out).write_text(json.dumps(report))
     return 0
@@ -107,18 +112,33 @@ def one_run(
     return {"error": f"status {done.returncode}: {matrix.last_line(log.read_text())}"}
 
 
-def merged(path: Path, cases: list[dict]) -> dict:
+def merged(path: Path, card: str, cases: list[dict]) -> dict:
     """The file's ``cases`` with these replacing those of the same objective and data; the
-    others, from earlier calls, kept with the date and command they were measured by."""
+    others, from earlier calls on the same card, kept with the date and command they were
+    measured by. A new case that has no figure (every side failed) or was profiled
+    replaces nothing: it is written beside the kept one under ``not_kept``."""
     key = ("objective", "data")
-    earlier = json.loads(path.read_text()) if path.is_file() else {"cases": []}
-    new = {tuple(c[k] for k in key) for c in cases}
+    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    if earlier.get("card", card) != card:
+        earlier = {}  # another card's file: none of its cases is this card's
+
+    def usable(case: dict) -> bool:
+        sides = [v for k, v in case.items() if k.endswith(("cold", "warm"))]
+        figures = any("first_step_s" in side for side in sides)
+        return figures and not any(side.get("profiled") for side in sides)
+
+    new = {tuple(c[k] for k in key): c for c in cases if usable(c)}
     kept = [
         {"date": earlier.get("date"), "command": earlier.get("command"), **case}
-        for case in earlier["cases"]
+        for case in earlier.get("cases", [])
         if tuple(case[k] for k in key) not in new
     ]
-    return {"date": max(c["date"] for c in cases), "cases": kept + cases}
+    result = {k: v for k, v in earlier.items() if k not in ("card", "date", "command", "cases")}
+    result["date"] = max([c["date"] for c in cases] + [earlier.get("date") or ""])
+    result["cases"] = kept + list(new.values())
+    if unusable := [c for c in cases if not usable(c)]:
+        result["not_kept"] = unusable
+    return result
 
 
 def main() -> int:
@@ -165,7 +185,7 @@ def main() -> int:
             cases = list(pool.map(both, enumerate(cells)))
     date, command = time.strftime("%Y-%m-%d"), command_line()
     out = Path(args.out or Path(args.out_dir) / f"start_time_{card}.json")
-    result = merged(out, [{**case, "date": date, "command": command} for case in cases])
+    result = merged(out, card, [{**case, "date": date, "command": command} for case in cases])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"card": card, **result}, indent=1) + "\n")
     print(f"wrote {out}")

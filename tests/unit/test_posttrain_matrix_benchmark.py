@@ -239,6 +239,7 @@ def test_the_start_time_file_keeps_other_calls_cases_with_their_dates(tmp_path):
                 "card": "h200",
                 "date": "2026-11-28",
                 "command": "old",
+                "notes": ["kept"],
                 "cases": [
                     {"objective": "dpo_live", "data": "heavy", "cold": {"first_step_s": 55.2}},
                     {"objective": "sft_lora", "data": "long", "cold": {"first_step_s": 50.2}},
@@ -246,11 +247,27 @@ def test_the_start_time_file_keeps_other_calls_cases_with_their_dates(tmp_path):
             }
         )
     )
-    new = [{"objective": "sft_lora", "data": "long", "date": "2026-11-29", "command": "new"}]
-    result = merged(path, new)
-    assert result["date"] == "2026-11-29"
+    new = [
+        {
+            "objective": "sft_lora",
+            "data": "long",
+            "date": "2026-11-29",
+            "command": "new",
+            "cold": {"first_step_s": 45.8},
+        }
+    ]
+    result = merged(path, "h200", new)
+    assert result["date"] == "2026-11-29" and result["notes"] == ["kept"]
     kept, replaced = result["cases"]
     assert (kept["objective"], kept["date"], kept["command"]) == ("dpo_live", "2026-11-28", "old")
     assert kept["cold"] == {"first_step_s": 55.2}
     assert replaced == new[0]  # the earlier sft_lora case is gone, not kept beside it
-    assert merged(tmp_path / "none.json", new)["cases"] == new
+    assert merged(tmp_path / "none.json", "h200", new)["cases"] == new
+    # another card's file keeps nothing; a failed or profiled case replaces nothing
+    assert merged(path, "h100", new)["cases"] == new
+    for bad in ({"error": "status 1"}, {"first_step_s": 80.0, "profiled": True}):
+        case = {**new[0], "cold": bad}
+        result = merged(path, "h200", [case])
+        firsts = [c["cold"]["first_step_s"] for c in result["cases"]]
+        assert firsts == [55.2, 50.2]
+        assert result["not_kept"] == [case]

@@ -174,7 +174,7 @@ def keep_compile_caches(directory: str | None) -> dict[str, str]:
 
 
 def start_compile_workers() -> bool:
-    """Start inductor's pool of compile workers now, where a run will compile on a GPU.
+    """Start inductor's pool of compile workers now, for a run that will compile on a GPU.
 
     Inductor starts the pool (one process per CPU, each importing torch and Triton) when
     it compiles its first graph, so a cold run waited for it inside its first step.
@@ -183,13 +183,15 @@ def start_compile_workers() -> bool:
     folders' variables from the environment they start with.
 
     Returns:
-        Whether the pool was started (not on a machine without CUDA, where inductor
-        compiles C++ in the process, nor where ``TORCH_WARM_POOL=0`` turns it off).
+        Whether a pool was asked for: not without Triton (inductor then compiles C++ in
+        the process), with one compile thread, or where torch's ``TORCH_WARM_POOL=0``
+        turns the early start off.
     """
-    if not torch.cuda.is_available():
-        return False
-    from torch._inductor.async_compile import maybe_warm_pool
+    from torch._inductor.async_compile import get_compile_threads, maybe_warm_pool
+    from torch.utils._triton import has_triton_package
 
+    if not has_triton_package() or get_compile_threads() <= 1:
+        return False
     maybe_warm_pool()
     return os.environ.get("TORCH_WARM_POOL", "1") == "1"
 

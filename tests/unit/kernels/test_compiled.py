@@ -197,15 +197,21 @@ def test_varying_shape_blocks_compile_without_inductors_row_count_guard(monkeypa
     assert row_count_fusion() == before
 
 
-def test_the_compile_workers_start_with_the_run_only_where_a_gpu_compiles(monkeypatch):
+def test_the_compile_workers_start_with_the_run_only_where_triton_compiles(monkeypatch):
     import torch._inductor.async_compile as async_compile
+    import torch.utils._triton as triton_check
 
     started = []
     monkeypatch.setattr(async_compile, "maybe_warm_pool", lambda: started.append(1))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert start_compile_workers() is False and not started  # a CPU compiles in-process
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(async_compile, "get_compile_threads", lambda: 16)
+    monkeypatch.setattr(triton_check, "has_triton_package", lambda: False)
+    assert start_compile_workers() is False and not started  # C++ compiles in-process
+    monkeypatch.setattr(triton_check, "has_triton_package", lambda: True)
     monkeypatch.delenv("TORCH_WARM_POOL", raising=False)
     assert start_compile_workers() is True and started == [1]
     monkeypatch.setenv("TORCH_WARM_POOL", "0")  # torch's own switch: the pool stays off
     assert start_compile_workers() is False
+    monkeypatch.delenv("TORCH_WARM_POOL")
+    started.clear()
+    monkeypatch.setattr(async_compile, "get_compile_threads", lambda: 1)  # no pool at all
+    assert start_compile_workers() is False and not started

@@ -39,7 +39,7 @@ import numpy as np
 
 from recipes_lib.config.schema import ChatFormatConfig
 from recipes_lib.data.chat.messages import TOOLS_FIELD, BadRecord, Text, parse_tools, text_field
-from recipes_lib.data.chat.template import ChatRenderer
+from recipes_lib.data.chat.template import ChatRenderer, RenderedChat
 from recipes_lib.data.chat_records import bad_record_error, check_chat_format
 from recipes_lib.data.encoded import flatten, unflatten
 from recipes_lib.data.records import RecordSource, record_where
@@ -181,14 +181,19 @@ class PairEncoder:
         """
         if rendered is None:
             rendered = self.renderer.render_many(self.conversations(record))
-        for result in rendered:
+
+        def checked(result: RenderedChat | DataError) -> RenderedChat:
             if isinstance(result, DataError):
                 raise BadRecord(f"{where}: {result}", "template failed to render") from result
-        prompt_ids = list(rendered[0].input_ids)
+            return result
+
+        # checked in order: the prompt, then each response (its rendering, then its prompt)
+        prompt_ids = list(checked(rendered[0]).input_ids)
         responses = []
-        for field, whole in zip(
+        for field, result in zip(
             (self.chat.chosen_field, self.chat.rejected_field), rendered[1:], strict=True
         ):
+            whole = checked(result)
             ids, mask = list(whole.input_ids), [bool(m) for m in whole.assistant_mask]
             if ids[: len(prompt_ids)] != prompt_ids:
                 raise BadRecord(
