@@ -1,10 +1,10 @@
 """The benchmark results page, generated from the JSON files in ``benchmarks/results/``.
 
 Each file is the output of one benchmark command. The page gives, per file, the card it
-ran on (its ``device``), the command (its ``command``), its ``date`` or else the date the
+ran on (its ``device`` or ``card``), the command (its ``command``), its ``date`` or else the date the
 file was first committed (through renames), and one table of its headline figures: every
 object in the file holding one of the ``METRICS`` keys becomes a row, named by its path in
-the file. Values are printed as the file holds them, never rounded. A new result file
+the file (a listed case that names its ``objective``, by it and its ``data``). Values are printed as the file holds them, never rounded. A new result file
 appears on the next build.
 
 Run ``python docs/gen/benchmark_tables.py`` to print the page.
@@ -45,6 +45,7 @@ METRICS = (
     "optimizer_state_bytes_per_param",
     "largest_model",
     "after_last_step_s",
+    "first_step_s",
     "writes_s",
     "overhead_per_checkpoint_s",
     "save_blocked_s",
@@ -86,7 +87,7 @@ def _section(path: Path) -> list[str]:
             _matrix_table(data),
             "",
         ]
-    card = data.get("device") or "not recorded"
+    card = data.get("device") or data.get("card") or "not recorded"
     command = data.get("command")
     date = data.get("date") or f"first committed {_first_committed(path)}"
     lines = [
@@ -128,8 +129,15 @@ def _rows(node: Any, path: tuple[str, ...]):
     if values:
         yield " / ".join(p for p in path if p not in CONTAINERS), values
     for key, child in node.items():
-        if key not in SKIPPED and isinstance(child, dict):
+        if key in SKIPPED:
+            continue
+        if isinstance(child, dict):
             yield from _rows(child, (*path, key))
+        elif isinstance(child, list):  # cases that name what they measured (not series)
+            for item in child:
+                if isinstance(item, dict) and "objective" in item:
+                    name = " ".join(str(item[k]) for k in ("objective", "data") if k in item)
+                    yield from _rows(item, (*path, key, name))
 
 
 def _scalar(value: Any) -> bool:
