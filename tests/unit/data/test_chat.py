@@ -22,7 +22,12 @@ from recipes_lib.data.chat.instructions import stdlib_instruction_records
 from recipes_lib.data.chat.messages import record_messages
 from recipes_lib.data.chat.module import ChatDataModule
 from recipes_lib.data.chat.packing import PackedChatDataset, pack_examples, pad_collate
-from recipes_lib.data.chat.template import ChatRenderer, RenderedChat, render_chat
+from recipes_lib.data.chat.template import (
+    ChatRenderer,
+    RenderedChat,
+    render_chat,
+    trained_tokens,
+)
 from recipes_lib.data.tokenizer import CHATML_TOKENS, save_tokenizer, train_bpe_tokenizer
 from recipes_lib.errors import ConfigError, DataError
 
@@ -430,3 +435,24 @@ def test_tokenizer_template_is_picked_up_from_a_hugging_face_folder(tmp_path, ch
     module.setup()
     assert module.renderer.template_name == "tokenizer"
     assert module.renderer.template_text == template
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [[], [(3, 9)], [(0, 4), (2, 12)], [(5, 6), (0, 20)], [(1, 2), (7, 7), (9, 30)], [(4, 4)]],
+)
+def test_trained_tokens_mark_each_token_holding_a_trained_character(spans):
+    offsets = [(0, 2), (2, 5), (5, 5), (5, 8), (8, 13), (13, 20), (20, 31)]
+    expected = [
+        end > start and any(a < end and b > start for a, b in spans if a < b)
+        for start, end in offsets
+    ]
+    assert trained_tokens(offsets, spans) == expected
+    assert trained_tokens([], spans) == []
+
+
+def test_next_token_labels_are_the_next_tokens_that_are_trained():
+    ids, mask = [5, 6, 7, 8, 9], [False, True, True, False, True]
+    labels = next_token_labels(RenderedChat(ids, mask))
+    assert labels == [6, 7, IGNORE_INDEX, 9, IGNORE_INDEX]
+    assert next_token_labels(RenderedChat([], [])) == []

@@ -142,11 +142,11 @@ def _example(
     kept = truncate(rendered, config.seq_len, config.chat.truncation)
     if kept is not None and len(kept) < len(rendered):
         stats.truncated += 1
-    labels = next_token_labels(kept) if kept is not None else []
-    if kept is None or all(label == IGNORE_INDEX for label in labels):
+    labels = _labels(kept) if kept is not None else None
+    if kept is None or labels is None or not (labels != IGNORE_INDEX).any():  # none trained
         stats.dropped += 1
         return None
-    return ChatExample(np.asarray(kept.input_ids, np.int64), np.asarray(labels, np.int64))
+    return ChatExample(np.asarray(kept.input_ids, np.int64), labels)
 
 
 def truncate(rendered: RenderedChat, max_len: int, policy: str) -> RenderedChat | None:
@@ -180,6 +180,13 @@ def truncate(rendered: RenderedChat, max_len: int, policy: str) -> RenderedChat 
 def next_token_labels(rendered: RenderedChat) -> list[int]:
     """Labels aligned with the inputs: ``labels[t]`` is the token after ``t`` when that
     token is assistant output, else ``-100``; the last position has no next token."""
-    ids, mask = rendered.input_ids, rendered.assistant_mask
-    labels = [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)]
-    return labels + [IGNORE_INDEX] if ids else []
+    return _labels(rendered).tolist()
+
+
+def _labels(rendered: RenderedChat) -> np.ndarray:
+    """:func:`next_token_labels` as an int64 array."""
+    ids = np.asarray(rendered.input_ids, np.int64)
+    labels = np.full_like(ids, IGNORE_INDEX)
+    trained = np.asarray(rendered.assistant_mask[1:], bool)
+    labels[:-1] = np.where(trained, ids[1:], IGNORE_INDEX)
+    return labels

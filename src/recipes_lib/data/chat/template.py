@@ -40,6 +40,7 @@ from functools import lru_cache
 from typing import Any
 
 import jinja2
+import numpy as np
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -559,14 +560,22 @@ def trained_tokens(
     """Per token (its ``(start, end)`` characters), whether it overlaps a trained span:
     a token holding any trained character is trained, as transformers' assistant mask
     marks every token holding a character of a generation block."""
-    mask = []
-    k = 0
-    ordered = sorted(s for s in spans if s[0] < s[1])
-    for start, end in offsets:
-        while k < len(ordered) and ordered[k][1] <= start:
-            k += 1
-        mask.append(k < len(ordered) and ordered[k][0] < end and end > start)
-    return mask
+    union: list[list[int]] = []  # the spans merged into disjoint, ordered ranges
+    for start, end in sorted(s for s in spans if s[0] < s[1]):
+        if union and start <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], end)
+        else:
+            union.append([start, end])
+    if not union or not offsets:
+        return [False] * len(offsets)
+    ranges = np.asarray(union, dtype=np.int64)
+    tokens = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    starts, ends = tokens[:, 0], tokens[:, 1]
+    # the first range ending after the token starts overlaps it if it begins before its end
+    k = np.searchsorted(ranges[:, 1], starts, side="right")
+    inside = k < len(ranges)
+    begins = ranges[np.minimum(k, len(ranges) - 1), 0]
+    return (inside & (begins < ends) & (ends > starts)).tolist()
 
 
 def render_chat(
