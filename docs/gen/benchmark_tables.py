@@ -1,10 +1,11 @@
 """The benchmark results page, generated from the JSON files in ``benchmarks/results/``.
 
 Each file is the output of one benchmark command. The page gives, per file, the card it
-ran on (its ``device`` or ``card``), the command (its ``command``), its ``date`` or else the date the
-file was first committed (through renames), and one table of its headline figures: every
-object in the file holding one of the ``METRICS`` keys becomes a row, named by its path in
-the file (a listed case that names its ``objective``, by it and its ``data``). Values are printed as the file holds them, never rounded. A new result file
+ran on (its ``device`` or ``card``), the command (its ``command``), its ``date`` or else
+the date the file was first committed (through renames), and one table of its headline
+figures: every object in the file holding one of the ``METRICS`` keys becomes a row,
+named by its path in the file (a listed case that names its ``objective``, by it and its
+``data``). Values are printed as the file holds them, never rounded. A new result file
 appears on the next build.
 
 Run ``python docs/gen/benchmark_tables.py`` to print the page.

@@ -3,8 +3,9 @@ the one-process loss and gradients of a tiny decoder (fp32, within 1e-5), with p
 causal rows, packed rows whose documents cross the shards, and local-window layers.
 The comparison runs inside each process (``context_parallel_worker.py``). Whole runs
 (pretraining, SFT with LoRA on packed conversations, SFT on padded ones, DPO with a
-reference of its own and with LoRA's) over two processes follow the one-process run's
-loss curve and reach its weights."""
+reference of its own and with LoRA's, KTO, a reward model, distillation from a frozen
+teacher) over two processes follow the one-process run's loss curve and reach its
+weights."""
 
 from __future__ import annotations
 
@@ -131,6 +132,7 @@ def on_two(root, tmp_path_factory) -> Path:
             runs.append(_sft_overrides(folder, "split", recipe, *_sft_rows(rows), *split))
         for recipe in PAIR_CASES:
             runs.append(_dpo_overrides(root, recipe, "split", *split))
+        runs.append(_distill_overrides(root, "split", *split))
         _one_job(2, *runs)
         return root
 
@@ -290,4 +292,36 @@ def test_a_pair_run_with_split_rows_follows_the_one_process_run(on_two, recipe):
         ones, twos = metric_series(single, name), metric_series(split, name)
         assert ones and [s for s, _ in twos] == [s for s, _ in ones], name
         assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4), name
+    assert _largest_weight_difference(folder / "single", folder / "split") < 1e-4
+
+
+def _distill_overrides(root: Path, name: str, *extra: str) -> list[str]:
+    """A student from scratch distilled from the one-process pretraining run (its
+    tokenizer too) on packed conversations, every block recomputed in the backward."""
+    folder = _sft_folder(root, "distill/tiny")
+    teacher = f"stage.distill.teacher_from={root / 'single'}"
+    return _sft_overrides(
+        folder, name, "distill/tiny", *_sft_rows("data.chat.packing=true"), teacher, *extra
+    )
+
+
+@pytest.mark.slow
+def test_a_distillation_run_with_split_rows_follows_the_one_process_run(on_two):
+    """Distillation over two gloo processes at strategy.context_parallel=2: the student
+    and the frozen teacher each run on half of every packed row, and the divergence
+    (a mean over the assistant's tokens), its validation and the student's weights
+    follow the one-process run (fp32, within 1e-4)."""
+    folder = _sft_folder(on_two, "distill/tiny")
+    run(compose_config(_distill_overrides(on_two, "single")))
+    for rank in range(2):
+        spied = json.loads((folder / "split" / f"sharded_rank{rank}.json").read_text())
+        assert spied["calls"] > 0 and spied["lengths"] == [32]  # half of each row
+    single = read_metrics(folder / "single")
+    split = read_metrics(folder / "split")
+    for name in ("train/loss", "val/loss"):
+        ones, twos = metric_series(single, name), metric_series(split, name)
+        assert ones and [s for s, _ in twos] == [s for s, _ in ones], name
+        assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4), name
+    train = metric_series(single, "train/loss")
+    assert train[-1][1] < train[0][1]  # the student moved toward the teacher
     assert _largest_weight_difference(folder / "single", folder / "split") < 1e-4

@@ -15,6 +15,10 @@ computed inside the student's forward and its head's (``fused``), so that under 
 student's head is gathered for it; the teacher is then whole on each rank (frozen, it has
 nothing to reduce), which costs each GPU the teacher's weights.
 
+Under ``strategy.context_parallel`` both models run on each rank's share of every row
+(the teacher's attention sharded as the student's), and the ranks' sums of the divergence
+make the group's mean.
+
 Logged as ``train/...`` and ``val/...``: ``loss`` (the divergence).
 """
 
@@ -41,6 +45,7 @@ from recipes_lib.objectives.sft import (
     chat_rows_vary,
     save_chat_tokenizer_beside_outputs,
 )
+from recipes_lib.parallel.context import sharded_loss, split_rows
 from recipes_lib.training.build import build_model
 from recipes_lib.training.module import Batch, CausalLMModule
 
@@ -125,8 +130,48 @@ class DistillModule(CausalLMModule):
             self.teacher.to(dtype=dtype)
 
     def compute_loss(self, batch: Batch) -> tuple[Tensor, dict[str, Tensor]]:
-        """The divergence on the batch's assistant tokens."""
+        """The divergence on the batch's assistant tokens. Under
+        ``strategy.context_parallel`` each rank runs both models on its share of every
+        row; the divergence is a mean over tokens, so each rank's share is its sum over
+        the group's count (:func:`~recipes_lib.parallel.context.sharded_loss`)."""
         input_ids, doc_ids = self.model_inputs(batch)
+        labels, token_mask = batch["labels"], self.expert_load.token_mask(batch)
+        student = self.built_model()
+        trainer = self._attached()
+        split = None
+        if trainer is not None:  # strategy.context_parallel: this rank's share of each row
+            split = split_rows(trainer.strategy, input_ids, labels, doc_ids, token_mask)
+        if split is None:
+            loss = self._divergence(student, input_ids, doc_ids, labels, token_mask)
+            return loss, {"assistant_tokens": assistant_tokens(batch)}
+        shard, (ids, local, docs, mask) = split
+        student.set_context_shard(shard)
+        self.teacher.set_context_shard(shard)
+        try:
+            mean = self._divergence(student, ids, docs, local, mask)
+        except BaseException:
+            student.set_context_shard(None)
+            raise
+        finally:
+            self.teacher.set_context_shard(None)
+        # checkpointed blocks recompute their attention in the backward pass, sharded
+        # too: with a gradient the shard stays until the backward has run (training_step)
+        if not torch.is_grad_enabled():
+            student.set_context_shard(None)
+        counted = (local != IGNORE_INDEX).sum()
+        loss = sharded_loss(mean * counted, counted, shard)
+        return loss, {"assistant_tokens": assistant_tokens(batch)}
+
+    def _divergence(
+        self,
+        student: Any,
+        input_ids: Tensor,
+        doc_ids: Tensor | None,
+        labels: Tensor,
+        token_mask: Tensor | None,
+    ) -> Tensor:
+        """The mean divergence over the tokens ``labels`` train, computed inside the
+        student's forward so that a sharded student gathers its head for it."""
         with torch.no_grad():
             teacher_hidden = self.teacher.forward_hidden(input_ids, doc_ids)  # (B, T, Ct)
         settings = self.settings
@@ -137,18 +182,14 @@ class DistillModule(CausalLMModule):
                 weight,
                 teacher_hidden.flatten(0, 1),
                 self.teacher.output.weight,
-                (batch["labels"] != IGNORE_INDEX).flatten(),
+                (labels != IGNORE_INDEX).flatten(),
                 loss=settings.loss,
                 beta=settings.beta,
                 temperature=settings.temperature,
                 chunk_size=self.kernels_config.loss_chunk_size or DEFAULT_CHUNK,
             )
 
-        # through the student's own forward, so that a sharded student gathers its head
-        token_mask = self.expert_load.token_mask(batch)
-        student = self.built_model()
-        loss = student(input_ids, doc_ids, token_mask=token_mask, fused=divergence)
-        return loss, {"assistant_tokens": assistant_tokens(batch)}
+        return student(input_ids, doc_ids, token_mask=token_mask, fused=divergence)
 
     def on_validation_epoch_end(self) -> None:
         # a divergence has no perplexity: drop the base module's running sums
@@ -184,12 +225,30 @@ def _teacher(cfg: RunConfig, settings: DistillSettings) -> tuple[FrozenModel, ..
     return (FrozenModel("teacher", teacher, sharded=False),)
 
 
+def _check_teacher_splits(teacher: Any) -> None:
+    """A teacher whose attention context parallelism cannot shard, named before training
+    (the student's is checked with the run's other models)."""
+    reasons = {
+        "attention sinks (model.attention_sinks=true)": teacher.attention_sinks,
+        "multi-head latent attention (model.mla_kv_rank)": teacher.mla_kv_rank is not None,
+        "linear attention (model.linear_layers)": bool(teacher.linear_layers),
+    }
+    for what, present in reasons.items():
+        if present:
+            raise ConfigError(
+                f"{TEACHER_KEY}: the teacher ({teacher.family}) has {what}, which "
+                "strategy.context_parallel cannot shard; distil it with whole rows"
+            )
+
+
 def _check(cfg: RunConfig, settings: DistillSettings) -> None:
     """The divergence is computed inside the student head's forward: a strategy must
     gather the head for it, and a head converted to float8 would be bypassed."""
     from recipes_lib.parallel.strategy import get_strategy
 
     name = cfg.strategy.name
+    if cfg.strategy.context_parallel > 1 and settings.teacher_from:
+        _check_teacher_splits(recorded_model_config(settings.teacher_from, TEACHER_KEY))
     if not get_strategy(name).fused_head:
         raise ConfigError(
             f"stage.objective=distill with strategy={name}: the divergence is computed "
@@ -210,5 +269,6 @@ DISTILL = register_objective(
         batches_vary=chat_rows_vary,
         frozen_models=_teacher,
         check=_check,
+        context_parallel=True,
     )
 )

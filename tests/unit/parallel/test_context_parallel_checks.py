@@ -59,17 +59,15 @@ def test_a_degree_the_run_cannot_use_is_refused(overrides, match):
 
 
 def test_an_objective_that_cannot_split_its_rows_is_refused():
-    cfg = to_run_config(
-        compose_config(["recipe=distill/tiny", *SPLIT, "strategy.context_parallel=2"])
-    )
-    with pytest.raises(ConfigError, match=r"^stage.objective=distill cannot split its rows"):
+    cfg = to_run_config(compose_config(["recipe=grpo/tiny", *SPLIT, "strategy.context_parallel=2"]))
+    with pytest.raises(ConfigError, match=r"^stage.objective=grpo cannot split its rows"):
         check_run(cfg, (cfg.stage.objective,))
 
 
 @pytest.mark.parametrize(
     "recipe",
     ["sft/tiny", "sft/lora_tiny", "dpo/tiny", "dpo/lora_tiny", "simpo/tiny", "orpo/tiny"]
-    + ["kto/tiny", "reward/tiny"],
+    + ["kto/tiny", "reward/tiny", "distill/tiny"],
 )
 def test_sequence_and_pair_objectives_split_their_rows(recipe):
     cfg = to_run_config(compose_config([f"recipe={recipe}", *SPLIT, "strategy.context_parallel=2"]))
@@ -91,3 +89,23 @@ def test_a_degree_that_fits_passes():
 )
 def test_fsdp_and_hsdp_split_rows(overrides):
     check_run(_cfg(*overrides), ("pretrain",))
+
+
+@pytest.mark.parametrize(
+    ("shape", "named"),
+    [
+        ({"attention_sinks": True}, "attention sinks"),
+        ({"mla_kv_rank": 64}, "multi-head latent attention"),
+        ({"linear_layers": (0, 1)}, "linear attention"),
+    ],
+)
+def test_a_teacher_whose_attention_cannot_be_split_is_named_before_training(shape, named):
+    from types import SimpleNamespace
+
+    from recipes_lib.objectives.distill import _check_teacher_splits
+
+    plain = {"family": "tiny", "attention_sinks": False, "mla_kv_rank": None, "linear_layers": ()}
+    _check_teacher_splits(SimpleNamespace(**plain))  # a plain teacher splits
+    with pytest.raises(ConfigError, match=f"^stage.distill.teacher_from: .*{named}") as refused:
+        _check_teacher_splits(SimpleNamespace(**{**plain, **shape}))
+    assert "\n" not in str(refused.value)
