@@ -38,6 +38,7 @@ from recipes_lib.data.chat.module import ChatDataModule, build_chat_data
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.distill import DISTILL_LOSSES, chunked_distill_loss
+from recipes_lib.models.windows import attention_choice
 from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
 from recipes_lib.objectives.settings import DistillSettings
 from recipes_lib.objectives.sft import (
@@ -146,8 +147,8 @@ class DistillModule(CausalLMModule):
             return loss, {"assistant_tokens": assistant_tokens(batch)}
         shard, (ids, local, docs, mask) = split
         student.set_context_shard(shard)
-        self.teacher.set_context_shard(shard)
         try:
+            self.teacher.set_context_shard(shard)
             mean = self._divergence(student, ids, docs, local, mask)
         except BaseException:
             student.set_context_shard(None)
@@ -225,9 +226,13 @@ def _teacher(cfg: RunConfig, settings: DistillSettings) -> tuple[FrozenModel, ..
     return (FrozenModel("teacher", teacher, sharded=False),)
 
 
-def _check_teacher_splits(teacher: Any) -> None:
+def _check_teacher_splits(
+    teacher: Any, kernels: Any = None, *, document_mask: bool = False
+) -> None:
     """A teacher whose attention context parallelism cannot shard, named before training
-    (the student's is checked with the run's other models)."""
+    (the student's is checked with the run's other choices): attention of a kind the
+    sharded attention does not take, or a layer kind whose backend under ``kernels``
+    (the teacher runs the student's kernel choices) cannot split rows."""
     reasons = {
         "attention sinks (model.attention_sinks=true)": teacher.attention_sinks,
         "multi-head latent attention (model.mla_kv_rank)": teacher.mla_kv_rank is not None,
@@ -239,6 +244,16 @@ def _check_teacher_splits(teacher: Any) -> None:
                 f"{TEACHER_KEY}: the teacher ({teacher.family}) has {what}, which "
                 "strategy.context_parallel cannot shard; distil it with whole rows"
             )
+    if kernels is None:
+        return
+    choice = attention_choice(kernels, teacher, document_mask=document_mask)
+    for kind in choice.kinds:
+        backend, key = choice.backends[kind], choice.key(kind)
+        if not backend.capabilities.context_parallel:
+            raise ConfigError(
+                f"{TEACHER_KEY}: the teacher's {key}={backend.name} cannot run with rows "
+                "split over ranks (strategy.context_parallel); use flex or sdpa"
+            )
 
 
 def _check(cfg: RunConfig, settings: DistillSettings) -> None:
@@ -248,7 +263,8 @@ def _check(cfg: RunConfig, settings: DistillSettings) -> None:
 
     name = cfg.strategy.name
     if cfg.strategy.context_parallel > 1 and settings.teacher_from:
-        _check_teacher_splits(recorded_model_config(settings.teacher_from, TEACHER_KEY))
+        teacher = recorded_model_config(settings.teacher_from, TEACHER_KEY)
+        _check_teacher_splits(teacher, cfg.kernels, document_mask=cfg.data.document_mask)
     if not get_strategy(name).fused_head:
         raise ConfigError(
             f"stage.objective=distill with strategy={name}: the divergence is computed "

@@ -251,7 +251,8 @@ def check_context_parallel(
         raise ConfigError(
             f"stage.objective={objective} cannot split its rows over ranks; "
             f"strategy.context_parallel={degree} works with pretraining, continued "
-            "pretraining, SFT (LoRA included), DPO, SimPO, ORPO, KTO and reward modelling"
+            "pretraining, SFT (LoRA included), DPO, SimPO, ORPO, KTO, reward modelling and "
+            "distillation"
         )
 
 

@@ -109,3 +109,17 @@ def test_a_teacher_whose_attention_cannot_be_split_is_named_before_training(shap
     with pytest.raises(ConfigError, match=f"^stage.distill.teacher_from: .*{named}") as refused:
         _check_teacher_splits(SimpleNamespace(**{**plain, **shape}))
     assert "\n" not in str(refused.value)
+
+
+def test_a_teachers_layer_kind_on_a_backend_that_cannot_split_rows_is_named():
+    from recipes_lib.objectives.distill import _check_teacher_splits
+
+    def composed(*overrides):
+        return to_run_config(compose_config(["model=gemma3_1b", *overrides]))
+
+    teacher = composed().model  # local-window and global layers
+    flex = composed("kernels.attention=flex").kernels
+    _check_teacher_splits(teacher, flex, document_mask=True)
+    varlen = composed("kernels.attention=flex", "kernels.attention_local=varlen").kernels
+    with pytest.raises(ConfigError, match=r"teacher's kernels.attention_local=varlen"):
+        _check_teacher_splits(teacher, varlen, document_mask=True)
