@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
@@ -72,7 +71,7 @@ from recipes_lib.optim.batch_ramp import BatchSchedule
 from recipes_lib.parallel import (
     get_strategy,
 )
-from recipes_lib.parallel.precision import device_type, resolve_device_choices
+from recipes_lib.parallel.precision import resolve_device_choices, trains_on_cuda
 from recipes_lib.parallel.strategy import planned_world_size
 from recipes_lib.trackers import attach_files, trackers_of
 from recipes_lib.training.module import CausalLMModule
@@ -181,7 +180,7 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     if cfg.kernels.compile_cache is not None:  # before any compile (flex compiles anyway)
         cache = resolve_cache_dir(cfg.kernels.compile_cache, "kernels.compile_cache")
         keep_compile_caches(str(cache))
-    if cfg.kernels.compile and _on_cuda(cfg):  # the workers start as the data and weights load
+    if cfg.kernels.compile and trains_on_cuda(cfg):  # workers start while data and weights load
         start_compile_workers()
     if (widened := widening_line(cfg.run.allowed_targets)) is not None:
         log.info("%s", widened)  # code of the user's own, trusted on the command line
@@ -193,12 +192,6 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     result.memory_fit = fit.as_dict() if fit is not None else None
     result.attention = attention
     return result
-
-
-def _on_cuda(cfg: RunConfig) -> bool:
-    """Whether the run trains on a CUDA GPU."""
-    visible = torch.cuda.is_available()
-    return visible and device_type(cfg.trainer.accelerator, visible) == "cuda"
 
 
 def _attention_line(cfg: RunConfig) -> dict[str, str]:

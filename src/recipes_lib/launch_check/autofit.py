@@ -43,7 +43,7 @@ from recipes_lib.launch_check.memory import (
     recomputed_block_count,
     rows_per_micro_batch,
 )
-from recipes_lib.parallel.precision import device_type
+from recipes_lib.parallel.precision import trains_on_cuda
 
 # Of the budget, what the estimate may take: the estimate was within 5% of measured peaks,
 # and the launch check warns above 90% of a card.
@@ -298,8 +298,7 @@ def _budget(cfg: RunConfig) -> tuple[int | None, str]:
                 "of GiB, or null for the card's memory"
             )
         return int(cfg.run.memory_budget_gib * GIB), "run.memory_budget_gib"
-    visible = torch.cuda.is_available()
-    if device_type(cfg.trainer.accelerator, visible) != "cuda" or not visible:
+    if not trains_on_cuda(cfg):
         return None, "no CUDA card and no run.memory_budget_gib"
     index = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
     properties = torch.cuda.get_device_properties(index)

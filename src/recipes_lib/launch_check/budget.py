@@ -22,7 +22,7 @@ from recipes_lib.launch_check.parameters import ParameterCounts
 from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.objectives import objective_of
 from recipes_lib.parallel.context import data_parallel_size
-from recipes_lib.parallel.precision import device_type, lightning_precision
+from recipes_lib.parallel.precision import lightning_precision, trains_on_cuda
 
 CHINCHILLA_TOKENS_PER_PARAM = 20.0
 # Model FLOPs utilisation assumed for the expected step time: what this library's bf16
@@ -175,14 +175,9 @@ def step_time(cfg: RunConfig, world_size: int = 1, device_name: str | None = Non
     arithmetic of ``precision`` (bf16 for the mixed ones, TF32 or fp32 for 32-true).
     """
     flops = step_flops(cfg, world_size)
-    if device_name is None and _trains_on_cuda(cfg):
+    if device_name is None and trains_on_cuda(cfg):
         device_name = torch.cuda.get_device_name(0)
     arithmetic = precision_arithmetic(lightning_precision(cfg.precision))
     peak = peak_tflops_for(device_name, arithmetic) if device_name else None
     seconds = None if peak is None else flops / (world_size * peak * 1e12 * ASSUMED_MFU)
     return StepTime(flops, device_name, peak, seconds, world_size)
-
-
-def _trains_on_cuda(cfg: RunConfig) -> bool:
-    visible = torch.cuda.is_available()
-    return visible and device_type(cfg.trainer.accelerator, visible) == "cuda"

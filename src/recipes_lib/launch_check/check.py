@@ -54,7 +54,7 @@ from recipes_lib.launch_check.memory import (
     rows_per_micro_batch,
 )
 from recipes_lib.objectives import objective_of
-from recipes_lib.parallel.precision import device_type, resolve_device_choices
+from recipes_lib.parallel.precision import resolve_device_choices, trains_on_cuda
 from recipes_lib.parallel.strategy import get_strategy, planned_world_size
 
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
@@ -196,7 +196,7 @@ _PARTS = (
 
 def _memory(cfg: RunConfig, world: int, report: LaunchReport) -> None:
     est = report.estimate = estimate_memory(cfg, world)
-    on_cuda = _trains_on_cuda(cfg)
+    on_cuda = trains_on_cuda(cfg)
     parts = ", ".join(
         f"{label} {_size(getattr(est, name))}"
         for name, label in _PARTS
@@ -250,11 +250,6 @@ def _checkpoint_space(cfg: RunConfig, world: int, report: LaunchReport) -> None:
         report.add("checkpoint space", WARN, f"{figure}: little room left for the rest")
     else:
         report.add("checkpoint space", OK, figure)
-
-
-def _trains_on_cuda(cfg: RunConfig) -> bool:
-    visible = torch.cuda.is_available()
-    return visible and device_type(cfg.trainer.accelerator, visible) == "cuda"
 
 
 def _available_host_bytes() -> int | None:
@@ -329,7 +324,7 @@ def _steps(cfg, datamodule, steps, step_tokens, scratch, report):
         report.add("forward/backward", SKIP, "the memory estimate does not fit the GPU")
         return None
     host = _available_host_bytes()
-    if est is not None and not _trains_on_cuda(cfg) and host and est.allocated > host:
+    if est is not None and not trains_on_cuda(cfg) and host and est.allocated > host:
         report.add(
             "forward/backward",
             SKIP,

@@ -112,6 +112,13 @@ def device_type(accelerator: str, gpu_visible: bool) -> str:
     return accelerator
 
 
+def trains_on_cuda(cfg: RunConfig) -> bool:
+    """Whether the run trains on a CUDA GPU: one is visible and ``trainer.accelerator``
+    takes it."""
+    visible = torch.cuda.is_available()
+    return visible and device_type(cfg.trainer.accelerator, visible) == "cuda"
+
+
 def compute_dtype(precision: str | int | None) -> torch.dtype:
     """The dtype matmuls run in under a Lightning ``precision`` setting."""
     text = str(precision)
