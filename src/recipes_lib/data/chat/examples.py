@@ -17,7 +17,7 @@ import numpy as np
 
 from recipes_lib.config.schema import DataConfig
 from recipes_lib.data.chat.messages import record_conversation
-from recipes_lib.data.chat.template import ChatRenderer, RenderedChat
+from recipes_lib.data.chat.template import RENDER_BATCH, ChatRenderer, RenderedChat
 from recipes_lib.data.chat_records import TRUNCATION_POLICIES, bad_record_error
 from recipes_lib.data.encoded import flatten, unflatten
 from recipes_lib.data.records import RecordSource
@@ -25,8 +25,6 @@ from recipes_lib.errors import ConfigError, DataError
 
 IGNORE_INDEX = -100
 _ERRORS_SHOWN = 3
-# conversations rendered and then tokenized together (one batch call of the tokenizer)
-_RENDER_BATCH = 256
 
 
 @dataclass
@@ -107,8 +105,8 @@ def tokenize_records(
     """
     chat = config.chat
     examples = []
-    for start in range(0, len(indices), _RENDER_BATCH):
-        chunk = indices[start : start + _RENDER_BATCH]
+    for start in range(0, len(indices), RENDER_BATCH):
+        chunk = indices[start : start + RENDER_BATCH]
         conversations: list[tuple] = []
         failed: dict[int, DataError] = {}
         for index in chunk:
@@ -142,11 +140,10 @@ def _example(
     kept = truncate(rendered, config.seq_len, config.chat.truncation)
     if kept is not None and len(kept) < len(rendered):
         stats.truncated += 1
-    labels = _labels(kept) if kept is not None else None
-    if kept is None or labels is None or not (labels != IGNORE_INDEX).any():  # none trained
+    if kept is None or not any(kept.assistant_mask[1:]):  # no next token is trained
         stats.dropped += 1
         return None
-    return ChatExample(np.asarray(kept.input_ids, np.int64), labels)
+    return ChatExample(np.asarray(kept.input_ids, np.int64), _labels(kept))
 
 
 def truncate(rendered: RenderedChat, max_len: int, policy: str) -> RenderedChat | None:

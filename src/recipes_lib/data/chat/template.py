@@ -237,6 +237,10 @@ class RenderedChat:
         return len(self.input_ids)
 
 
+# conversations rendered, then tokenized in one call (ChatRenderer.render_many), at a time
+RENDER_BATCH = 256
+
+
 class ChatRenderer:
     """Renders conversations to token ids and an exact assistant-token mask.
 

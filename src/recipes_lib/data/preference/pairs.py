@@ -39,7 +39,7 @@ import numpy as np
 
 from recipes_lib.config.schema import ChatFormatConfig
 from recipes_lib.data.chat.messages import TOOLS_FIELD, BadRecord, Text, parse_tools, text_field
-from recipes_lib.data.chat.template import ChatRenderer, RenderedChat
+from recipes_lib.data.chat.template import RENDER_BATCH, ChatRenderer, RenderedChat
 from recipes_lib.data.chat_records import bad_record_error, check_chat_format
 from recipes_lib.data.encoded import flatten, unflatten
 from recipes_lib.data.records import RecordSource, record_where
@@ -327,8 +327,6 @@ class EncodedPairs:
         return f"skipped {sum(self.skipped.values())} of {self.total} records: {reasons}"
 
 
-# records whose conversations are rendered, then tokenized together (one batch call)
-_RENDER_BATCH = 256
 _SEQUENCES = ("chosen_ids", "chosen_mask", "rejected_ids", "rejected_mask")
 
 
@@ -415,7 +413,7 @@ def encode_records(
                 raise bad_record_error(bad) from None
             skipped[bad.reason] += 1
             continue
-        if len(parsed) >= _RENDER_BATCH:
+        if len(parsed) >= RENDER_BATCH:
             encode_parsed()
     encode_parsed()
     return EncodedPairs(pairs=pairs, total=total, skipped=skipped, kept=kept)
