@@ -124,6 +124,12 @@ class AttentionChoice:
         """The backend of the layers attending to ``window`` keys."""
         return self.backends[layer_kind(window)]
 
+    def lacking(self, capability: str) -> list[str]:
+        """The kinds in use whose backend lacks ``capability``, a field of
+        :class:`~recipes_lib.kernels.attention.AttentionCapabilities` such as
+        ``context_parallel``."""
+        return [k for k in self.kinds if not getattr(self.backends[k].capabilities, capability)]
+
     def names(self) -> dict[str, str]:
         """kind -> backend name, for the kinds in use."""
         return {kind: self.backends[kind].name for kind in self.kinds}

@@ -66,6 +66,28 @@ if TYPE_CHECKING:
     from recipes_lib.config.schema import ModelConfig
 
 
+def context_parallel_refusal(config: ModelConfig) -> str | None:
+    """Why context parallelism cannot run ``config``'s attention on a share of each row,
+    in one line (None: it can): attention sinks, latent or linear attention."""
+    if config.attention_sinks:
+        return (
+            "context parallelism cannot add attention sinks (model.attention_sinks=true, "
+            f"model.family={config.family}): its attention takes none"
+        )
+    if config.mla_kv_rank is not None:
+        return (
+            "context parallelism does not shard multi-head latent attention "
+            f"(model.mla_kv_rank={config.mla_kv_rank}, model.family={config.family})"
+        )
+    if config.linear_layers:
+        return (
+            "context parallelism does not shard linear attention (model.linear_layers="
+            f"{list(config.linear_layers)}, model.family={config.family}): "
+            "its state runs through every position of a document"
+        )
+    return None
+
+
 def _validate(config: ModelConfig) -> int:
     """Check the shape of ``config`` and its family's options; return the head dimension."""
     check_norm_options(config)
@@ -195,23 +217,8 @@ class Transformer(nn.Module):
         :meth:`forward_hidden` are then ``shard``'s positions of every row, attention
         gathers the others' keys and values, and RoPE and the masks use the global
         positions (:mod:`recipes_lib.kernels.sharded`). None: whole rows again."""
-        if shard is not None and self.config.attention_sinks:
-            raise UnsupportedKernelError(
-                "context parallelism cannot add attention sinks (model.attention_sinks=true, "
-                f"model.family={self.config.family}): its attention takes none"
-            )
-        if shard is not None and self.config.mla_kv_rank is not None:
-            raise UnsupportedKernelError(
-                "context parallelism does not shard multi-head latent attention "
-                f"(model.mla_kv_rank={self.config.mla_kv_rank}, model.family="
-                f"{self.config.family})"
-            )
-        if shard is not None and self.config.linear_layers:
-            raise UnsupportedKernelError(
-                "context parallelism does not shard linear attention (model.linear_layers="
-                f"{list(self.config.linear_layers)}, model.family={self.config.family}): "
-                "its state runs through every position of a document"
-            )
+        if shard is not None and (refused := context_parallel_refusal(self.config)):
+            raise UnsupportedKernelError(refused)
         sharded = None
         if shard is not None:  # each backend over the shard, kinds that shared one sharing it
             sharded = self.attention_backend.wrapped(lambda inner: ShardedAttention(inner, shard))

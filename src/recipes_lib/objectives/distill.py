@@ -38,6 +38,7 @@ from recipes_lib.data.chat.module import ChatDataModule, build_chat_data
 from recipes_lib.errors import ConfigError
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.distill import DISTILL_LOSSES, chunked_distill_loss
+from recipes_lib.models.transformer import context_parallel_refusal
 from recipes_lib.models.windows import attention_choice
 from recipes_lib.objectives.registry import FrozenModel, ObjectiveSpec, register_objective
 from recipes_lib.objectives.settings import DistillSettings
@@ -230,30 +231,21 @@ def _check_teacher_splits(
     teacher: Any, kernels: Any = None, *, document_mask: bool = False
 ) -> None:
     """A teacher whose attention context parallelism cannot shard, named before training
-    (the student's is checked with the run's other choices): attention of a kind the
-    sharded attention does not take, or a layer kind whose backend under ``kernels``
-    (the teacher runs the student's kernel choices) cannot split rows."""
-    reasons = {
-        "attention sinks (model.attention_sinks=true)": teacher.attention_sinks,
-        "multi-head latent attention (model.mla_kv_rank)": teacher.mla_kv_rank is not None,
-        "linear attention (model.linear_layers)": bool(teacher.linear_layers),
-    }
-    for what, present in reasons.items():
-        if present:
-            raise ConfigError(
-                f"{TEACHER_KEY}: the teacher ({teacher.family}) has {what}, which "
-                "strategy.context_parallel cannot shard; distil it with whole rows"
-            )
+    (the student's is checked with the run's other choices): what the model itself
+    refuses (:func:`~recipes_lib.models.transformer.context_parallel_refusal`), or a
+    layer kind whose backend under ``kernels`` (the teacher runs the student's kernel
+    choices) cannot split rows."""
+    if (refused := context_parallel_refusal(teacher)) is not None:
+        raise ConfigError(f"{TEACHER_KEY}: the teacher cannot split its rows: {refused}")
     if kernels is None:
         return
     choice = attention_choice(kernels, teacher, document_mask=document_mask)
-    for kind in choice.kinds:
-        backend, key = choice.backends[kind], choice.key(kind)
-        if not backend.capabilities.context_parallel:
-            raise ConfigError(
-                f"{TEACHER_KEY}: the teacher's {key}={backend.name} cannot run with rows "
-                "split over ranks (strategy.context_parallel); use flex or sdpa"
-            )
+    if lacking := choice.lacking("context_parallel"):
+        backend, key = choice.backends[lacking[0]], choice.key(lacking[0])
+        raise ConfigError(
+            f"{TEACHER_KEY}: the teacher's {key}={backend.name} cannot run with rows "
+            "split over ranks (strategy.context_parallel); use flex or sdpa"
+        )
 
 
 def _check(cfg: RunConfig, settings: DistillSettings) -> None:

@@ -240,9 +240,9 @@ def check_objective(cfg: RunConfig) -> None:
         )
     if degree != 1:
         choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
-        for kind in choice.kinds:  # each kind's backend splits rows, or the key is named
+        for kind in choice.lacking("context_parallel"):  # the key that chose it is named
             backend, key = choice.backends[kind], choice.key(kind)
-            if key != "kernels.attention" and not backend.capabilities.context_parallel:
+            if key != "kernels.attention":
                 raise ConfigError(
                     f"{key}={backend.name} cannot run with rows split over ranks "
                     f"(strategy.context_parallel={degree}); use {key}=flex or sdpa"
@@ -264,6 +264,5 @@ def check_objective(cfg: RunConfig) -> None:
 
 def _least_capable(choice: AttentionChoice) -> AttentionBackend:
     """A backend in use that cannot split rows over ranks, else the global layers'."""
-    in_use = [choice.backends[kind] for kind in choice.kinds]
-    lacking = [b for b in in_use if not b.capabilities.context_parallel]
+    lacking = [choice.backends[kind] for kind in choice.lacking("context_parallel")]
     return (lacking or [choice.for_window(None)])[0]
