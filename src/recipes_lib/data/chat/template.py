@@ -2,7 +2,8 @@
 
 A conversation is rendered whole with a Jinja chat template, as transformers'
 ``apply_chat_template`` renders it (the tokenizer's BOS and EOS tokens, the record's
-tools and the run's template switches given to the template), and tokenized once.
+tools and the run's template switches given to the template), and tokenized once
+(many conversations in one call of the tokenizer: :meth:`ChatRenderer.render_many`).
 The trained tokens are the assistant turns' spans in that text (see
 :mod:`recipes_lib.data.chat.spans`): from the end of the generation prompt through the
 end-of-turn token, so what the model writes itself (a think block, a channel header,
