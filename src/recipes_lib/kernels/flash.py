@@ -2,8 +2,9 @@
 ``varlen`` (PyTorch's own kernel, the one under :mod:`torch.nn.attention.varlen`, no
 extra package) and ``flash_attn`` (the ``flash_attn`` package). Both take a flattened batch
 with the documents' offsets (:class:`VarlenMask`), so a packed row costs what its
-documents cost and no mask is ever built or compiled: what ``kernels.attention=auto``
-takes for a packed or windowed layer on a CUDA GPU in bf16 or fp16."""
+documents cost and no mask is ever built or compiled. ``kernels.attention=auto`` takes
+``varlen`` for the global layers of short packed rows on a CUDA GPU in bf16
+(:func:`recipes_lib.kernels.choice.packed_rows_backend`)."""
 
 from __future__ import annotations
 

@@ -22,11 +22,15 @@ import torch
 
 from recipes_lib.config.schema import PrecisionConfig, RunConfig
 from recipes_lib.errors import ConfigError
+from recipes_lib.kernels.choice import AUTO as ATTENTION_AUTO
+from recipes_lib.kernels.choice import packed_rows_backend
+from recipes_lib.models.hf_fallback import is_fallback
 
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "fp8")
 AUTO = "auto"  # resolved by resolve_device_choices before anything else reads it
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first CUDA cards with float8 tensor cores
 FP8_INSTALL_HINT = "pip install 'recipes-lib[fp8]'"
+_BF16_PRECISIONS = ("bf16-mixed", "bf16-true", "fp8")  # matmuls and attention in bf16
 
 # the values of lightning.Trainer's precision argument this library passes
 LightningPrecision = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -43,14 +47,15 @@ def resolve_device_choices(cfg: RunConfig, *, gpu_visible: bool | None = None) -
     """``cfg`` with the choices left to the device made: ``precision=auto`` becomes
     ``bf16-mixed`` on a CUDA GPU with bf16 support and ``32-true`` elsewhere, and
     ``kernels.compile=null`` compiles each block on CUDA only (on a CPU compiling costs
-    more than it saves on a tiny model). Other values are returned as they are.
+    more than it saves on a tiny model), and under ``kernels.attention=auto`` the global
+    layers of short packed rows on a CUDA GPU in bf16 take ``varlen``
+    (``kernels.attention_global``, :func:`recipes_lib.kernels.choice.packed_rows_backend`).
+    Other values are returned as they are.
 
     Args:
         cfg: the typed run config.
         gpu_visible: whether a CUDA GPU is visible; detected unless given.
     """
-    if cfg.precision.name != AUTO and cfg.kernels.compile is not None:
-        return cfg
     if gpu_visible is None:
         gpu_visible = torch.cuda.is_available()
     cuda = device_type(cfg.trainer.accelerator, gpu_visible) == "cuda"
@@ -60,7 +65,31 @@ def resolve_device_choices(cfg: RunConfig, *, gpu_visible: bool | None = None) -
         precision = dataclasses.replace(precision, name="bf16-mixed" if bf16 else "32-true")
     if kernels.compile is None:
         kernels = dataclasses.replace(kernels, compile=cuda)
+    if _packed_rows_on_gpu(cfg, precision, cuda and gpu_visible):
+        model = cfg.model
+        head_dim = model.head_dim or model.dim // model.n_heads
+        name = packed_rows_backend(cfg.data.seq_len, head_dim, detect_cuda_capability())
+        if name is not None:
+            kernels = dataclasses.replace(kernels, attention_global=name)
+    if precision is cfg.precision and kernels is cfg.kernels:
+        return cfg
     return dataclasses.replace(cfg, precision=precision, kernels=kernels)
+
+
+def _packed_rows_on_gpu(cfg: RunConfig, precision: PrecisionConfig, gpu: bool) -> bool:
+    """Whether ``auto`` picks the global layers' backend of ``cfg`` from its rows: packed
+    with a document mask, on a CUDA GPU, in bf16, its attention plain (no sinks, no
+    latent attention, no rows split across ranks, not the transformers fallback), the
+    global layers' key left to ``kernels.attention=auto``."""
+    kernels, model = cfg.kernels, cfg.model
+    if not (gpu and cfg.data.document_mask and precision.name in _BF16_PRECISIONS):
+        return False
+    global_key = kernels.attention if kernels.attention_global is None else kernels.attention_global
+    if global_key != ATTENTION_AUTO:
+        return False
+    if is_fallback(model) or model.attention_sinks or model.mla_kv_rank is not None:
+        return False
+    return cfg.strategy.context_parallel <= 1
 
 
 def lightning_precision(precision: PrecisionConfig) -> LightningPrecision:

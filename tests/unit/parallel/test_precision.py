@@ -221,3 +221,71 @@ def test_validation_accepts_the_default_precision():
         to_run_config(compose_config(["recipe=pretrain/tiny", "trainer=cpu"])),
         objectives=("pretrain",),
     )
+
+
+@pytest.fixture
+def h100_with_flash(monkeypatch):
+    """A CUDA GPU of compute capability 9.0 whose torch has its flash attention kernel."""
+    import recipes_lib.kernels.flash as flash
+    import recipes_lib.parallel.precision as precision
+
+    monkeypatch.setattr(precision, "detect_cuda_capability", lambda: H100)
+    monkeypatch.setattr(flash, "_torch_varlen_reason", lambda: None)
+
+
+def _resolved(*overrides: str, gpu_visible: bool = True) -> RunConfig:
+    from recipes_lib.parallel.precision import resolve_device_choices
+
+    base = ["recipe=sft/lora", "model=llama_1b", "precision=bf16-mixed"]
+    return resolve_device_choices(
+        to_run_config(compose_config([*base, *overrides])), gpu_visible=gpu_visible
+    )
+
+
+def _global_backend(cfg: RunConfig) -> str:
+    from recipes_lib.models.windows import attention_choice
+
+    choice = attention_choice(cfg.kernels, cfg.model, document_mask=cfg.data.document_mask)
+    return choice.names()["global"]
+
+
+def test_short_packed_rows_on_a_gpu_take_varlen_for_global_layers_under_auto(h100_with_flash):
+    """Rows of 2,048 packed with a document mask: varlen, which compiles no kernel, where
+    flex took seconds to compile for the same time a step."""
+    cfg = _resolved()
+    assert cfg.kernels.attention == "auto" and cfg.kernels.attention_global == "varlen"
+    assert _global_backend(cfg) == "varlen"
+    assert _resolved("recipe=dpo/full").kernels.attention_global == "varlen"
+
+
+@pytest.mark.parametrize(
+    "overrides,gpu_visible",
+    [
+        (["data.seq_len=4096"], True),  # longer rows: flex's kernel is faster
+        (["kernels.attention=flex"], True),  # the user's own choice
+        (["kernels.attention_global=sdpa", "data.document_mask=false"], True),
+        (["data.document_mask=false"], True),  # causal rows: SDPA's flash kernel
+        (["precision=32-true"], True),  # FlashAttention-2 computes in half precision only
+        (["model=gpt_oss_20b"], True),  # attention sinks
+        ([], False),  # no GPU
+        (["trainer=cpu"], True),  # a CPU run on a machine with a GPU
+    ],
+)
+def test_auto_keeps_its_per_layer_order_elsewhere(h100_with_flash, overrides, gpu_visible):
+    cfg = _resolved(*overrides, gpu_visible=gpu_visible)
+    assert cfg.kernels.attention_global == next(
+        (o.split("=")[1] for o in overrides if o.startswith("kernels.attention_global=")), None
+    )
+
+
+def test_a_gpu_older_than_flash_attention_keeps_flex(h100_with_flash, monkeypatch):
+    import recipes_lib.parallel.precision as precision
+
+    monkeypatch.setattr(precision, "detect_cuda_capability", lambda: (7, 5))
+    cfg = _resolved()
+    assert cfg.kernels.attention_global is None and _global_backend(cfg) == "flex"
+
+
+def test_global_layers_left_to_auto_by_their_own_key_take_varlen(h100_with_flash):
+    cfg = _resolved("kernels.attention=sdpa", "kernels.attention_global=auto")
+    assert cfg.kernels.attention_global == "varlen" and _global_backend(cfg) == "varlen"
