@@ -133,6 +133,7 @@ def on_two(root, tmp_path_factory) -> Path:
         for recipe in PAIR_CASES:
             runs.append(_dpo_overrides(root, recipe, "split", *split))
         runs.append(_distill_overrides(root, "split", *split))
+        runs.append(_grpo_overrides(root, "split", *split))
         _one_job(2, *runs)
         return root
 
@@ -324,4 +325,62 @@ def test_a_distillation_run_with_split_rows_follows_the_one_process_run(on_two):
         assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4), name
     train = metric_series(single, "train/loss")
     assert train[-1][1] < train[0][1]  # the student moved toward the teacher
+    assert _largest_weight_difference(folder / "single", folder / "split") < 1e-4
+
+
+def _grpo_overrides(root: Path, name: str, *extra: str) -> list[str]:
+    """GRPO from the one-process pretraining run's weights and tokenizer: two prompts a
+    step, four completions of each of at most 16 tokens, two updates on each batch (the
+    sampling policy's log-probs kept) and a KL term to a separate frozen reference, in
+    padded rows of up to 128 tokens."""
+    return [
+        "recipe=grpo/tiny",
+        f"run.dir={root / 'grpo_tiny' / name}",
+        f"data.cache_dir={root / 'cache'}",
+        f"stage.init_from={root / 'single' / 'model.safetensors'}",
+        f"data.tokenizer.path={root / 'single' / 'tokenizer.json'}",
+        *SMALL_VOCAB_OVERRIDES,
+        "data.seq_len=128",
+        "data.batch_size=2",
+        "data.sources.stdlib_grpo.max_documents=60",
+        "stage.grpo.completions_per_prompt=4",
+        "stage.grpo.max_new_tokens=16",
+        # a reward the barely trained model earns about half the time, so that groups
+        # differ and the loss has a gradient (the recipe's own rewards give it none)
+        "+stage.grpo.rewards.first.weight=1.0",
+        "+stage.grpo.rewards.first.fn._target_=recipes_lib.rewards.format_match",
+        '+stage.grpo.rewards.first.fn.pattern="[a-m].*"',
+        "stage.grpo.kl_coef=0.1",
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=1",
+        "trainer.log_every_n_steps=1",
+        "optim.lr=1e-3",  # the policy moves off the sampling policy and the reference
+        *QUIET_OVERRIDES,
+        "callbacks=minimal",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_a_grpo_run_with_split_rows_follows_the_one_process_run(on_two):
+    """GRPO over two gloo processes at strategy.context_parallel=2 (one replica): both
+    ranks take the completions one samples, each runs the policy, the sampling policy
+    and the reference on half of every padded row, and the loss (each completion's sums
+    added up over the halves), its KL and clipping figures and the weights follow the
+    one-process run (fp32, within 1e-4)."""
+    folder = on_two / "grpo_tiny"
+    run(compose_config(_grpo_overrides(on_two, "single")))
+    for rank in range(2):
+        spied = json.loads((folder / "split" / f"sharded_rank{rank}.json").read_text())
+        assert spied["calls"] > 0
+    single = read_metrics(folder / "single")
+    split = read_metrics(folder / "split")
+    for name in ("train/reward", "train/loss", "train/kl", "train/clip_fraction", "val/reward"):
+        ones, twos = metric_series(single, name), metric_series(split, name)
+        assert ones and [s for s, _ in twos] == [s for s, _ in ones], name
+        assert [v for _, v in twos] == pytest.approx([v for _, v in ones], abs=1e-4), name
+    kl = [v for _, v in metric_series(single, "train/kl")]
+    assert max(kl) > 0  # the policy left the reference: the KL term was in the loss
+    assert _largest_weight_difference(folder / "single", on_two / "single") > 1e-3  # it moved
     assert _largest_weight_difference(folder / "single", folder / "split") < 1e-4

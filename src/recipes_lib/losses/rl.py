@@ -14,9 +14,15 @@ The per-token terms are averaged by ``loss_norm``:
 - ``dr_grpo``: summed and divided by ``completions * max_new_tokens``, a constant, so no
   completion's tokens weigh more for being short (Dr. GRPO); with
   ``scale_rewards=False`` in :func:`group_advantages`, as Dr. GRPO pairs them.
+
+Every average is built from each completion's sums (of its terms, tokens and clipped
+tokens), so a completion split over the ranks of a context-parallel group gives the
+whole completion's loss once ``across`` adds up the ranks' sums.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -51,6 +57,7 @@ def grpo_loss(
     kl_coef: float = 0.0,
     loss_norm: str = "sequence",
     max_new_tokens: int | None = None,
+    across: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The clipped GRPO objective to minimise, and its diagnostics.
 
@@ -66,6 +73,9 @@ def grpo_loss(
         kl_coef: ``beta``, the KL term's weight (0: none).
         loss_norm: ``sequence`` | ``token`` | ``dr_grpo`` (module docstring).
         max_new_tokens: the completions' token limit (``dr_grpo``'s constant).
+        across: adds up ``(N,)`` per-completion sums over the ranks that each hold a
+            share of every completion's tokens (context parallelism), keeping each
+            rank's own gradient; None: the tensors hold whole completions.
 
     Returns:
         The loss (0-d) and ``clip_fraction`` (the share of tokens whose ratio was clipped
@@ -85,20 +95,23 @@ def grpo_loss(
     if ref_logps is not None:
         delta = ref_logps - logps
         estimate = torch.exp(delta) - delta - 1  # k3, >= 0
-        kl = (estimate * mask).sum() / mask.sum().clamp(min=1)
         if kl_coef:
             per_token = per_token + kl_coef * estimate
-    per_token = per_token * mask
-    counted = mask.sum(dim=1)  # (N,)
+    total = across if across is not None else (lambda sums: sums)
+    sums = total((per_token * mask).sum(dim=1))  # (N,) each completion's terms
+    counted = total(mask.sum(dim=1).detach())  # (N,) and its tokens
+    tokens = counted.sum().clamp(min=1)
     if loss_norm == "sequence":
-        loss = (per_token.sum(dim=1) / counted.clamp(min=1)).mean()
+        loss = (sums / counted.clamp(min=1)).mean()
     elif loss_norm == "token":
-        loss = per_token.sum() / mask.sum().clamp(min=1)
+        loss = sums.sum() / tokens
     else:
         if max_new_tokens is None:
             raise ValueError("loss_norm='dr_grpo' needs max_new_tokens")
-        loss = per_token.sum() / (logps.shape[0] * max_new_tokens)
+        loss = sums.sum() / (logps.shape[0] * max_new_tokens)
     with torch.no_grad():
         was_clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
-        clip_fraction = (was_clipped.to(mask.dtype) * mask).sum() / mask.sum().clamp(min=1)
+        clip_fraction = total((was_clipped.to(mask.dtype) * mask).sum(dim=1)).sum() / tokens
+        if ref_logps is not None:
+            kl = total((estimate * mask).sum(dim=1)).sum() / tokens
     return loss, {"clip_fraction": clip_fraction, "kl": kl.detach()}

@@ -47,7 +47,7 @@ from recipes_lib.objectives.sft import (
     chat_rows_vary,
     save_chat_tokenizer_beside_outputs,
 )
-from recipes_lib.parallel.context import sharded_loss, split_rows
+from recipes_lib.parallel.context import holding_shard, sharded_loss, split_rows
 from recipes_lib.training.build import build_model
 from recipes_lib.training.module import Batch, CausalLMModule
 
@@ -147,19 +147,12 @@ class DistillModule(CausalLMModule):
             loss = self._divergence(student, input_ids, doc_ids, labels, token_mask)
             return loss, {"assistant_tokens": assistant_tokens(batch)}
         shard, (ids, local, docs, mask) = split
-        student.set_context_shard(shard)
-        try:
-            self.teacher.set_context_shard(shard)
-            mean = self._divergence(student, ids, docs, local, mask)
-        except BaseException:
-            student.set_context_shard(None)
-            raise
-        finally:
-            self.teacher.set_context_shard(None)
-        # checkpointed blocks recompute their attention in the backward pass, sharded
-        # too: with a gradient the shard stays until the backward has run (training_step)
-        if not torch.is_grad_enabled():
-            student.set_context_shard(None)
+        with holding_shard(student, shard):  # until the backward has run (training_step)
+            try:
+                self.teacher.set_context_shard(shard)
+                mean = self._divergence(student, ids, docs, local, mask)
+            finally:
+                self.teacher.set_context_shard(None)
         counted = (local != IGNORE_INDEX).sum()
         loss = sharded_loss(mean * counted, counted, shard)
         return loss, {"assistant_tokens": assistant_tokens(batch)}

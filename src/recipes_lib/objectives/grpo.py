@@ -13,6 +13,12 @@ draws each batch that many times); the ratio is taken to the log-probs of the po
 that sampled, kept with the completions. With ``stage.grpo.kl_coef > 0`` a frozen reference
 (the starting weights; under LoRA the base with its adapters bypassed) adds the KL term.
 
+Under ``strategy.context_parallel`` the ranks of a group sample the same completions (seeded
+by their data-parallel replica, then taken from the group's first rank), and each runs
+the policy, the sampling policy and the reference on its share of every row; the loss
+adds up each completion's sums over the group (``grpo_loss``'s ``across``), so it is the
+whole completions' loss.
+
 Sampling is seeded by ``run.seed``, the optimizer step and the rank, and the completions
 a step left for the next ones are saved in checkpoints, so a resumed run continues as
 the uninterrupted one would (on one process; a run of several that resumes between a
@@ -40,6 +46,7 @@ from recipes_lib.config.schema import RunConfig
 from recipes_lib.data.prompts.module import PromptDataModule, prompts_of
 from recipes_lib.data.tokenizer import init_tokenizer_path
 from recipes_lib.errors import ConfigError
+from recipes_lib.kernels.sharded import ContextShard
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.rl import LOSS_NORMS, group_advantages, grpo_loss
 from recipes_lib.models.sampling import Completions, sample_completions
@@ -51,6 +58,14 @@ from recipes_lib.objectives.registry import (
 )
 from recipes_lib.objectives.settings import GRPOSettings
 from recipes_lib.objectives.sft import save_chat_tokenizer_beside_outputs
+from recipes_lib.parallel.context import (
+    data_parallel_rank,
+    from_group_leader,
+    group_loss,
+    group_sum,
+    holding_shard,
+    split_rows,
+)
 from recipes_lib.rewards import build_rewards, score_completions
 from recipes_lib.training.module import Batch, CausalLMModule
 from recipes_lib.training.reference import (
@@ -72,8 +87,10 @@ class Rollout:
     input_ids: Tensor  # (R, L) prompt + completion, all but the last token
     labels: Tensor  # (R, L) the completion's tokens where they are next, -100 elsewhere
     advantages: Tensor  # (R,)
-    old_logps: Tensor | None  # (R, L) under the sampling policy (None: one update)
-    ref_logps: Tensor | None  # (R, L) under the reference (None: no KL term)
+    # (R, L) under the sampling policy (None: one update) and the reference (None: no KL
+    # term); under context parallelism this rank's share of every row, (R, L / N)
+    old_logps: Tensor | None
+    ref_logps: Tensor | None
     metrics: dict[str, Tensor]
 
     def to(self, device: torch.device) -> Rollout:
@@ -225,20 +242,44 @@ class GRPOModule(CausalLMModule):
             labels[r, len(prompt) - 1 : len(row) - 1] = torch.tensor(row[len(prompt) :])
         return input_ids.to(self.device), labels.to(self.device)
 
-    def token_logprobs(self, model: Any, input_ids: Tensor, labels: Tensor) -> Tensor:
+    def token_logprobs(
+        self, model: Any, input_ids: Tensor, labels: Tensor
+    ) -> tuple[Tensor, Tensor, ContextShard | None]:
         """``(R, L)`` fp32 log-probs of ``labels`` under ``model`` (0 where ignored) at
         the sampling temperature (as the completions were drawn), through the head fused
-        with the loss when ``kernels.loss_chunk_size`` is set."""
-        chunk = self.kernels_config.loss_chunk_size
+        with the loss when ``kernels.loss_chunk_size`` is set; with the labels they are
+        of and None. Under ``strategy.context_parallel``: those of this rank's share of
+        every row, the share's labels and its shard; the model keeps the shard while a
+        gradient is to flow (the training step clears it after the backward)."""
+        mask = self.expert_load.rows_mask(labels)  # padding after a row's labels
+        trainer = self._attached()
+        split = None
+        if trainer is not None:
+            split = split_rows(trainer.strategy, input_ids, labels, None, mask)
+        if split is None:
+            return self._logprobs(model, input_ids, labels, mask), labels, None
+        shard, (ids, local, _, local_mask) = split
+        with holding_shard(self._takes_shard(model), shard):
+            logps = self._logprobs(model, ids, local, local_mask)
+        return logps, local, shard
+
+    def _logprobs(self, model: Any, ids: Tensor, labels: Tensor, mask: Tensor | None) -> Tensor:
         return model(
-            input_ids,
+            ids,
             None,
             labels=labels,
             per_token=True,
-            loss_chunk_size=chunk,
+            loss_chunk_size=self.kernels_config.loss_chunk_size,
             temperature=self.grpo_config.temperature,
-            token_mask=self.expert_load.rows_mask(labels),  # padding after a row's labels
+            token_mask=mask,
         )
+
+    def _takes_shard(self, model: Any) -> Any:
+        """The transformer that runs ``model``'s rows: a reference's own, else the
+        policy's (the reference of an adapted policy is the policy, adapters bypassed)."""
+        if isinstance(model, FrozenReference) and model.model is not None:
+            return model.model
+        return self.built_model()
 
     def make_rollout(self, batch: Batch) -> Rollout:
         """Sample, score and prepare the completions of ``batch``'s prompts."""
@@ -246,17 +287,20 @@ class GRPOModule(CausalLMModule):
         k = settings.completions_per_prompt
         trainer = self._attached()
         step, rank = (trainer.global_step, trainer.global_rank) if trainer else (0, 0)
-        seed = (self.seed * 1_000_003 + step) * 1009 + rank  # each step and rank its own
-        completions = self.sample(batch, k, settings.temperature, seed)
+        strategy = trainer.strategy if trainer else None
+        # each step and data-parallel replica its own; the ranks sharing a row take one
+        replica = data_parallel_rank(strategy, rank)
+        seed = (self.seed * 1_000_003 + step) * 1009 + replica
+        completions = from_group_leader(strategy, self.sample(batch, k, settings.temperature, seed))
         total, each = self.score(batch, completions, k)
         advantages = group_advantages(total, k, scale=settings.scale_rewards)
         input_ids, labels = self._rows(batch, completions, k)
         old = ref = None
         with torch.no_grad():
             if settings.updates_per_batch > 1:
-                old = self.token_logprobs(self.built_model(), input_ids, labels)
+                old = self.token_logprobs(self.built_model(), input_ids, labels)[0]
             if self.reference is not None:
-                ref = self.token_logprobs(self.reference, input_ids, labels)
+                ref = self.token_logprobs(self.reference, input_ids, labels)[0]
         lengths = torch.tensor([len(t) for t in completions.tokens], dtype=torch.float32)
         metrics = {
             "reward": total.mean(),
@@ -289,20 +333,24 @@ class GRPOModule(CausalLMModule):
         """The clipped objective on the step's completions, and its metrics."""
         settings = self.grpo_config
         rollout = self._rollout_for(batch)
-        logps = self.token_logprobs(self.built_model(), rollout.input_ids, rollout.labels)
+        model = self.built_model()
+        logps, labels, shard = self.token_logprobs(model, rollout.input_ids, rollout.labels)
         old = rollout.old_logps if rollout.old_logps is not None else logps.detach()
         loss, metrics = grpo_loss(
             logps,
             old,
             rollout.advantages,
-            rollout.labels != IGNORE_INDEX,
+            labels != IGNORE_INDEX,
             clip_low=settings.clip_low,
             clip_high=settings.clip_high,
             ref_logps=rollout.ref_logps,
             kl_coef=settings.kl_coef,
             loss_norm=settings.loss_norm,
             max_new_tokens=settings.max_new_tokens,
+            across=None if shard is None else (lambda sums: group_sum(sums, shard)),
         )
+        if shard is not None:  # every rank of the group holds the loss of whole rows
+            loss = group_loss(loss, shard)
         return loss, {**rollout.metrics, **metrics}
 
     def count_tokens(self, batch: Batch) -> int:
@@ -406,5 +454,6 @@ GRPO = register_objective(
         batches_vary=shapes_vary,
         frozen_models=_reference,
         check=_check,
+        context_parallel=True,
     )
 )

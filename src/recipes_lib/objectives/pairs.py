@@ -34,7 +34,7 @@ from recipes_lib.kernels.sharded import ContextShard
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.logprobs import token_logprobs
 from recipes_lib.objectives.registry import FrozenModel
-from recipes_lib.parallel.context import group_sum, shard_padded, split_rows
+from recipes_lib.parallel.context import group_sum, holding_shard, shard_padded, split_rows
 from recipes_lib.training.module import Batch, CausalLMModule
 from recipes_lib.training.reference import (
     REFERENCE_SOURCE_KEY,
@@ -183,19 +183,13 @@ def shared_pair_logps(
     """
     assert rows.sequence_ids is not None
     model = module.built_model()
-    model.set_context_shard(shard)
-    try:
+    with holding_shard(model, shard):
         per_token = split_rows_logprobs(module, model, rows, twin_rows)
         logps = None
         if reference is not None:
             logps = batch.get("reference_logps")  # precomputed on whole rows
             if logps is None:
                 logps = reference.share_logprobs(module, rows, shard, n_pairs)
-    except BaseException:
-        model.set_context_shard(None)
-        raise
-    if not torch.is_grad_enabled():
-        model.set_context_shard(None)
     return group_sum(pair_sums(per_token, rows.sequence_ids, n_pairs), shard), logps
 
 

@@ -30,7 +30,9 @@ pre-flight, before anything trains.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -79,6 +81,43 @@ def data_parallel_size(world_size: int, degree: int) -> int:
     share each row: each group reads one replica's rows, so a step's tokens and rows
     count ``world_size / degree`` replicas, not ``world_size``."""
     return max(1, world_size // max(1, degree))
+
+
+@contextmanager
+def holding_shard(model: Any, shard: ContextShard) -> Iterator[None]:
+    """``model`` runs on ``shard``'s share of every row inside the block. After a block
+    that ran with a gradient it keeps the shard: checkpointed blocks recompute their
+    attention in the backward pass, sharded too, and the training step clears it once
+    the backward has run. After a block without a gradient, or one that raised, the
+    shard is cleared."""
+    model.set_context_shard(shard)
+    try:
+        yield
+    except BaseException:
+        model.set_context_shard(None)
+        raise
+    if not torch.is_grad_enabled():
+        model.set_context_shard(None)
+
+
+def data_parallel_rank(strategy: object, rank: int) -> int:
+    """The data-parallel replica of global ``rank`` under ``strategy``: the index of its
+    context-parallel group of consecutive ranks (``rank`` itself without one)."""
+    return rank // max(1, getattr(strategy, "context_parallel", 1))
+
+
+def from_group_leader(strategy: object, value: Any) -> Any:
+    """``value`` as the first rank of this rank's context-parallel group holds it (a
+    collective call within the group; ``value`` itself without context parallelism):
+    what every rank sharing a row must hold alike, such as sampled completions, which
+    a GPU's kernels do not promise to draw bit for bit alike in every process."""
+    if getattr(strategy, "context_parallel", 1) == 1 or not dist.is_initialized():
+        return value
+    group = getattr(strategy, "context_group", None)
+    leader = dist.get_global_rank(group, 0) if group is not None else 0
+    box = [value]
+    dist.broadcast_object_list(box, src=leader, group=group)
+    return box[0]
 
 
 def context_shard(strategy: object, seq_len: int) -> ContextShard | None:
@@ -251,8 +290,8 @@ def check_context_parallel(
         raise ConfigError(
             f"stage.objective={objective} cannot split its rows over ranks; "
             f"strategy.context_parallel={degree} works with pretraining, continued "
-            "pretraining, SFT (LoRA included), DPO, SimPO, ORPO, KTO, reward modelling and "
-            "distillation"
+            "pretraining, SFT (LoRA included), DPO, SimPO, ORPO, KTO, reward modelling, "
+            "distillation and GRPO"
         )
 
 
@@ -260,9 +299,12 @@ __all__ = [
     "ContextParallelDDP",
     "check_context_parallel",
     "context_shard",
+    "data_parallel_rank",
     "data_parallel_size",
+    "from_group_leader",
     "group_loss",
     "group_sum",
+    "holding_shard",
     "new_context_group",
     "shard_padded",
     "sharded_loss",

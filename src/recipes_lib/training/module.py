@@ -50,7 +50,7 @@ from recipes_lib.models import Transformer
 from recipes_lib.models.hf_fallback import model_shapes
 from recipes_lib.optim import build_lr_lambda
 from recipes_lib.optim.batch_ramp import BatchSchedule
-from recipes_lib.parallel.context import sharded_loss, split_rows
+from recipes_lib.parallel.context import holding_shard, sharded_loss, split_rows
 from recipes_lib.parallel.precision import compute_dtype
 from recipes_lib.parallel.strategy import get_strategy
 from recipes_lib.training.build import ModelBuild, build_model
@@ -306,18 +306,10 @@ class CausalLMModule(L.LightningModule):
             split = split_rows(trainer.strategy, input_ids, labels, doc_ids, token_mask)
         if split is not None:
             shard, (ids, local, docs, mask) = split
-            model.set_context_shard(shard)
-            try:
+            with holding_shard(model, shard):  # until the backward has run (training_step)
                 logp = model(
                     ids, docs, labels=local, per_token=True, loss_chunk_size=chunk, token_mask=mask
                 )
-            except BaseException:
-                model.set_context_shard(None)
-                raise
-            # checkpointed blocks recompute their attention in the backward pass, sharded
-            # too: with a gradient the shard stays until the backward has run (training_step)
-            if not torch.is_grad_enabled():
-                model.set_context_shard(None)
             return sharded_loss(-logp.sum(), (local != -100).sum(), shard), {}
         # a model whose loss holds more than its logits' cross-entropy computes it itself
         if chunk is None and not model.loss_beyond_logits:

@@ -58,16 +58,26 @@ def test_a_degree_the_run_cannot_use_is_refused(overrides, match):
     assert "\n" not in str(refused.value)
 
 
-def test_an_objective_that_cannot_split_its_rows_is_refused():
-    cfg = to_run_config(compose_config(["recipe=grpo/tiny", *SPLIT, "strategy.context_parallel=2"]))
-    with pytest.raises(ConfigError, match=r"^stage.objective=grpo cannot split its rows"):
+def test_an_objective_that_cannot_split_its_rows_is_refused(monkeypatch):
+    """A user's objective that does not declare it (``ObjectiveSpec.context_parallel``):
+    every built-in one does."""
+    import dataclasses
+
+    from recipes_lib.objectives import registry
+
+    sft = registry.get_objective("sft")
+    mine = dataclasses.replace(sft, name="mine", context_parallel=False)
+    monkeypatch.setitem(registry._REGISTRY, "mine", mine)
+    overrides = ["recipe=sft/tiny", *SPLIT, "strategy.context_parallel=2", "stage.objective=mine"]
+    cfg = to_run_config(compose_config(overrides))
+    with pytest.raises(ConfigError, match=r"^stage.objective=mine cannot split its rows"):
         check_run(cfg, (cfg.stage.objective,))
 
 
 @pytest.mark.parametrize(
     "recipe",
     ["sft/tiny", "sft/lora_tiny", "dpo/tiny", "dpo/lora_tiny", "simpo/tiny", "orpo/tiny"]
-    + ["kto/tiny", "reward/tiny", "distill/tiny"],
+    + ["kto/tiny", "reward/tiny", "distill/tiny", "grpo/tiny"],
 )
 def test_sequence_and_pair_objectives_split_their_rows(recipe):
     cfg = to_run_config(compose_config([f"recipe={recipe}", *SPLIT, "strategy.context_parallel=2"]))
