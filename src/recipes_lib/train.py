@@ -26,6 +26,7 @@ The order below matters and reads top to bottom:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -174,7 +175,8 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     clock = StartClock(time.perf_counter())  # the start's split (import, data, ...)
     if isinstance(cfg, DictConfig):
         cfg = fill_model_from_init(cfg)  # model=from_init: the shape of stage.init_from
-    cfg = resolve_device_choices(to_run_config(cfg))
+    given = to_run_config(cfg)
+    cfg = _as_recorded(given, resolve_device_choices(given))
     check_run_config(cfg)
     cfg, fit = _fit_memory(cfg)  # kernels.activation_checkpointing=auto, before the build
     if cfg.kernels.compile_cache is not None:  # before any compile (flex compiles anyway)
@@ -192,6 +194,28 @@ def run(cfg: RunConfig | DictConfig, callbacks: Sequence[Callback] = ()) -> RunR
     result.memory_fit = fit.as_dict() if fit is not None else None
     result.attention = attention
     return result
+
+
+def _as_recorded(given: RunConfig, resolved: RunConfig) -> RunConfig:
+    """``resolved`` with the global layers' attention backend its ``run.dir``'s checkpoints
+    were trained with, where ``given`` left it to the device (``kernels.attention_global``
+    null) and the device chose another: a rerun of a run recorded before ``auto`` took
+    varlen for short packed rows resumes on flex, as it trained, instead of being
+    refused as another config. An unreadable record is left to the resume's own check."""
+    choice = resolved.kernels.attention_global
+    if given.kernels.attention_global is not None or choice is None:
+        return resolved
+    run_dir = RunDir(resolved.run.dir)
+    if not (run_dir.config.is_file() and run_dir.has_checkpoints()):
+        return resolved
+    try:
+        recorded = OmegaConf.select(OmegaConf.load(run_dir.config), "kernels.attention_global")
+    except Exception:  # unreadable: auto_resume names it in one line
+        return resolved
+    if recorded == choice or not (recorded is None or isinstance(recorded, str)):
+        return resolved
+    kernels = dataclasses.replace(resolved.kernels, attention_global=recorded)
+    return dataclasses.replace(resolved, kernels=kernels)
 
 
 def _attention_line(cfg: RunConfig) -> dict[str, str]:

@@ -25,14 +25,15 @@ documents) is not in the order: on an H200 it took 9-17% longer than flex's kern
 packed rows of 8,192 tokens (as long at 2,048), and 1.7x SDPA's time over causal rows
 (``benchmarks/results/attention_h200.json``); what it saves is flex's kernel compile.
 
-On a CUDA GPU in bf16 or fp16, ``auto`` makes one more choice, from the run rather than
+On a CUDA GPU in bf16, ``auto`` makes one more choice, from the run rather than
 the layer (:func:`packed_rows_backend`, applied by
 :func:`recipes_lib.parallel.precision.resolve_device_choices`): the global layers of rows
 packed with a document mask, at most :data:`VARLEN_ROWS_UP_TO` tokens long, take
 ``varlen``. There the two kernels take the same time (rows of 2,048 tokens, documents of
 512 and 1,024 on average: 1.11 against 1.06 ms and 1.18 against 1.18 on an H200), and
-``varlen`` compiles nothing where flex's first call took 6.7-8.0 s: a post-training run,
-whose rows are this short, reaches its first step that much sooner. Longer rows keep flex.
+``varlen`` compiles no kernel for those layers where flex's first call took 6.7-8.0 s: a
+post-training run, whose rows are this short, reaches its first step that much sooner.
+Longer rows keep flex, and so do window layers.
 
 A model builds each kind's mask once per batch, with that kind's backend
 (:meth:`AttentionChoice.build_mask`): two backends build a mask each, never one per
@@ -75,7 +76,8 @@ AUTO_ORDER: dict[str, tuple[str, ...]] = {
 
 
 # packed rows up to this long take varlen for global layers under auto on a CUDA GPU
-# (see the module docstring); FlashAttention-2 takes heads up to FLASH_MAX_HEAD_DIM wide
+# (see the module docstring); FlashAttention-2 takes heads up to FLASH_MAX_HEAD_DIM wide,
+# a multiple of 8
 VARLEN_ROWS_UP_TO = 2048
 FLASH_MAX_HEAD_DIM = 256
 
@@ -91,13 +93,15 @@ def packed_rows_backend(
         row_len: the packed rows' length (``data.seq_len``).
         head_dim: the query, key and value heads' width.
         capability: the lowest compute capability of the CUDA GPUs the run computes on
-            in bf16 or fp16; None for any other run.
+            in bf16; None for any other run.
     """
     backend = TorchVarlenAttention()
     needed = backend.capabilities.min_cuda_capability or (0, 0)
     if capability is None or capability < needed or backend.unavailable_reason() is not None:
         return None
-    if row_len > VARLEN_ROWS_UP_TO or head_dim > FLASH_MAX_HEAD_DIM:
+    if torch.version.hip is not None:  # measured on NVIDIA GPUs only
+        return None
+    if row_len > VARLEN_ROWS_UP_TO or head_dim > FLASH_MAX_HEAD_DIM or head_dim % 8:
         return None
     return backend.name
 

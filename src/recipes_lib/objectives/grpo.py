@@ -19,7 +19,8 @@ the policy, the sampling policy and the reference on its share of every row; the
 adds up each completion's sums over the group (``grpo_loss``'s ``across``), so it is the
 whole completions' loss.
 
-Sampling is seeded by ``run.seed``, the optimizer step and the rank, and the completions
+Sampling is seeded by ``run.seed``, the optimizer step and the data-parallel replica (the
+rank, without context parallelism), and the completions
 a step left for the next ones are saved in checkpoints, so a resumed run continues as
 the uninterrupted one would (on one process; a run of several that resumes between a
 batch's updates samples that batch again on every rank, as the checkpoint holds rank
@@ -291,8 +292,13 @@ class GRPOModule(CausalLMModule):
         # each step and data-parallel replica its own; the ranks sharing a row take one
         replica = data_parallel_rank(strategy, rank)
         seed = (self.seed * 1_000_003 + step) * 1009 + replica
-        completions = from_group_leader(strategy, self.sample(batch, k, settings.temperature, seed))
+        completions = self.sample(batch, k, settings.temperature, seed)
         total, each = self.score(batch, completions, k)
+        # the group's first rank's completions and rewards (a reward model or a timeout
+        # need not score alike on every rank), on the CPU to travel
+        completions, total, each = from_group_leader(
+            strategy, (completions, total.cpu(), {name: v.cpu() for name, v in each.items()})
+        )
         advantages = group_advantages(total, k, scale=settings.scale_rewards)
         input_ids, labels = self._rows(batch, completions, k)
         old = ref = None
@@ -378,7 +384,9 @@ class GRPOModule(CausalLMModule):
         super().on_save_checkpoint(checkpoint)
         checkpoint[REFERENCE_SOURCE_KEY] = self.reference_source
         rollout = self.rollout
-        if rollout is not None and self.grpo_config.updates_per_batch > 1:
+        # split rows hold a rank's share of the log-probs: a resumed run samples again
+        whole = self.context_parallel == 1
+        if rollout is not None and self.grpo_config.updates_per_batch > 1 and whole:
             checkpoint[ROLLOUT_KEY] = rollout.state()
 
     def on_load_checkpoint(self, checkpoint: Mapping[str, Any]) -> None:

@@ -79,8 +79,9 @@ def resolve_device_choices(cfg: RunConfig, *, gpu_visible: bool | None = None) -
 def _packed_rows_on_gpu(cfg: RunConfig, precision: PrecisionConfig, gpu: bool) -> bool:
     """Whether ``auto`` picks the global layers' backend of ``cfg`` from its rows: packed
     with a document mask, on a CUDA GPU, in bf16, its attention plain (no sinks, no
-    latent attention, no rows split across ranks, not the transformers fallback), the
-    global layers' key left to ``kernels.attention=auto``."""
+    latent attention, no rows split across ranks, not the transformers fallback, no
+    distillation teacher, whose shape is read later), the global layers' key left to
+    ``kernels.attention=auto``."""
     kernels, model = cfg.kernels, cfg.model
     if not (gpu and cfg.data.document_mask and precision.name in _BF16_PRECISIONS):
         return False
@@ -88,6 +89,8 @@ def _packed_rows_on_gpu(cfg: RunConfig, precision: PrecisionConfig, gpu: bool) -
     if global_key != ATTENTION_AUTO:
         return False
     if is_fallback(model) or model.attention_sinks or model.mla_kv_rank is not None:
+        return False
+    if cfg.stage.objective == "distill":  # its teacher runs these choices, unseen here
         return False
     return cfg.strategy.context_parallel <= 1
 

@@ -56,3 +56,51 @@ def test_clipping_the_normalisations_and_the_kl_term():
     assert loss_plain < 0
     with pytest.raises(ValueError, match="reference"):
         grpo_loss(logps, old, up, mask, kl_coef=0.1)
+
+
+@pytest.mark.parametrize("loss_norm", ["sequence", "token", "dr_grpo"])
+def test_completions_split_over_two_ranks_give_the_whole_loss_and_gradient(loss_norm):
+    """Each completion's tokens split over two ranks (context parallelism), ``across``
+    adding the other rank's per-completion sums: each rank's loss is the whole
+    completions' loss, and the two ranks' gradients are the whole one's."""
+    torch.manual_seed(0)
+    n, t = 4, 10
+    logps = -torch.rand(n, t, dtype=torch.float64) * 3
+    old = logps + 0.3 * torch.randn(n, t, dtype=torch.float64)
+    ref = logps + 0.2 * torch.randn(n, t, dtype=torch.float64)
+    advantages = torch.randn(n, dtype=torch.float64)
+    mask = torch.rand(n, t) < 0.7
+    halves = (torch.arange(t) % 2 == 0, torch.arange(t) % 2 == 1)  # any split of the tokens
+
+    def run(part, across=None):
+        leaf = logps[:, part].clone().requires_grad_(True)
+        loss, metrics = grpo_loss(
+            leaf,
+            old[:, part],
+            advantages,
+            mask[:, part],
+            ref_logps=ref[:, part],
+            kl_coef=0.1,
+            loss_norm=loss_norm,
+            max_new_tokens=t,
+            across=across,
+        )
+        return leaf, loss, metrics
+
+    whole_leaf, whole, whole_metrics = run(slice(None))
+    (whole_grad,) = torch.autograd.grad(whole, whole_leaf)
+    sent: list[list[torch.Tensor]] = []  # what each rank's sums would be, in call order
+    for part in halves:
+        recorded: list[torch.Tensor] = []
+        run(part, lambda x, recorded=recorded: (recorded.append(x.detach()), x)[1])
+        sent.append(recorded)
+    grads = torch.zeros(n, t, dtype=torch.float64)
+    for rank, part in enumerate(halves):
+        other = iter(sent[1 - rank])
+        leaf, loss, metrics = run(part, lambda x, other=other: x + next(other))
+        assert loss.item() == pytest.approx(whole.item(), rel=1e-9)
+        for name in ("kl", "clip_fraction"):
+            assert metrics[name].item() == pytest.approx(whole_metrics[name].item(), rel=1e-9)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        grads[:, part] = grad
+    assert torch.allclose(grads, whole_grad, rtol=1e-9, atol=1e-12)

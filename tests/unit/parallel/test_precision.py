@@ -269,6 +269,11 @@ def test_short_packed_rows_on_a_gpu_take_varlen_for_global_layers_under_auto(h10
         (["model=gpt_oss_20b"], True),  # attention sinks
         ([], False),  # no GPU
         (["trainer=cpu"], True),  # a CPU run on a machine with a GPU
+        (["model=deepseek_v3_671b"], True),  # latent attention
+        (["model.head_dim=512"], True),  # wider than FlashAttention-2's heads
+        (["model.head_dim=60"], True),  # not a multiple of 8
+        (["stage.objective=distill"], True),  # a teacher runs the student's choices
+        (["strategy.context_parallel=2"], True),  # rows split over ranks
     ],
 )
 def test_auto_keeps_its_per_layer_order_elsewhere(h100_with_flash, overrides, gpu_visible):
@@ -289,3 +294,45 @@ def test_a_gpu_older_than_flash_attention_keeps_flex(h100_with_flash, monkeypatc
 def test_global_layers_left_to_auto_by_their_own_key_take_varlen(h100_with_flash):
     cfg = _resolved("kernels.attention=sdpa", "kernels.attention_global=auto")
     assert cfg.kernels.attention_global == "varlen" and _global_backend(cfg) == "varlen"
+
+
+def test_an_amd_gpu_keeps_flex(h100_with_flash, monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.4")
+    assert _resolved().kernels.attention_global is None
+
+
+def test_a_rerun_of_a_run_trained_on_flex_keeps_flex(h100_with_flash, tmp_path):
+    """A run folder whose checkpoints were trained before auto took varlen (its config
+    records ``kernels.attention_global: null``) resumes on flex, as it trained, instead
+    of being refused as another config; a fresh folder takes varlen."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from recipes_lib.config.fingerprint import recorded_config_changes
+    from recipes_lib.parallel.precision import resolve_device_choices
+    from recipes_lib.train import _as_recorded
+
+    given = to_run_config(
+        compose_config(
+            ["recipe=sft/lora", "model=llama_1b", "precision=bf16-mixed", f"run.dir={tmp_path}"]
+        )
+    )
+    resolved = resolve_device_choices(given, gpu_visible=True)
+    assert _as_recorded(given, resolved).kernels.attention_global == "varlen"  # nothing there
+    # what the run recorded: the same config, its global layers on flex
+    trained = dataclasses.replace(
+        resolved, kernels=dataclasses.replace(resolved.kernels, attention_global=None)
+    )
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(trained)))
+    assert _as_recorded(given, resolved).kernels.attention_global == "varlen"  # no checkpoint
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    kept = _as_recorded(given, resolved)
+    assert kept.kernels.attention_global is None
+    assert not [
+        c for c in recorded_config_changes(kept, tmp_path / "config.yaml") if "kernels" in c
+    ]
+    assert [
+        c for c in recorded_config_changes(resolved, tmp_path / "config.yaml") if "kernels" in c
+    ]
