@@ -23,6 +23,15 @@ Our runs also keep ``compile_phases``: the seconds of each of dynamo's timed pha
 ``PREFIX.<cell>.txt`` gets its 80 costliest functions by cumulative time; a profiled case
 is not a figure, and replaces no case in the file.
 Objectives run one after another on GPU 0 unless ``--gpus`` spreads them.
+
+``--variant OVERRIDE`` (repeatable) runs our side once more per variant with that override
+added, cold and warm with caches of its own, right after our plain side and in the same
+call, on the same inputs (one folder and one set of records for all): its figures go
+under ``ours+OVERRIDE_cold`` and ``ours+OVERRIDE_warm``. Two choices of ours are thus
+compared within one call::
+
+    python benchmarks/start_time.py --objectives sft_lora --data long --sides ours \
+        --variant kernels.attention_global=flex
 """
 
 from __future__ import annotations
@@ -93,23 +102,61 @@ def compile_phases() -> dict[str, float]:
 
 
 def one_run(
-    args, cell, root: Path, cache: Path, gpu: str | None, tag: str, side: str = "ours"
+    args,
+    cell,
+    root: Path,
+    cache: Path,
+    gpu: str | None,
+    tag: str,
+    side: str = "ours",
+    variant: str | None = None,
 ) -> dict:
-    out = root / f"{cell.name}.{side}.{tag}.json"
+    """One fresh process of ``side`` on ``cell`` (ours with ``variant``'s override added,
+    when given), its compile caches under ``cache``; what it reported."""
+    name = side if variant is None else f"{side}.{_file_safe(variant)}"
+    out = root / f"{cell.name}.{name}.{tag}.json"
     env = {**os.environ, "PEER_START": repr(time.time())}
-    env["START_TAG"] = tag
+    env["START_TAG"] = tag if variant is None else f"{_file_safe(variant)}.{tag}"  # its run.dir
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "inductor")
     env["TRITON_CACHE_DIR"] = str(cache / "triton")
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     command = [sys.executable, __file__, *args.argv, "--worker", "--case", cell.name]
     command += ["--side", side, "--root", str(root), "--worker-out", str(out)]
-    log = root / f"{cell.name}.{side}.{tag}.log"
+    if variant is not None:
+        command += ["--override", variant]
+    log = root / f"{cell.name}.{name}.{tag}.log"
     with open(log, "w") as sink:
         done = subprocess.run(command, env=env, stdout=sink, stderr=sink, check=False)
     if out.is_file():
         return json.loads(out.read_text())
     return {"error": f"status {done.returncode}: {matrix.last_line(log.read_text())}"}
+
+
+def _file_safe(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
+def run_order(sides: list[str], variants: list[str]) -> list[tuple[str, str | None]]:
+    """``(side, variant)`` in the order they run: each variant of ours right after our
+    plain side (first when ours is not among ``sides``)."""
+    variants_of_ours: list[tuple[str, str | None]] = [("ours", v) for v in variants]
+    order: list[tuple[str, str | None]] = [] if "ours" in sides else variants_of_ours
+    for side in sides:
+        order.append((side, None))
+        if side == "ours":
+            order += variants_of_ours
+    return order
+
+
+def parse_variants(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``--variant OVERRIDE`` values out of ``argv``, and the rest of it."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--variant", action="append", default=[])
+    known, rest = parser.parse_known_args(argv)
+    return known.variant, rest
 
 
 def merged(path: Path, card: str, cases: list[dict]) -> dict:
@@ -142,10 +189,11 @@ def merged(path: Path, card: str, cases: list[dict]) -> dict:
 
 
 def main() -> int:
-    args = matrix.parse_args(sys.argv[1:])
+    variants, argv = parse_variants(sys.argv[1:])
+    args = matrix.parse_args(argv)
     if args.worker:
         return worker(args)
-    args.argv = sys.argv[1:]
+    args.argv = argv
     import torch
     from _common import command_line
 
@@ -162,22 +210,23 @@ def main() -> int:
         matrix.make_inputs(args, root, sorted({c.data for c in cells}))
         # cold means empty compile caches, not one side writing the bytecode of packages
         # both import (installed without it) for the side after it
-        matrix.prime_imports(args.sides.split(","))
+        matrix.prime_imports([side for side, _ in run_order(args.sides.split(","), variants)])
 
         def both(i_cell):
             i, cell = i_cell
             gpu = gpus[i % len(gpus)]
             case = {"objective": cell.objective, "data": cell.data}
-            for side in args.sides.split(","):
-                cache = root / "caches" / cell.name / side
-                cold = one_run(args, cell, root, cache, gpu, "cold", side)
-                warm = one_run(args, cell, root, cache, gpu, "warm", side)
+            for side, variant in run_order(args.sides.split(","), variants):
+                label = side if variant is None else f"{side}+{variant}"
+                cache = root / "caches" / cell.name / _file_safe(label)
+                cold = one_run(args, cell, root, cache, gpu, "cold", side, variant)
+                warm = one_run(args, cell, root, cache, gpu, "warm", side, variant)
                 print(
-                    f"{cell.name} {side}: cold {cold.get('first_step_s')} s,"
+                    f"{cell.name} {label}: cold {cold.get('first_step_s')} s,"
                     f" warm {warm.get('first_step_s')} s",
                     flush=True,
                 )
-                names = ("cold", "warm") if side == "ours" else (f"{side}_cold", f"{side}_warm")
+                names = ("cold", "warm") if label == "ours" else (f"{label}_cold", f"{label}_warm")
                 case.update(zip(names, (cold, warm), strict=True))
             return case
 

@@ -271,3 +271,34 @@ def test_the_start_time_file_keeps_other_calls_cases_with_their_dates(tmp_path):
         firsts = [c["cold"]["first_step_s"] for c in result["cases"]]
         assert firsts == [55.2, 50.2]
         assert result["not_kept"] == [case]
+
+
+def test_the_start_times_variants_of_ours_run_right_after_it_with_their_own_names():
+    from start_time import _file_safe, parse_variants, run_order
+
+    variants, rest = parse_variants(
+        [
+            "--objectives",
+            "sft_lora",
+            "--variant",
+            "kernels.attention_global=flex",
+            "--sides",
+            "ours,trl_liger",
+            "--variant",
+            "data.batch_size=2",
+        ]
+    )
+    assert variants == ["kernels.attention_global=flex", "data.batch_size=2"]
+    assert rest == ["--objectives", "sft_lora", "--sides", "ours,trl_liger"]
+    assert run_order(["ours", "trl_liger"], variants) == [
+        ("ours", None),
+        ("ours", "kernels.attention_global=flex"),
+        ("ours", "data.batch_size=2"),
+        ("trl_liger", None),
+    ]
+    assert run_order(["trl_liger"], variants[:1]) == [
+        ("ours", "kernels.attention_global=flex"),
+        ("trl_liger", None),
+    ]
+    # a run folder's name: no character a Hydra override would read as syntax
+    assert _file_safe("kernels.attention_global=flex") == "kernels.attention_global_flex"
