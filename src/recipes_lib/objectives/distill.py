@@ -47,7 +47,7 @@ from recipes_lib.objectives.sft import (
     chat_rows_vary,
     save_chat_tokenizer_beside_outputs,
 )
-from recipes_lib.parallel.context import holding_shard, sharded_loss, split_rows
+from recipes_lib.parallel.context import holding_shard, sharded_loss
 from recipes_lib.training.build import build_model
 from recipes_lib.training.module import Batch, CausalLMModule
 
@@ -139,10 +139,7 @@ class DistillModule(CausalLMModule):
         input_ids, doc_ids = self.model_inputs(batch)
         labels, token_mask = batch["labels"], self.expert_load.token_mask(batch)
         student = self.built_model()
-        trainer = self._attached()
-        split = None
-        if trainer is not None:  # strategy.context_parallel: this rank's share of each row
-            split = split_rows(trainer.strategy, input_ids, labels, doc_ids, token_mask)
+        split = self.rows_share(input_ids, labels, doc_ids, token_mask)
         if split is None:
             loss = self._divergence(student, input_ids, doc_ids, labels, token_mask)
             return loss, {"assistant_tokens": assistant_tokens(batch)}

@@ -65,7 +65,6 @@ from recipes_lib.parallel.context import (
     group_loss,
     group_sum,
     holding_shard,
-    split_rows,
 )
 from recipes_lib.rewards import build_rewards, score_completions
 from recipes_lib.training.module import Batch, CausalLMModule
@@ -253,10 +252,7 @@ class GRPOModule(CausalLMModule):
         every row, the share's labels and its shard; the model keeps the shard while a
         gradient is to flow (the training step clears it after the backward)."""
         mask = self.expert_load.rows_mask(labels)  # padding after a row's labels
-        trainer = self._attached()
-        split = None
-        if trainer is not None:
-            split = split_rows(trainer.strategy, input_ids, labels, None, mask)
+        split = self.rows_share(input_ids, labels, None, mask)
         if split is None:
             return self._logprobs(model, input_ids, labels, mask), labels, None
         shard, (ids, local, _, local_mask) = split

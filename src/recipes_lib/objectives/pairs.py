@@ -34,7 +34,7 @@ from recipes_lib.kernels.sharded import ContextShard
 from recipes_lib.losses.cross_entropy import IGNORE_INDEX
 from recipes_lib.losses.logprobs import token_logprobs
 from recipes_lib.objectives.registry import FrozenModel
-from recipes_lib.parallel.context import group_sum, holding_shard, shard_padded, split_rows
+from recipes_lib.parallel.context import group_sum, holding_shard, shard_padded
 from recipes_lib.training.module import Batch, CausalLMModule
 from recipes_lib.training.reference import (
     REFERENCE_SOURCE_KEY,
@@ -124,13 +124,8 @@ def batch_rows(module: CausalLMModule, batch: Batch) -> RowsShare:
 def split_pair_rows(module: CausalLMModule, batch: Batch) -> tuple[ContextShard, RowsShare] | None:
     """This rank's share of a batch's rows under ``strategy.context_parallel``, with
     each token's sequence (None: whole rows, as without it)."""
-    trainer = module._attached()
-    if trainer is None:
-        return None
     whole = batch_rows(module, batch)
-    split = split_rows(
-        trainer.strategy, whole.input_ids, whole.labels, whole.doc_ids, whole.token_mask
-    )
+    split = module.rows_share(whole.input_ids, whole.labels, whole.doc_ids, whole.token_mask)
     if split is None:
         return None
     shard, (ids, labels, docs, mask) = split

@@ -45,6 +45,7 @@ from recipes_lib.config.schema import (
 )
 from recipes_lib.config.store import as_config
 from recipes_lib.errors import ConfigError
+from recipes_lib.kernels.sharded import ContextShard
 from recipes_lib.losses import causal_lm_loss
 from recipes_lib.models import Transformer
 from recipes_lib.models.hf_fallback import model_shapes
@@ -300,11 +301,7 @@ class CausalLMModule(L.LightningModule):
         input_ids, doc_ids = self.model_inputs(batch)
         labels, token_mask = batch["labels"], self.expert_load.token_mask(batch)
         chunk = self.kernels_config.loss_chunk_size
-        trainer = self._attached()
-        split = None
-        if trainer is not None:  # strategy.context_parallel: this rank's share of each row
-            split = split_rows(trainer.strategy, input_ids, labels, doc_ids, token_mask)
-        if split is not None:
+        if (split := self.rows_share(input_ids, labels, doc_ids, token_mask)) is not None:
             shard, (ids, local, docs, mask) = split
             with holding_shard(model, shard):  # until the backward has run (training_step)
                 logp = model(
@@ -323,6 +320,21 @@ class CausalLMModule(L.LightningModule):
     def count_tokens(self, batch: Batch) -> int:
         """Tokens this rank trains on in ``batch`` (counted into ``tokens_seen``)."""
         return batch["input_ids"].numel()
+
+    def rows_share(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        doc_ids: Tensor | None = None,
+        token_mask: Tensor | None = None,
+    ) -> tuple[ContextShard, tuple[Tensor, Tensor, Tensor | None, Tensor | None]] | None:
+        """This rank's share of a batch's rows and its shard under
+        ``strategy.context_parallel`` (:func:`~recipes_lib.parallel.context.split_rows`);
+        None: whole rows (no context parallelism, or no trainer attached)."""
+        trainer = self._attached()
+        if trainer is None:
+            return None
+        return split_rows(trainer.strategy, input_ids, labels, doc_ids, token_mask)
 
     def _attached(self) -> L.Trainer | None:
         try:
