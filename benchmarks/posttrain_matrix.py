@@ -40,9 +40,10 @@ is the mean and the cell's ``spread`` holds its [min, max].
 
 The result, ``<out-dir>/posttrain_matrix_<card>.json``, is
 ``{"card", "date", "command", "cases": [{"objective", "data", "settings", "ours", "trl",
-"trl_liger", ...}]}``; a side that failed or has no peer is ``null`` with a line in the
-cell's ``notes``. Cells already in the file from another call are kept, the ones run now
-replaced, so the matrix can be filled a part at a time::
+"trl_liger", "date", "command", ...}]}`` (each cell's date and command are those of the
+call that measured it; the file's, the latest call's); a side that failed or has no peer
+is ``null`` with a line in the cell's ``notes``. Cells already in the file from another
+call are kept, the ones run now replaced, so the matrix can be filled a part at a time::
 
     python benchmarks/posttrain_matrix.py --objectives sft_full,dpo_live --data short
     python benchmarks/posttrain_matrix.py --dry-run            # the plan, no GPU needed
@@ -606,24 +607,25 @@ def summarise(
 def merge(path: Path, card: str, command: str, entries: list[dict]) -> dict:
     """The file's matrix with ``entries`` in place of the cells they name (the others
     kept, from an earlier call on the same card), in the matrix's order; the file's
-    other keys (a ``notes`` written by hand) kept too."""
+    other keys (a ``notes`` written by hand) kept too. Each entry carries the ``date``
+    and ``command`` of the call that measured it; the file's own are the latest call's."""
     kept: dict = {}
     cases: dict[tuple, dict] = {}
-    commands: list[str] = []
     if path.is_file():
         old = json.loads(path.read_text())
         if old.get("card") == card:
             kept = old
             cases = {(c["objective"], c["data"], c["settings"]): c for c in old["cases"]}
-            commands = [c for c in old.get("command", "").split(" ; ") if c]
+    today = datetime.date.today().isoformat()
     for entry in entries:
-        cases[entry["objective"], entry["data"], entry["settings"]] = entry
+        key = entry["objective"], entry["data"], entry["settings"]
+        cases[key] = {**entry, "date": today, "command": command}
     order = {name: i for i, name in enumerate(OBJECTIVES + DATA + SETTINGS)}
     return {
         **kept,
         "card": card,
-        "date": datetime.date.today().isoformat(),
-        "command": " ; ".join([*[c for c in commands if c != command], command]),
+        "date": today,
+        "command": command,
         "cases": sorted(cases.values(), key=lambda c: [order.get(c[k], 99) for k in KEY]),
     }
 

@@ -20,9 +20,12 @@ side of it failed; the others are kept), each side holding
 each peer's cold and warm ``first_step_s`` under ``<side>_cold`` and ``<side>_warm``.
 Our runs also keep ``compile_phases``: the seconds of each of dynamo's timed phases. With
 ``START_PROFILE=PREFIX`` in the environment our cold run runs under cProfile, and
-``PREFIX.<cell>.txt`` gets its 80 costliest functions by cumulative time; a profiled case
+``PREFIX.<cell>.txt`` gets its 80 costliest functions by cumulative time (and
+``PREFIX.<cell>.prof`` the whole profile, for ``pstats``' callers); a profiled case
 is not a figure, and replaces no case in the file.
-Objectives run one after another on GPU 0 unless ``--gpus`` spreads them.
+Objectives run one after another on GPU 0 unless ``--gpus`` spreads them. The file is
+written again as each side finishes, so a call cut short keeps the sides it ran; a run
+past ``--side-timeout`` seconds is stopped and recorded with its log's last line.
 
 ``--variant OVERRIDE`` (repeatable) runs our side once more per variant with that override
 added, cold and warm with caches of its own, right after our plain side and in the same
@@ -41,6 +44,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -78,6 +82,7 @@ def worker(args) -> int:
             result = run(compose_config(overrides), callbacks=[clock])
         with open(profile_to, "w") as sink:
             pstats.Stats(profiler, stream=sink).sort_stats("cumulative").print_stats(80)
+        profiler.dump_stats(profile_to.removesuffix(".txt") + ".prof")  # callers, elsewhere
     else:
         result = run(compose_config(overrides), callbacks=[clock])
     report = {
@@ -127,10 +132,19 @@ def one_run(
         command += ["--override", variant]
     log = root / f"{cell.name}.{name}.{tag}.log"
     with open(log, "w") as sink:
-        done = subprocess.run(command, env=env, stdout=sink, stderr=sink, check=False)
+        try:
+            done = subprocess.run(
+                command, env=env, stdout=sink, stderr=sink, check=False, timeout=args.side_timeout
+            )
+        except subprocess.TimeoutExpired:  # subprocess.run killed it
+            return {"error": f"past --side-timeout={args.side_timeout} s: {_last(log)}"}
     if out.is_file():
         return json.loads(out.read_text())
-    return {"error": f"status {done.returncode}: {matrix.last_line(log.read_text())}"}
+    return {"error": f"status {done.returncode}: {_last(log)}"}
+
+
+def _last(log: Path) -> str:
+    return matrix.last_line(log.read_text(errors="replace"))
 
 
 def _file_safe(text: str) -> str:
@@ -159,13 +173,15 @@ def parse_variants(argv: list[str]) -> tuple[list[str], list[str]]:
     return known.variant, rest
 
 
-def merged(path: Path, card: str, cases: list[dict]) -> dict:
+def merged(path: Path, card: str, cases: list[dict], earlier: dict | None = None) -> dict:
     """The file's ``cases`` with these replacing those of the same objective and data; the
     others, from earlier calls on the same card, kept with the date and command they were
     measured by. A new case that has no figure (every side failed) or was profiled
-    replaces nothing: it is written beside the kept one under ``not_kept``."""
+    replaces nothing: it is written beside the kept one under ``not_kept``. ``earlier``:
+    the file as read before (default: read now)."""
     key = ("objective", "data")
-    earlier = json.loads(path.read_text()) if path.is_file() else {}
+    if earlier is None:
+        earlier = json.loads(path.read_text()) if path.is_file() else {}
     if earlier.get("card", card) != card:
         earlier = {}  # another card's file: none of its cases is this card's
 
@@ -186,6 +202,28 @@ def merged(path: Path, card: str, cases: list[dict]) -> dict:
     if unusable := [c for c in cases if not usable(c)]:
         result["not_kept"] = unusable
     return result
+
+
+class CaseFile:
+    """The result file, written again each time a side finishes (:meth:`put`): a call
+    cut short by its time limit keeps every side it ran. Each write merges this call's
+    cases so far into the file as it was before the call (:func:`merged`)."""
+
+    def __init__(self, path: Path, card: str, date: str, command: str) -> None:
+        self.path, self.card, self.date, self.command = path, card, date, command
+        self.before = json.loads(path.read_text()) if path.is_file() else {}
+        self.cases: dict[int, dict] = {}
+        self.lock = threading.Lock()  # cells run in threads, one per GPU
+
+    def put(self, index: int, case: dict) -> None:
+        """Case ``index`` of this call, as it stands now, into the file."""
+        with self.lock:
+            self.cases[index] = dict(case)
+            cases = [self.cases[i] for i in sorted(self.cases)]
+            stamped = [{**c, "date": self.date, "command": self.command} for c in cases]
+            result = merged(self.path, self.card, stamped, earlier=self.before)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.write_text(json.dumps({"card": self.card, **result}, indent=1) + "\n")
 
 
 def main() -> int:
@@ -212,6 +250,9 @@ def main() -> int:
         # both import (installed without it) for the side after it
         matrix.prime_imports([side for side, _ in run_order(args.sides.split(","), variants)])
 
+        out = Path(args.out or Path(args.out_dir) / f"start_time_{card}.json")
+        record = CaseFile(out, card, time.strftime("%Y-%m-%d"), command_line())
+
         def both(i_cell):
             i, cell = i_cell
             gpu = gpus[i % len(gpus)]
@@ -228,15 +269,10 @@ def main() -> int:
                 )
                 names = ("cold", "warm") if label == "ours" else (f"{label}_cold", f"{label}_warm")
                 case.update(zip(names, (cold, warm), strict=True))
-            return case
+                record.put(i, case)
 
         with ThreadPoolExecutor(len(gpus)) as pool:
-            cases = list(pool.map(both, enumerate(cells)))
-    date, command = time.strftime("%Y-%m-%d"), command_line()
-    out = Path(args.out or Path(args.out_dir) / f"start_time_{card}.json")
-    result = merged(out, card, [{**case, "date": date, "command": command} for case in cases])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"card": card, **result}, indent=1) + "\n")
+            list(pool.map(both, enumerate(cells)))
     print(f"wrote {out}")
     return 0
 

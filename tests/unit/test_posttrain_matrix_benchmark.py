@@ -4,6 +4,7 @@ side has no figures) and keeps other calls' cells; its table renders."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import sys
@@ -87,10 +88,10 @@ def test_the_file_has_the_declared_keys_for_every_side(tmp_path):
     write_json(path, merge(path, "h100", "second", [other]))
     result = json.loads(path.read_text())
     assert set(result) == {"card", "date", "command", "cases"}
-    assert result["card"] == "h100" and result["command"] == "first ; second"
-    assert [(c["objective"], c["data"]) for c in result["cases"]] == [
-        ("sft_full", "short"),
-        ("dpo_live", "long"),
+    assert result["card"] == "h100" and result["command"] == "second"  # the latest call's
+    assert [(c["objective"], c["data"], c["command"]) for c in result["cases"]] == [
+        ("sft_full", "short", "second"),
+        ("dpo_live", "long", "first"),  # each cell: the call that measured it
     ]
     for case in result["cases"]:
         for side in SIDES:
@@ -302,3 +303,40 @@ def test_the_start_times_variants_of_ours_run_right_after_it_with_their_own_name
     ]
     # a run folder's name: no character a Hydra override would read as syntax
     assert _file_safe("kernels.attention_global=flex") == "kernels.attention_global_flex"
+
+
+def test_the_start_time_file_holds_each_side_as_soon_as_it_finishes(tmp_path):
+    from start_time import CaseFile
+
+    path = tmp_path / "start_time_h200.json"
+    earlier = {"objective": "dpo_live", "data": "heavy", "cold": {"first_step_s": 55.2}}
+    path.write_text(json.dumps({"card": "h200", "date": "2026-11-28", "cases": [earlier]}))
+    record = CaseFile(path, "h200", "2026-11-29", "start_time.py --sides ours,trl_liger")
+    case = {"objective": "sft_lora", "data": "long", "cold": {"first_step_s": 42.6}}
+    record.put(0, case)  # ours done; the peer still to run (or cut off by the call's limit)
+    written = json.loads(path.read_text())
+    assert [c["objective"] for c in written["cases"]] == ["dpo_live", "sft_lora"]
+    assert written["cases"][1]["command"] == "start_time.py --sides ours,trl_liger"
+    record.put(0, {**case, "trl_liger_cold": {"first_step_s": 28.1}})
+    written = json.loads(path.read_text())
+    assert len(written["cases"]) == 2  # the same case, now with its peer
+    assert written["cases"][1]["trl_liger_cold"] == {"first_step_s": 28.1}
+    assert written["cases"][0]["cold"] == {"first_step_s": 55.2}
+
+
+def test_a_start_run_past_its_time_is_stopped_and_named(monkeypatch, tmp_path):
+    import subprocess
+
+    import start_time
+
+    def past(command, **kwargs):
+        kwargs["stdout"].write("compiling block 3\n")
+        kwargs["stdout"].flush()
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(start_time.subprocess, "run", past)
+    args = argparse.Namespace(argv=[], side_timeout=7)
+    report = start_time.one_run(
+        args, Cell("sft_lora", "long", "defaults"), tmp_path, tmp_path, None, "cold"
+    )
+    assert report == {"error": "past --side-timeout=7 s: compiling block 3"}
