@@ -37,7 +37,7 @@ from recipes_lib.checkpoint.hf_tokenizer import (
     read_json,
     token_text,
 )
-from recipes_lib.config.model import head_tied
+from recipes_lib.config.model import head_tied, head_width
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.data.tokenizer import (
     load_tokenizer,
@@ -70,7 +70,7 @@ def hf_config_from_model(
             ``...ForSequenceClassification`` of.
     """
     family = check_family(config)
-    head_dim = config.head_dim or config.dim // config.n_heads
+    head_dim = head_width(config)
     check_rope(config, head_dim, family.name, family.extended_rope)
     architecture = family.architecture(config.head)
     if architecture is None:

@@ -270,6 +270,13 @@ _DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not 
 HEADS = ("lm", "score")
 
 
+def head_width(config: ModelConfig) -> int:
+    """The width of one query/key attention head: ``model.head_dim``, or ``dim // n_heads``
+    where it is null (``dim`` itself for a model without attention heads, such as a
+    state-space type of the transformers fallback)."""
+    return config.head_dim or config.dim // max(config.n_heads, 1)
+
+
 def head_tied(config: ModelConfig) -> bool:
     """Whether the output head is the token embeddings (``tie_embeddings`` ties an LM
     head; a score head is its own weight)."""

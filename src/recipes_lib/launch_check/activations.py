@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from recipes_lib.config.model import head_width
 from recipes_lib.config.schema import RunConfig
 from recipes_lib.models.norms import qk_norm_sizes
 
@@ -82,7 +83,7 @@ class DecoderShape:
             n_layers=m.n_layers,
             n_heads=m.n_heads,
             n_kv_heads=m.n_kv_heads or m.n_heads,
-            head_dim=m.head_dim or m.dim // m.n_heads,
+            head_dim=head_width(m),
             vocab_size=m.vocab_size,
             max_seq_len=m.max_seq_len,
             tie_embeddings=m.tie_embeddings,
@@ -191,7 +192,7 @@ def _latent_attention(m) -> int:
     if m.mla_kv_rank is None:
         return 0
     c, heads, rank = m.dim, m.n_heads, m.mla_kv_rank
-    hs = m.head_dim or m.dim // m.n_heads
+    hs = head_width(m)
     vd, rope, q_rank = m.v_head_dim or hs, m.mla_rope_dim, m.mla_q_rank
     query = c * heads * hs if q_rank is None else q_rank * (c + 1 + heads * hs)
     kv = c * (rank + rope) + rank + rank * heads * (hs - rope + vd)
@@ -205,7 +206,7 @@ def _latent_projections(m) -> tuple[tuple[str, int, int], ...]:
     if m.mla_kv_rank is None:
         return ()
     c, heads, rank = m.dim, m.n_heads, m.mla_kv_rank
-    hs = m.head_dim or m.dim // m.n_heads
+    hs = head_width(m)
     vd, rope, q_rank = m.v_head_dim or hs, m.mla_rope_dim, m.mla_q_rank
     query = [("wq", c, heads * hs)] if q_rank is None else []
     if q_rank is not None:

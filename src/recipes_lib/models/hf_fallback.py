@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from recipes_lib.config.model import ModelConfig
+from recipes_lib.config.model import ModelConfig, head_width
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.losses import chunked_cross_entropy, linear_token_logprobs
 from recipes_lib.models.head import head_loss
@@ -833,7 +833,7 @@ class HFCausalLM(nn.Module):
         n = self.num_params(exclude_embeddings=True)
         if c.tie_embeddings:
             n += self.head_weight.numel()
-        head_dim = c.head_dim or c.dim // max(c.n_heads, 1)
+        head_dim = head_width(c)
         return 6.0 * n + 12.0 * c.n_layers * c.n_heads * head_dim * seq_len
 
     # ---------------------------------------------------------------- probes

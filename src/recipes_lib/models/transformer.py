@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from recipes_lib.config.model import HEADS, head_tied
+from recipes_lib.config.model import HEADS, head_tied, head_width
 from recipes_lib.errors import ConfigError, UnsupportedKernelError
 from recipes_lib.kernels import (
     ATTENTION_BACKENDS,
@@ -103,7 +103,7 @@ def _validate(config: ModelConfig) -> int:
             f"model.dim={config.dim} is not divisible by model.n_heads={config.n_heads}; "
             "change one of them or set model.head_dim"
         )
-    head_dim = config.head_dim or config.dim // config.n_heads
+    head_dim = head_width(config)
     if head_dim % 2 != 0:
         raise ConfigError(f"the head dimension must be even for RoPE, got {head_dim}")
     n_kv_heads = config.n_kv_heads or config.n_heads

@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from recipes_lib.config.model import head_width
 from recipes_lib.config.schema import PrecisionConfig, RunConfig
 from recipes_lib.errors import ConfigError
 from recipes_lib.kernels.choice import AUTO as ATTENTION_AUTO
@@ -67,7 +68,7 @@ def resolve_device_choices(cfg: RunConfig, *, gpu_visible: bool | None = None) -
         kernels = dataclasses.replace(kernels, compile=cuda)
     if _packed_rows_on_gpu(cfg, precision, cuda and gpu_visible):
         model = cfg.model
-        head_dim = model.head_dim or model.dim // model.n_heads
+        head_dim = head_width(model)
         name = packed_rows_backend(cfg.data.seq_len, head_dim, detect_cuda_capability())
         if name is not None:
             kernels = dataclasses.replace(kernels, attention_global=name)

@@ -248,3 +248,15 @@ def test_options_a_record_leaves_out_read_as_their_defaults():
     compute = resolved_model_fields(record, "compute")
     assert compute == resolved_model_fields(config, "compute")
     assert compute != resolved_model_fields(tiny(nope_layers=[1]), "compute")
+
+
+def test_a_heads_width_is_its_own_or_the_model_width_over_the_heads():
+    from recipes_lib.config.model import head_width
+
+    config = tiny_model_config()
+    assert config.head_dim is None
+    assert head_width(config) == config.dim // config.n_heads
+    wide = replace(config, head_dim=3 * config.dim // config.n_heads)
+    assert head_width(wide) == 3 * config.dim // config.n_heads
+    model = Transformer(wide)  # the attention's projections are that wide
+    assert model.layers[0].attention.wq.out_features == config.n_heads * head_width(wide)

@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
+from recipes_lib.config.model import head_width
 from recipes_lib.config.schema import ModelConfig, RopeScalingConfig
 from recipes_lib.errors import CheckpointError, ConfigError
 from recipes_lib.models.families.image_text import ImageText
@@ -450,7 +451,7 @@ def common_hf_fields(config: ModelConfig) -> dict[str, Any]:
         "num_hidden_layers": config.n_layers,
         "num_attention_heads": config.n_heads,
         "num_key_value_heads": config.n_kv_heads or config.n_heads,
-        "head_dim": config.head_dim or config.dim // config.n_heads,
+        "head_dim": head_width(config),
         "hidden_act": "silu",
         "max_position_embeddings": config.max_seq_len,
         "rms_norm_eps": config.norm_eps,

@@ -50,6 +50,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from recipes_lib.config.model import head_width
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.errors import CheckpointError
 from recipes_lib.models.families.base import (
@@ -126,7 +127,7 @@ def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _to_hf(config: ModelConfig) -> dict[str, Any]:
-    head_dim = config.head_dim or config.dim // config.n_heads
+    head_dim = head_width(config)
     scaling = rope_to_hf(config.rope_scaling) or {"rope_type": "default"}
     rope = {k: v for k, v in scaling.items() if k != "type"}  # transformers 4's spelling
     return {

@@ -44,6 +44,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from recipes_lib.config.model import head_width
 from recipes_lib.config.schema import ModelConfig
 from recipes_lib.errors import CheckpointError
 from recipes_lib.models.families.base import (
@@ -143,7 +144,7 @@ def _from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def _to_hf(config: ModelConfig) -> dict[str, Any]:
     local = set(config.window_layers)
-    head_dim = config.head_dim or config.dim // config.n_heads
+    head_dim = head_width(config)
     return {
         "hidden_activation": GELU_TANH,
         "hidden_act": GELU_TANH,
