@@ -23,7 +23,11 @@ Our runs also keep ``compile_phases``: the seconds of each of dynamo's timed pha
 ``PREFIX.<cell>.txt`` gets its 80 costliest functions by cumulative time (and
 ``PREFIX.<cell>.prof`` the whole profile, for ``pstats``' callers); a profiled case
 is not a figure, and replaces no case in the file.
-Objectives run one after another on GPU 0 unless ``--gpus`` spreads them. The file is
+Objectives run one after another on GPU 0 unless ``--gpus`` spreads them. With
+``--repeats N`` the sides run N rounds, every other round in reverse order (a cost of
+going first in a call would otherwise fall on one side), each cold run with empty caches
+of its own;
+each side's figure is then the mean, with its ``spread`` and every round's ``runs``. The file is
 written again as each side finishes, so a call cut short keeps the sides it ran; a run
 past ``--side-timeout`` seconds is stopped and recorded with its log's last line.
 
@@ -147,6 +151,39 @@ def _last(log: Path) -> str:
     return matrix.last_line(log.read_text(errors="replace"))
 
 
+def rounds(order: list[tuple[str, str | None]], repeats: int) -> list[tuple[int, tuple]]:
+    """``order`` ``repeats`` times, every other round reversed: a side that runs first in
+    one round runs last in the next, so a cost of going first in a call (a GPU's first
+    process, a cold page cache) does not fall on one side alone."""
+    out: list[tuple[int, tuple]] = []
+    for round_ in range(repeats):
+        out += [(round_, job) for job in (order if round_ % 2 == 0 else order[::-1])]
+    return out
+
+
+def summary(reports: list[dict]) -> dict:
+    """One side's runs of a kind (cold or warm) as one figure: the run itself when there
+    is one; else the mean ``first_step_s`` with its ``spread`` [min, max], every run's
+    figure in ``runs`` (None for a failed one), and the mean of each part of ``start``."""
+    if len(reports) == 1:
+        return reports[0]
+    good = [r for r in reports if r.get("first_step_s") is not None]
+    if not good:
+        return {"error": reports[-1].get("error", "no figures"), "runs": [None] * len(reports)}
+    firsts = [r["first_step_s"] for r in good]
+    out: dict = {
+        "first_step_s": round(sum(firsts) / len(firsts), 1),
+        "spread": [min(firsts), max(firsts)],
+        "runs": [r.get("first_step_s") for r in reports],
+    }
+    starts = [r["start"] for r in good if r.get("start")]
+    if starts:
+        out["start"] = {k: round(sum(s[k] for s in starts) / len(starts), 2) for k in starts[0]}
+    if good[-1].get("compiled") is not None:
+        out["compiled"] = good[-1]["compiled"]
+    return out
+
+
 def _file_safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
 
@@ -256,19 +293,28 @@ def main() -> int:
         def both(i_cell):
             i, cell = i_cell
             gpu = gpus[i % len(gpus)]
-            case = {"objective": cell.objective, "data": cell.data}
-            for side, variant in run_order(args.sides.split(","), variants):
+            case: dict = {"objective": cell.objective, "data": cell.data}
+            if args.repeats > 1:
+                case["repeats"] = args.repeats
+            reports: dict[str, dict[str, list[dict]]] = {}  # label: cold and warm runs
+            for round_, (side, variant) in rounds(
+                run_order(args.sides.split(","), variants), args.repeats
+            ):
                 label = side if variant is None else f"{side}+{variant}"
-                cache = root / "caches" / cell.name / _file_safe(label)
-                cold = one_run(args, cell, root, cache, gpu, "cold", side, variant)
-                warm = one_run(args, cell, root, cache, gpu, "warm", side, variant)
+                cache = root / "caches" / cell.name / _file_safe(label) / str(round_)
+                suffix = "" if round_ == 0 else f".{round_}"  # each round's own run.dir
+                cold = one_run(args, cell, root, cache, gpu, "cold" + suffix, side, variant)
+                warm = one_run(args, cell, root, cache, gpu, "warm" + suffix, side, variant)
                 print(
-                    f"{cell.name} {label}: cold {cold.get('first_step_s')} s,"
+                    f"{cell.name} {label} (round {round_}): cold {cold.get('first_step_s')} s,"
                     f" warm {warm.get('first_step_s')} s",
                     flush=True,
                 )
+                runs = reports.setdefault(label, {"cold": [], "warm": []})
+                runs["cold"].append(cold)
+                runs["warm"].append(warm)
                 names = ("cold", "warm") if label == "ours" else (f"{label}_cold", f"{label}_warm")
-                case.update(zip(names, (cold, warm), strict=True))
+                case.update(zip(names, (summary(runs["cold"]), summary(runs["warm"])), strict=True))
                 record.put(i, case)
 
         with ThreadPoolExecutor(len(gpus)) as pool:

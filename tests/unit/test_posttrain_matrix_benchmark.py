@@ -340,3 +340,25 @@ def test_a_start_run_past_its_time_is_stopped_and_named(monkeypatch, tmp_path):
         args, Cell("sft_lora", "long", "defaults"), tmp_path, tmp_path, None, "cold"
     )
     assert report == {"error": "past --side-timeout=7 s: compiling block 3"}
+
+
+def test_repeated_start_rounds_alternate_the_order_and_report_the_spread():
+    from start_time import rounds, summary
+
+    order = [("ours", None), ("ours", "kernels.attention_global=flex"), ("trl_liger", None)]
+    ran = rounds(order, 3)
+    assert [job for r, job in ran if r == 0] == order
+    assert [job for r, job in ran if r == 1] == order[::-1]  # first becomes last
+    assert [job for r, job in ran if r == 2] == order
+    one = {"first_step_s": 42.6, "start": {"import": 12.0}}
+    assert summary([one]) == one  # one round: the run as it came
+    runs = [
+        {"first_step_s": 49.3, "start": {"import": 14.0, "compile": 16.0}},
+        {"error": "status 1: CUDA error"},
+        {"first_step_s": 38.5, "start": {"import": 12.0, "compile": 12.0}},
+    ]
+    figure = summary(runs)
+    assert figure["first_step_s"] == 43.9 and figure["spread"] == [38.5, 49.3]
+    assert figure["runs"] == [49.3, None, 38.5]
+    assert figure["start"] == {"import": 13.0, "compile": 14.0}
+    assert summary([{"error": "a"}, {"error": "b"}]) == {"error": "b", "runs": [None, None]}
