@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +27,7 @@ from recipes_lib.data.sources import (
     check_val_fraction,
     held_out_mask,
     local_files,
+    offline_read,
     resolve_cache_dir,
     source_key,
     source_kind,
@@ -214,7 +215,7 @@ def load_records(
     import datasets
 
     try:
-        with _quiet_datasets_errors():
+        with _quiet_datasets_errors(), offline_read() if files else nullcontext():
             dataset = datasets.load_dataset(**args, streaming=source.streaming)
     except Exception as err:  # datasets raises many types
         bad_line = _first_bad_json_line(files)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from recipes_lib.config.schema import SourceConfig
 from recipes_lib.data.corpus import builtin_documents
-from recipes_lib.data.sources import local_files, source_key, source_kind
+from recipes_lib.data.sources import local_files, offline_read, source_key, source_kind
 from recipes_lib.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -89,16 +89,17 @@ def load_source(name: str, source: SourceConfig, cache_dir: Path | None = None) 
         extra = {"sample_by": "document"} if builder == "text" else {}
         where = files[0] if len(files) == 1 else f"{source.path} ({len(files)} files)"
         description = f"{builder}: {where}"
-        documents = _load(
-            key,
-            description,
-            builder,
-            data_files=[str(f) for f in files],
-            split="train",
-            streaming=source.streaming,
-            cache_dir=str(cache_dir) if cache_dir is not None else None,
-            **extra,
-        )
+        with offline_read():
+            documents = _load(
+                key,
+                description,
+                builder,
+                data_files=[str(f) for f in files],
+                split="train",
+                streaming=source.streaming,
+                cache_dir=str(cache_dir) if cache_dir is not None else None,
+                **extra,
+            )
     else:
         description = f"hub: {source.hub}" + (f"/{source.subset}" if source.subset else "")
         description += f" split={source.split}"
