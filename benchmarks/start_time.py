@@ -26,10 +26,10 @@ is not a figure, and replaces no case in the file.
 Objectives run one after another on GPU 0 unless ``--gpus`` spreads them. With
 ``--repeats N`` the sides run N rounds, every other round in reverse order (a cost of
 going first in a call would otherwise fall on one side), each cold run with empty caches
-of its own;
-each side's figure is then the mean, with its ``spread`` and every round's ``runs``. The file is
-written again as each side finishes, so a call cut short keeps the sides it ran; a run
-past ``--side-timeout`` seconds is stopped and recorded with its log's last line.
+of its own; each side's figure is then the mean, with its ``spread`` and every round's
+``runs``. The file is written again as each side finishes, so a call cut short keeps the
+sides it ran; a run past ``--side-timeout`` seconds is stopped and recorded with its
+log's last line.
 
 ``--variant OVERRIDE`` (repeatable) runs our side once more per variant with that override
 added, cold and warm with caches of its own, right after our plain side and in the same
