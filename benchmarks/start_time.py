@@ -172,13 +172,13 @@ def summary(reports: list[dict]) -> dict:
         return {"error": reports[-1].get("error", "no figures"), "runs": [None] * len(reports)}
     firsts = [r["first_step_s"] for r in good]
     out: dict = {
-        "first_step_s": round(sum(firsts) / len(firsts), 1),
-        "spread": [min(firsts), max(firsts)],
+        "first_step_s": matrix._mean(firsts),
+        "spread": matrix._range(firsts),
         "runs": [r.get("first_step_s") for r in reports],
     }
     starts = [r["start"] for r in good if r.get("start")]
     if starts:
-        out["start"] = {k: round(sum(s[k] for s in starts) / len(starts), 2) for k in starts[0]}
+        out["start"] = {k: matrix._mean([s[k] for s in starts]) for k in starts[0]}
     if good[-1].get("compiled") is not None:
         out["compiled"] = good[-1]["compiled"]
     return out
@@ -259,8 +259,7 @@ class CaseFile:
             cases = [self.cases[i] for i in sorted(self.cases)]
             stamped = [{**c, "date": self.date, "command": self.command} for c in cases]
             result = merged(self.path, self.card, stamped, earlier=self.before)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"card": self.card, **result}, indent=1) + "\n")
+            matrix.write_json(self.path, {"card": self.card, **result})  # whole or not at all
 
 
 def main() -> int:
