@@ -31,9 +31,10 @@ the layer (:func:`packed_rows_backend`, applied by
 packed with a document mask, at most :data:`VARLEN_ROWS_UP_TO` tokens long, take
 ``varlen``. There the two kernels take the same time (rows of 2,048 tokens, documents of
 512 and 1,024 on average: 1.11 against 1.06 ms and 1.18 against 1.18 on an H200), and
-``varlen`` compiles no kernel for those layers where flex's first call took 6.7-8.0 s: a
-post-training run, whose rows are this short, reaches its first step that much sooner.
-Longer rows keep flex, and so do window layers.
+``varlen`` compiles no kernel for those layers where flex's first call took 6.7-8.0 s. A
+whole run's first step has not been shown to come sooner for it (one call, varlen first:
+49.3 s cold against flex's 38.5; ``benchmarks/results/start_time_h200.json``). Longer
+rows keep flex, and so do window layers.
 
 A model builds each kind's mask once per batch, with that kind's backend
 (:meth:`AttentionChoice.build_mask`): two backends build a mask each, never one per
